@@ -1,0 +1,43 @@
+"""What the engine hands back to its callers, one delta per step per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of one generated token, with the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+
+
+@dataclass
+class CompletionOutput:
+    """The new part of one of a request's ``n`` samples since the last delta."""
+
+    index: int
+    text: str  # new text only (a delta), UTF-8 complete, stop strings held back
+    token_ids: list[int]  # new token ids only
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched
+
+
+@dataclass
+class RequestOutput:
+    """One delta for one request: the outputs that changed in this step.
+
+    ``finished`` is True on the last delta of the request (every sample done).
+    ``num_cached_tokens`` counts prompt tokens served from the prefix cache.
+    ``error`` is set when the engine failed the request (an engine fault).
+    """
+
+    request_id: str
+    outputs: list[CompletionOutput]
+    prompt_token_ids: list[int]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    error: str | None = None

@@ -1,0 +1,129 @@
+"""One sequence's state inside the engine (one of a request's ``n`` samples)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_REJECTED = "rejected"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI finish_reason for a finished status (None while running)."""
+        if self in (RequestStatus.FINISHED_STOPPED,):
+            return "stop"
+        if self is RequestStatus.FINISHED_LENGTH:
+            return "length"
+        if self in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_REJECTED):
+            return "abort"
+        return None
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_REJECTED,
+}
+
+
+@dataclass
+class Request:
+    """A single sequence: prompt, generated tokens and scheduling progress.
+
+    The scheduler owns ``status`` and ``num_computed_tokens``; the KV cache
+    manager owns the sequence's blocks (keyed by ``request_id``). ``max_tokens``
+    is resolved (never None) when the request is created.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    parent_id: str | None = None  # the API request id when this is one of n samples
+    sample_index: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    num_preemptions: int = 0
+    stop_reason: str | int | None = None
+    generator: torch.Generator | None = None
+    # Timestamps (time.monotonic) for latency metrics.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        assert self.max_tokens >= 1
+        seed = self.sampling_params.seed
+        if seed is not None and self.generator is None:
+            # Each of n samples gets its own stream, derived from the seed.
+            self.generator = torch.Generator().manual_seed((seed + self.sample_index) % 2**63)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens: what the KV cache must eventually hold."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int, now: float | None = None) -> None:
+        """Record one sampled token and its timestamp."""
+        now = time.monotonic() if now is None else now
+        self.output_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """Token-level stop after the last append: EOS, stop ids, length.
+
+        Stop *strings* are found by the detokenizer, not here.
+        """
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                self.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

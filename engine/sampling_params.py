@@ -1,0 +1,100 @@
+"""Per-request sampling and stopping parameters, validated at construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+# Limits that keep one request from monopolising the engine; the server maps
+# violations to HTTP 400.
+MAX_N = 16
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    ``temperature == 0`` means greedy decoding. ``max_tokens=None`` means "up to
+    the rest of the context window" (the engine resolves it per request).
+    Every field is validated in ``__post_init__``; an invalid value raises
+    ``ValueError`` with a message a user can act on.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables top-k
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top logprobs per token; 0 = only the sampled one
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def finite(name: str, value: float) -> None:
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):
+            finite(name, getattr(self, name))
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be between 1 and {MAX_N}, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not -2 <= self.presence_penalty <= 2:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        for tok, bias in self.logit_bias.items():
+            if not math.isfinite(bias) or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias for token {tok} must be in [-100, 100], got {bias}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise ValueError("seed must fit in a signed 64-bit integer")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is always the argmax (no randomness)."""
+        return self.temperature == 0 or self.top_k == 1
