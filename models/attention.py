@@ -1,0 +1,163 @@
+"""Paged attention over a flat batch of tokens, in plain torch.
+
+The batch holds decode sequences first (one token each) and then prefill
+sequences (a prompt, or a chunk of one, possibly after a cached prefix).
+Every layer first scatters the batch's new K/V into the paged caches and only
+then reads them, so a sequence may attend to blocks that another sequence of
+the same batch wrote in the same step (prefix-cache hits on siblings).
+
+Cache layout, per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+A token at position ``p`` of a sequence lives in slot
+``block_table[p // block_size] * block_size + p % block_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SeqSpec:
+    """One sequence of a batch, as the runner describes it to the builder."""
+
+    query_len: int  # tokens run this step
+    context_len: int  # tokens in the cache after this step (cached prefix + query)
+    block_table: list[int]
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token's K/V goes and what each sequence attends to.
+
+    ``num_decodes`` sequences come first, one token each; prefill sequences
+    follow. All tensors live on the model's device.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [B + 1] int64, cumulative query lengths
+    context_lens: torch.Tensor  # [B] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
+    num_decodes: int
+    # Host copies for the per-prefill loop (avoids device syncs).
+    query_lens_host: list[int]
+    context_lens_host: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_host)
+
+
+def build_attention_metadata(seqs: list[SeqSpec], block_size: int,
+                             device: torch.device | str = "cpu") -> AttentionMetadata:
+    """Build metadata for ``seqs``; decodes (query_len 1) must come first."""
+    num_decodes = 0
+    for i, s in enumerate(seqs):
+        if s.query_len < 1 or s.context_len < s.query_len:
+            raise ValueError(f"sequence {i}: query_len {s.query_len}, context_len {s.context_len}")
+        if len(s.block_table) * block_size < s.context_len:
+            raise ValueError(f"sequence {i}: block table too short for {s.context_len} tokens")
+        if s.query_len == 1 and num_decodes == i:
+            num_decodes += 1
+    slots: list[int] = []
+    for s in seqs:
+        start = s.context_len - s.query_len
+        for p in range(start, s.context_len):
+            slots.append(s.block_table[p // block_size] * block_size + p % block_size)
+    max_blocks = max((len(s.block_table) for s in seqs), default=0)
+    tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
+    qlens = [s.query_len for s in seqs]
+    starts = [0]
+    for q in qlens:
+        starts.append(starts[-1] + q)
+    as_long = dict(dtype=torch.long, device=device)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, **as_long),
+        query_start_loc=torch.tensor(starts, **as_long),
+        context_lens=torch.tensor([s.context_len for s in seqs], **as_long),
+        block_tables=torch.tensor(tables, **as_long).view(len(seqs), max_blocks),
+        num_decodes=num_decodes,
+        query_lens_host=qlens,
+        context_lens_host=[s.context_len for s in seqs],
+    )
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter new keys/values ``[T, kv_heads, head_dim]`` into their slots."""
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    k_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's queries over its cached context.
+
+    ``q`` is ``[T, heads, head_dim]``; ``k``/``v`` are this step's new keys and
+    values ``[T, kv_heads, head_dim]`` (already written to the caches).
+    Returns ``[T, heads, head_dim]``.
+    """
+    out = torch.empty_like(q)
+    d = meta.num_decodes
+    if d:
+        out[:d] = _decode_attention(q[:d], k_cache, v_cache, meta.block_tables[:d],
+                                    meta.context_lens[:d], max(meta.context_lens_host[:d]), scale)
+    start = d
+    for i in range(d, meta.num_seqs):
+        qlen, ctx = meta.query_lens_host[i], meta.context_lens_host[i]
+        end = start + qlen
+        if ctx == qlen:
+            # A fresh prompt: its keys are exactly this step's, no gather needed.
+            ks, vs = k[start:end], v[start:end]
+        else:
+            ks, vs = _gather(k_cache, meta.block_tables[i], ctx), _gather(v_cache, meta.block_tables[i], ctx)
+        out[start:end] = _prefill_attention(q[start:end], ks, vs, scale)
+        start = end
+    return out
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, ctx: int) -> torch.Tensor:
+    """The first ``ctx`` tokens of one sequence, ``[ctx, kv_heads, head_dim]``."""
+    block_size = cache.shape[1]
+    nblocks = -(-ctx // block_size)
+    return cache[block_table[:nblocks]].flatten(0, 1)[:ctx]
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Queries are the last ``len(q)`` positions of a context of ``len(k)`` tokens."""
+    qlen, ctx = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    gqa = qh.shape[0] != kh.shape[0]
+    if qlen == ctx:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        # Query i sits at position ctx - qlen + i and sees keys 0..that position.
+        rows = torch.arange(qlen, device=q.device).unsqueeze(1) + (ctx - qlen)
+        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return o.transpose(0, 1)
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, context_lens: torch.Tensor, max_ctx: int,
+                      scale: float) -> torch.Tensor:
+    """One query per sequence, all sequences in one batched call."""
+    b, heads, head_dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    nblocks = -(-max_ctx // block_size)
+    tables = block_tables[:, :nblocks]
+    # [B, L, kv_heads, head_dim] -> [B, kv_heads, L, head_dim]
+    k = k_cache[tables].flatten(1, 2).transpose(1, 2)
+    v = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    group = heads // kv_heads
+    qg = q.view(b, kv_heads, group, head_dim)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)  # [B, kv_heads, group, L]
+    positions = torch.arange(k.shape[2], device=q.device)
+    pad = positions.unsqueeze(0) >= context_lens.unsqueeze(1)  # [B, L]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v).view(b, heads, head_dim)

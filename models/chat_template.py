@@ -1,0 +1,151 @@
+"""Chat templates: render a list of chat messages into one prompt string.
+
+Templates are Jinja2 programs shipped inside model files, so they are untrusted
+input: they run in an immutable sandbox that refuses access to private
+attributes and to methods that mutate state. The rendering context matches what
+Hugging Face transformers passes (``messages``, ``add_generation_prompt``,
+``bos_token``, ``eos_token``, ``raise_exception``, ``strftime_now``, a
+``tojson`` filter that does not HTML-escape), so a template renders here exactly
+as it does there.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# Used when a model ships no template: plain ChatML, the format most
+# instruction-tuned small models (SmolLM2, Qwen2) were trained on.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+VALID_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Check chat messages and return copies whose ``content`` is a plain string.
+
+    Each message needs a ``role`` from ``VALID_ROLES`` and a ``content`` that is
+    a string or a list of ``{"type": "text", "text": ...}`` parts; the parts are
+    joined with newlines (as vLLM does). An assistant message that only carries
+    ``tool_calls`` may have ``content`` None. Other keys (``name``,
+    ``tool_calls``, ``tool_call_id``) are passed through to the template.
+
+    Raises:
+        ValueError: a message is malformed; the message says which and how.
+    """
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ValueError("messages must be a list of {'role': ..., 'content': ...} objects")
+    if not messages:
+        raise ValueError("messages must contain at least one message")
+    return [_normalize_message(i, message) for i, message in enumerate(messages)]
+
+
+def _normalize_message(index: int, message: Mapping[str, Any]) -> dict[str, Any]:
+    where = f"messages[{index}]"
+    if not isinstance(message, Mapping):
+        raise ValueError(f"{where} must be an object with 'role' and 'content', got {type(message).__name__}")
+    role = message.get("role")
+    if role not in VALID_ROLES:
+        raise ValueError(f"{where}.role is {role!r}; expected one of {sorted(VALID_ROLES)}")
+    normalized = dict(message)
+    normalized["content"] = _content_text(where, role, message)
+    return normalized
+
+
+def _content_text(where: str, role: str, message: Mapping[str, Any]) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if content is None:
+        if role == "assistant" and message.get("tool_calls"):
+            return ""
+        raise ValueError(f"{where}.content is missing; give a string or a list of text parts")
+    if isinstance(content, Sequence):
+        texts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ValueError(
+                    f"{where}.content[{j}] must be {{'type': 'text', 'text': <string>}}; "
+                    "only text parts are supported"
+                )
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise ValueError(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}")
+
+
+def render_chat_template(
+    template: str | None,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    bos_token: str | None = None,
+    eos_token: str | None = None,
+    **extra_context: Any,
+) -> str:
+    """Render ``messages`` with a model's chat template (ChatML when ``template`` is None).
+
+    ``extra_context`` is handed to the template as-is (e.g. ``tools``). The
+    result already contains whatever BOS text the template writes, so encode it
+    without adding special tokens.
+
+    Raises:
+        ValueError: the messages are malformed, the template does not compile,
+            it calls ``raise_exception``, or it breaks the sandbox rules.
+    """
+    normalized = normalize_messages(messages)
+    compiled = _compile(template if template is not None else DEFAULT_CHAT_TEMPLATE)
+    try:
+        return compiled.render(
+            messages=normalized,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token or "",
+            eos_token=eos_token or "",
+            **extra_context,
+        )
+    # TypeError comes from templates doing e.g. str + list on an unexpected message shape.
+    except (jinja2.TemplateError, TypeError) as exc:
+        raise ValueError(f"chat template failed to render: {exc}") from exc
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    # Cached: the server renders the same template for every chat request.
+    try:
+        return _environment().from_string(template)
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"chat template is not valid Jinja2: {exc}") from exc
+
+
+@lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson HTML-escapes <, >, & and ', which would change the prompt.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(date_format: str) -> str:
+    return datetime.now().strftime(date_format)

@@ -1,0 +1,95 @@
+"""The shape of a decoder-only model, read from an HF config or GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            if rope_type not in _SUPPORTED_ROPE_TYPES:
+                raise ValueError(
+                    f"unsupported rope_scaling type {rope_type!r}; supported: "
+                    f"{', '.join(_SUPPORTED_ROPE_TYPES)}")
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "ModelConfig":
+        """Build from a Hugging Face ``config.json`` dict (and ``generation_config.json``)."""
+        archs = cfg.get("architectures") or []
+        if len(archs) != 1:
+            raise ValueError(f"config.json must name exactly one architecture, got {archs!r}")
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        for option in ("sliding_window",):
+            # Mistral v0.1 and some Qwen2 configs declare a window; kvserve runs full attention,
+            # which is exact as long as the window covers the whole context.
+            window = cfg.get(option)
+            use = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
+            if window is not None and use and window < cfg.get("max_position_embeddings", 0):
+                raise ValueError(
+                    f"sliding-window attention (window {window}) is not supported; "
+                    "pass a checkpoint without it or set max_model_len <= the window")
+        hidden = cfg["hidden_size"]
+        heads = cfg["num_attention_heads"]
+        # transformers >= 5 writes rope settings as one `rope_parameters` dict.
+        rope = dict(cfg.get("rope_parameters") or {})
+        rope_theta = cfg.get("rope_theta", rope.pop("rope_theta", 10000.0))
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling is None and rope.get("rope_type", "default") != "default":
+            rope_scaling = rope
+        eos = (generation_config or {}).get("eos_token_id", cfg.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )

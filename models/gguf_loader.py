@@ -1,0 +1,151 @@
+"""GGUF files: metadata -> ModelConfig, tensors -> dequantised HF-named weights."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from models.config import ModelConfig
+
+# Quantisation types we dequantise (with the `gguf` package's reference code).
+SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def open_gguf(path: str | Path):
+    """Open a GGUF file, turning a damaged or foreign file into a ``ValueError``."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path), "r")
+    except Exception as exc:  # the reader raises assorted errors on bad files
+        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from exc
+
+
+def field_value(reader, key: str, default: Any = None) -> Any:
+    """One metadata value (scalar, string or list), or ``default`` if absent."""
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def config_from_gguf(reader) -> ModelConfig:
+    """Translate GGUF metadata into a ModelConfig."""
+    arch = field_value(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}")
+
+    def get(key: str, default: Any = None) -> Any:
+        return field_value(reader, f"{arch}.{key}", default)
+
+    hidden = get("embedding_length")
+    heads = get("attention.head_count")
+    if hidden is None or heads is None or get("block_count") is None:
+        raise ValueError(f"GGUF metadata lacks {arch}.embedding_length/block_count/attention.head_count")
+    tokens = field_value(reader, "tokenizer.ggml.tokens") or []
+    names = {t.name for t in reader.tensors}
+    rope_scaling = None
+    scaling_type = get("rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        if scaling_type != "linear":
+            raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported (only linear)")
+        rope_scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    if "rope_freqs.weight" in names:
+        raise ValueError("GGUF files with rope_freqs (Llama 3.1 rope scaling) are not supported yet; "
+                         "use the Hugging Face checkpoint directory instead")
+    eos = field_value(reader, "tokenizer.ggml.eos_token_id")
+    eot = field_value(reader, "tokenizer.ggml.eot_token_id")
+    eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
+    return ModelConfig(
+        architecture=_ARCHITECTURES[arch],
+        vocab_size=get("vocab_size") or len(tokens),
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        num_hidden_layers=get("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=get("attention.head_count_kv") or heads,
+        head_dim=get("attention.key_length") or hidden // heads,
+        max_position_embeddings=get("context_length", 2048),
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=get("rope.freq_base", 10000.0),
+        rope_scaling=rope_scaling,
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias=f"blk.0.attn_q.bias" in names,
+        bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+
+
+def hf_name(gguf_name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a supported Llama-family model")
+
+
+def dequantize(tensor) -> np.ndarray:
+    """A GGUF tensor as float32, shaped like the HF weight (rows = output features)."""
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType(tensor.tensor_type)
+    if qtype.name not in SUPPORTED_QUANT_TYPES:
+        raise ValueError(f"tensor {tensor.name!r} uses quantisation type {qtype.name}, which kvserve "
+                         f"cannot load; supported: {', '.join(SUPPORTED_QUANT_TYPES)}")
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
+    if qtype.name == "F32":
+        data = np.asarray(tensor.data, dtype=np.float32)
+    elif qtype.name == "F16":
+        data = np.asarray(tensor.data, dtype=np.float16).astype(np.float32)
+    else:
+        data = quants.dequantize(tensor.data, qtype)
+    if data.size != int(np.prod(shape)):
+        raise ValueError(f"tensor {tensor.name!r} holds {data.size} values, expected shape {shape}")
+    return data.reshape(shape)
+
+
+def _permute_back(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp's converter interleaves each head's rotary halves of Q and K
+    # (its RoPE rotates adjacent pairs): [head, half, 2] -> HF's [head, 2, half].
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf_weights(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor)`` for every tensor of the file."""
+    permute = config.architecture != "Qwen2ForCausalLM"  # llama.cpp permutes only llama-arch Q/K
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            continue
+        name = hf_name(t.name)
+        w = dequantize(t)
+        if permute and ".q_proj." in name:
+            w = _permute_back(w, config.num_attention_heads)
+        elif permute and ".k_proj." in name:
+            w = _permute_back(w, config.num_key_value_heads)
+        # Mapped F32 tensors are read-only views of the file; torch wants writable memory.
+        yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=not w.flags.writeable))

