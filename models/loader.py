@@ -126,16 +126,17 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
 
 def _progress(weights: Iterator[tuple[str, torch.Tensor]], config: ModelConfig
               ) -> Iterator[tuple[str, torch.Tensor]]:
-    # Log once per quarter of the layers: enough to show that loading advances.
-    step = max(1, config.num_hidden_layers // 4)
-    seen: set[int] = set()
+    # Log as each quarter of the layers' tensors arrives (files need not be in layer order).
+    per_layer = 9 + (3 if config.attention_bias else 0)
+    total = config.num_hidden_layers * per_layer
+    done, next_mark = 0, 1
     for name, tensor in weights:
-        if name.startswith("model.layers."):
-            layer = int(name.split(".")[2])
-            if layer not in seen and layer % step == 0:
-                seen.add(layer)
-                logger.info("loading layer %d/%d", layer + 1, config.num_hidden_layers)
         yield name, tensor
+        if name.startswith("model.layers."):
+            done += 1
+            if done * 4 >= next_mark * total:
+                logger.info("loaded %d%% of the layers", 25 * next_mark)
+                next_mark += 1
 
 
 def _open_hf_dir(path: Path) -> tuple[ModelConfig, Tokenizer, Iterator[tuple[str, torch.Tensor]]]:

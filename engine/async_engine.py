@@ -1,0 +1,202 @@
+"""The engine loop on a background thread, with per-request async streams.
+
+The HTTP event loop never runs model code: it hands requests to the loop
+thread through a thread-safe queue and receives deltas through per-request
+``asyncio.Queue``s filled with ``call_soon_threadsafe``. An idle engine blocks
+on its command queue, so it costs no CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.stats import StatLogger
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped after a fault; no request can be served."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+class AsyncEngine:
+    """Async front of an ``LLMEngine`` whose ``step()`` runs on one background thread."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+        self.num_kv_blocks = engine.num_blocks
+        self.block_size = engine.block_size
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._dead: BaseException | None = None
+        self._lock = threading.Lock()
+        self.last_step_time: float | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
+        """Load the model and build the engine; the loop starts with :meth:`start`."""
+        return cls(LLMEngine.from_config(config))
+
+    # -- state ------------------------------------------------------------
+
+    @property
+    def is_alive(self) -> bool:
+        """False once the loop died of a fault (or was shut down)."""
+        return self._dead is None and (self._thread is None or self._thread.is_alive())
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests accepted and not yet finished (waiting or running)."""
+        return len(self._streams)
+
+    def add_stat_logger(self, stat_logger: StatLogger) -> None:
+        """Receive each step's ``StepStats`` (called on the engine thread)."""
+        self.engine.stat_loggers.append(stat_logger)
+
+    # -- lifecycle --------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the loop thread; call from the event loop that will consume outputs."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Abort everything and stop the loop thread."""
+        if self._thread is None:
+            return
+        for rid in list(self._streams):
+            self._commands.put(_Abort(rid))
+        self._commands.put(_STOP)
+        await asyncio.to_thread(self._thread.join, 30)
+        self._thread = None
+        if self._dead is None:
+            self._dead = EngineDeadError("the engine was shut down")
+        self._fail_all("the engine was shut down")
+
+    # -- requests ---------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Stream deltas for one request until it finishes.
+
+        Raises ``ValueError`` before the first delta if the request can never
+        run, ``EngineDeadError`` if the engine is dead. Closing or cancelling the
+        iterator aborts the request and frees its KV blocks.
+        """
+        if self._dead is not None or self._thread is None:
+            raise EngineDeadError("the engine is not running")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.engine.validate(prompt_token_ids, params)
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._commands.put(_Add(request_id, list(prompt_token_ids), params))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(_Abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with a ``finish_reason="abort"`` delta."""
+        self._commands.put(_Abort(request_id))
+
+    # -- the loop (engine thread) -----------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                block = not engine.has_unfinished_requests()
+                if not self._drain(block):
+                    return
+                if not engine.has_unfinished_requests():
+                    continue
+                outputs = engine.step()
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+        except BaseException as exc:  # noqa: BLE001 - any fault must fail the requests, not hang them
+            logger.exception("engine loop failed")
+            self._dead = exc
+            self._fail_all(f"engine fault: {type(exc).__name__}: {exc}")
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued adds/aborts; wait for one when idle. False on shutdown."""
+        try:
+            cmd = self._commands.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            if cmd is _STOP:
+                return False
+            if isinstance(cmd, _Add):
+                try:
+                    self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
+                except ValueError as exc:
+                    self._deliver(cmd.request_id, exc)
+            else:
+                self._abort_now(cmd.request_id)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _abort_now(self, request_id: str) -> None:
+        final = self.engine.abort_request(request_id)
+        if final is not None:
+            self._deliver(request_id, final)
+
+    def _deliver(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None or self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(stream.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def _fail_all(self, message: str) -> None:
+        for rid in list(self._streams):
+            self._deliver(rid, RequestOutput(rid, [], [], finished=True, error=message))

@@ -1,0 +1,41 @@
+"""Engine settings, one dataclass shared by the CLI, the server and tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MiB = 1024 * 1024
+
+
+@dataclass
+class EngineConfig:
+    """Everything needed to build an engine.
+
+    ``model`` is a name (``smollm2``), a checkpoint directory or a ``.gguf``
+    file. ``kv_cache_memory`` is the KV cache budget in bytes; the number of
+    blocks follows from it and the model's shape. ``max_model_len=None`` means
+    the model's own context length.
+    """
+
+    model: str = "smollm2"
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    kv_cache_memory: int = 512 * MiB
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -1,0 +1,296 @@
+"""The synchronous engine: add requests, step, collect deltas."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.model_runner import ModelRunner, num_blocks_for_budget
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.request import Request, RequestStatus
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.stats import FinishedRequestStats, StatLogger, StepStats
+from models.loader import LoadedModel, load_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationResult:
+    """One finished sample of an offline ``generate`` call."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_token_ids: list[int]
+
+
+@dataclass
+class _ApiRequest:
+    """An API request: its ``n`` sequences and their detokenizers."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Request]
+    detoks: list[IncrementalDetokenizer]
+    counted_prompt: bool = False
+    done: set[int] = field(default_factory=set)
+
+
+class LLMEngine:
+    """Schedules, runs and detokenizes requests, one ``step()`` at a time.
+
+    Not thread-safe: one caller (the AsyncEngine's loop, or ``generate``).
+    """
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        if loaded is None:
+            loaded = load_model(config.model, config.dtype, config.device, max_positions=config.max_model_len)
+        self.tokenizer = loaded.tokenizer
+        self.model_config = loaded.config
+        self.model_name = config.served_model_name or config.model
+        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings)
+        if config.max_model_len and config.max_model_len > loaded.config.max_position_embeddings:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length "
+                             f"({loaded.config.max_position_embeddings})")
+        num_blocks = num_blocks_for_budget(loaded.config, loaded.dtype, config.block_size, config.kv_cache_memory)
+        needed = cdiv(self.max_model_len, config.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV cache budget ({config.kv_cache_memory / 2**20:.0f} MiB = {num_blocks} blocks of "
+                f"{config.block_size} tokens) cannot hold one sequence of max_model_len={self.max_model_len} "
+                f"({needed} blocks); raise --kv-cache-memory or lower --max-model-len")
+        self.num_blocks = num_blocks
+        self.block_size = config.block_size
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
+                            max_num_batched_tokens=config.max_num_batched_tokens),
+            self.kv_cache)
+        self.runner = ModelRunner(loaded, num_blocks, config.block_size)
+        self.sampler = Sampler(loaded.config.vocab_size)
+        self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
+        self.stat_loggers: list[StatLogger] = []
+        self._requests: dict[str, _ApiRequest] = {}
+        self._seq_to_api: dict[str, _ApiRequest] = {}
+        self._last_kv_queries = 0
+        self._last_kv_hits = 0
+        self._last_preemptions = 0
+        self._pending_finished: list[FinishedRequestStats] = []
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, config.block_size,
+                    num_blocks * config.block_size)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+        """Load the model named in ``config`` and build an engine around it."""
+        return cls(config)
+
+    # -- requests ---------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request can run; return its resolved ``max_tokens``. ``ValueError`` if not."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        if n >= self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens, but the context length is {self.max_model_len}; "
+                             "it leaves no room for a completion")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds the "
+                f"model's context length of {self.max_model_len} tokens; reduce the prompt or max_tokens")
+        return max_tokens
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request (its ``params.n`` samples). ``ValueError`` if it can never run."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        max_tokens = self.validate(prompt_token_ids, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        seqs = [
+            Request(request_id=f"{request_id}#{i}" if params.n > 1 else request_id,
+                    prompt_token_ids=list(prompt_token_ids), sampling_params=params,
+                    max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
+                    parent_id=request_id, sample_index=i, arrival_time=arrival)
+            for i in range(params.n)
+        ]
+        for i, seq in enumerate(seqs):
+            try:
+                self.scheduler.add_request(seq)
+            except ValueError:
+                for added in seqs[:i]:
+                    self.scheduler.abort_request(added.request_id)
+                raise
+        api = _ApiRequest(request_id, list(prompt_token_ids), params, seqs,
+                          [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) for _ in seqs])
+        self._requests[request_id] = api
+        for seq in seqs:
+            self._seq_to_api[seq.request_id] = api
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request (all its samples) and free its blocks now.
+
+        Returns the request's last delta (``finish_reason="abort"`` for the
+        unfinished samples), or None for an unknown or finished id.
+        """
+        api = self._requests.pop(request_id, None)
+        if api is None:
+            return None
+        for seq in api.seqs:
+            self.scheduler.abort_request(seq.request_id)
+            self._seq_to_api.pop(seq.request_id, None)
+        self._pending_finished.append(self._finished_stats(api, "abort"))
+        outs = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="abort")
+                for i in range(len(api.seqs)) if i not in api.done]
+        return RequestOutput(request_id, outs, api.prompt_token_ids, finished=True,
+                             num_cached_tokens=api.seqs[0].num_cached_tokens)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # -- the step ---------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample, detokenize; return this step's deltas."""
+        sched = self.scheduler.schedule()
+        stats = StepStats(num_batched_tokens=sched.num_batched_tokens)
+        outputs: list[RequestOutput] = []
+        if sched.scheduled:
+            sampling = [s.request for s in sched.scheduled if s.sample]
+            logits = self.runner.execute(sched)
+            sampled = self.sampler(logits, sampling) if sampling else None
+            prev_times = {r.request_id: r.last_token_time for r in sampling}
+            tokens = dict(zip((r.request_id for r in sampling), sampled.token_ids)) if sampled else {}
+            logprobs = dict(zip((r.request_id for r in sampling), sampled.logprobs)) if sampled else {}
+            updated = self.scheduler.update_from_output(sched, tokens)
+            outputs = self._process(updated, logprobs, prev_times, stats)
+        self._fill_gauges(stats)
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(stats)
+        return outputs
+
+    def _process(self, updated: list[Request], logprobs: dict[str, TokenLogprob | None],
+                 prev_times: dict[str, float | None], stats: StepStats) -> list[RequestOutput]:
+        by_api: dict[str, list[CompletionOutput]] = {}
+        for seq in updated:
+            api = self._seq_to_api[seq.request_id]
+            stats.num_generation_tokens += 1
+            prev = prev_times[seq.request_id]
+            if prev is None:
+                stats.time_to_first_token.append(seq.first_token_time - seq.arrival_time)
+            else:
+                stats.inter_token_latency.append(seq.last_token_time - prev)
+            if not api.counted_prompt:
+                api.counted_prompt = True
+                stats.num_prompt_tokens += len(api.prompt_token_ids)
+            detok = api.detoks[seq.sample_index]
+            text = detok.update([seq.output_token_ids[-1]])
+            if detok.finished:
+                # A stop string ended it (even on the step that hit the length limit).
+                seq.stop_reason = detok.stop_reason
+                if seq.is_finished:
+                    seq.status = RequestStatus.FINISHED_STOPPED
+                else:  # release the blocks at once
+                    self.scheduler.finish_request(seq.request_id, RequestStatus.FINISHED_STOPPED)
+            elif seq.is_finished:
+                text += detok.flush()
+            lp = logprobs.get(seq.request_id)
+            by_api.setdefault(api.request_id, []).append(CompletionOutput(
+                index=seq.sample_index, text=text, token_ids=[seq.output_token_ids[-1]],
+                logprobs=[lp] if lp is not None else None,
+                finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason))
+        results = []
+        for rid, outs in by_api.items():
+            api = self._requests[rid]
+            for o in outs:
+                if o.finish_reason is not None:
+                    api.done.add(o.index)
+            finished = len(api.done) == len(api.seqs)
+            if finished:
+                self._finish(api, stats)
+            results.append(RequestOutput(rid, outs, api.prompt_token_ids, finished=finished,
+                                         num_cached_tokens=api.seqs[0].num_cached_tokens))
+        return results
+
+    def _finish(self, api: _ApiRequest, stats: StepStats) -> None:
+        del self._requests[api.request_id]
+        for seq in api.seqs:
+            self._seq_to_api.pop(seq.request_id, None)
+        stats.finished.append(self._finished_stats(api, api.seqs[0].status.finish_reason or "abort"))
+
+    @staticmethod
+    def _finished_stats(api: _ApiRequest, reason: str) -> FinishedRequestStats:
+        first = api.seqs[0]
+        now = time.monotonic()
+        scheduled = first.first_scheduled_time
+        return FinishedRequestStats(
+            finish_reason=reason,
+            num_prompt_tokens=len(api.prompt_token_ids),
+            num_generation_tokens=sum(s.num_output_tokens for s in api.seqs),
+            e2e_latency=(first.finished_time or now) - first.arrival_time,
+            queue_time=(scheduled - first.arrival_time) if scheduled is not None else 0.0,
+        )
+
+    def _fill_gauges(self, stats: StepStats) -> None:
+        kv = self.kv_cache.stats
+        stats.num_running = self.scheduler.num_running
+        stats.num_waiting = self.scheduler.num_waiting
+        stats.kv_blocks_total = kv.num_blocks_total
+        stats.kv_blocks_used = kv.num_blocks_used
+        stats.kv_usage = kv.usage
+        stats.prefix_cache_queries = kv.prefix_cache_queries - self._last_kv_queries
+        stats.prefix_cache_hits = kv.prefix_cache_hits - self._last_kv_hits
+        self._last_kv_queries, self._last_kv_hits = kv.prefix_cache_queries, kv.prefix_cache_hits
+        preemptions = self.scheduler.num_preemptions_total
+        stats.num_preemptions = preemptions - self._last_preemptions
+        self._last_preemptions = preemptions
+        stats.finished.extend(self._pending_finished)
+        self._pending_finished.clear()
+
+    # -- offline ----------------------------------------------------------
+
+    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | None = None,
+                 use_tqdm: bool = True) -> list[list[GenerationResult]]:
+        """Run a batch of prompts to completion; one list of ``n`` results per prompt, in order."""
+        from tqdm import tqdm
+
+        params = params or SamplingParams()
+        ids = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
+        rids = [f"offline-{i}-{time.monotonic_ns()}" for i in range(len(ids))]
+        for rid, p in zip(rids, ids):
+            self.add_request(rid, p, params)
+        texts = {rid: [""] * params.n for rid in rids}
+        tokens = {rid: [[] for _ in range(params.n)] for rid in rids}
+        reasons: dict[str, list[str | None]] = {rid: [None] * params.n for rid in rids}
+        bar = tqdm(total=len(rids), disable=not use_tqdm, desc="generating", unit="req")
+        while self.has_unfinished_requests():
+            for out in self.step():
+                for o in out.outputs:
+                    texts[out.request_id][o.index] += o.text
+                    tokens[out.request_id][o.index].extend(o.token_ids)
+                    reasons[out.request_id][o.index] = o.finish_reason
+                if out.finished:
+                    bar.update(1)
+        bar.close()
+        return [[GenerationResult(texts[r][i], tokens[r][i], reasons[r][i], p) for i in range(params.n)]
+                for r, p in zip(rids, ids)]

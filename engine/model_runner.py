@@ -1,0 +1,74 @@
+"""Device work: the KV cache tensors, the flat batch tensors and the forward."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.scheduler import SchedulerOutput
+from models.attention import SeqSpec, build_attention_metadata
+from models.config import ModelConfig
+from models.loader import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+
+def kv_bytes_per_block(config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
+    """Bytes one block takes across all layers, keys and values."""
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * itemsize
+
+
+def num_blocks_for_budget(config: ModelConfig, dtype: torch.dtype, block_size: int, budget: int) -> int:
+    """How many blocks fit in ``budget`` bytes."""
+    return budget // kv_bytes_per_block(config, dtype, block_size)
+
+
+class ModelRunner:
+    """Owns the model, its device and dtype, and the paged KV cache tensors.
+
+    ``execute`` turns a scheduler decision into one flat forward and returns
+    float32 logits for the requests that sample this step.
+    """
+
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+        self.model = loaded.model
+        self.config = loaded.config
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.config.num_hidden_layers)
+        ]
+
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run every scheduled token; logits ``[S, V]`` for the ``sample`` entries, in scheduled order."""
+        # Decodes (one token) go first: attention batches them in one call.
+        order = sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i].num_new_tokens != 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        specs: list[SeqSpec] = []
+        last_row: dict[int, int] = {}
+        for i in order:
+            s = out.scheduled[i]
+            end = s.start_pos + s.num_new_tokens
+            input_ids.extend(s.request.all_token_ids[s.start_pos:end])
+            positions.extend(range(s.start_pos, end))
+            specs.append(SeqSpec(s.num_new_tokens, end, s.block_ids))
+            last_row[i] = len(input_ids) - 1
+        sample_rows = [last_row[i] for i, s in enumerate(out.scheduled) if s.sample]
+        dev = self.device
+        meta = build_attention_metadata(specs, self.block_size, dev)
+        logits = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            meta,
+            self.kv_caches,
+            torch.tensor(sample_rows, dtype=torch.long, device=dev),
+        )
+        return logits.cpu() if dev.type != "cpu" else logits
