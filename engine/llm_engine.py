@@ -105,6 +105,10 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name} names token id {bad}, outside the vocabulary (0..{vocab - 1})")
         if n >= self.max_model_len:
             raise ValueError(f"the prompt has {n} tokens, but the context length is {self.max_model_len}; "
                              "it leaves no room for a completion")
@@ -204,7 +208,11 @@ class LLMEngine:
                 api.counted_prompt = True
                 stats.num_prompt_tokens += len(api.prompt_token_ids)
             detok = api.detoks[seq.sample_index]
-            text = detok.update([seq.output_token_ids[-1]])
+            last = seq.output_token_ids[-1]
+            # A stop token (EOS or stop_token_ids) ends the text without being part of it.
+            stopped_by_token = seq.status is RequestStatus.FINISHED_STOPPED and (
+                last in self.eos_token_ids or last in seq.sampling_params.stop_token_ids)
+            text = "" if stopped_by_token else detok.update([last])
             if detok.finished:
                 # A stop string ended it (even on the step that hit the length limit).
                 seq.stop_reason = detok.stop_reason

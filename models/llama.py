@@ -14,7 +14,7 @@ from torch import nn
 
 from models.attention import AttentionMetadata, paged_attention, write_kv
 from models.config import ModelConfig
-from models.rope import RotaryEmbedding
+from models.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -43,14 +43,14 @@ class Attention(nn.Module):
                                   bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
@@ -77,8 +77,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, rope, meta, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, kv_cache)
+    def forward(self, x, rope, meta, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -125,8 +125,9 @@ class LlamaForCausalLM(nn.Module):
         """
         assert self.rope is not None, "call init_rope() before forward()"
         x = self.model.embed_tokens(input_ids)
+        rope = self.rope.lookup(positions)
         for layer, kv in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, self.rope, meta, kv)
+            x = layer(x, rope, meta, kv)
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
         return self.lm_head(self.model.norm(x)).float()

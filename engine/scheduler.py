@@ -1,0 +1,263 @@
+"""Continuous batching: which requests run which tokens in the next step.
+
+One token-budget loop, as in vLLM v1: there is no separate prefill or decode
+phase. Each scheduled request catches its computed tokens up towards
+``request.num_tokens`` within the step's budget, so a long prompt is split
+across steps (chunked prefill) while running requests keep decoding. Running
+requests go first, then admissions from the waiting queue. When blocks run
+out, the newest running request is preempted by recompute: its blocks are
+freed and it later re-runs its prompt and the tokens it already generated
+(mostly prefix-cache hits when its blocks were not evicted meanwhile).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    """Limits on one step and on a request's length."""
+
+    max_model_len: int
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    # Off means a prompt runs whole in one step, so the budget must hold the
+    # longest request.
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be at least max_model_len ({self.max_model_len}); raise it or enable "
+                "chunked prefill")
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    request: Request
+    start_pos: int  # request.num_computed_tokens before this step
+    num_new_tokens: int  # all_token_ids[start_pos:start_pos + num_new_tokens] run this step
+    block_ids: list[int]  # the request's whole block table after allocation
+    sample: bool  # the step reaches the last known token: sample the next one
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens this request runs this step."""
+        return self.request.all_token_ids[self.start_pos:self.start_pos + self.num_new_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    """What the model runs in one step (running requests first, then admissions)."""
+
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    preempted: list[str] = field(default_factory=list)  # ids preempted this step
+    admitted: list[str] = field(default_factory=list)  # ids admitted (or resumed) this step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Waiting and running queues, the per-step token budget and preemption.
+
+    Single-threaded: call :meth:`finish_request` / :meth:`abort_request` between
+    steps (not between :meth:`schedule` and :meth:`update_from_output`), since
+    the blocks of a scheduled request are registered in the prefix cache before
+    the model has written them.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self.num_preemptions_total = 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request waits or runs."""
+        return bool(self._requests)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ``ValueError`` if it could never run."""
+        rid = request.request_id
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if request.num_prompt_tokens == 0:
+            raise ValueError(f"request {rid!r} has an empty prompt")
+        longest = request.num_prompt_tokens + request.max_tokens
+        if longest > self.config.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                f"({request.max_tokens}) = {longest} exceeds the context length "
+                f"({self.config.max_model_len}); shorten the prompt or lower max_tokens")
+        blocks = cdiv(longest, self.kv_cache.block_size)
+        if blocks > self.kv_cache.num_blocks:
+            raise ValueError(
+                f"request {rid!r}: prompt + max_tokens = {longest} tokens need {blocks} KV blocks "
+                f"but the cache has only {self.kv_cache.num_blocks}; lower max_tokens or "
+                "give the KV cache more memory")
+        request.status = RequestStatus.WAITING
+        self._requests[rid] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick the tokens of the next step and allocate their KV slots."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        # Running requests, oldest first; each takes what it needs up to the budget.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_new > 0, f"running request {request.request_id} has nothing to compute"
+            if not self._allocate_or_preempt(request, num_new, preempted):
+                break  # it preempted itself: it was the newest
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            i += 1
+
+        # Admissions, FIFO (preempted requests sit at the front). Not after a
+        # preemption: blocks are short, and admitting would only thrash.
+        admitted: list[str] = []
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
+            num_remaining = request.num_tokens - num_cached
+            num_new = min(num_remaining, budget)
+            if not self.config.enable_chunked_prefill and num_new < num_remaining:
+                break
+            if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
+                break
+            self.waiting.popleft()
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            admitted.append(request.request_id)
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            preempted=preempted,
+            admitted=admitted,
+        )
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Apply a finished step: advance progress, append sampled tokens, retire finished requests.
+
+        ``sampled`` maps request id -> token for every scheduled request with
+        ``sample=True``. Returns the requests that received a token (finished or not).
+        """
+        now = time.monotonic()
+        received: list[Request] = []
+        finished: set[str] = set()
+        for item in output.scheduled:
+            request = item.request
+            if request.is_finished:  # finished from outside since schedule()
+                continue
+            assert request.num_computed_tokens == item.start_pos, "steps applied out of order"
+            request.num_computed_tokens += item.num_new_tokens
+            if not item.sample:
+                continue
+            token = sampled.get(request.request_id)
+            assert token is not None, f"no sampled token for {request.request_id}"
+            request.append_token(token, now)
+            received.append(request)
+            status = request.check_stop(self.config.max_model_len)
+            if status is not None:
+                self._finish(request, status, now)
+                finished.add(request.request_id)
+        if finished:
+            self.running = [r for r in self.running if r.request_id not in finished]
+        return received
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish a request from outside (stop string, client abort); frees its blocks now.
+
+        Returns the request, or None when the id is unknown or already finished.
+        """
+        if not status.finished:
+            raise ValueError(f"finish_request needs a finished status, got {status}")
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, status, time.monotonic())
+        return request
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Abort a waiting or running request (``FINISHED_ABORTED``)."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> bool:
+        """Allocate for a running request, preempting the newest running ones until it fits.
+
+        Returns False when ``request`` itself had to go. Only requests after it
+        in ``running`` are preempted, and those are not scheduled yet this step.
+        """
+        while not self.kv_cache.allocate_slots(request, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request=request,
+            start_pos=start,
+            num_new_tokens=num_new,
+            block_ids=self.kv_cache.get_block_ids(request.request_id),
+            sample=start + num_new == request.num_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
+        self.kv_cache.free(request.request_id)
+        self._requests.pop(request.request_id, None)
+        request.status = status
+        request.finished_time = now

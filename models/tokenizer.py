@@ -1,0 +1,363 @@
+"""Tokenizer: text <-> token ids for one model, its special ids and chat template.
+
+Two sources are supported:
+
+* a Hugging Face checkpoint directory (``tokenizer.json`` and friends), loaded
+  as-is with the ``tokenizers`` library;
+* a GGUF file, whose ``tokenizer.ggml.*`` metadata (vocabulary, merges, token
+  types) is rebuilt into a ``tokenizers`` pipeline that splits text the way
+  llama.cpp does for the file's ``tokenizer.ggml.pre`` type. For "smollm" that
+  means isolating every digit before the GPT-2 regex, as SmolLM2's own
+  tokenizer.json does (transformers' GGUF converter skips that step).
+
+BOS is added by this class, never by a ``tokenizers`` post-processor, so that
+``encode(text, add_special_tokens=True)`` means exactly "prepend BOS if the
+model asks for it" for both sources.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import gguf
+import tokenizers
+from gguf import TokenType
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
+from tokenizers.models import BPE
+
+from models.chat_template import render_chat_template
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, plus its chat template and special ids."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: Sequence[int],
+        add_bos_token: bool = False,
+        chat_template: str | None = None,
+    ) -> None:
+        """Wrap a ``tokenizers.Tokenizer``; its post-processor is never used.
+
+        Prefer ``from_gguf_fields`` or ``from_hf_dir``; this is for callers
+        (and tests) that already hold a backend.
+        """
+        self._backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = list(dict.fromkeys(eos_token_ids))
+        self.add_bos_token = add_bos_token and bos_token_id is not None
+        self.chat_template = chat_template
+        self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        special = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
+        self.all_special_ids: set[int] = special | set(self.eos_token_ids) | (
+            {bos_token_id} if bos_token_id is not None else set()
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included (the embedding rows the model needs)."""
+        return self._vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; BOS is prepended only if the model says so.
+
+        Special-token text inside ``text`` (e.g. ``<|im_start|>``) becomes the
+        special token, as in Hugging Face and llama.cpp. Encode a rendered chat
+        prompt with ``add_special_tokens=False``: the template writes any BOS.
+        """
+        if not isinstance(text, str):
+            raise ValueError(f"text to encode must be a str, got {type(text).__name__}")
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token:
+            return [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; special tokens (BOS, EOS, control tokens) are dropped by default."""
+        size = self.vocab_size
+        bad = [i for i in ids if not 0 <= i < size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {size})")
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry of ``token_id`` (byte-level spelling, e.g. ``Ġthe``), or None."""
+        return self._backend.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` with the model's template (ChatML if it has none).
+
+        Raises:
+            ValueError: malformed messages or a template that fails to render.
+        """
+        bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else None
+        eos = self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
+        return render_chat_template(
+            self.chat_template, messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+        )
+
+    @classmethod
+    def from_gguf_fields(cls, reader: gguf.GGUFReader) -> "Tokenizer":
+        """Build the tokenizer a GGUF file describes in its ``tokenizer.*`` metadata.
+
+        Supports ``tokenizer.ggml.model`` "gpt2" (byte-level BPE, with the
+        pre-tokenizer chosen by ``tokenizer.ggml.pre``) and "llama"
+        (SentencePiece-style BPE with byte fallback). EOS ids are the ones the
+        file declares: ``eos_token_id`` plus ``eot_token_id``/``eom_token_id``.
+
+        Raises:
+            ValueError: another tokenizer model or pre-tokenizer type, or
+                missing vocabulary metadata.
+        """
+
+        def field(key: str, default: Any = None) -> Any:
+            found = reader.fields.get(f"tokenizer.{key}")
+            return default if found is None else found.contents()
+
+        tokens = field("ggml.tokens")
+        if not tokens:
+            raise ValueError("GGUF file has no tokenizer.ggml.tokens; it carries no tokenizer to load")
+        kind = field("ggml.model")
+        types = field("ggml.token_type") or [TokenType.NORMAL] * len(tokens)
+        if kind == "gpt2":
+            pre = field("ggml.pre") or "default"
+            backend = _byte_level_backend(tokens, types, field("ggml.merges") or [], pre)
+            add_bos_default = _BPE_PRE_TYPES[pre].add_bos
+        elif kind == "llama":
+            backend = _sentencepiece_backend(
+                tokens, types, field("ggml.scores"), field("ggml.unknown_token_id"),
+                add_space_prefix=field("ggml.add_space_prefix", True),
+            )
+            add_bos_default = True
+        else:
+            raise ValueError(
+                f"GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level BPE), "
+                "'llama' (SentencePiece BPE). Use the model's Hugging Face directory instead."
+            )
+        eos_ids = [field(f"ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
+        return cls(
+            backend,
+            bos_token_id=field("ggml.bos_token_id"),
+            eos_token_ids=[i for i in eos_ids if i is not None],
+            add_bos_token=field("ggml.add_bos_token", add_bos_default),
+            chat_template=field("chat_template"),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path, generation_config: dict | None = None) -> "Tokenizer":
+        """Load ``tokenizer.json`` + ``tokenizer_config.json`` from a checkpoint directory.
+
+        The chat template comes from ``chat_template.jinja`` or the config's
+        ``chat_template``. EOS ids are the tokenizer's ``eos_token`` followed by
+        ``generation_config["eos_token_id"]`` (an int or a list); when
+        ``generation_config`` is None, ``generation_config.json`` is read if
+        present.
+
+        Raises:
+            ValueError: no ``tokenizer.json`` in ``path`` or an unknown
+                special token name.
+        """
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(
+                f"{path} has no tokenizer.json; kvserve needs the fast-tokenizer file "
+                "(transformers' save_pretrained writes it)"
+            )
+        backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        config = _read_json(path / "tokenizer_config.json")
+        if generation_config is None:
+            generation_config = _read_json(path / "generation_config.json")
+
+        bos_id = _special_id(backend, config.get("bos_token"))
+        eos_ids = [_special_id(backend, config.get("eos_token"))]
+        declared = generation_config.get("eos_token_id")
+        eos_ids += declared if isinstance(declared, list) else [declared]
+
+        add_bos = config.get("add_bos_token")
+        if add_bos is None:
+            # No flag: the tokenizer.json post-processor is the checkpoint's own answer (Llama 3 adds BOS there).
+            probe = backend.encode("a", add_special_tokens=True).ids
+            add_bos = bos_id is not None and probe[:1] == [bos_id]
+        return cls(
+            backend,
+            bos_token_id=bos_id,
+            eos_token_ids=[i for i in eos_ids if i is not None],
+            add_bos_token=bool(add_bos),
+            chat_template=_hf_chat_template(path, config),
+        )
+
+
+# --- GGUF: byte-level BPE ("gpt2") -------------------------------------------
+
+# Split regexes, as llama.cpp applies them per tokenizer.ggml.pre (llama-vocab.cpp).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+class _PreType(NamedTuple):
+    """How llama.cpp treats one tokenizer.ggml.pre value."""
+
+    splitter: str  # "gpt2" | "digits" | "llama3" | "qwen2"
+    ignore_merges: bool = False  # a word that is itself in the vocabulary is taken whole
+    add_bos: bool = False  # default when the file has no tokenizer.ggml.add_bos_token
+
+
+# "gpt2" is the GPT-2 regex built into ByteLevel; "digits" first isolates every \p{N}
+# character (SmolLM, StarCoder); "default" (or no key at all) gets the GPT-2 regex.
+_BPE_PRE_TYPES: dict[str, _PreType] = {
+    **dict.fromkeys(("default", "gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4"), _PreType("gpt2")),
+    **dict.fromkeys(
+        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"), _PreType("digits")
+    ),
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"),
+        _PreType("llama3", ignore_merges=True, add_bos=True),
+    ),
+    **dict.fromkeys(("dbrx", "smaug-bpe"), _PreType("llama3")),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"), _PreType("qwen2")),
+}
+
+
+def _byte_level_pre_tokenizer(splitter: str) -> pre_tokenizers.PreTokenizer:
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if splitter == "gpt2":
+        return gpt2
+    if splitter == "digits":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
+    pattern = {"llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}[splitter]
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+@lru_cache(maxsize=1)
+def _byte_to_char() -> dict[int, str]:
+    """GPT-2's byte -> printable character table that byte-level vocabularies are spelled in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    extra = (b for b in range(256) if b not in table)
+    table.update({b: chr(256 + n) for n, b in enumerate(extra)})
+    return table
+
+
+# llama.cpp matches these token types whole in the raw text before any splitting; the first two
+# are special (skipped when decoding with skip_special_tokens), USER_DEFINED ones are plain text.
+_SPECIAL_TYPES = {TokenType.CONTROL, TokenType.UNKNOWN}
+_ADDED_TYPES = _SPECIAL_TYPES | {TokenType.USER_DEFINED}
+
+
+def _byte_level_backend(tokens: list[str], types: list[int], merges: list[str], pre: str) -> tokenizers.Tokenizer:
+    if pre not in _BPE_PRE_TYPES:
+        raise ValueError(f"GGUF pre-tokenizer type {pre!r} is not supported; supported: {sorted(_BPE_PRE_TYPES)}")
+    pre_type = _BPE_PRE_TYPES[pre]
+    byte_to_char = _byte_to_char()
+    alphabet = set(byte_to_char.values())
+    vocab: dict[str, int] = {}
+    for index, (token, token_type) in enumerate(zip(tokens, types)):
+        # Added tokens stay as raw text (that is how they are matched); a normal token outside
+        # the byte alphabet is a converter slip, respelled so BPE can still reach it.
+        if token_type not in _ADDED_TYPES and not set(token) <= alphabet:
+            token = "".join(byte_to_char[b] for b in token.encode("utf-8"))
+        vocab.setdefault(token, index)
+    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    backend = tokenizers.Tokenizer(BPE(vocab, pairs, ignore_merges=pre_type.ignore_merges))
+    backend.pre_tokenizer = _byte_level_pre_tokenizer(pre_type.splitter)
+    backend.decoder = decoders.ByteLevel()
+    _add_gguf_added_tokens(backend, tokens, types)
+    return backend
+
+
+def _add_gguf_added_tokens(backend: tokenizers.Tokenizer, tokens: list[str], types: list[int]) -> None:
+    # Their text is already a vocabulary key, so tokenizers reuses the GGUF id instead of appending one.
+    backend.add_special_tokens(
+        [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types) if k in _SPECIAL_TYPES]
+    )
+    backend.add_tokens(
+        [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == TokenType.USER_DEFINED]
+    )
+
+
+# --- GGUF: SentencePiece-style BPE ("llama") ---------------------------------
+
+
+def _sentencepiece_backend(
+    tokens: list[str], types: list[int], scores: list[float] | None, unk_id: int | None, *, add_space_prefix: bool
+) -> tokenizers.Tokenizer:
+    if scores is None:
+        raise ValueError("GGUF 'llama' tokenizer has no tokenizer.ggml.scores; the file is incomplete")
+    vocab = {token: index for index, token in reversed(list(enumerate(tokens)))}
+    unk = tokens[unk_id] if unk_id is not None else None
+    backend = tokenizers.Tokenizer(
+        BPE(vocab, _merges_from_scores(tokens, types, scores, vocab), unk_token=unk, byte_fallback=True, fuse_unk=True)
+    )
+    # llama.cpp escapes spaces as U+2581 and, with add_space_prefix, prefixes one to every text
+    # fragment (also after a special token), which is what a per-segment normalizer does.
+    steps = [normalizers.Prepend("\u2581")] if add_space_prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "\u2581")])
+    strip = [decoders.Strip(" ", 1, 0)] if add_space_prefix else []
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
+    )
+    _add_gguf_added_tokens(backend, tokens, types)
+    return backend
+
+
+def _merges_from_scores(
+    tokens: list[str], types: list[int], scores: list[float], vocab: dict[str, int]
+) -> list[tuple[str, str]]:
+    """Merges implied by a scored vocabulary: SentencePiece joins the pair whose result scores highest."""
+    ranked = []
+    for token, token_type, score in zip(tokens, types, scores):
+        if token_type != TokenType.NORMAL:
+            continue
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-score, vocab[left], vocab[right], left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+# --- Hugging Face directory -----------------------------------------------------
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    with path.open(encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def _special_id(backend: tokenizers.Tokenizer, token: str | dict | None) -> int | None:
+    if token is None:
+        return None
+    content = token["content"] if isinstance(token, dict) else token
+    token_id = backend.token_to_id(content)
+    if token_id is None:
+        raise ValueError(f"special token {content!r} from tokenizer_config.json is not in tokenizer.json")
+    return token_id
+
+
+def _hf_chat_template(path: Path, config: dict) -> str | None:
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        # Older configs hold named templates; "default" is the one for plain chat.
+        named = {entry["name"]: entry["template"] for entry in template}
+        return named.get("default")
+    return template
