@@ -12,6 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -68,10 +69,22 @@ class AsyncEngine:
 
     # -- state ------------------------------------------------------------
 
+    # A loop with work that has not finished a step for this long is stuck.
+    STALL_SECONDS = 60.0
+
     @property
     def is_alive(self) -> bool:
-        """False once the loop died of a fault (or was shut down)."""
-        return self._dead is None and (self._thread is None or self._thread.is_alive())
+        """True while the loop thread runs; False before start and after a fault or shutdown."""
+        return self._dead is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def is_ready(self) -> bool:
+        """Alive and making progress: idle, or a step finished within ``STALL_SECONDS``."""
+        if not self.is_alive:
+            return False
+        if not self._streams or self.last_step_time is None:
+            return True
+        return time.monotonic() - self.last_step_time < self.STALL_SECONDS
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -123,6 +136,11 @@ class AsyncEngine:
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         self._commands.put(_Add(request_id, list(prompt_token_ids), params))
+        if self._dead is not None:
+            # NOTE: the loop died after the check above and may have failed its
+            # streams before this one was registered: nothing would ever arrive.
+            self._streams.pop(request_id, None)
+            raise EngineDeadError("the engine is not running")
         finished = False
         try:
             while True:
@@ -153,8 +171,16 @@ class AsyncEngine:
                 if not self._drain(block):
                     return
                 if not engine.has_unfinished_requests():
+                    if not block:
+                        # Aborts just emptied the engine: an empty step reports
+                        # them and the freed blocks to the stat loggers now.
+                        engine.step()
                     continue
+                if self.last_step_time is None or block:
+                    # Work just arrived after idling: measure stalls from now.
+                    self.last_step_time = time.monotonic()
                 outputs = engine.step()
+                self.last_step_time = time.monotonic()
                 for out in outputs:
                     self._deliver(out.request_id, out)
         except BaseException as exc:  # noqa: BLE001 - any fault must fail the requests, not hang them

@@ -1,1 +1,1 @@
-
+"""kvserve HTTP layer: the OpenAI-compatible API, SSE streaming, errors, auth, metrics and CLI."""

@@ -1,0 +1,154 @@
+"""The FastAPI application: routes, middleware and the engine's lifespan.
+
+``build_app`` takes any object with the ``server.engine_client.EngineClient``
+shape (the real ``AsyncEngine`` or a test fake), so swapping engines is one
+argument.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib import metadata
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from server.body import read_model
+from server.engine_client import EngineClient
+from server.errors import install_exception_handlers, unavailable
+from server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
+from server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, DrainMiddleware
+from server.protocol import DetokenizeRequest, TokenizeRequest, check_token_ids, template_messages
+from server.serving_chat import apply_template, create_chat_completion
+from server.serving_completions import create_completion
+from server.state import ServerState
+
+MiB = 1024 * 1024
+
+
+def _version() -> str:
+    try:
+        return metadata.version("kvserve")
+    except metadata.PackageNotFoundError:
+        return "0.0.0+local"
+
+
+def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: int | None = None,
+              max_body_size: int = 4 * MiB, served_model_name: str | None = None) -> FastAPI:
+    """Build the HTTP app around ``engine``.
+
+    The app's lifespan starts the engine loop and shuts it down; ``api_key``
+    (if set) is required on every route except ``/health``, ``/ready`` and
+    ``/metrics``; ``max_queue`` (if set) bounds ``engine.num_unfinished_requests``
+    before new requests get 503; ``served_model_name`` defaults to
+    ``engine.model_name``. Set ``app.state.kvserve.draining = True`` to start
+    refusing new requests (graceful shutdown).
+    """
+    model_name = served_model_name or engine.model_name
+    metrics = PrometheusStatLogger(model_name)
+    engine.add_stat_logger(metrics)
+    state = ServerState(engine=engine, model_name=model_name, metrics=metrics,
+                        api_key=api_key, max_queue=max_queue)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        state.started = True
+        try:
+            yield
+        finally:
+            # By now uvicorn has let in-flight requests finish (or cancelled
+            # them, which aborted their engine requests).
+            state.draining = True
+            await engine.shutdown()
+
+    # The routes parse bodies by hand (strict JSON), so a generated OpenAPI
+    # schema would describe nothing useful; leave the docs routes out.
+    app = FastAPI(title="kvserve", version=_version(), lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.kvserve = state
+    install_exception_handlers(app)
+    # Added innermost first: auth runs first, then the drain gate, then the body limit.
+    app.add_middleware(BodySizeLimitMiddleware, max_body_size=max_body_size)
+    app.add_middleware(DrainMiddleware, is_draining=lambda: state.draining)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    _add_routes(app, state)
+    return app
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {"id": state.model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "kvserve", "root": state.model_name, "parent": None,
+            "max_model_len": state.engine.max_model_len}
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    engine = state.engine
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await create_completion(state, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await create_chat_completion(state, request)
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [_model_card(state)]})
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> JSONResponse:
+        state.check_model(model)
+        return JSONResponse(_model_card(state))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        body = await read_model(request, TokenizeRequest)
+        state.check_model(body.model)
+        tok = engine.tokenizer
+        if body.messages is not None:
+            text = apply_template(tok, template_messages(body.messages),
+                                  body.add_generation_prompt is not False)
+            ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        else:
+            assert body.prompt is not None
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+        return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len,
+                             "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        body = await read_model(request, DetokenizeRequest)
+        state.check_model(body.model)
+        check_token_ids(body.tokens, engine.tokenizer.vocab_size, "tokens")
+        return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_alive:
+            return unavailable("The engine loop has stopped.").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if state.draining:
+            return unavailable("The server is shutting down.").response()
+        if not state.started or not engine.is_alive:
+            return unavailable("The engine is not running.").response()
+        if not getattr(engine, "is_ready", True):
+            return unavailable("The engine loop is not making progress.").response()
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": app.version})

@@ -1,0 +1,146 @@
+"""Driving engine generations for one HTTP request.
+
+One API request may become several engine requests (a list of prompts); their
+output streams are merged here. This module also owns the two cancellation
+paths: a non-streaming request races its generation against client
+disconnect, and every path closes the engine iterators (which aborts the
+engine requests and frees their KV blocks) however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import anyio
+from starlette.requests import Request
+
+from engine.outputs import RequestOutput
+from server.errors import bad_request
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# How often a non-streaming request checks whether its client went away.
+DISCONNECT_POLL_SECONDS = 0.25
+
+
+class EngineFault(Exception):
+    """The engine failed a request (``RequestOutput.error`` or an engine exception)."""
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready."""
+
+
+async def close_quietly(it: Any) -> None:
+    """Close an async iterator even inside a cancelled scope.
+
+    Shielded because this runs in ``finally`` blocks of cancelled tasks, where
+    an unshielded await would be cancelled again before the engine had freed
+    the request.
+    """
+    aclose = getattr(it, "aclose", None)
+    if aclose is None:
+        return
+    with anyio.CancelScope(shield=True):
+        try:
+            await aclose()
+        except Exception:  # the request is over either way; never mask the original error
+            logger.exception("error while closing an engine stream")
+
+
+async def _checked(gen: AsyncIterator[RequestOutput]) -> AsyncGenerator[RequestOutput, None]:
+    """Map engine failures of one stream to ``ValueError`` -> 400 or ``EngineFault``."""
+    started = False
+    try:
+        async for out in gen:
+            if out.error:
+                raise EngineFault(out.error)
+            started = True
+            yield out
+    except ValueError as e:
+        # The engine refuses a request it can never run before yielding anything.
+        if not started:
+            raise bad_request(str(e)) from None
+        raise EngineFault(str(e)) from e
+    except (EngineFault, GeneratorExit, asyncio.CancelledError):
+        raise
+    except Exception as e:  # e.g. EngineDeadError: the loop died under this request
+        logger.exception("engine stream failed")
+        raise EngineFault(str(e) or type(e).__name__) from e
+    finally:
+        await close_quietly(gen)
+
+
+async def merge_outputs(
+    gens: list[AsyncIterator[RequestOutput]],
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """Yield ``(prompt_index, output)`` from several engine streams as they arrive.
+
+    Closing the merged stream closes every engine stream. The first failure of
+    any stream is raised and the others are aborted.
+    """
+    if len(gens) == 1:
+        single = _checked(gens[0])
+        try:
+            async for out in single:
+                yield 0, out
+        finally:
+            await close_quietly(single)
+        return
+
+    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+    checked = [_checked(g) for g in gens]
+
+    async def pump(i: int, gen: AsyncGenerator[RequestOutput, None]) -> None:
+        try:
+            async for out in gen:
+                queue.put_nowait((i, out, None))
+            queue.put_nowait((i, None, None))
+        except Exception as e:
+            queue.put_nowait((i, None, e))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(checked)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, out, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if out is None:
+                remaining -= 1
+            else:
+                yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for g in checked:
+            await close_quietly(g)
+
+
+async def race_disconnect(request: Request, work: Awaitable[T], poll: float | None = None) -> T:
+    """Await ``work`` unless the client disconnects first.
+
+    On disconnect ``work`` is cancelled (which aborts its engine requests) and
+    ``ClientDisconnected`` is raised.
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll or DISCONNECT_POLL_SECONDS)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientDisconnected()
+    finally:
+        if not task.done():
+            task.cancel()
+            with anyio.CancelScope(shield=True), contextlib.suppress(BaseException):
+                await task

@@ -1,0 +1,115 @@
+"""Prometheus metrics fed from the engine's per-step stats.
+
+Names follow vLLM's (``vllm:x`` becomes ``kvserve_x``) so existing dashboards
+translate directly. Every number comes from ``engine.stats.StepStats``; the
+HTTP layer never re-derives engine state. Each logger has its own registry,
+so several apps (tests) in one process do not collide.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from engine.stats import StepStats
+
+__all__ = ["CONTENT_TYPE_LATEST", "PrometheusStatLogger"]
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+# Buckets sized for a CPU, where a step takes milliseconds to seconds and a
+# long request minutes.
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+                    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+_REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 3600.0)
+_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class PrometheusStatLogger:
+    """A ``engine.stats.StatLogger`` that updates Prometheus series.
+
+    ``record`` runs on the engine thread; prometheus_client's metric updates
+    are thread-safe, and rendering happens on the event loop.
+    """
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r, m = self.registry, model_name
+
+        # Each helper registers one family and returns its child for this model.
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(f"kvserve_{name}", doc, ["model_name"], registry=r).labels(m)
+
+        def counter(name: str, doc: str) -> Any:
+            # prometheus_client appends "_total" to counter names itself.
+            return Counter(f"kvserve_{name}", doc, ["model_name"], registry=r).labels(m)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(f"kvserve_{name}", doc, ["model_name"], buckets=buckets,
+                             registry=r).labels(m)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV cache blocks in use (0-1).")
+        self.kv_cache_blocks_total = gauge("kv_cache_blocks_total", "KV cache blocks in the pool.")
+        self.kv_cache_blocks_used = gauge("kv_cache_blocks_used", "KV cache blocks in use.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.prefix_cache_queries = counter("prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits",
+                                         "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = counter("num_preemptions", "Preemptions of running requests.")
+        self._success = Counter("kvserve_request_success", "Finished sequences by finish reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self._model_name = m
+        # Pre-created so every reason is exported (as 0) before it first happens.
+        self.request_success = {reason: self._success.labels(m, reason)
+                                for reason in FINISH_REASONS}
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between consecutive output tokens.",
+            _LATENCY_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Request latency from arrival to finish.",
+            _REQUEST_BUCKETS)
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Time from arrival to first scheduling.",
+            _REQUEST_BUCKETS)
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens run through the model per engine step.",
+            _TOKEN_BUCKETS)
+
+    def record(self, stats: StepStats) -> None:
+        """Apply one engine step's stats."""
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage_perc.set(stats.kv_usage)
+        self.kv_cache_blocks_total.set(stats.kv_blocks_total)
+        self.kv_cache_blocks_used.set(stats.kv_blocks_used)
+        self.prompt_tokens.inc(stats.num_prompt_tokens)
+        self.generation_tokens.inc(stats.num_generation_tokens)
+        self.prefix_cache_queries.inc(stats.prefix_cache_queries)
+        self.prefix_cache_hits.inc(stats.prefix_cache_hits)
+        self.num_preemptions.inc(stats.num_preemptions)
+        if stats.num_batched_tokens:
+            self.iteration_tokens.observe(stats.num_batched_tokens)
+        for t in stats.time_to_first_token:
+            self.time_to_first_token.observe(t)
+        for t in stats.inter_token_latency:
+            self.inter_token_latency.observe(t)
+        for fin in stats.finished:
+            child = self.request_success.get(fin.finish_reason)
+            if child is None:  # a reason this module does not know yet still counts
+                child = self._success.labels(self._model_name, fin.finish_reason)
+            child.inc()
+            self.e2e_request_latency.observe(fin.e2e_latency)
+            self.request_queue_time.observe(fin.queue_time)
+
+    def render(self) -> bytes:
+        """The registry in Prometheus text format."""
+        return generate_latest(self.registry)

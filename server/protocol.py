@@ -1,0 +1,268 @@
+"""OpenAI request bodies (pydantic v2) and their conversion to ``SamplingParams``.
+
+Models are strict (no ``"16"`` for an int, no ``true`` for a number) and
+ignore unknown fields, as OpenAI does. Range checks live in one place,
+``SamplingParams``; this module only checks shapes and maps its ``ValueError``
+to a 400. Response bodies are in ``server.protocol_responses``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine.sampling_params import SamplingParams
+from server.errors import APIError, bad_request
+
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by completions and chat completions (OpenAI + vLLM extras)."""
+
+    model: str | None = None
+    n: int | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored
+    # vLLM extensions.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> "_SamplingRequest":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        """``logit_bias`` with its JSON string keys turned into token ids."""
+        out: dict[int, float] = {}
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                out[int(key)] = bias
+            except ValueError:
+                raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
+                                  "logit_bias") from None
+        return out
+
+    def to_sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Build the engine's params; an invalid value becomes a 400 naming the field."""
+        given: dict[str, Any] = {
+            "n": self.n, "temperature": self.temperature, "top_p": self.top_p,
+            "top_k": self.top_k, "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty, "seed": self.seed,
+            "stop": self.stop, "stop_token_ids": self.stop_token_ids,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        # None means "the default", so only pass what the client set.
+        kwargs = {k: v for k, v in given.items() if v is not None}
+        try:
+            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+                                  logit_bias=self.logit_bias_ids(), **kwargs)
+        except ValueError as e:
+            raise sampling_error(e) from None
+
+
+def sampling_error(err: ValueError) -> APIError:
+    """A 400 for a ``SamplingParams`` error, naming the field when the message starts with it."""
+    message = str(err)
+    first = message.split(" ", 1)[0]
+    return bad_request(message, first if first in _SAMPLING_FIELDS else None)
+
+
+class CompletionRequest(_SamplingRequest):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, p: Any) -> Any:
+        items = p if isinstance(p, list) else []
+        if p == "" or p == [] or any(x == "" or x == [] for x in items):
+            raise ValueError("prompt must not be empty")
+        return p
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
+            raise ValueError("suffix is not supported")
+        return suffix
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "CompletionRequest":
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise ValueError("best_of is not supported (it must be unset or equal to n)")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo together with logprobs is not supported")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list: each a text or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def sampling_params(self) -> SamplingParams:
+        return self.to_sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs)
+
+
+class ContentPart(_Strict):
+    """One part of a message's content; only text parts are supported."""
+
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> "ContentPart":
+        if self.type != "text" or self.text is None:
+            raise ValueError(f"only text content parts are supported, got type {self.type!r}")
+        return self
+
+
+class ChatMessage(_Strict):
+    """One chat message; content is text or a list of text parts."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        # NOTE: parts are joined with newlines, as vLLM does for text-only content.
+        return "\n".join(part.text or "" for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = True  # vLLM extension
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, tools: list[Any] | None) -> list[Any] | None:
+        if tools:
+            raise ValueError("tools are not supported")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, choice: Any) -> Any:
+        if choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice is not supported")
+        return choice
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, fmt: dict[str, Any] | None) -> dict[str, Any] | None:
+        if fmt and fmt.get("type") not in (None, "text"):
+            raise ValueError("only response_format {'type': 'text'} is supported")
+        return fmt
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    def sampling_params(self) -> SamplingParams:
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.to_sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+
+
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM shape): either ``prompt`` or ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt or messages")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM shape)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    """400 unless every id is in ``[0, vocab_size)``."""
+    for tok in ids:
+        if not 0 <= tok < vocab_size:
+            raise bad_request(f"{param} contains token id {tok}, outside the vocabulary "
+                              f"[0, {vocab_size})", param)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the plain dicts a chat template expects."""
+    out = []
+    for m in messages:
+        d = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out

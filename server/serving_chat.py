@@ -1,0 +1,120 @@
+"""``POST /v1/chat/completions``: chat completions, streaming or not."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from engine.outputs import RequestOutput, TokenLogprob
+from server.body import read_model
+from server.engine_client import TokenizerLike
+from server.errors import bad_request
+from server.generation import ClientDisconnected
+from server.protocol import ChatCompletionRequest, template_messages
+from server.protocol_responses import (AssistantMessage, ChatChoice, ChatChunkChoice,
+                                       ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
+                                       ChatTokenLogprob, DeltaMessage, TopLogprob, now, sse)
+from server.serving_common import (Choices, SSEResponse, disconnected_response, first_output,
+                                   launch, run_to_completion, sse_stream)
+from server.state import ServerState, new_request_id
+
+
+def _token(tokenizer: TokenizerLike, token_id: int, logprob: float) -> TopLogprob:
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+
+
+def chat_logprobs(tokenizer: TokenizerLike, lps: list[TokenLogprob]) -> ChatLogprobs:
+    """OpenAI's chat logprobs: one entry per token with its top alternatives."""
+    content = []
+    for lp in lps:
+        head = _token(tokenizer, lp.token_id, lp.logprob)
+        content.append(ChatTokenLogprob(
+            token=head.token, logprob=head.logprob, bytes=head.bytes,
+            top_logprobs=[_token(tokenizer, t, v) for t, v in lp.top]))
+    return ChatLogprobs(content=content)
+
+
+def apply_template(tokenizer: TokenizerLike, messages: list[dict[str, str]],
+                   add_generation_prompt: bool) -> str:
+    """Render messages with the model's chat template; a template error is a 400."""
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except ValueError as e:
+        raise bad_request(f"Invalid messages: {e}", "messages") from None
+
+
+def render_prompt(tokenizer: TokenizerLike, body: ChatCompletionRequest) -> list[int]:
+    """Chat template then tokens. The template already holds any BOS, so the
+    tokenizer must not add special tokens a second time."""
+    text = apply_template(tokenizer, template_messages(body.messages),
+                          body.add_generation_prompt is not False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+async def create_chat_completion(state: ServerState, request: Request) -> Response:
+    """Validate, run and render one chat completions request."""
+    body = await read_model(request, ChatCompletionRequest)
+    state.check_model(body.model)
+    params = body.sampling_params()
+    tok = state.engine.tokenizer
+    prompt = render_prompt(tok, body)
+    if not prompt:
+        raise bad_request("The rendered chat prompt is empty.", "messages")
+    state.check_prompt(prompt, params, "messages")
+    state.admit()
+
+    request_id = new_request_id("chatcmpl")
+    choices = Choices([len(prompt)], params.n)
+    merged = launch(state, request_id, [prompt], params)
+    want_logprobs = params.logprobs is not None
+
+    if not body.stream:
+        try:
+            await run_to_completion(request, merged, choices)
+        except ClientDisconnected:
+            return disconnected_response()
+        result = ChatCompletionResponse(id=request_id, model=state.model_name,
+                                        usage=choices.usage(), choices=[
+            ChatChoice(index=idx, message=AssistantMessage(content="".join(st.text)),
+                       finish_reason=st.finish_reason,
+                       logprobs=chat_logprobs(tok, st.logprobs) if want_logprobs else None)
+            for idx, st in enumerate(choices.states)])
+        return JSONResponse(result.model_dump(mode="json"))
+
+    try:
+        first = await first_output(request, merged)
+    except ClientDisconnected:
+        return disconnected_response()
+    created = now()
+    include_usage = body.include_usage
+
+    def chunk(choice: ChatChunkChoice | None, usage: bool = False) -> str:
+        return sse(ChatCompletionChunk(
+            id=request_id, created=created, model=state.model_name,
+            choices=[choice] if choice else [], usage=choices.usage() if usage else None),
+            include_usage=include_usage)
+
+    def prelude() -> Iterator[str]:
+        # The first chunk of every choice announces the role, as OpenAI's do.
+        for idx in range(len(choices.states)):
+            yield chunk(ChatChunkChoice(index=idx,
+                                        delta=DeltaMessage(role="assistant", content="")))
+
+    def render(prompt_index: int, ro: RequestOutput) -> Iterator[str]:
+        for idx, out, finished in choices.update(prompt_index, ro):
+            if out.text or out.logprobs:
+                lps = chat_logprobs(tok, out.logprobs or []) if want_logprobs else None
+                yield chunk(ChatChunkChoice(index=idx, delta=DeltaMessage(content=out.text),
+                                            logprobs=lps))
+            if finished:
+                yield chunk(ChatChunkChoice(index=idx, delta=DeltaMessage(),
+                                            finish_reason=choices.states[idx].finish_reason))
+
+    def epilogue() -> Iterator[str]:
+        if include_usage:
+            yield chunk(None, usage=True)
+
+    return SSEResponse(sse_stream(first, merged, prelude(), render, epilogue))

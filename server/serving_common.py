@@ -1,0 +1,178 @@
+"""Pieces shared by the completions and chat endpoints.
+
+``Choices`` accumulates the per-choice state of one API request (text,
+finish reason, token counts) from engine deltas; ``sse_stream`` wraps an
+endpoint's chunk renderer with the error-event and ``[DONE]`` protocol.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Send
+
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams
+from server.errors import APIError, engine_fault
+from server.generation import (ClientDisconnected, EngineFault, close_quietly, merge_outputs,
+                               race_disconnect)
+from server.protocol_responses import SSE_DONE, Usage, sse_json
+from server.state import ServerState, start_generation
+
+logger = logging.getLogger(__name__)
+
+# Not an HTTP status the client sees (it is gone); it marks the access log.
+CLIENT_CLOSED_REQUEST = 499
+
+Merged = AsyncGenerator[tuple[int, RequestOutput], None]
+
+
+@dataclass
+class ChoiceState:
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Choices:
+    """Per-choice accumulation for ``len(prompts) * n`` choices.
+
+    Choice ``i * n + k`` is sample ``k`` of prompt ``i``, as OpenAI numbers them.
+    """
+
+    def __init__(self, prompt_lens: list[int], n: int) -> None:
+        self.n = n
+        self.prompt_lens = prompt_lens
+        self.cached = [0] * len(prompt_lens)
+        self.states = [ChoiceState() for _ in range(len(prompt_lens) * n)]
+
+    def index(self, prompt_index: int, out: CompletionOutput) -> int:
+        return prompt_index * self.n + out.index
+
+    def update(self, prompt_index: int,
+               ro: RequestOutput) -> list[tuple[int, CompletionOutput, bool]]:
+        """Fold one delta in; returns ``(choice, output, newly_finished)`` per output."""
+        self.cached[prompt_index] = ro.num_cached_tokens
+        changed = []
+        for out in ro.outputs:
+            idx = self.index(prompt_index, out)
+            st = self.states[idx]
+            st.text.append(out.text)
+            st.num_tokens += len(out.token_ids)
+            if out.logprobs:
+                st.logprobs.extend(out.logprobs)
+            newly = out.finish_reason is not None and st.finish_reason is None
+            if newly:
+                st.finish_reason = out.finish_reason
+            changed.append((idx, out, newly))
+        return changed
+
+    def usage(self) -> Usage:
+        return Usage.of(sum(self.prompt_lens), sum(s.num_tokens for s in self.states),
+                        sum(self.cached))
+
+
+def launch(state: ServerState, request_id: str, prompts: list[list[int]],
+           params: SamplingParams) -> Merged:
+    """Start one engine request per prompt and merge their streams."""
+    gens = [start_generation(state.engine, request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                             ids, params)
+            for i, ids in enumerate(prompts)]
+    return merge_outputs(gens)
+
+
+async def collect(merged: Merged, choices: Choices) -> Choices:
+    """Run a non-streaming request to the end."""
+    try:
+        async for prompt_index, ro in merged:
+            choices.update(prompt_index, ro)
+    finally:
+        await close_quietly(merged)
+    return choices
+
+
+async def run_to_completion(request: Request, merged: Merged, choices: Choices) -> Choices:
+    """``collect`` raced against client disconnect; engine faults become a 500."""
+    try:
+        return await race_disconnect(request, collect(merged, choices))
+    except EngineFault as e:
+        raise engine_fault(str(e)) from None
+
+
+async def first_output(request: Request, merged: Merged) -> tuple[int, RequestOutput] | None:
+    """Wait for the first delta before sending headers, so that a request the
+    engine refuses still gets a proper 400 rather than a 200 with an error event."""
+    try:
+        return await race_disconnect(request, anext(merged))
+    except StopAsyncIteration:
+        return None
+    except EngineFault as e:
+        await close_quietly(merged)
+        raise engine_fault(str(e)) from None
+    except BaseException:
+        await close_quietly(merged)
+        raise
+
+
+Render = Callable[[int, RequestOutput], Iterable[str]]
+
+
+async def sse_stream(first: tuple[int, RequestOutput] | None, merged: Merged,
+                     prelude: Iterable[str], render: Render,
+                     epilogue: Callable[[], Iterable[str]]) -> AsyncIterator[str]:
+    """The SSE body: prelude, rendered deltas, epilogue, then ``[DONE]``.
+
+    A failure after the stream started is sent as an error event followed by
+    ``[DONE]``. Closing this generator (client disconnect) closes the engine
+    streams, which aborts them.
+    """
+    try:
+        for event in prelude:
+            yield event
+        if first is not None:
+            for event in render(*first):
+                yield event
+            async for prompt_index, ro in merged:
+                for event in render(prompt_index, ro):
+                    yield event
+        for event in epilogue():
+            yield event
+    except EngineFault as e:
+        yield sse_json(engine_fault(str(e)).body_json())
+    except APIError as e:
+        yield sse_json(e.body_json())
+    except Exception:
+        logger.exception("stream failed")
+        yield sse_json(APIError(500, "Internal server error.", type="server_error").body_json())
+    finally:
+        await close_quietly(merged)
+    yield SSE_DONE
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events that always close their body iterator.
+
+    Starlette leaves an interrupted iterator to the garbage collector; closing
+    it here aborts the engine requests as soon as the stream ends.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await close_quietly(self.body_iterator)
+
+
+def disconnected_response() -> Response:
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+

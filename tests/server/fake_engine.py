@@ -1,0 +1,295 @@
+"""A deterministic in-process stand-in for ``engine.async_engine.AsyncEngine``.
+
+It implements the same interface with no model: every sample of a request
+types out ``SCRIPT`` one byte-token per step (sample ``k`` starts ``k``
+characters in), and honours max_tokens (None = rest of the context), stop
+strings (with hold-back, so stop text is never streamed), stop_token_ids,
+EOS (``eos_at``), min_tokens, ignore_eos, n, logprobs, aborts and a simulated
+prefix cache. It reports ``StepStats`` to stat loggers after every step and
+can fail mid-stream (``fail_after_steps``) either with ``RequestOutput.error``
+or by raising, as a dead engine loop does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams
+from engine.stats import FinishedRequestStats, StatLogger, StepStats
+
+SCRIPT = "hello world, this is kvserve speaking. " * 8
+
+
+class FakeEngineDeadError(RuntimeError):
+    """Stands in for ``engine.async_engine.EngineDeadError``."""
+
+
+class FakeTokenizer:
+    """Byte-level tokenizer: ids 0-255 are bytes, 256 is BOS, 257 is EOS."""
+
+    BOS, EOS = 256, 257
+    vocab_size = 260
+    eos_token_ids = [EOS]
+    bos_token_id = BOS
+    ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.BOS] + ids if add_special_tokens else ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        out, buf = [], bytearray()
+        for i in ids:
+            if i < 256:
+                buf.append(i)
+                continue
+            out.append(buf.decode("utf-8", errors="replace"))
+            buf = bytearray()
+            if not skip_special_tokens:
+                out.append({self.BOS: "<s>", self.EOS: "</s>"}.get(i, f"<{i}>"))
+        out.append(buf.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        parts = []
+        for m in messages:
+            if m.get("role") not in self.ROLES or not isinstance(m.get("content"), str):
+                raise ValueError(f"bad message {m!r}")
+            parts.append(f"<|{m['role']}|>{m['content']}\n")
+        if add_generation_prompt:
+            parts.append("<|assistant|>")
+        return "".join(parts)
+
+
+@dataclass
+class _Sample:
+    index: int
+    text: str = ""  # all generated text, stop text included
+    emitted: int = 0  # characters of ``text`` already sent
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class FakeRequest:
+    """What the fake saw of one generate call (for assertions)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[_Sample] = field(default_factory=list)
+    aborted: bool = False
+
+
+class FakeEngine:
+    """See the module docstring. Knobs are plain attributes, settable per test."""
+
+    def __init__(self, *, model_name: str = "fake-model", max_model_len: int = 256,
+                 block_size: int = 16, num_kv_blocks: int = 64, step_delay: float = 0.0,
+                 eos_at: int | None = None, fail_after_steps: int | None = None,
+                 fault: str = "error") -> None:
+        self.tokenizer = FakeTokenizer()
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.step_delay = step_delay
+        self.eos_at = eos_at
+        self.fail_after_steps = fail_after_steps
+        self.fault = fault  # "error": RequestOutput.error; "raise": the loop dies
+        self.is_alive = True
+        self.started = False
+        self.shut_down = False
+        self.extra_unfinished = 0  # pretend queue depth, for admission tests
+        self.requests: list[FakeRequest] = []
+        self.aborted: list[str] = []
+        self._active: dict[str, FakeRequest] = {}
+        self._abort_flags: set[str] = set()
+        self._loggers: list[StatLogger] = []
+        self._seen_prompts: list[list[int]] = []
+
+    @classmethod
+    def from_config(cls, config: object) -> "FakeEngine":
+        return cls(model_name=getattr(config, "served_model_name", None) or "fake-model")
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._active) + self.extra_unfinished
+
+    def add_stat_logger(self, logger: StatLogger) -> None:
+        self._loggers.append(logger)
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def shutdown(self) -> None:
+        self.shut_down = True
+        self.is_alive = False
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self._active:
+            self._abort_flags.add(request_id)
+
+    def _cached_tokens(self, prompt: list[int]) -> int:
+        best = 0
+        for seen in self._seen_prompts:
+            common = 0
+            for a, b in zip(seen, prompt):
+                if a != b:
+                    break
+                common += 1
+            best = max(best, common)
+        # Only full blocks are cached, and the last prompt token is always computed.
+        return min(best, len(prompt) - 1) // self.block_size * self.block_size
+
+    def _blocks_used(self) -> int:
+        used = 0
+        for req in self._active.values():
+            for s in req.samples:
+                used += -(-(len(req.prompt_token_ids) + s.num_tokens) // self.block_size)
+        return used
+
+    def _emit(self, stats: StepStats) -> None:
+        stats.num_running = len(self._active)
+        stats.kv_blocks_total = self.num_kv_blocks
+        stats.kv_blocks_used = min(self._blocks_used(), self.num_kv_blocks)
+        stats.kv_usage = stats.kv_blocks_used / self.num_kv_blocks
+        for logger in self._loggers:
+            logger.record(stats)
+
+    def _next_token(self, req: FakeRequest, s: _Sample) -> int:
+        p = req.params
+        if self.eos_at is not None and s.num_tokens >= self.eos_at and not p.ignore_eos \
+                and s.num_tokens >= p.min_tokens:
+            return FakeTokenizer.EOS
+        return ord(SCRIPT[(s.index + s.num_tokens) % len(SCRIPT)])
+
+    def _advance(self, req: FakeRequest, s: _Sample, limit: int) -> CompletionOutput:
+        """Generate one token for ``s`` and return its delta."""
+        p = req.params
+        tok = self._next_token(req, s)
+        s.num_tokens += 1
+        if tok == FakeTokenizer.EOS:
+            s.finish_reason = "stop"
+        elif tok in p.stop_token_ids and s.num_tokens > p.min_tokens:
+            s.finish_reason, s.stop_reason = "stop", tok
+        else:
+            s.text += chr(tok)
+        end = len(s.text)
+        if s.finish_reason is None and s.num_tokens > p.min_tokens:
+            for stop in p.stop:
+                pos = s.text.find(stop)
+                if pos >= 0:
+                    s.finish_reason, s.stop_reason = "stop", stop
+                    end = pos + len(stop) if p.include_stop_str_in_output else pos
+                    s.text = s.text[:end]
+                    break
+        if s.finish_reason is None and s.num_tokens >= limit:
+            s.finish_reason = "length"
+        if s.finish_reason is None:
+            # Hold back any tail that could still become a stop string.
+            hold = max((k for stop in p.stop for k in range(1, len(stop))
+                        if s.text.endswith(stop[:k])), default=0)
+            end = len(s.text) - hold
+        delta, s.emitted = s.text[s.emitted:end], max(s.emitted, end)
+        logprobs = None
+        if p.logprobs is not None:
+            alts = [(tok, -0.25)] + [(ord("x") + i, -2.0 - i) for i in range(20)]
+            logprobs = [TokenLogprob(token_id=tok, logprob=-0.25, top=alts[:p.logprobs])]
+        return CompletionOutput(index=s.index, text=delta, token_ids=[tok], logprobs=logprobs,
+                                finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Yield one ``RequestOutput`` per step until every sample finishes."""
+        prompt = list(prompt_token_ids)
+        n_prompt = len(prompt)
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if n_prompt >= self.max_model_len:
+            raise ValueError(f"prompt has {n_prompt} tokens, max_model_len is {self.max_model_len}")
+        limit = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
+        if n_prompt + limit > self.max_model_len:
+            raise ValueError(f"prompt ({n_prompt}) + max_tokens ({limit}) exceeds "
+                             f"max_model_len ({self.max_model_len})")
+        if not self.is_alive:
+            raise FakeEngineDeadError("engine is dead")
+        req = FakeRequest(request_id, prompt, params, [_Sample(k) for k in range(params.n)])
+        self.requests.append(req)
+        self._active[request_id] = req
+        cached = self._cached_tokens(prompt)
+        self._seen_prompts.append(prompt)
+        arrival = last = time.monotonic()
+        steps = 0
+        try:
+            while True:
+                await asyncio.sleep(self.step_delay)
+                now = time.monotonic()
+                stats = StepStats()
+                if request_id in self._abort_flags:
+                    outs = [CompletionOutput(s.index, "", [], finish_reason="abort")
+                            for s in req.samples if s.finish_reason is None]
+                    for s in req.samples:
+                        if s.finish_reason is None:
+                            s.finish_reason = "abort"
+                            stats.finished.append(self._finished(req, s, arrival, now))
+                    del self._active[request_id]
+                    self._emit(stats)
+                    yield RequestOutput(request_id, outs, prompt, finished=True,
+                                        num_cached_tokens=cached)
+                    return
+                if self.fail_after_steps is not None and steps >= self.fail_after_steps:
+                    del self._active[request_id]
+                    if self.fault == "raise":
+                        self.is_alive = False
+                        raise FakeEngineDeadError("engine loop died")
+                    yield RequestOutput(request_id, [], prompt, finished=True,
+                                        num_cached_tokens=cached, error="simulated engine fault")
+                    return
+                if steps == 0:
+                    stats.num_prompt_tokens = n_prompt
+                    stats.prefix_cache_queries = n_prompt
+                    stats.prefix_cache_hits = cached
+                    stats.num_batched_tokens = n_prompt - cached
+                    stats.time_to_first_token.append(now - arrival)
+                running = [s for s in req.samples if s.finish_reason is None]
+                outs = [self._advance(req, s, limit) for s in running]
+                stats.num_generation_tokens = len(outs)
+                stats.num_batched_tokens += len(outs)
+                if steps > 0:
+                    stats.inter_token_latency.extend([now - last] * len(outs))
+                for s in running:
+                    if s.finish_reason is not None:
+                        stats.finished.append(self._finished(req, s, arrival, now))
+                steps += 1
+                last = now
+                done = all(s.finish_reason is not None for s in req.samples)
+                if done:
+                    del self._active[request_id]
+                self._emit(stats)
+                yield RequestOutput(request_id, outs, prompt, finished=done,
+                                    num_cached_tokens=cached)
+                if done:
+                    return
+        finally:
+            # Reached on close/cancel (client gone) as well: abort and free.
+            if request_id in self._active:
+                del self._active[request_id]
+                req.aborted = True
+                self.aborted.append(request_id)
+                stats = StepStats(finished=[self._finished(req, s, arrival, time.monotonic())
+                                            for s in req.samples if s.finish_reason is None])
+                self._emit(stats)
+            self._abort_flags.discard(request_id)
+
+    @staticmethod
+    def _finished(req: FakeRequest, s: _Sample, arrival: float, now: float) -> FinishedRequestStats:
+        return FinishedRequestStats(finish_reason=s.finish_reason or "abort",
+                                    num_prompt_tokens=len(req.prompt_token_ids),
+                                    num_generation_tokens=s.num_tokens,
+                                    e2e_latency=now - arrival, queue_time=0.0)

@@ -1,0 +1,120 @@
+"""POST /v1/chat/completions: the wire format, streaming and not, against the fake engine."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from api_helpers import MODEL, sse_events
+from fake_engine import SCRIPT, FakeEngine
+
+pytestmark = pytest.mark.anyio
+
+HELLO = [{"role": "user", "content": "hi"}]
+
+
+async def chat(client: httpx.AsyncClient, messages=HELLO, **body) -> httpx.Response:
+    return await client.post("/v1/chat/completions",
+                             json={"model": MODEL, "messages": messages, **body})
+
+
+async def test_non_streaming_shape(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    r = await chat(client, max_tokens=5)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert set(body) == {"id", "object", "created", "model", "choices", "usage"}
+    assert body["id"].startswith("chatcmpl-")
+    assert body["object"] == "chat.completion"
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hello"},
+                                "logprobs": None, "finish_reason": "length"}]
+    prompt = engine.tokenizer.encode("<|user|>hi\n<|assistant|>", add_special_tokens=False)
+    assert engine.requests[-1].prompt_token_ids == prompt
+    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 5,
+                             "total_tokens": len(prompt) + 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+async def test_default_max_tokens_is_rest_of_context(client: httpx.AsyncClient,
+                                                     engine: FakeEngine) -> None:
+    r = await chat(client)
+    usage = r.json()["usage"]
+    assert engine.requests[-1].params.max_tokens is None
+    assert usage["total_tokens"] == engine.max_model_len
+
+
+async def test_max_completion_tokens_wins(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    await chat(client, max_tokens=9, max_completion_tokens=3)
+    assert engine.requests[-1].params.max_tokens == 3
+
+
+async def test_content_parts_and_system(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"},
+                                             {"type": "text", "text": "b"}]}]
+    r = await chat(client, messages, max_tokens=1)
+    assert r.status_code == 200, r.text
+    text = engine.tokenizer.decode(engine.requests[-1].prompt_token_ids)
+    assert text == "<|system|>be brief\n<|user|>a\nb\n<|assistant|>"
+
+
+async def test_n_and_stop(client: httpx.AsyncClient) -> None:
+    r = await chat(client, n=2, stop=["o"], max_tokens=20)
+    choices = r.json()["choices"]
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in choices] == [
+        (0, "hell", "stop"), (1, "ell", "stop")]
+
+
+async def test_logprobs(client: httpx.AsyncClient) -> None:
+    r = await chat(client, max_tokens=2, logprobs=True, top_logprobs=2)
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert content[0] == {"token": "h", "logprob": -0.25, "bytes": [104],
+                          "top_logprobs": [{"token": "h", "logprob": -0.25, "bytes": [104]},
+                                           {"token": "x", "logprob": -2.0, "bytes": [120]}]}
+    assert [c["token"] for c in content] == ["h", "e"]
+
+
+async def test_streaming_wire_format(client: httpx.AsyncClient) -> None:
+    r = await chat(client, max_tokens=4, stream=True)
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    for c in chunks:
+        assert set(c) == {"id", "object", "created", "model", "choices"}
+        assert c["object"] == "chat.completion.chunk" and c["id"].startswith("chatcmpl-")
+        assert set(c["choices"][0]) == {"index", "delta", "logprobs", "finish_reason"}
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]}
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == SCRIPT[:4]
+    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
+                                        "finish_reason": "length"}
+    assert [c["choices"][0]["finish_reason"] for c in chunks].count(None) == len(chunks) - 1
+
+
+async def test_streaming_n2_include_usage(client: httpx.AsyncClient) -> None:
+    r = await chat(client, n=2, max_tokens=3, stream=True, stream_options={"include_usage": True})
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    *chunks, last = events[:-1]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
+    assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert all(c["usage"] is None for c in chunks)
+    for idx, text in ((0, "hel"), (1, "ell")):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == idx]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(m["delta"].get("content", "") for m in mine) == text
+        assert [m["finish_reason"] for m in mine if m["finish_reason"]] == ["length"]
+
+
+async def test_streaming_stop_never_leaks_stop_text(client: httpx.AsyncClient) -> None:
+    r = await chat(client, stop=["lo w"], max_tokens=30, stream=True)
+    chunks = sse_events(r.text)[:-1]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "hel"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_stream_equals_non_stream(client: httpx.AsyncClient) -> None:
+    plain = (await chat(client, max_tokens=12)).json()["choices"][0]["message"]["content"]
+    chunks = sse_events((await chat(client, max_tokens=12, stream=True)).text)[:-1]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == plain

@@ -1,0 +1,187 @@
+"""The kvserve command line: sizes, arguments, the serve/generate wiring, SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import types
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine.config import EngineConfig
+from server import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("512MiB", 512 * 1024**2), ("2GiB", 2 * 1024**3), ("1.5GB", 1_500_000_000),
+    ("4096", 4096), ("4mib", 4 * 1024**2), (" 1 KiB ", 1024), ("10kb", 10_000), ("1T", 10**12),
+])
+def test_parse_size(text: str, expected: int) -> None:
+    assert cli.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "MiB", "1.2.3GB", "5 parsecs", "-1GB", "0", "1e3"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(ValueError):
+        cli.parse_size(text)
+
+
+def test_serve_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVSERVE_API_KEY", raising=False)
+    args = cli.build_parser().parse_args(["serve"])
+    assert (args.model, args.host, args.port, args.dtype) == ("smollm2", "127.0.0.1", 8000, "auto")
+    assert args.max_body_size == 4 * 1024**2 and args.api_key is None and args.max_queue is None
+    assert cli.engine_config(args) == EngineConfig()
+
+
+def test_serve_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSERVE_API_KEY", "from-env")
+    args = cli.build_parser().parse_args([
+        "serve", "--model", "/m.gguf", "--kv-cache-memory", "1.5GB", "--block-size", "32",
+        "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--max-model-len", "1024",
+        "--served-model-name", "mine", "--max-queue", "5", "--max-body-size", "1MiB",
+        "--shutdown-timeout", "3", "--dtype", "float32"])
+    assert args.api_key == "from-env" and args.max_queue == 5 and args.max_body_size == 1024**2
+    assert args.shutdown_timeout == 3.0
+    assert cli.engine_config(args) == EngineConfig(
+        model="/m.gguf", dtype="float32", kv_cache_memory=1_500_000_000, block_size=32,
+        max_num_seqs=8, max_num_batched_tokens=512, max_model_len=1024,
+        served_model_name="mine")
+
+
+def test_bad_settings_exit_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--kv-cache-memory", "lots"])
+    assert "invalid size" in capsys.readouterr().err
+    args = cli.build_parser().parse_args(["serve", "--block-size", "3"])
+    with pytest.raises(SystemExit, match="block_size"):
+        cli.engine_config(args)
+
+
+def test_generate_calls_llm_engine(monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    seen = {}
+
+    class FakeLLM:
+        @classmethod
+        def from_config(cls, config):
+            seen["config"] = config
+            return cls()
+
+        def generate(self, prompts, params, use_tqdm=True):
+            seen["prompts"], seen["params"] = prompts, params
+            return [[types.SimpleNamespace(text="generated text")]]
+
+    monkeypatch.setitem(sys.modules, "engine.llm_engine", types.SimpleNamespace(LLMEngine=FakeLLM))
+    code = cli.main(["generate", "--model", "smollm2", "--prompt", "Hi", "--max-tokens", "7",
+                     "--temperature", "0"])
+    assert code == 0
+    assert capsys.readouterr().out == "generated text\n"
+    assert seen["prompts"] == ["Hi"] and seen["config"].model == "smollm2"
+    assert (seen["params"].max_tokens, seen["params"].temperature) == (7, 0.0)
+
+
+def test_serve_wiring_and_startup_log(monkeypatch: pytest.MonkeyPatch,
+                                      caplog: pytest.LogCaptureFixture) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from fake_engine import FakeEngine
+
+    engines = []
+
+    def from_config(config):
+        engines.append(FakeEngine(model_name=config.served_model_name or config.model))
+        return engines[-1]
+
+    monkeypatch.setitem(sys.modules, "engine.async_engine",
+                        types.SimpleNamespace(AsyncEngine=types.SimpleNamespace(from_config=from_config)))
+    made = {}
+
+    class StubServer:
+        started = True
+
+        def run(self) -> None:
+            made["ran"] = True
+
+    def make_server(app, host, port, timeout, log_level, on_drain):
+        made.update(app=app, host=host, port=port, timeout=timeout)
+        on_drain()
+        return StubServer()
+
+    monkeypatch.setattr(cli, "_make_server", make_server)
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        code = cli.main(["serve", "--port", "9123", "--api-key", "k", "--max-queue", "3",
+                         "--shutdown-timeout", "2"])
+    assert code == 0 and made["ran"] and (made["host"], made["port"]) == ("127.0.0.1", 9123)
+    state = made["app"].state.kvserve
+    assert (state.api_key, state.max_queue, state.draining) == ("k", 3, True)
+    text = caplog.text
+    assert "http://127.0.0.1:9123" in text and "smollm2" in text
+    assert "64 blocks x 16 tokens = 1024 tokens" in text
+
+
+def test_signal_starts_draining_without_reraising() -> None:
+    drained = []
+    server = cli._make_server(object(), "127.0.0.1", 0, 1.0, "info", lambda: drained.append(1))
+    server.handle_exit(signal.SIGTERM, None)
+    assert drained == [1] and server.should_exit
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SERVE_FAKE = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    from fake_engine import FakeEngine
+    from server.app import build_app
+    from server.cli import _make_server
+    app = build_app(FakeEngine(step_delay=0.02))
+    server = _make_server(app, "127.0.0.1", {port}, {timeout}, "warning",
+                          lambda: setattr(app.state.kvserve, "draining", True))
+    server.run()
+    print("engine shut down:", app.state.kvserve.engine.shut_down, flush=True)
+""")
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_lets_in_flight_finish_then_exits_0() -> None:
+    port = _free_port()
+    script = SERVE_FAKE.format(tests=str(Path(__file__).parent), port=port, timeout=10)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(200):
+            try:
+                if httpx.get(f"{url}/ready").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        body = {"prompt": "hi", "max_tokens": 40, "stream": True}  # about 0.8 s
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data:")]
+        assert first and rest[-1] == "data: [DONE]"
+        assert '"finish_reason":"length"' in rest[-2]
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert "engine shut down: True" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,166 @@
+"""POST /v1/completions: the wire format, streaming and not, against the fake engine."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from api_helpers import MODEL, sse_events
+from fake_engine import SCRIPT, FakeEngine
+
+pytestmark = pytest.mark.anyio
+
+
+async def complete(client: httpx.AsyncClient, **body) -> httpx.Response:
+    return await client.post("/v1/completions", json={"model": MODEL, **body})
+
+
+async def test_non_streaming_shape(client: httpx.AsyncClient) -> None:
+    r = await complete(client, prompt="hi")
+    assert r.status_code == 200
+    body = r.json()
+    assert set(body) == {"id", "object", "created", "model", "choices", "usage"}
+    assert body["id"].startswith("cmpl-")
+    assert body["object"] == "text_completion"
+    assert body["model"] == MODEL
+    assert isinstance(body["created"], int)
+    # Default max_tokens is 16; "hi" is BOS + 2 bytes.
+    assert body["choices"] == [{"text": SCRIPT[:16], "index": 0, "logprobs": None,
+                                "finish_reason": "length"}]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 16, "total_tokens": 19,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+async def test_params_reach_the_engine(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    r = await complete(client, prompt="hi", max_tokens=5, temperature=0.5, top_p=0.9, seed=7,
+                       presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={"65": 2.5},
+                       top_k=40, min_p=0.1, repetition_penalty=1.2, ignore_eos=True, min_tokens=1,
+                       stop_token_ids=[33], stop=["zz"], user="someone")
+    assert r.status_code == 200, r.text
+    p = engine.requests[-1].params
+    assert (p.max_tokens, p.temperature, p.top_p, p.seed) == (5, 0.5, 0.9, 7)
+    assert (p.presence_penalty, p.frequency_penalty, p.logit_bias) == (0.5, -0.5, {65: 2.5})
+    assert (p.top_k, p.min_p, p.repetition_penalty) == (40, 0.1, 1.2)
+    assert (p.ignore_eos, p.min_tokens, p.stop_token_ids, p.stop) == (True, 1, [33], ["zz"])
+    assert engine.requests[-1].request_id.startswith("cmpl-")
+
+
+async def test_token_id_prompt(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    r = await complete(client, prompt=[104, 105], max_tokens=2)
+    assert r.json()["choices"][0]["text"] == "he"
+    assert engine.requests[-1].prompt_token_ids == [104, 105]
+
+
+async def test_multiple_prompts_and_n(client: httpx.AsyncClient) -> None:
+    r = await complete(client, prompt=["a", "bc"], n=2, max_tokens=3)
+    body = r.json()
+    # Choice i * n + k is sample k of prompt i.
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [
+        (0, "hel"), (1, "ell"), (2, "hel"), (3, "ell")]
+    assert body["usage"]["prompt_tokens"] == 2 + 3
+    assert body["usage"]["completion_tokens"] == 12
+
+
+async def test_stop_string_is_not_returned(client: httpx.AsyncClient) -> None:
+    r = await complete(client, prompt="hi", stop="world", max_tokens=30)
+    choice = r.json()["choices"][0]
+    assert choice["text"] == "hello "
+    assert choice["finish_reason"] == "stop"
+    assert r.json()["usage"]["completion_tokens"] == len("hello world")
+
+
+async def test_eos_finishes_with_stop(engine: FakeEngine, client: httpx.AsyncClient) -> None:
+    engine.eos_at = 4
+    r = await complete(client, prompt="hi", max_tokens=10)
+    assert r.json()["choices"][0] == {"text": "hell", "index": 0, "logprobs": None,
+                                      "finish_reason": "stop"}
+    assert r.json()["usage"]["completion_tokens"] == 5  # EOS counts as a generated token
+
+
+async def test_max_tokens_null_means_rest_of_context(client: httpx.AsyncClient,
+                                                     engine: FakeEngine) -> None:
+    r = await complete(client, prompt="hi", max_tokens=None)
+    assert r.json()["usage"]["completion_tokens"] == engine.max_model_len - 3
+
+
+async def test_echo(client: httpx.AsyncClient) -> None:
+    r = await complete(client, prompt="hi ", max_tokens=2, echo=True)
+    assert r.json()["choices"][0]["text"] == "hi he"
+
+
+async def test_logprobs(client: httpx.AsyncClient) -> None:
+    r = await complete(client, prompt="hi", max_tokens=3, logprobs=2)
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["h", "e", "l"]
+    assert lp["token_logprobs"] == [-0.25, -0.25, -0.25]
+    assert lp["top_logprobs"][0] == {"h": -0.25, "x": -2.0}
+    assert lp["text_offset"] == [0, 1, 2]
+
+
+async def test_cached_tokens_reported(client: httpx.AsyncClient) -> None:
+    prompt = "a long shared prefix that spans blocks " * 2
+    await complete(client, prompt=prompt, max_tokens=1)
+    r = await complete(client, prompt=prompt, max_tokens=1)
+    cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0 and cached % 16 == 0
+
+
+async def test_streaming_wire_format(client: httpx.AsyncClient) -> None:
+    r = await complete(client, prompt="hi", max_tokens=4, stream=True)
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]}
+    assert chunks[0]["id"].startswith("cmpl-")
+    for c in chunks:
+        assert set(c) == {"id", "object", "created", "model", "choices"}  # no usage key
+        assert c["object"] == "text_completion" and c["model"] == MODEL
+        assert len(c["choices"]) == 1
+        assert set(c["choices"][0]) == {"text", "index", "logprobs", "finish_reason"}
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "hell"
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks]
+    assert reasons[-1] == "length" and reasons.count("length") == 1
+    assert all(r is None for r in reasons[:-1])
+
+
+async def test_streaming_include_usage(client: httpx.AsyncClient) -> None:
+    r = await complete(client, prompt="hi", max_tokens=4, n=2, stream=True,
+                       stream_options={"include_usage": True})
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    *chunks, last = events[:-1]
+    assert all(c["usage"] is None for c in chunks)
+    assert last["choices"] == []
+    assert last["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+    for idx, text in ((0, "hell"), (1, "ello")):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == idx]
+        assert "".join(ch["text"] for ch in mine) == text
+        assert [ch["finish_reason"] for ch in mine if ch["finish_reason"]] == ["length"]
+
+
+async def test_streaming_stop_and_echo(client: httpx.AsyncClient) -> None:
+    r = await complete(client, prompt="hi ", stop=["world"], max_tokens=30, stream=True, echo=True)
+    chunks = sse_events(r.text)[:-1]
+    assert chunks[0]["choices"][0]["text"] == "hi "
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "hi hello "
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_stream_equals_non_stream(client: httpx.AsyncClient) -> None:
+    plain = (await complete(client, prompt="hey", max_tokens=9, n=2)).json()
+    streamed = sse_events((await complete(client, prompt="hey", max_tokens=9, n=2,
+                                          stream=True)).text)[:-1]
+    for choice in plain["choices"]:
+        parts = [c["choices"][0]["text"] for c in streamed
+                 if c["choices"][0]["index"] == choice["index"]]
+        assert "".join(parts) == choice["text"]
+
+
+async def test_batch_of_token_id_prompts(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    r = await complete(client, prompt=[[104], [105, 106]], max_tokens=1)
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+    assert sorted(req.prompt_token_ids for req in engine.requests) == [[104], [105, 106]]
+    assert r.json()["usage"]["prompt_tokens"] == 3

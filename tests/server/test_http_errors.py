@@ -1,0 +1,181 @@
+"""Auth, unknown routes and models, body limits, overload and draining."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from starlette.routing import Route
+
+from api_helpers import MODEL, assert_error, client_for
+from fake_engine import FakeEngine
+from server.app import build_app
+from server.middleware import OPEN_PATHS
+
+pytestmark = pytest.mark.anyio
+
+KEY = "s3cret-key"
+
+
+def _concrete(path: str) -> str:
+    return path.replace("{model:path}", MODEL)
+
+
+def _all_endpoints(app) -> list[tuple[str, str]]:
+    out = []
+    for route in app.routes:
+        assert isinstance(route, Route)
+        for method in sorted(route.methods or ()):
+            if method != "HEAD":
+                out.append((method, _concrete(route.path)))
+    return out
+
+
+async def test_every_route_requires_the_key_except_probes(engine: FakeEngine) -> None:
+    app = build_app(engine, api_key=KEY)
+    endpoints = _all_endpoints(app)
+    assert {p for _, p in endpoints} >= {"/v1/completions", "/v1/chat/completions", "/v1/models",
+                                         "/tokenize", "/detokenize", "/health", "/ready",
+                                         "/metrics", "/version"}
+    bodies = {"/v1/completions": {"prompt": "hi", "max_tokens": 1},
+              "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}],
+                                       "max_tokens": 1},
+              "/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [104]}}
+    async with app.router.lifespan_context(app):
+        for method, path in endpoints:
+            json = bodies.get(path) if method == "POST" else None
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                            {"Authorization": f"Basic {KEY}"}):
+                async with client_for(app, **headers) as c:
+                    r = await c.request(method, path, json=json)
+                if path in OPEN_PATHS:
+                    assert r.status_code == 200, (method, path, r.text)
+                else:
+                    err = assert_error(r, 401)
+                    assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key"
+            async with client_for(app, Authorization=f"Bearer {KEY}") as c:
+                r = await c.request(method, path, json=json)
+            assert r.status_code == 200, (method, path, r.text)
+
+
+async def test_unknown_route_needs_key_then_404(engine: FakeEngine) -> None:
+    app = build_app(engine, api_key=KEY)
+    async with client_for(app) as c:
+        assert_error(await c.get("/v1/nope"), 401)
+    async with client_for(app, Authorization=f"bearer {KEY}") as c:
+        assert_error(await c.get("/v1/nope"), 404)
+
+
+async def test_unknown_route_and_method(client: httpx.AsyncClient) -> None:
+    err = assert_error(await client.post("/v1/engines/foo/completions", json={}), 404)
+    assert "/v1/engines/foo/completions" in err["message"]
+    assert_error(await client.get("/v1/completions"), 405)
+
+
+@pytest.mark.parametrize("method, path, body", [
+    ("POST", "/v1/completions", {"prompt": "hi"}),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("POST", "/tokenize", {"prompt": "hi"}),
+    ("POST", "/detokenize", {"tokens": [1]}),
+    ("GET", "/v1/models/other-model", None),
+])
+async def test_unknown_model_is_404(client: httpx.AsyncClient, method, path, body) -> None:
+    if body is not None:
+        body["model"] = "other-model"
+    err = assert_error(await client.request(method, path, json=body), 404, param="model")
+    assert err["code"] == "model_not_found" and "other-model" in err["message"]
+
+
+async def test_served_model_name(engine: FakeEngine) -> None:
+    app = build_app(engine, served_model_name="alias")
+    async with client_for(app) as c:
+        r = await c.post("/v1/completions", json={"model": "alias", "prompt": "hi", "max_tokens": 1})
+        assert r.json()["model"] == "alias"
+        assert_error(await c.post("/v1/completions", json={"model": MODEL, "prompt": "hi"}), 404)
+
+
+async def test_declared_body_over_limit_is_413(engine: FakeEngine) -> None:
+    app = build_app(engine, max_body_size=1024)
+    async with client_for(app) as c:
+        r = await c.post("/v1/completions", content=b'{"prompt": "' + b"x" * 2000 + b'"}')
+        err = assert_error(r, 413)
+        assert "1024" in err["message"]
+        at_limit = b'{"prompt": "' + b"x" * (1024 - 15) + b'"}'
+        r = await c.post("/v1/completions", content=at_limit + b" " * (1024 - len(at_limit)))
+        assert_error(r, 400, contains="context length")  # past the body limit, refused later
+
+
+async def test_streamed_body_over_limit_is_413_before_the_end(engine: FakeEngine) -> None:
+    app = build_app(engine, max_body_size=1024)
+    pulled = []
+
+    async def chunks():
+        for i in range(10):
+            pulled.append(i)
+            yield b"x" * 512
+
+    async with client_for(app) as c:
+        r = await c.post("/v1/completions", content=chunks())  # chunked: no Content-Length
+    assert_error(r, 413)
+    assert len(pulled) < 10
+
+
+async def test_queue_full_is_503_with_retry_after(engine: FakeEngine) -> None:
+    app = build_app(engine, max_queue=2)
+    body = {"prompt": "hi", "max_tokens": 1}
+    async with client_for(app) as c:
+        engine.extra_unfinished = 1
+        assert (await c.post("/v1/completions", json=body)).status_code == 200
+        engine.extra_unfinished = 2
+        for path, b in (("/v1/completions", body),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+            r = await c.post(path, json=b)
+            err = assert_error(r, 503)
+            assert int(r.headers["retry-after"]) >= 1
+            assert err["type"] == "server_error"
+
+
+async def test_draining_refuses_new_requests(engine: FakeEngine) -> None:
+    app = build_app(engine)
+    async with app.router.lifespan_context(app), client_for(app) as c:
+        assert (await c.get("/ready")).status_code == 200
+        app.state.kvserve.draining = True
+        r = await c.post("/v1/completions", json={"prompt": "hi"})
+        assert_error(r, 503)
+        assert "retry-after" in r.headers
+        assert_error(await c.get("/v1/models"), 503)
+        assert (await c.get("/health")).status_code == 200
+        assert_error(await c.get("/ready"), 503)
+        assert (await c.get("/metrics")).status_code == 200
+    assert engine.shut_down
+
+
+async def test_dead_engine(engine: FakeEngine, client: httpx.AsyncClient) -> None:
+    engine.is_alive = False
+    assert_error(await client.get("/health"), 503)
+    assert_error(await client.get("/ready"), 503)
+    assert_error(await client.post("/v1/completions", json={"prompt": "hi"}), 503)
+
+
+async def test_unexpected_bug_is_a_json_500(engine: FakeEngine) -> None:
+    def boom(*args, **kwargs):
+        raise RuntimeError("tokenizer bug")
+
+    engine.tokenizer.encode = boom  # type: ignore[method-assign]
+    app = build_app(engine)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
+                                 base_url="http://test") as c:
+        r = await c.post("/v1/completions", json={"prompt": "hi"})
+    err = assert_error(r, 500)
+    assert err["type"] == "server_error" and "tokenizer bug" not in err["message"]
+
+
+async def test_framework_validation_errors_are_400_not_422(engine: FakeEngine) -> None:
+    app = build_app(engine)
+
+    @app.get("/v1/_probe")
+    async def probe(count: int) -> dict:  # FastAPI validates the query parameter
+        return {"count": count}
+
+    async with client_for(app) as c:
+        assert (await c.get("/v1/_probe", params={"count": 2})).json() == {"count": 2}
+        assert_error(await c.get("/v1/_probe", params={"count": "many"}), 400, param="count")

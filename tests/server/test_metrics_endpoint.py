@@ -1,0 +1,91 @@
+"""GET /metrics: names, labels, and counters that equal the responses' usage."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from api_helpers import MODEL, sse_events
+from engine.sampling_params import SamplingParams
+from fake_engine import FakeEngine
+from server.metrics import PrometheusStatLogger
+
+pytestmark = pytest.mark.anyio
+
+GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+          "kv_cache_blocks_total", "kv_cache_blocks_used"]
+COUNTERS = ["prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
+            "prefix_cache_hits_total", "num_preemptions_total", "request_success_total"]
+HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds",
+              "e2e_request_latency_seconds", "request_queue_time_seconds",
+              "iteration_tokens_total"]
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(metrics: dict, name: str, **labels: str) -> float:
+    return metrics[(f"kvserve_{name}", tuple(sorted({"model_name": MODEL, **labels}.items())))]
+
+
+async def test_names_types_and_labels(client: httpx.AsyncClient) -> None:
+    r = await client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    for g in GAUGES:
+        assert families[f"kvserve_{g}"].type == "gauge"
+    for c in COUNTERS:
+        assert families[f"kvserve_{c.removesuffix('_total')}"].type == "counter"
+    for h in HISTOGRAMS:
+        assert families[f"kvserve_{h}"].type == "histogram"
+    for family in families.values():
+        for s in family.samples:
+            assert s.labels["model_name"] == MODEL
+    m = samples(r.text)
+    for reason in ("stop", "length", "abort"):
+        assert value(m, "request_success_total", finished_reason=reason) == 0
+
+
+async def test_counters_equal_summed_usage(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    engine.eos_at = 5
+    usages = []
+    for body in ({"prompt": "hello", "max_tokens": 3},
+                 {"prompt": ["a", "bb"], "max_tokens": 9, "n": 2},
+                 {"prompt": "hello", "max_tokens": 4, "stream": True,
+                  "stream_options": {"include_usage": True}}):
+        r = await client.post("/v1/completions", json=body)
+        usages.append(sse_events(r.text)[-2]["usage"] if body.get("stream") else r.json()["usage"])
+    r = await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "yo"}], "max_tokens": 2})
+    usages.append(r.json()["usage"])
+
+    m = samples((await client.get("/metrics")).text)
+    assert value(m, "prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+    assert value(m, "generation_tokens_total") == sum(u["completion_tokens"] for u in usages)
+    assert value(m, "prefix_cache_hits_total") == sum(
+        u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    assert value(m, "prefix_cache_queries_total") == value(m, "prompt_tokens_total")
+    # Sequences: 1 + 2 * 2 + 1 + 1; the n=2 ones hit EOS after 5 tokens, others hit max_tokens.
+    assert value(m, "request_success_total", finished_reason="length") == 3
+    assert value(m, "request_success_total", finished_reason="stop") == 4
+    assert value(m, "e2e_request_latency_seconds_count") == 7
+    assert value(m, "time_to_first_token_seconds_count") == 5
+    assert value(m, "num_requests_running") == 0
+    assert value(m, "kv_cache_blocks_total") == engine.num_kv_blocks
+
+
+async def test_aborted_requests_are_counted(engine: FakeEngine) -> None:
+    logger = PrometheusStatLogger(MODEL)
+    engine.add_stat_logger(logger)
+    gen = engine.generate("r1", [1, 2, 3], SamplingParams(max_tokens=10, n=2))
+    await gen.__anext__()
+    await gen.aclose()
+    m = samples(logger.render().decode())
+    assert value(m, "request_success_total", finished_reason="abort") == 2
+    assert value(m, "generation_tokens_total") == 2

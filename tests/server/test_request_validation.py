@@ -1,0 +1,149 @@
+"""Every client mistake in a request body is a 400 with an OpenAI error body."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from api_helpers import MODEL, assert_error
+
+pytestmark = pytest.mark.anyio
+
+CMPL = "/v1/completions"
+CHAT = "/v1/chat/completions"
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("raw, contains", [
+    (b"{not json", "Invalid JSON"),
+    (b"", "empty"),
+    (b"[1, 2]", "JSON object"),
+    (b'{"prompt": "hi", "temperature": NaN}', "NaN"),
+    (b'{"prompt": "hi", "temperature": Infinity}', "Infinity"),
+    (b'{"prompt": "hi", "temperature": -Infinity}', "Infinity"),
+    (b'{"prompt": "hi", "temperature": 1e999}', "out of range"),
+    (b'{"prompt": "\\ud800"}', "surrogate"),
+    (b'{"prompt": "ok", "stop": ["\\udfff"]}', "surrogate"),
+    (b'{"prompt": "\xff\xfe"}', "UTF-8"),
+    (b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}", "Invalid JSON"),
+])
+async def test_malformed_bodies(client: httpx.AsyncClient, raw: bytes, contains: str) -> None:
+    r = await client.post(CMPL, content=raw, headers={"content-type": "application/json"})
+    assert_error(r, 400, contains=contains)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": "hi", "max_tokens": "16"}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 1.5}, "max_tokens"),
+    ({"prompt": "hi", "temperature": "hot"}, "temperature"),
+    ({"prompt": "hi", "stream": "yes"}, "stream"),
+    ({"prompt": "hi", "n": True}, "n"),
+    ({"prompt": "hi", "stop": [1]}, "stop"),
+    ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": ["ok", ""]}, "prompt"),
+    ({"prompt": [[1], []]}, "prompt"),
+    ({"prompt": [1, 260]}, "prompt"),
+    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": "hi", "stop_token_ids": [999]}, "stop_token_ids"),
+    ({"prompt": "hi", "logit_bias": {"4096": 1}}, "logit_bias"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": -3}, "max_tokens"),
+    ({"prompt": "hi", "temperature": -0.1}, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, "top_p"),
+    ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ({"prompt": "hi", "n": 0}, "n"),
+    ({"prompt": "hi", "n": 1000}, "n"),
+    ({"prompt": "hi", "stop": [f"s{i}" for i in range(17)]}, None),
+    ({"prompt": "hi", "stop": [""]}, "stop"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ({"prompt": "hi", "logprobs": -1}, "logprobs"),
+    ({"prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "hi", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "hi", "top_k": -2}, "top_k"),
+    ({"prompt": "hi", "min_p": 2}, "min_p"),
+    ({"prompt": "hi", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "hi", "seed": 2**64}, "seed"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, None),
+    ({"prompt": "hi", "suffix": "x"}, "suffix"),
+    ({"prompt": "hi", "best_of": 3}, None),
+    ({"prompt": "hi", "echo": True, "logprobs": 1}, None),
+])
+async def test_completion_400s(client: httpx.AsyncClient, body: dict, param: str | None) -> None:
+    r = await client.post(CMPL, json={"model": MODEL, **body})
+    assert_error(r, 400, param=param)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ({"messages": [{"content": "hi"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": 3}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages"),
+    ({"messages": MSGS, "max_completion_tokens": 0}, "max_tokens"),
+    ({"messages": MSGS, "logprobs": True, "top_logprobs": 21}, "logprobs"),
+    ({"messages": MSGS, "top_logprobs": 2}, None),
+    ({"messages": MSGS, "logprobs": 1}, "logprobs"),
+    ({"messages": MSGS, "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": MSGS, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": MSGS, "temperature": -1}, "temperature"),
+])
+async def test_chat_400s(client: httpx.AsyncClient, body: dict, param: str | None) -> None:
+    r = await client.post(CHAT, json={"model": MODEL, **body})
+    assert_error(r, 400, param=param)
+
+
+async def test_prompt_plus_max_tokens_over_context(client: httpx.AsyncClient) -> None:
+    # max_model_len is 256; "hi" is 3 tokens.
+    r = await client.post(CMPL, json={"prompt": "hi", "max_tokens": 254})
+    err = assert_error(r, 400, param="prompt")
+    assert "256" in err["message"] and "257" in err["message"]
+    assert "3 in the prompt" in err["message"] and "254 for the completion" in err["message"]
+    ok = await client.post(CMPL, json={"prompt": "hi", "max_tokens": 253})
+    assert ok.status_code == 200
+
+
+async def test_prompt_alone_fills_context(client: httpx.AsyncClient) -> None:
+    r = await client.post(CHAT, json={"messages": [{"role": "user", "content": "x" * 300}]})
+    err = assert_error(r, 400, param="messages")
+    assert "256" in err["message"] and "tokens" in err["message"]
+
+
+async def test_engine_value_error_is_400(client: httpx.AsyncClient, engine) -> None:
+    # A limit only the engine knows still reaches the client as a 400, streaming or not.
+    saved = engine.generate
+
+    async def refusing(*args, **kwargs):
+        raise ValueError("prompt (3) + max_tokens (2) exceeds max_model_len (4)")
+        yield  # pragma: no cover
+
+    engine.generate = refusing
+    try:
+        for stream in (False, True):
+            r = await client.post(CMPL, json={"prompt": "hi", "max_tokens": 2, "stream": stream})
+            assert_error(r, 400, contains="exceeds max_model_len (4)")
+    finally:
+        engine.generate = saved
+
+
+async def test_unknown_fields_are_ignored(client: httpx.AsyncClient) -> None:
+    r = await client.post(CMPL, json={"prompt": "hi", "max_tokens": 1, "something_new": 1})
+    assert r.status_code == 200
+
+
+async def test_client_errors_never_5xx(client: httpx.AsyncClient) -> None:
+    # A grab bag of nonsense on every POST route.
+    junk = [b"null", b"1", b'"s"', b"{}", b'{"prompt": {"a": 1}}', b'{"messages": [null]}',
+            b'{"tokens": ["a"]}', b'{"model": 5}']
+    for path in (CMPL, CHAT, "/tokenize", "/detokenize"):
+        for raw in junk:
+            r = await client.post(path, content=raw)
+            assert 400 <= r.status_code < 500, (path, raw, r.status_code, r.text)
