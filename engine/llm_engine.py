@@ -158,7 +158,9 @@ class LLMEngine:
         for seq in api.seqs:
             self.scheduler.abort_request(seq.request_id)
             self._seq_to_api.pop(seq.request_id, None)
-        self._pending_finished.append(self._finished_stats(api, "abort"))
+        self._pending_finished.extend(self._finished_stats(api, seq, "abort" if i not in api.done
+                                                           else seq.status.finish_reason or "abort")
+                                      for i, seq in enumerate(api.seqs))
         outs = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="abort")
                 for i in range(len(api.seqs)) if i not in api.done]
         return RequestOutput(request_id, outs, api.prompt_token_ids, finished=True,
@@ -244,19 +246,20 @@ class LLMEngine:
         del self._requests[api.request_id]
         for seq in api.seqs:
             self._seq_to_api.pop(seq.request_id, None)
-        stats.finished.append(self._finished_stats(api, api.seqs[0].status.finish_reason or "abort"))
+        # One record per sequence (sample), each with its own finish reason.
+        stats.finished.extend(self._finished_stats(api, seq, seq.status.finish_reason or "abort")
+                              for seq in api.seqs)
 
     @staticmethod
-    def _finished_stats(api: _ApiRequest, reason: str) -> FinishedRequestStats:
-        first = api.seqs[0]
+    def _finished_stats(api: _ApiRequest, seq: Request, reason: str) -> FinishedRequestStats:
         now = time.monotonic()
-        scheduled = first.first_scheduled_time
+        scheduled = seq.first_scheduled_time
         return FinishedRequestStats(
             finish_reason=reason,
             num_prompt_tokens=len(api.prompt_token_ids),
-            num_generation_tokens=sum(s.num_output_tokens for s in api.seqs),
-            e2e_latency=(first.finished_time or now) - first.arrival_time,
-            queue_time=(scheduled - first.arrival_time) if scheduled is not None else 0.0,
+            num_generation_tokens=seq.num_output_tokens,
+            e2e_latency=(seq.finished_time or now) - seq.arrival_time,
+            queue_time=(scheduled - seq.arrival_time) if scheduled is not None else 0.0,
         )
 
     def _fill_gauges(self, stats: StepStats) -> None:

@@ -174,8 +174,17 @@ class LlamaForCausalLM(nn.Module):
             expected.discard("lm_head.weight")
         missing = sorted(expected - loaded)
         if missing:
-            shown = ", ".join(m.split("#")[0] for m in missing[:5])
+            shown = ", ".join(_checkpoint_name(m) for m in missing[:5])
             raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {shown}")
+
+
+def _checkpoint_name(key: str) -> str:
+    """``...gate_up_proj.weight#1`` -> ``...up_proj.weight``: the name the checkpoint lacks."""
+    name, _, idx = key.partition("#")
+    for ckpt, (fused, i) in _FUSED.items():
+        if idx and f".{fused}." in name and int(idx) == i:
+            return name.replace(f".{fused}.", f".{ckpt}.")
+    return name
 
 
 def _shard(fused: torch.Tensor, name: str, idx: int, cfg: ModelConfig) -> torch.Tensor:

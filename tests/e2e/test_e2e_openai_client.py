@@ -1,0 +1,159 @@
+"""The real server driven by the official ``openai`` client: completions and chat,
+streaming and not, usage chunks, n, stop, seeds and greedy determinism."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from e2e_helpers import MODEL, KVServe
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "List of fruits: apple, banana,"
+MESSAGES = [{"role": "user", "content": "Name three colors."}]
+MAX_TOKENS = 8
+
+
+def prompt_len(server: KVServe, **body: object) -> int:
+    """The server's own token count for a prompt (or chat messages) via /tokenize."""
+    r = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, **body},
+                   headers=server.headers, timeout=30.0)
+    assert r.status_code == 200, r.text
+    return r.json()["count"]
+
+
+def same_counts(a: object, b: object) -> bool:
+    """Equal token counts (cached_tokens may differ: a repeated prompt hits the prefix cache)."""
+    fields = ("prompt_tokens", "completion_tokens", "total_tokens")
+    return all(getattr(a, f) == getattr(b, f) for f in fields)
+
+
+def stream_completion(client: openai.OpenAI, **kwargs: object) -> tuple[list, str]:
+    chunks = list(client.completions.create(model=MODEL, stream=True, **kwargs))
+    return chunks, "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+def stream_chat(client: openai.OpenAI, **kwargs: object) -> tuple[list, str]:
+    chunks = list(client.chat.completions.create(model=MODEL, stream=True, **kwargs))
+    return chunks, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_models_list_shows_the_served_model(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_completion(client: openai.OpenAI, server: KVServe) -> None:
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                  temperature=0)
+    assert r.object == "text_completion" and r.model == MODEL and r.id
+    [choice] = r.choices
+    assert choice.index == 0 and choice.text
+    assert choice.finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == prompt_len(server, prompt=PROMPT)
+    assert 0 < r.usage.completion_tokens <= MAX_TOKENS
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    if choice.finish_reason == "length":
+        assert r.usage.completion_tokens == MAX_TOKENS
+
+
+def test_chat_completion(client: openai.OpenAI, server: KVServe) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS,
+                                       temperature=0)
+    assert r.object == "chat.completion" and r.model == MODEL and r.id.startswith("chatcmpl-")
+    [choice] = r.choices
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == prompt_len(server, messages=MESSAGES)
+    assert 0 < r.usage.completion_tokens <= MAX_TOKENS
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_completion_stream_equals_non_stream_at_temperature_0(client: openai.OpenAI) -> None:
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                     temperature=0)
+    chunks, text = stream_completion(client, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                     stream_options={"include_usage": True})
+    assert text == full.choices[0].text
+    # The usage chunk comes last, alone, with no choices; no other chunk carries usage.
+    *deltas, last = chunks
+    assert last.choices == [] and same_counts(last.usage, full.usage)
+    assert all(c.usage is None and len(c.choices) == 1 for c in deltas)
+    assert {c.id for c in chunks} == {last.id}
+    finishes = [c.choices[0].finish_reason for c in deltas if c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert deltas[-1].choices[0].finish_reason is not None
+
+
+def test_chat_stream_equals_non_stream_at_temperature_0(client: openai.OpenAI) -> None:
+    full = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS,
+                                          temperature=0)
+    chunks, text = stream_chat(client, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
+                               stream_options={"include_usage": True})
+    assert text == full.choices[0].message.content
+    *deltas, last = chunks
+    assert last.choices == [] and same_counts(last.usage, full.usage)
+    assert all(c.usage is None and len(c.choices) == 1 for c in deltas)
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert deltas[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in deltas if c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+
+
+def test_stream_without_include_usage_has_no_usage_chunk(client: openai.OpenAI) -> None:
+    chunks, text = stream_chat(client, messages=MESSAGES, max_tokens=4, temperature=0)
+    assert text
+    assert all(c.usage is None and len(c.choices) == 1 for c in chunks)
+
+
+def test_n_2_returns_two_choices(client: openai.OpenAI, server: KVServe) -> None:
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0,
+                                  seed=7, n=2)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert all(c.finish_reason in ("stop", "length") for c in r.choices)
+    # The prompt is counted once, the samples' tokens together.
+    assert r.usage.prompt_tokens == prompt_len(server, prompt=PROMPT)
+    assert 2 <= r.usage.completion_tokens <= 12
+
+    chunks, _ = stream_chat(client, messages=MESSAGES, max_tokens=4, temperature=1.0, n=2,
+                            stream_options={"include_usage": True})
+    # Both samples stream on their own index and each finishes exactly once.
+    finishes: dict[int, list[str]] = {0: [], 1: []}
+    for c in chunks[:-1]:
+        [choice] = c.choices
+        if choice.finish_reason:
+            finishes[choice.index].append(choice.finish_reason)
+    assert all(len(f) == 1 for f in finishes.values()), finishes
+    assert chunks[-1].choices == [] and 2 <= chunks[-1].usage.completion_tokens <= 8
+
+
+def test_stop_string_ends_the_text_before_it(client: openai.OpenAI) -> None:
+    greedy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12,
+                                       temperature=0).choices[0].text
+    assert len(greedy) >= 6, f"the greedy text {greedy!r} is too short to pick a stop string from"
+    middle = len(greedy) // 2
+    stop = greedy[middle:middle + 3]
+    expected = greedy[:greedy.find(stop)]
+
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                  stop=[stop])
+    assert r.choices[0].text == expected
+    assert r.choices[0].finish_reason == "stop"
+
+    # Streamed, the stop text is held back and never sent.
+    chunks, text = stream_completion(client, prompt=PROMPT, max_tokens=12, temperature=0,
+                                     stop=[stop])
+    assert text == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["stop"]
+
+
+def test_same_seed_same_text_at_temperature_1(client: openai.OpenAI) -> None:
+    def sample() -> str:
+        return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                         temperature=1.0, seed=1234).choices[0].text
+
+    first = sample()
+    assert first
+    assert sample() == first

@@ -1,0 +1,143 @@
+"""Builders for the model tests: a paged-cache runner and tiny random HF checkpoints."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.attention import SeqSpec, build_attention_metadata
+
+# Small enough to build in milliseconds; 4 query heads over 2 KV heads exercises GQA.
+TINY_CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+@dataclass
+class Seq:
+    """One sequence in a ``PagedRunner``: its blocks and how many of its tokens are cached."""
+
+    block_table: list[int]
+    num_cached: int = 0
+    tokens: list[int] = field(default_factory=list)
+
+
+class PagedRunner:
+    """Drives a model through a paged KV cache the way the engine's runner does.
+
+    Block ids are handed out in a shuffled order, so block tables are never contiguous.
+    """
+
+    def __init__(self, model: torch.nn.Module, block_size: int = 16, num_blocks: int = 64,
+                 seed: int = 0) -> None:
+        cfg = model.config
+        dtype = model.model.embed_tokens.weight.dtype
+        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.model = model
+        self.block_size = block_size
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+                          for _ in range(cfg.num_hidden_layers)]
+        self.free_blocks = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free_blocks)
+
+    def new_seq(self, max_tokens: int) -> Seq:
+        """A sequence with room for ``max_tokens`` tokens."""
+        n = -(-max_tokens // self.block_size)
+        table, self.free_blocks = self.free_blocks[:n], self.free_blocks[n:]
+        return Seq(table)
+
+    def step(self, work: list[tuple[Seq, list[int]]]) -> list[torch.Tensor]:
+        """One forward over a flat batch: each sequence's new tokens follow its cached ones.
+
+        Decodes (one new token) must come first. Returns, per sequence, float32
+        logits ``[len(new tokens), vocab]``.
+        """
+        ids, positions, specs = [], [], []
+        for seq, new in work:
+            ids += new
+            positions += range(seq.num_cached, seq.num_cached + len(new))
+            specs.append(SeqSpec(len(new), seq.num_cached + len(new), seq.block_table))
+        meta = build_attention_metadata(specs, self.block_size)
+        logits = self.model(torch.tensor(ids), torch.tensor(positions), meta, self.kv_caches)
+        for seq, new in work:
+            seq.num_cached += len(new)
+            seq.tokens += new
+        return list(logits.split([len(new) for _, new in work]))
+
+    def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        """Prefill ``prompt``, then decode one argmax token per step; EOS does not stop it."""
+        seq = self.new_seq(len(prompt) + max_new_tokens)
+        logits = self.step([(seq, prompt)])[0]
+        out = [int(logits[-1].argmax())]
+        while len(out) < max_new_tokens:
+            out.append(int(self.step([(seq, out[-1:])])[0][-1].argmax()))
+        return out
+
+
+@pytest.fixture
+def make_runner() -> Callable[..., PagedRunner]:
+    """``make_runner(model, block_size=16, num_blocks=64, seed=0)`` -> a fresh ``PagedRunner``."""
+    return PagedRunner
+
+
+def tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides):
+    """A random transformers Llama or Qwen2 with ``TINY_CONFIG`` (+ overrides), float32.
+
+    Every parameter is random, norms and biases included, so a loader that
+    drops or misplaces any of them changes the logits.
+    """
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**TINY_CONFIG, **overrides})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.1 * torch.randn_like(p))
+    return model
+
+
+def save_tiny_tokenizer(path: Path, vocab_size: int = TINY_CONFIG["vocab_size"]) -> None:
+    """A word-level ``tokenizer.json`` (``t0``..``t{n-1}``) covering the tiny vocabulary."""
+    import tokenizers
+    import transformers
+
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=backend).save_pretrained(path)
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path: Path) -> Callable[..., tuple[Path, torch.nn.Module]]:
+    """``tiny_checkpoint(arch="llama", max_shard_size=None, **config)`` -> (checkpoint dir, HF model).
+
+    The directory holds what ``save_pretrained`` writes (config.json, safetensors)
+    plus a tokenizer.json, as a real checkpoint does.
+    """
+    def build(arch: str = "llama", max_shard_size: str | None = None, **overrides):
+        model = tiny_hf_model(arch, **overrides)
+        path = tmp_path / f"tiny-{arch}"
+        extra = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        model.save_pretrained(path, safe_serialization=True, **extra)
+        save_tiny_tokenizer(path)
+        return path, model
+
+    return build
+
+
+@pytest.fixture
+def tiny_prompt() -> list[int]:
+    """21 reproducible random token ids of the tiny vocabulary: more than one 16-token block."""
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(TINY_CONFIG["vocab_size"], (21,), generator=gen).tolist()

@@ -1,0 +1,147 @@
+"""Paged attention (write_kv + paged_attention) equals plain dense causal attention."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from models.attention import SeqSpec, build_attention_metadata, paged_attention, write_kv
+
+KV_HEADS = 2
+HEAD_DIM = 16
+SCALE = HEAD_DIM ** -0.5
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(QK^T * scale + causal mask) V in float64, KV heads repeated for each query group.
+
+    ``q`` is ``[n, heads, d]``, the last ``n`` positions of a context ``k``/``v`` ``[ctx, kv_heads, d]``.
+    """
+    group = q.shape[1] // k.shape[1]
+    q, k, v = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    n, ctx = q.shape[0], k.shape[0]
+    scores = torch.einsum("qhd,khd->hqk", q, k) * SCALE
+    query_pos = torch.arange(n)[:, None] + (ctx - n)
+    scores = scores.masked_fill(torch.arange(ctx)[None, :] > query_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@dataclass
+class Case:
+    """A batch ready for one attention call, plus each sequence's whole K/V for the reference."""
+
+    q: torch.Tensor  # [T, heads, d]
+    k: torch.Tensor  # [T, kv_heads, d], this step's keys
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    specs: list[SeqSpec]
+    block_size: int
+    full_k: list[torch.Tensor]  # per sequence [context_len, kv_heads, d]
+    full_v: list[torch.Tensor]
+
+    def run(self) -> list[torch.Tensor]:
+        """write_kv then paged_attention, as a model layer does; outputs split per sequence."""
+        meta = build_attention_metadata(self.specs, self.block_size)
+        write_kv(self.k_cache, self.v_cache, self.k, self.v, meta.slot_mapping)
+        out = paged_attention(self.q, self.k, self.v, self.k_cache, self.v_cache, meta, SCALE)
+        return list(out.split([s.query_len for s in self.specs]))
+
+    def reference(self) -> list[torch.Tensor]:
+        qs = self.q.split([s.query_len for s in self.specs])
+        return [dense_attention(q, k, v) for q, k, v in zip(qs, self.full_k, self.full_v)]
+
+
+def make_case(lengths: list[tuple[int, int]], block_size: int, group: int, seed: int = 0) -> Case:
+    """Random data for sequences given as ``(query_len, context_len)``, decodes first.
+
+    Each sequence gets blocks from a random permutation of the pool (with spare
+    blocks), so tables are shuffled and non-contiguous; its cached prefix
+    (``context_len - query_len`` tokens) is already in the cache, whose other
+    slots hold random garbage that must never be read.
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    needed = [-(-ctx // block_size) for _, ctx in lengths]
+    pool = torch.randperm(sum(needed) + 5, generator=gen).tolist()
+    k_cache = randn(len(pool), block_size, KV_HEADS, HEAD_DIM)
+    v_cache = randn(len(pool), block_size, KV_HEADS, HEAD_DIM)
+    specs, qs, ks, vs, full_k, full_v = [], [], [], [], [], []
+    for (qlen, ctx), n in zip(lengths, needed):
+        table, pool = pool[:n], pool[n:]
+        if n > 1 and table == sorted(table):
+            table.reverse()  # an ascending table could hide a gather that ignores the order
+        k, v = randn(ctx, KV_HEADS, HEAD_DIM), randn(ctx, KV_HEADS, HEAD_DIM)
+        for p in range(ctx - qlen):  # the cached prefix
+            k_cache[table[p // block_size], p % block_size] = k[p]
+            v_cache[table[p // block_size], p % block_size] = v[p]
+        specs.append(SeqSpec(qlen, ctx, table))
+        qs.append(randn(qlen, KV_HEADS * group, HEAD_DIM))
+        ks.append(k[ctx - qlen:])
+        vs.append(v[ctx - qlen:])
+        full_k.append(k)
+        full_v.append(v)
+    return Case(torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, specs, block_size,
+                full_k, full_v)
+
+
+def assert_matches_reference(case: Case) -> None:
+    for i, (got, want) in enumerate(zip(case.run(), case.reference(), strict=True)):
+        diff = (got.double() - want).abs().max().item()
+        assert diff < 1e-5, f"sequence {i} ({case.specs[i]}): max |diff| {diff:.2e}"
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_mixed_batch_matches_dense_attention(block_size: int, group: int) -> None:
+    # Decodes of 1, 17 and 40 tokens, a fresh 23-token prompt, a 9-token chunk after 32 cached.
+    lengths = [(1, 1), (1, 17), (1, 40), (23, 23), (9, 41)]
+    assert_matches_reference(make_case(lengths, block_size, group))
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_decode_only_batch_matches_dense_attention(block_size: int) -> None:
+    assert_matches_reference(make_case([(1, 70), (1, 5), (1, 33)], block_size, group=3))
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_prefill_only_batch_matches_dense_attention(block_size: int) -> None:
+    # A one-token prompt, a prompt of exactly one block, chunks after cached prefixes.
+    lengths = [(1, 1), (16, 16), (5, 37), (30, 31)]
+    assert_matches_reference(make_case(lengths, block_size, group=8))
+
+
+def test_write_kv_stores_each_token_in_its_slot() -> None:
+    block_size = 4
+    k_cache = torch.zeros(6, block_size, KV_HEADS, HEAD_DIM)
+    v_cache = torch.zeros(6, block_size, KV_HEADS, HEAD_DIM)
+    k, v = torch.randn(3, KV_HEADS, HEAD_DIM), torch.randn(3, KV_HEADS, HEAD_DIM)
+    slots = torch.tensor([5 * block_size + 3, 0, 2 * block_size + 1])
+
+    write_kv(k_cache, v_cache, k, v, slots)
+
+    for i, (block, offset) in enumerate([(5, 3), (0, 0), (2, 1)]):
+        assert torch.equal(k_cache[block, offset], k[i])
+        assert torch.equal(v_cache[block, offset], v[i])
+    assert torch.count_nonzero(k_cache.flatten(0, 1).abs().sum((1, 2))) == 3
+
+
+def test_sequence_reads_a_block_its_sibling_writes_in_the_same_step() -> None:
+    # Prefix-cache hit on a sibling: B shares A's first block, which A fills in this very step.
+    block_size, group = 16, 2
+    gen = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(4, block_size, KV_HEADS, HEAD_DIM, generator=gen)
+    v_cache = torch.randn(4, block_size, KV_HEADS, HEAD_DIM, generator=gen)
+    k_a, v_a = torch.randn(2, 16, KV_HEADS, HEAD_DIM, generator=gen)
+    k_b, v_b = torch.randn(2, 5, KV_HEADS, HEAD_DIM, generator=gen)
+    q_a = torch.randn(16, KV_HEADS * group, HEAD_DIM, generator=gen)
+    q_b = torch.randn(5, KV_HEADS * group, HEAD_DIM, generator=gen)
+    case = Case(torch.cat([q_a, q_b]), torch.cat([k_a, k_b]), torch.cat([v_a, v_b]), k_cache, v_cache,
+                [SeqSpec(16, 16, [2]), SeqSpec(5, 21, [2, 0])], block_size,
+                full_k=[k_a, torch.cat([k_a, k_b])], full_v=[v_a, torch.cat([v_a, v_b])])
+    assert_matches_reference(case)

