@@ -21,21 +21,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import StepStats
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Run this module's model steps on one intra-op thread.
-
-    NOTE: the steps here are tiny (a few tokens), so a second thread gains
-    little, while on a shared 2-core machine OpenMP threads that spin for a busy
-    core make every step several times slower.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 
 BLOCK_SIZE = 16
