@@ -159,7 +159,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     config = engine_config(args)
     logger.info("loading model %s", config.model)
-    engine = AsyncEngine.from_config(config)
+    try:
+        engine = AsyncEngine.from_config(config)
+    except ValueError as e:  # a bad model name or setting: say it, no traceback
+        raise SystemExit(f"kvserve: error: {e}") from None
     app = build_app(engine, api_key=args.api_key, max_queue=args.max_queue,
                     max_body_size=args.max_body_size, served_model_name=args.served_model_name)
     state = app.state.kvserve
@@ -187,7 +190,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     except ValueError as e:
         raise SystemExit(f"kvserve: error: {e}") from None
-    llm = LLMEngine.from_config(engine_config(args))
+    try:
+        llm = LLMEngine.from_config(engine_config(args))
+    except ValueError as e:
+        raise SystemExit(f"kvserve: error: {e}") from None
     # One list of n samples per prompt.
     [samples] = llm.generate([args.prompt], params, use_tqdm=False)
     for sample in samples:
