@@ -24,10 +24,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--decode-steps", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quantization", default="none", choices=["none", "int4"])
     args = p.parse_args(argv)
 
     t0 = time.perf_counter()
-    loaded = load_model(args.model, dtype=args.dtype, device="cpu")
+    loaded = load_model(args.model, dtype=args.dtype, device="cpu", quantization=args.quantization)
     load_s = time.perf_counter() - t0
     model, cfg = loaded.model, loaded.config
     block = 16
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         logits = model(token, torch.tensor([pos]), meta, kv, torch.tensor([0]))
         token = logits.argmax(-1)
     decode = args.decode_steps / (time.perf_counter() - t0)
-    print(f"model {args.model} dtype {args.dtype} threads {torch.get_num_threads()}: "
+    print(f"model {args.model} dtype {args.dtype} quantization {args.quantization} threads {torch.get_num_threads()}: "
           f"load {load_s:.1f}s, prefill {prefill:.0f} tok/s ({t}-token prompt), "
           f"decode {decode:.1f} tok/s (batch 1, context {t}..{t + args.decode_steps})")
 

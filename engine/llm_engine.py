@@ -53,7 +53,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         if loaded is None:
-            loaded = load_model(config.model, config.dtype, config.device, max_positions=config.max_model_len)
+            loaded = load_model(config.model, config.dtype, config.device, max_positions=config.max_model_len,
+                                quantization=config.quantization)
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         self.model_name = config.served_model_name or config.model

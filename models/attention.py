@@ -147,17 +147,13 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       scale: float) -> torch.Tensor:
     """One query per sequence, all sequences in one batched call."""
     b, heads, head_dim = q.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_size = k_cache.shape[1]
     nblocks = -(-max_ctx // block_size)
     tables = block_tables[:, :nblocks]
     # [B, L, kv_heads, head_dim] -> [B, kv_heads, L, head_dim]
     k = k_cache[tables].flatten(1, 2).transpose(1, 2)
     v = v_cache[tables].flatten(1, 2).transpose(1, 2)
-    group = heads // kv_heads
-    qg = q.view(b, kv_heads, group, head_dim)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)  # [B, kv_heads, group, L]
-    positions = torch.arange(k.shape[2], device=q.device)
-    pad = positions.unsqueeze(0) >= context_lens.unsqueeze(1)  # [B, L]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v).view(b, heads, head_dim)
+    valid = torch.arange(k.shape[2], device=q.device) < context_lens.unsqueeze(1)  # [B, L]
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :],
+                                       scale=scale, enable_gqa=k.shape[1] != heads)
+    return o.view(b, heads, head_dim)

@@ -14,7 +14,7 @@ from torch import nn
 
 from models.attention import AttentionMetadata, paged_attention, write_kv
 from models.config import ModelConfig
-from models.rope import RotaryEmbedding, apply_rotary
+from models.rope import RotaryEmbedding, apply_rotary, interleave_rotary_rows
 
 
 class RMSNorm(nn.Module):
@@ -24,7 +24,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Variance in float32 whatever the activation dtype, as the reference does.
+        if x.dtype == torch.float32:
+            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Variance in float32 for low-precision activations, as the reference does.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -43,14 +45,14 @@ class Attention(nn.Module):
                                   bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, rope: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, *rope)
+        qkv = self.qkv_proj(x)
+        # Q and K heads are adjacent in the fused output: rotate them in one call.
+        qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
@@ -111,8 +113,7 @@ class LlamaForCausalLM(nn.Module):
 
     def init_rope(self, max_positions: int) -> None:
         """Build the cos/sin tables on the model's device and dtype (after weights are loaded)."""
-        w = self.model.embed_tokens.weight
-        self.rope = RotaryEmbedding(self.config, max_positions, w.device, w.dtype)
+        self.rope = RotaryEmbedding(self.config, max_positions, self.model.embed_tokens.weight.device)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -155,6 +156,9 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} does not belong to {cfg.architecture}")
             dst = param.data
+            if shard in (0, 1) and target.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+                heads = cfg.num_attention_heads if shard == 0 else cfg.num_key_value_heads
+                tensor = interleave_rotary_rows(tensor, heads)
             if shard is not None:
                 dst = _shard(dst, target, shard, cfg)
             if tuple(tensor.shape) != tuple(dst.shape):

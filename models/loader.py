@@ -19,6 +19,7 @@ import torch
 
 from models.config import ModelConfig
 from models.gguf_loader import config_from_gguf, iter_gguf_weights, open_gguf
+from models.quant import quantize_model
 from models.registry import model_class
 from models.tokenizer import Tokenizer
 
@@ -97,8 +98,12 @@ def resolve_device(device: str) -> torch.device:
 
 
 def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
-               max_positions: int | None = None) -> LoadedModel:
-    """Load weights, tokenizer and config; the model is in eval mode on ``device``."""
+               max_positions: int | None = None, quantization: str = "none") -> LoadedModel:
+    """Load weights, tokenizer and config; the model is in eval mode on ``device``.
+
+    ``quantization="int4"`` adds weight-only int4 copies of the projections
+    (and int8 of the LM head) that small decode batches use; CPU only.
+    """
     t0 = time.perf_counter()
     path = resolve_model_path(name)
     dev = resolve_device(device)
@@ -119,6 +124,10 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
         model.lm_head.weight = model.model.embed_tokens.weight
     model.load_weights(_progress(weights, config))
     model.init_rope(max_positions or config.max_position_embeddings)
+    if quantization != "none":
+        if dev.type != "cpu":
+            raise ValueError(f"quantization {quantization!r} uses CPU kernels; use --quantization none on {dev}")
+        quantize_model(model, quantization)
     model.eval()
     logger.info("loaded in %.1fs", time.perf_counter() - t0)
     return LoadedModel(model, tokenizer, config, path, torch_dtype, dev)

@@ -1,4 +1,12 @@
-"""Rotary position embeddings, with Llama 3 and linear scaling."""
+"""Rotary position embeddings, with Llama 3 and linear scaling.
+
+kvserve stores each head's Q/K features with the rotary pairs interleaved
+(``x0, x1`` rotate together, then ``x2, x3``, ...), the layout llama.cpp
+uses, instead of Hugging Face's split halves. Attention scores are unchanged
+by a permutation applied to both Q and K, and with pairs adjacent the rotation
+is a single complex multiplication instead of a dozen small ops per layer.
+``LlamaForCausalLM.load_weights`` permutes checkpoint Q/K rows into this layout.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +18,7 @@ from models.config import ModelConfig
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """``1 / theta^(2i/d)`` for the rotary half-dimensions, scaled as the checkpoint asks."""
+    """``1 / theta^(2i/d)`` for the rotary pairs, scaled as the checkpoint asks."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).double() / dim))
     scaling = config.rope_scaling or {}
@@ -36,29 +44,29 @@ def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-class RotaryEmbedding:
-    """Precomputed cos/sin tables for every position up to ``max_positions``."""
+def interleave_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Reorder Q or K projection rows (or bias) from HF's split halves to interleaved pairs."""
+    rows = w.shape[0]
+    half = rows // num_heads // 2
+    return w.reshape(num_heads, 2, half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
-    def __init__(self, config: ModelConfig, max_positions: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
+
+class RotaryEmbedding:
+    """Precomputed unit complex rotations for every position up to ``max_positions``."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, device: torch.device) -> None:
         inv_freq = inverse_frequencies(config).to(device)
         t = torch.arange(max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [P, head_dim / 2]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
+        self.rotations = torch.polar(torch.ones_like(freqs), freqs)  # complex64
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for ``positions [T]``, shaped ``[T, 1, head_dim]``; done once per forward."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def lookup(self, positions: torch.Tensor) -> torch.Tensor:
+        """Rotations for ``positions [T]``, shaped ``[T, 1, head_dim / 2]``; once per forward."""
+        return self.rotations[positions].unsqueeze(1)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` (HF half-split layout)."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rotary(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, H, D]`` (interleaved pairs, any float dtype) by ``rotations [T, 1, D/2]``."""
+    t, h, d = x.shape
+    xc = torch.view_as_complex(x.float().reshape(t, h, d // 2, 2))
+    return torch.view_as_real(xc * rotations).reshape(t, h, d).to(x.dtype)

@@ -1,9 +1,10 @@
-"""The ``kvserve`` command: ``serve``, ``generate`` (offline) and ``chat``."""
+"""The ``kvserve`` command: ``serve``, ``generate`` (offline), ``chat`` and ``bench``."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import logging
 import os
 import re
@@ -66,6 +67,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--quantization", default=d.quantization, choices=["none", "int4"],
+                   help="int4: weight-only int4 projections for small decode batches (CPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--model", default=None)
     chat.add_argument("--temperature", type=float, default=None)
+
+    bench = sub.add_parser("bench", help="benchmark a running server (kvserve bench serve --help)")
+    bench.add_argument("tool", choices=["serve"], help="serve: load generator for an "
+                       "OpenAI-compatible server")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="the tool's own arguments")
     return parser
 
 
@@ -112,7 +120,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-            served_model_name=getattr(args, "served_model_name", None))
+            served_model_name=getattr(args, "served_model_name", None),
+            quantization=args.quantization)
     except ValueError as e:
         raise SystemExit(f"kvserve: error: {e}") from None
 
@@ -209,12 +218,20 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return run(session)
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    # NOTE: imported by name, late: bench/ is a client of any OpenAI-compatible
+    # server, not a layer under server/, and only this subcommand needs it.
+    tool = importlib.import_module(f"bench.{args.tool}")
+    return tool.main(args.args, prog=f"kvserve bench {args.tool}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvserve`` console script."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    commands = {"serve": _cmd_serve, "generate": _cmd_generate, "chat": _cmd_chat}
+    commands = {"serve": _cmd_serve, "generate": _cmd_generate, "chat": _cmd_chat,
+                "bench": _cmd_bench}
     return commands[args.command](args)
 
 
