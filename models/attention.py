@@ -124,7 +124,7 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, ctx: int) -> torch.T
     """The first ``ctx`` tokens of one sequence, ``[ctx, kv_heads, head_dim]``."""
     block_size = cache.shape[1]
     nblocks = -(-ctx // block_size)
-    return cache[block_table[:nblocks]].flatten(0, 1)[:ctx]
+    return cache.index_select(0, block_table[:nblocks]).flatten(0, 1)[:ctx]
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -151,8 +151,10 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     nblocks = -(-max_ctx // block_size)
     tables = block_tables[:, :nblocks]
     # [B, L, kv_heads, head_dim] -> [B, kv_heads, L, head_dim]
-    k = k_cache[tables].flatten(1, 2).transpose(1, 2)
-    v = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    # index_select on the flat table is markedly faster than advanced indexing on CPU.
+    flat = tables.reshape(-1)
+    k = k_cache.index_select(0, flat).view(b, -1, *k_cache.shape[2:]).transpose(1, 2)
+    v = v_cache.index_select(0, flat).view(b, -1, *v_cache.shape[2:]).transpose(1, 2)
     valid = torch.arange(k.shape[2], device=q.device) < context_lens.unsqueeze(1)  # [B, L]
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :],
                                        scale=scale, enable_gqa=k.shape[1] != heads)
