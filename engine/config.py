@@ -23,7 +23,9 @@ class EngineConfig:
     kv_cache_memory: int = 512 * MiB
     block_size: int = 16
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    # NOTE: small on purpose: on a CPU a 2048-token prefill step takes seconds, stalling
+    # every running stream and the first token of all requests admitted with it.
+    max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     served_model_name: str | None = None
