@@ -27,7 +27,7 @@ serve: setup
 	$(BIN)/kvserve serve
 
 bench: setup
-	$(BIN)/python -m bench.serve_peers
+	$(BIN)/python -m bench.peers $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -185,7 +185,28 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         state.draining = True
 
     server = _make_server(app, args.host, args.port, args.shutdown_timeout, args.log_level, drain)
-    server.run()
+    # The engine loop runs on this (main) thread, where torch's thread pool is
+    # fast, and uvicorn on a helper thread (see AsyncEngine.host_loop_on_current_thread).
+    engine.host_loop_on_current_thread()
+    http_done = threading.Event()
+
+    def serve_http() -> None:
+        try:
+            server.run()
+        finally:
+            http_done.set()
+
+    http = threading.Thread(target=serve_http, name="kvserve-http")
+    previous = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        http.start()
+        engine.run_hosted_loop(give_up=http_done)
+        # Signals must still reach uvicorn while it drains: keep waking up.
+        while http.is_alive():
+            http.join(0.2)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     # uvicorn returns normally after a signal-driven graceful shutdown; a failed
     # start-up (port in use, lifespan error) leaves ``started`` false.
     return 0 if server.started else 1

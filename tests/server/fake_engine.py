@@ -127,6 +127,14 @@ class FakeEngine:
     async def start(self) -> None:
         self.started = True
 
+    def host_loop_on_current_thread(self) -> None:
+        self.hosted = True
+
+    def run_hosted_loop(self, give_up=None) -> None:
+        """The fake steps on its own; like the real one, return once the HTTP side gave up."""
+        if give_up is not None:
+            give_up.wait(10)
+
     async def shutdown(self) -> None:
         self.shut_down = True
         self.is_alive = False

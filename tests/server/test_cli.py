@@ -112,6 +112,9 @@ def test_serve_wiring_and_startup_log(monkeypatch: pytest.MonkeyPatch,
         def run(self) -> None:
             made["ran"] = True
 
+        def handle_exit(self, sig, frame) -> None:
+            made["exit"] = sig
+
     def make_server(app, host, port, timeout, log_level, on_drain):
         made.update(app=app, host=host, port=port, timeout=timeout)
         on_drain()
@@ -122,6 +125,7 @@ def test_serve_wiring_and_startup_log(monkeypatch: pytest.MonkeyPatch,
         code = cli.main(["serve", "--port", "9123", "--api-key", "k", "--max-queue", "3",
                          "--shutdown-timeout", "2"])
     assert code == 0 and made["ran"] and (made["host"], made["port"]) == ("127.0.0.1", 9123)
+    assert engines[0].hosted, "the engine loop must run on the main thread"
     state = made["app"].state.kvserve
     assert (state.api_key, state.max_queue, state.draining) == ("k", 3, True)
     text = caplog.text

@@ -1,0 +1,240 @@
+"""kvserve next to llama.cpp's llama-server: same GGUF, same load, one server at a time.
+
+    python -m bench.peers                  # what `make bench` runs: levels 1 4 16 64
+    python -m bench.peers --quick          # levels 1 4, 8 requests each: a fast check
+    python -m bench.peers --with-transformers   # also bench.offline (engine vs transformers)
+
+Builds llama.cpp first if needed (``bench.llama_cpp``), then for each server in
+turn: start it on a free loopback port, wait until it is ready, run the load
+generator (``bench.serve``: 128-token prompts, 128 output tokens, ignore_eos),
+stop it. Writes the JSON to ``bench/results/`` and a markdown summary (date,
+CPU, cores, git commit, both servers and the kvserve / llama.cpp ratios) into
+the README between ``<!-- bench:start -->`` and ``<!-- bench:end -->``;
+``--quick`` prints the summary without touching the README unless ``--readme``
+is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from bench import llama_cpp, readme
+from bench.serve import BenchConfig, report_text, run
+
+REPO = Path(__file__).resolve().parents[1]
+LEVELS = [1, 4, 16, 64]
+QUICK_LEVELS = [1, 4]
+QUICK_PROMPTS = 8
+INPUT_LEN = OUTPUT_LEN = 128
+STARTUP_TIMEOUT = 600.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before {url} "
+                               f"answered; log {log}:\n{log.read_text(errors='replace')[-4000:]}")
+        try:
+            if httpx.get(url, timeout=5.0, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} was not ready within {timeout:.0f}s; log {log}")
+
+
+@contextmanager
+def server(argv: list[str], ready_url: str, log: Path):
+    """A server process, ready to take requests, stopped (SIGTERM, then SIGKILL) on exit."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        print("+", " ".join(argv), file=sys.stderr, flush=True)
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, cwd=REPO)
+        try:
+            _wait_ready(proc, ready_url, log, STARTUP_TIMEOUT)
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(10)
+
+
+def _kvserve_argv(port: int) -> list[str]:
+    script = Path(sys.executable).with_name("kvserve")
+    head = [str(script)] if script.exists() else [sys.executable, "-m", "server.cli"]
+    return [*head, "serve", "--host", "127.0.0.1", "--port", str(port)]
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
+
+
+def machine_info() -> dict:
+    """Date, CPU model, core count, git commit, versions: what a result needs to be read."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    commit = _git("rev-parse", "--short", "HEAD").stdout.strip() or "unknown"
+    if _git("diff", "--quiet", "HEAD", "--").returncode == 1:
+        commit += " + local changes"
+    try:
+        torch = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch = "absent"
+    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "cpu": cpu, "cores": os.cpu_count(), "commit": commit, "torch": torch,
+            "python": platform.python_version()}
+
+
+def measure(name: str, argv: list[str], port: int, ready_path: str, levels: list[int],
+            num_prompts: int | None, log: Path) -> dict:
+    """Start one server, load it at each level, stop it; ``bench.serve``'s report."""
+    url = f"http://127.0.0.1:{port}"
+    with server(argv, url + ready_path, log):
+        cfg = BenchConfig(url=url, input_len=INPUT_LEN, output_len=OUTPUT_LEN, ignore_eos=True)
+        report = run(cfg, levels, num_prompts)
+    report["server"] = name
+    report["argv"] = argv
+    print(f"\n## {name}\n{report_text(report)}\n", flush=True)
+    return report
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "n/a"
+
+
+def markdown(meta: dict, kv: dict, llama: dict, offline: dict | None) -> str:
+    """The README section: setup, one row per server and level, then the ratios."""
+    nums = ", ".join(f"{s['num_prompts']} at {s['concurrency']}" for s in kv["levels"])
+    lines = [
+        f"Measured by `make bench` (`python -m bench.peers{' --quick' if meta['quick'] else ''}`) "
+        f"on {meta['date']}: {meta['cpu']}, {meta['cores']} cores, kvserve commit "
+        f"{meta['commit']} (torch {meta['torch']}), llama.cpp {meta['llama_cpp']} built from the "
+        f"llama-cpp-python {llama_cpp.LLAMA_CPP_PYTHON} sdist. Both serve the same GGUF "
+        f"(`{meta['gguf']}`), one server alone on the machine at a time: `kvserve serve` "
+        f"with its defaults, `llama-server {' '.join(llama_cpp.SERVER_SETTINGS)}`.",
+        "",
+        f"Load (`kvserve bench serve`): streaming `/v1/completions`, {INPUT_LEN}-token prompts "
+        f"that each open with a unique random tag (no prefix-cache hits), {OUTPUT_LEN} output "
+        f"tokens (`ignore_eos`), temperature 0, a fixed number of requests in flight "
+        f"(requests per level: {nums}). TTFT: time to first token; TPOT: time per output token "
+        "after the first; ITL: gap between streamed tokens; E2E: whole request.",
+        "",
+        "| concurrency | server | ok / failed | req/s | output tok/s | TTFT mean / p99 (ms) "
+        "| TPOT mean (ms) | ITL p50 / p99 (ms) | E2E mean (ms) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for a, b in zip(kv["levels"], llama["levels"]):
+        for name, s in (("kvserve", a), ("llama.cpp", b)):
+            lines.append(
+                f"| {s['concurrency']} | {name} | {s['completed']} / {s['failed'] + s['not_sent']} "
+                f"| {s['request_throughput']:.2f} | {s['output_throughput']:.1f} "
+                f"| {s['ttft_ms']['mean']:.0f} / {s['ttft_ms']['p99']:.0f} "
+                f"| {s['tpot_ms']['mean']:.1f} | {s['itl_ms']['p50']:.1f} / {s['itl_ms']['p99']:.1f} "
+                f"| {s['e2e_ms']['mean']:.0f} |")
+    lines += ["", "kvserve / llama.cpp (output tok/s: above 1x means kvserve is faster; "
+              "mean TTFT: below 1x means kvserve answers sooner):", "",
+              "| concurrency | output tok/s | mean TTFT |", "|---:|---:|---:|"]
+    for a, b in zip(kv["levels"], llama["levels"]):
+        lines.append(f"| {a['concurrency']} | {_ratio(a['output_throughput'], b['output_throughput'])} "
+                     f"| {_ratio(a['ttft_ms']['mean'], b['ttft_ms']['mean'])} |")
+    if offline:
+        lines += ["", "Offline, in one process (`python -m bench.offline`, "
+                  f"{offline['args']['num_prompts']} prompts x {offline['args']['input_len']} -> "
+                  f"{offline['args']['output_len']} tokens, greedy):", "",
+                  "| engine | seconds | output tok/s |", "|---|---:|---:|"]
+        lines += [f"| {r['engine']} | {r['seconds']:.1f} | {r['output_tok_s']:.1f} |"
+                  for r in offline["results"]]
+    return "\n".join(lines)
+
+
+def run_offline(path: Path, quick: bool) -> dict:
+    argv = [sys.executable, "-m", "bench.offline", "--json", str(path)]
+    if quick:
+        argv += ["--num-prompts", str(QUICK_PROMPTS)]
+    print("+", " ".join(argv), file=sys.stderr, flush=True)
+    subprocess.run(argv, cwd=REPO, check=True)
+    return json.loads(path.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=f"levels {QUICK_LEVELS}, "
+                   f"{QUICK_PROMPTS} requests each; the README is left alone unless --readme")
+    p.add_argument("--with-transformers", action="store_true",
+                   help="also run bench.offline (kvserve engine vs transformers static batching)")
+    p.add_argument("--readme", type=Path, default=None,
+                   help="file whose marked section gets the results (default README.md)")
+    p.add_argument("--no-readme", action="store_true")
+    p.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results")
+    p.add_argument("--cache-dir", type=Path, default=llama_cpp.DEFAULT_CACHE,
+                   help="where llama.cpp is built and server logs go")
+    args = p.parse_args(argv)
+    levels = QUICK_LEVELS if args.quick else LEVELS
+    num_prompts = QUICK_PROMPTS if args.quick else None
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    suffix = "-quick" if args.quick else ""
+    logs = args.cache_dir / "logs"
+
+    bins = llama_cpp.ensure_built(args.cache_dir)  # before any measurement: it takes the CPUs
+    gguf = llama_cpp.find_gguf()
+    meta = {**machine_info(), "quick": args.quick, "llama_cpp": llama_cpp.version(bins["llama-server"]),
+            "gguf": gguf.name, "levels": levels}
+
+    port = free_port()
+    kv = measure("kvserve", _kvserve_argv(port), port, "/ready", levels, num_prompts,
+                 logs / f"kvserve-{stamp}.log")
+    port = free_port()
+    llama = measure("llama.cpp", llama_cpp.server_argv(bins["llama-server"], gguf, port), port,
+                    "/health", levels, num_prompts, logs / f"llama-server-{stamp}.log")
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    offline = (run_offline(args.results_dir / f"offline-{stamp}{suffix}.json", args.quick)
+               if args.with_transformers else None)
+
+    results = {"meta": meta, "kvserve": kv, "llama.cpp": llama, "offline": offline}
+    out = args.results_dir / f"peers-{stamp}{suffix}.json"
+    out.write_text(json.dumps(results, indent=2))
+    section = markdown(meta, kv, llama, offline)
+    print(f"\n{section}\n\nresults: {out}")
+    target = args.readme or (None if args.quick else REPO / "README.md")
+    if target and not args.no_readme:
+        readme.write_section(target, section)
+        print(f"updated the performance section of {target}")
+    ok = all(s["completed"] for r in (kv, llama) for s in r["levels"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,382 @@
+"""Load generator for any OpenAI-compatible server: streaming ``/v1/completions``.
+
+For each concurrency level, ``--num-prompts`` requests go out with at most
+``concurrency`` in flight (closed loop: a finished request makes room for the
+next). Each prompt opens with a random tag drawn from the seed, a per-run
+nonce and the prompt's index, so no server can answer it from a prompt cache
+filled by an earlier run or level. Prompts are trimmed to ``--input-len``
+tokens with the server's ``/tokenize`` + ``/detokenize`` (vLLM/kvserve or
+llama-server shapes), else sized with a words-per-token ratio.
+
+    kvserve bench serve --url http://127.0.0.1:8000 --concurrency 1 4 16 64 \\
+        --input-len 128 --output-len 128 --ignore-eos --json out.json
+
+Reported per level: requests completed and failed, duration, request/s,
+output tokens/s, and mean/p50/p99 of time to first token (TTFT), time per
+output token after the first (TPOT), inter-token latency (ITL, the gaps
+between streamed chunks) and end-to-end latency, in ms. Output tokens are the
+``usage`` the server reports at the end of the stream
+(``stream_options.include_usage``), else the number of chunks with text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import ipaddress
+import json
+import os
+import random
+import secrets
+import socket
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+import httpx
+from tqdm import tqdm
+
+from bench.stats import RequestResult, format_table, summarize
+
+WORDS = tuple("""the of and to in is was for on with as by at from that this it be are
+have has had not but or an they we you he she his her their our your its which who what
+when where how all some any each many more most other such only own same so than too
+very can will just should now time year people way day man thing woman life child world
+school state family student group country problem hand part place case week company
+system program question work government number night point home water room mother area
+money story fact month lot right study book eye job word business issue side kind head
+house service friend father power hour game line end member law car city community name
+president team minute idea kid body information back parent face others level office door
+health person art war history party result change morning reason research girl guy moment
+air teacher force education river stone bridge garden window light music paper
+""".split())
+
+
+@dataclass
+class BenchConfig:
+    """What one benchmark run sends (everything but the concurrency levels)."""
+
+    url: str = "http://127.0.0.1:8000"
+    model: str | None = None          # None: the first model of GET /v1/models
+    input_len: int = 128
+    output_len: int = 128
+    seed: int = 0
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    api_key: str | None = None
+    request_timeout: float = 600.0    # seconds, per request
+    max_duration: float = 3600.0      # seconds, per level; later requests are not sent
+    warmup: int = 1                   # unmeasured requests before the first level
+    words_per_token: float = 0.75     # prompt sizing when the server has no /tokenize
+    progress: bool = True
+    run_id: str = field(default_factory=lambda: secrets.token_hex(8))
+
+    def __post_init__(self) -> None:
+        for name in ("input_len", "output_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.request_timeout <= 0 or self.max_duration <= 0:
+            raise ValueError("request_timeout and max_duration must be positive")
+        check_loopback(self.url)
+
+    @property
+    def base(self) -> str:
+        return self.url.rstrip("/").removesuffix("/v1")
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+def check_loopback(url: str) -> None:
+    """``ValueError`` unless ``url`` is http(s) to a host that resolves only to loopback."""
+    parsed = httpx.URL(url)
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"--url must be http(s)://HOST[:PORT], got {url!r}")
+    try:
+        infos = socket.getaddrinfo(parsed.host, parsed.port or 80, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ValueError(f"cannot resolve {parsed.host!r}: {e}") from None
+    addrs = {ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos}
+    if not addrs or not all(a.is_loopback for a in addrs):
+        raise ValueError(f"{parsed.host!r} is not a loopback address: the load generator only "
+                         "targets servers on this machine (127.0.0.0/8, ::1, localhost)")
+
+
+def prompt_tag(seed: int, run_id: str, level: int, index: int) -> str:
+    """A uuid-like tag, unique to the run, the level and the prompt."""
+    rng = random.Random(f"tag:{seed}:{run_id}:{level}:{index}")
+    return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+
+
+def draft_prompt(seed: int, run_id: str, level: int, index: int, num_words: int) -> str:
+    """The tag, then ``num_words`` words drawn from the seed (same words on every run)."""
+    rng = random.Random(f"words:{seed}:{level}:{index}")
+    return prompt_tag(seed, run_id, level, index) + " " + " ".join(
+        rng.choice(WORDS) for _ in range(num_words))
+
+
+class PromptMaker:
+    """Builds prompts of about ``input_len`` tokens, using the server's tokenizer when it
+    has one: vLLM/kvserve ``{"prompt"} -> {"tokens"}`` or llama-server
+    ``{"content"} -> {"tokens"}``, and ``/detokenize`` to cut at exactly ``input_len``."""
+
+    def __init__(self, client: httpx.AsyncClient, cfg: BenchConfig, model: str) -> None:
+        self.client, self.cfg, self.model = client, cfg, model
+        self.dialect: str | None = None   # "vllm", "llama" or "none", found on first use
+
+    async def _post(self, path: str, body: dict) -> dict | None:
+        try:
+            r = await self.client.post(self.cfg.base + path, json=body, headers=self.cfg.headers)
+            return r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    async def _tokenize(self, text: str, dialect: str) -> list[int] | None:
+        body = ({"model": self.model, "prompt": text, "add_special_tokens": False}
+                if dialect == "vllm" else {"content": text, "add_special": False})
+        out = await self._post("/tokenize", body)
+        tokens = out.get("tokens") if isinstance(out, dict) else None
+        if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
+            return tokens
+        return None
+
+    async def detect(self) -> str:
+        """Which ``/tokenize`` shape the server speaks ("none" if neither)."""
+        if self.dialect is None:
+            self.dialect = "none"
+            for dialect in ("vllm", "llama"):
+                if await self._tokenize("hello world", dialect):
+                    self.dialect = dialect
+                    break
+        return self.dialect
+
+    async def make(self, level: int, index: int) -> tuple[str, int]:
+        """``(prompt, token count)``; the count is estimated without a tokenizer."""
+        cfg = self.cfg
+        if await self.detect() != "none":
+            text = draft_prompt(cfg.seed, cfg.run_id, level, index, 2 * cfg.input_len)
+            tokens = await self._tokenize(text, self.dialect)
+            if tokens is not None:
+                if len(tokens) <= cfg.input_len:
+                    return text, len(tokens)
+                out = await self._post("/detokenize",
+                                       {"model": self.model, "tokens": tokens[:cfg.input_len]})
+                cut = out and (out.get("prompt") or out.get("content"))
+                if isinstance(cut, str) and cut:
+                    return cut, cfg.input_len
+        tag_tokens = len(prompt_tag(cfg.seed, cfg.run_id, level, index)) // 2
+        words = max(1, round((cfg.input_len - tag_tokens) * cfg.words_per_token))
+        return draft_prompt(cfg.seed, cfg.run_id, level, index, words), cfg.input_len
+
+
+async def _stream(client: httpx.AsyncClient, cfg: BenchConfig, body: dict,
+                  result: RequestResult) -> None:
+    start = time.perf_counter()
+    last = None
+    chunks = 0
+    usage_tokens = None
+    async with client.stream("POST", cfg.base + "/v1/completions", json=body,
+                             headers=cfg.headers) as resp:
+        if resp.status_code != 200:
+            await resp.aread()
+            result.error = f"HTTP {resp.status_code}"
+            return
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                result.error = "error event"
+                return
+            now = time.perf_counter()
+            text = "".join(c.get("text") or "" for c in event.get("choices") or ())
+            if text:
+                if last is None:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+                chunks += 1
+            usage = event.get("usage")
+            if usage and usage.get("completion_tokens") is not None:
+                usage_tokens = usage["completion_tokens"]
+                result.prompt_tokens = usage.get("prompt_tokens") or result.prompt_tokens
+    result.e2e = time.perf_counter() - start
+    result.usage_reported = usage_tokens is not None
+    result.output_tokens = usage_tokens if usage_tokens is not None else chunks
+    result.ok = chunks > 0
+    if not result.ok:
+        result.error = "no text streamed"
+
+
+async def send_request(client: httpx.AsyncClient, cfg: BenchConfig, model: str, prompt: str,
+                       prompt_tokens: int, timeout: float, max_tokens: int | None = None
+                       ) -> RequestResult:
+    """One streamed completion, bounded by ``timeout`` seconds; never raises."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens or cfg.output_len,
+            "temperature": cfg.temperature, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True
+    result = RequestResult(ok=False, prompt_tokens=prompt_tokens)
+    try:
+        await asyncio.wait_for(_stream(client, cfg, body, result), timeout)
+    except asyncio.TimeoutError:
+        result.ok, result.error = False, "timeout"
+    except (httpx.HTTPError, ValueError) as e:  # ValueError: a malformed event
+        result.ok, result.error = False, type(e).__name__
+    return result
+
+
+async def run_level(client: httpx.AsyncClient, cfg: BenchConfig, model: str,
+                    prompts: list[tuple[str, int]], concurrency: int) -> dict:
+    """Send ``prompts`` with ``concurrency`` in flight; the level's summary."""
+    pending = iter(prompts)
+    results: list[RequestResult] = []
+    not_sent = 0
+    start = time.perf_counter()
+    deadline = start + cfg.max_duration
+    bar = tqdm(total=len(prompts), desc=f"concurrency {concurrency}", unit="req",
+               disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True)
+
+    async def worker() -> None:
+        nonlocal not_sent
+        for prompt, n_tokens in pending:  # one shared iterator: each prompt goes once
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                not_sent += 1
+                continue
+            timeout = min(cfg.request_timeout, left)
+            results.append(await send_request(client, cfg, model, prompt, n_tokens, timeout))
+            bar.update(1)
+
+    try:
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    finally:
+        bar.close()
+    return summarize(results, time.perf_counter() - start, concurrency, not_sent)
+
+
+async def served_model(client: httpx.AsyncClient, cfg: BenchConfig) -> str:
+    """``cfg.model``, else the first id of ``GET /v1/models``."""
+    if cfg.model:
+        return cfg.model
+    r = await client.get(cfg.base + "/v1/models", headers=cfg.headers)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def default_num_prompts(concurrency: int) -> int:
+    return max(16, 4 * concurrency)
+
+
+async def run_async(cfg: BenchConfig, levels: list[int], num_prompts: int | None = None,
+                    transport: httpx.AsyncBaseTransport | None = None) -> dict:
+    """Run every level in turn against ``cfg.url``; the JSON-ready report."""
+    if not levels or min(levels) < 1:
+        raise ValueError(f"concurrency levels must be positive integers, got {levels}")
+    limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels) + 4)
+    timeout = httpx.Timeout(cfg.request_timeout, connect=30.0)
+    # trust_env=False: a proxy from the environment must never see these requests.
+    async with httpx.AsyncClient(transport=transport, limits=limits, timeout=timeout,
+                                 trust_env=False) as client:
+        model = await served_model(client, cfg)
+        maker = PromptMaker(client, cfg, model)
+        dialect = await maker.detect()
+        for i in range(cfg.warmup):
+            prompt, n = await maker.make(-1, i)
+            await send_request(client, cfg, model, prompt, n, cfg.request_timeout,
+                               max_tokens=min(cfg.output_len, 16))
+        summaries = []
+        for level, concurrency in enumerate(levels):
+            n = num_prompts or default_num_prompts(concurrency)
+            sem = asyncio.Semaphore(8)
+
+            async def make(index: int, level: int = level) -> tuple[str, int]:
+                async with sem:
+                    return await maker.make(level, index)
+
+            prompts = list(await asyncio.gather(*(make(i) for i in range(n))))
+            summaries.append(await run_level(client, cfg, model, prompts, concurrency))
+    config = {k: v for k, v in asdict(cfg).items() if k not in ("api_key", "progress")}
+    return {"url": cfg.url, "model": model, "tokenizer": dialect, "config": config,
+            "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "levels": summaries}
+
+
+def run(cfg: BenchConfig, levels: list[int], num_prompts: int | None = None) -> dict:
+    """Blocking ``run_async``."""
+    return asyncio.run(run_async(cfg, levels, num_prompts))
+
+
+def report_text(report: dict) -> str:
+    """The header line and the table that ``main`` prints."""
+    c = report["config"]
+    head = (f"{report['url']}  model {report['model']}  {c['input_len']} input tokens "
+            f"(tokenizer: {report['tokenizer']}) -> {c['output_len']} output tokens"
+            f"{' (ignore_eos)' if c['ignore_eos'] else ''}, temperature {c['temperature']}")
+    return head + "\n\n" + format_table(report["levels"])
+
+
+def build_parser(prog: str = "python -m bench.serve") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = BenchConfig.__dataclass_fields__
+    p.add_argument("--url", default=d["url"].default, help="server base URL (loopback only)")
+    p.add_argument("--model", default=None, help="model name (default: ask /v1/models)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1], metavar="N",
+                   help="one or several levels of requests in flight, e.g. 1 4 16 64")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="requests per level (default max(16, 4 x concurrency))")
+    p.add_argument("--input-len", type=int, default=d["input_len"].default)
+    p.add_argument("--output-len", type=int, default=d["output_len"].default,
+                   help="max_tokens of each request")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="send ignore_eos: true so every answer has --output-len tokens")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"))
+    p.add_argument("--request-timeout", type=float, default=d["request_timeout"].default)
+    p.add_argument("--max-duration", type=float, default=d["max_duration"].default,
+                   help="seconds per level; requests not sent by then count as failed")
+    p.add_argument("--warmup", type=int, default=d["warmup"].default)
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the report here")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m bench.serve") -> int:
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    if args.num_prompts is not None and args.num_prompts < 1:
+        parser.error("--num-prompts must be at least 1")
+    if min(args.concurrency) < 1:
+        parser.error("--concurrency levels must be at least 1")
+    try:
+        cfg = BenchConfig(url=args.url, model=args.model, input_len=args.input_len,
+                          output_len=args.output_len, seed=args.seed, ignore_eos=args.ignore_eos,
+                          temperature=args.temperature, api_key=args.api_key,
+                          request_timeout=args.request_timeout, max_duration=args.max_duration,
+                          warmup=args.warmup, progress=not args.no_progress)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        report = run(cfg, args.concurrency, args.num_prompts)
+    except httpx.HTTPError as e:
+        print(f"{prog}: error: cannot reach {cfg.url}: {e!r}", file=sys.stderr)
+        return 1
+    print(report_text(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if all(s["completed"] for s in report["levels"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

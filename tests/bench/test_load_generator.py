@@ -1,0 +1,166 @@
+"""bench.serve against a fake streaming server: counting, timing order, tags, output."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench.serve import BenchConfig, check_loopback, main, run_async, send_request
+from fake_openai_server import MODEL, FakeSettings, serving
+
+UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
+
+
+def config(url: str, **kw) -> BenchConfig:
+    kw = {"input_len": 16, "output_len": 8, "warmup": 0, "progress": False, **kw}
+    return BenchConfig(url=url, **kw)
+
+
+def bench(settings: FakeSettings, levels: list[int], num_prompts: int | None = None,
+          **kw) -> dict:
+    with serving(settings) as url:
+        return asyncio.run(run_async(config(url, **kw), levels, num_prompts))
+
+
+def test_counts_requests_and_usage_tokens_per_level() -> None:
+    s = FakeSettings(tokens_per_chunk=3)  # 8 tokens in 3 chunks: usage must win
+    report = bench(s, [1, 3], num_prompts=5, ignore_eos=True)
+    assert report["model"] == MODEL and report["tokenizer"] == "vllm"
+    assert [lv["concurrency"] for lv in report["levels"]] == [1, 3]
+    for lv in report["levels"]:
+        assert (lv["num_prompts"], lv["completed"], lv["failed"], lv["not_sent"]) == (5, 5, 0, 0)
+        assert lv["output_tokens"] == 5 * 8 and lv["usage_reported"]
+        assert lv["input_tokens"] == 5 * 16
+        assert lv["output_throughput"] == pytest.approx(40 / lv["duration_s"])
+        assert lv["request_throughput"] == pytest.approx(5 / lv["duration_s"])
+    assert len(s.bodies) == 10
+    for body in s.bodies:
+        assert body["max_tokens"] == 8 and body["ignore_eos"] is True and body["stream"] is True
+        assert body["stream_options"] == {"include_usage": True} and body["model"] == MODEL
+
+
+def test_without_usage_counts_chunks_and_speaks_llama_tokenize() -> None:
+    report = bench(FakeSettings(dialect="llama", usage=False), [2], num_prompts=4)
+    [lv] = report["levels"]
+    assert report["tokenizer"] == "llama"
+    assert lv["completed"] == 4 and lv["output_tokens"] == 4 * 8 and not lv["usage_reported"]
+    assert lv["input_tokens"] == 4 * 16  # trimmed with /tokenize + /detokenize
+
+
+def test_default_num_prompts_and_warmup_not_counted() -> None:
+    s = FakeSettings(delay=0.0)
+    report = bench(s, [1, 5], warmup=2)
+    assert [lv["completed"] for lv in report["levels"]] == [16, 20]
+    assert len(s.bodies) == 2 + 16 + 20
+    assert [b["max_tokens"] for b in s.bodies[:2]] == [8, 8]
+
+
+def test_timing_order_of_one_request() -> None:
+    s = FakeSettings(delay=0.01)
+    with serving(s) as url:
+        async def one():
+            async with httpx.AsyncClient(trust_env=False) as client:
+                return await send_request(client, config(url), MODEL, "a b c", 3, timeout=30)
+        r = asyncio.run(one())
+    assert r.ok and r.output_tokens == 8 and r.prompt_tokens == 3
+    assert len(r.itl) == 7 and all(gap > 0 for gap in r.itl)
+    assert 0 < r.ttft < r.ttft + sum(r.itl) <= r.e2e
+    assert r.tpot == pytest.approx((r.e2e - r.ttft) / 7)
+
+
+def test_level_latencies_are_ordered() -> None:
+    [lv] = bench(FakeSettings(delay=0.005), [2], num_prompts=6)["levels"]
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert 0 < lv[key]["p50"] <= lv[key]["p99"], key
+    assert lv["ttft_ms"]["mean"] < lv["e2e_ms"]["mean"]
+    assert lv["itl_ms"]["p50"] >= 4.0  # the fake sleeps 5 ms between chunks
+
+
+def test_failed_requests_are_counted_with_their_error() -> None:
+    [lv] = bench(FakeSettings(fail_every=3), [2], num_prompts=9)["levels"]
+    assert (lv["completed"], lv["failed"]) == (6, 3)
+    assert lv["errors"] == {"HTTP 503": 3}
+    assert lv["output_tokens"] == 6 * 8
+
+
+def test_request_timeout_and_level_time_limit() -> None:
+    [lv] = bench(FakeSettings(delay=0.3), [1], num_prompts=5, request_timeout=0.2)["levels"]
+    assert (lv["completed"], lv["failed"]) == (0, 5) and lv["errors"] == {"timeout": 5}
+    [lv] = bench(FakeSettings(delay=0.05), [1], num_prompts=50, max_duration=0.3)["levels"]
+    assert lv["completed"] + lv["failed"] + lv["not_sent"] == 50
+    assert lv["not_sent"] > 0 and lv["duration_s"] < 5
+
+
+def test_prompts_open_with_distinct_random_tags() -> None:
+    s = FakeSettings(delay=0.0)
+    with serving(s) as url:
+        for _ in range(2):  # two runs with the same seed
+            asyncio.run(run_async(config(url, warmup=1), [1, 2], num_prompts=4))
+    tags = [b["prompt"].split()[0] for b in s.bodies]
+    assert len(tags) == 2 * (1 + 4 + 4)
+    assert all(UUID.match(t) for t in tags), tags
+    assert len(set(tags)) == len(tags)
+    assert all(len(b["prompt"].split()) == 16 for b in s.bodies)  # exactly --input-len
+    # The same seed draws the same words after the tag: only the tag changes per run.
+    first, second = s.bodies[1:9], s.bodies[10:18]
+    assert [b["prompt"].split()[1:] for b in first] == [b["prompt"].split()[1:] for b in second]
+
+
+def test_without_tokenize_prompts_are_sized_by_words() -> None:
+    s = FakeSettings(dialect="none")
+    report = bench(s, [1], num_prompts=3, input_len=100)
+    assert report["tokenizer"] == "none" and report["levels"][0]["completed"] == 3
+    for body in s.bodies:
+        words = body["prompt"].split()
+        assert UUID.match(words[0]) and 50 <= len(words) <= 100
+
+
+@pytest.mark.parametrize("url", ["http://10.1.2.3:8000", "http://8.8.8.8", "ftp://127.0.0.1/",
+                                 "http://"])
+def test_only_loopback_urls(url: str) -> None:
+    with pytest.raises(ValueError):
+        check_loopback(url)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "http://localhost:1", "http://[::1]:80",
+                                 "http://127.0.0.2:9/v1"])
+def test_loopback_urls_pass(url: str) -> None:
+    check_loopback(url)
+
+
+def test_main_prints_the_table_and_writes_json(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "report.json"
+    with serving(FakeSettings()) as url:
+        rc = main(["--url", url, "--concurrency", "1", "2", "--num-prompts", "3",
+                   "--input-len", "16", "--output-len", "4", "--warmup", "0",
+                   "--no-progress", "--json", str(out)])
+    assert rc == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = [ln for ln in lines if ln.startswith("|")]
+    assert table[0].startswith("| concurrency | ok | failed |") and len(table) == 2 + 2
+    assert table[2].startswith("| 1 | 3 | 0 |") and table[3].startswith("| 2 | 3 | 0 |")
+    report = json.loads(out.read_text())
+    assert [lv["completed"] for lv in report["levels"]] == [3, 3]
+    assert report["config"]["output_len"] == 4 and "api_key" not in report["config"]
+
+
+def test_kvserve_bench_serve_dispatches(capsys: pytest.CaptureFixture[str]) -> None:
+    from server.cli import main as kvserve
+
+    with serving(FakeSettings()) as url:
+        rc = kvserve(["bench", "serve", "--url", url, "--num-prompts", "2", "--output-len", "2",
+                      "--warmup", "0", "--no-progress"])
+    assert rc == 0
+    assert "| 1 | 2 | 0 |" in capsys.readouterr().out
+
+
+def test_cli_rejects_a_remote_url(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--url", "http://192.0.2.1:8000"])
+    assert "loopback" in capsys.readouterr().err
