@@ -102,7 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"))
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--model", default=None)
-    chat.add_argument("--temperature", type=float, default=None)
+    # NOTE: a 135M model rambles at OpenAI's default temperature of 1.0.
+    chat.add_argument("--temperature", type=float, default=0.2,
+                      help="sampling temperature (default 0.2)")
 
     bench = sub.add_parser("bench", help="benchmark a running server (kvserve bench serve --help)")
     bench.add_argument("tool", choices=["serve"], help="serve: load generator for an "
@@ -249,8 +251,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvserve`` console script."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The chat client's screen is the conversation: only warnings go to the log.
+    level = "warning" if args.command == "chat" else getattr(args, "log_level", "info")
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     commands = {"serve": _cmd_serve, "generate": _cmd_generate, "chat": _cmd_chat,
                 "bench": _cmd_bench}
     return commands[args.command](args)
