@@ -271,3 +271,44 @@ def test_abort_that_leaves_the_engine_idle_still_reaches_the_stat_loggers(smollm
             await asyncio.wait_for(engine.shutdown(), TIMEOUT)
 
     asyncio.run(scenario())
+
+
+def test_hosted_loop_serves_from_the_calling_thread_and_stops_on_shutdown(smollm2_loaded):
+    """The server's layout: the engine loop on this thread, the event loop on another."""
+    import threading
+
+    engine = make_async_engine(smollm2_loaded)
+    engine.host_loop_on_current_thread()
+    results: dict[str, object] = {}
+
+    async def client() -> None:
+        await engine.start()
+        outs = await asyncio.wait_for(
+            collect(engine.generate("h0", [1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=4))),
+            TIMEOUT)
+        results["tokens"] = [t for o in outs for c in o.outputs for t in c.token_ids]
+        results["alive"] = engine.is_alive
+        await engine.shutdown()
+
+    loop_thread = threading.Thread(target=lambda: asyncio.run(client()))
+    loop_thread.start()
+    engine.run_hosted_loop()  # returns once shutdown() stops the loop
+    loop_thread.join(TIMEOUT)
+
+    assert not loop_thread.is_alive()
+    assert len(results["tokens"]) == 4 and results["alive"] is True
+    assert not engine.is_alive
+    assert engine.engine.kv_cache.stats.num_blocks_used == 0
+
+
+def test_hosted_loop_gives_up_when_the_http_side_never_starts(smollm2_loaded):
+    import threading
+
+    engine = make_async_engine(smollm2_loaded)
+    engine.host_loop_on_current_thread()
+    give_up = threading.Event()
+    give_up.set()
+
+    engine.run_hosted_loop(give_up=give_up)  # must return, not wait forever
+
+    assert not engine.is_alive
