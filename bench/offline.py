@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(run_transformers(args, prompts))
     print(f"\n{args.num_prompts} prompts x {args.input_len} input tokens -> {args.output_len} output tokens, "
           f"greedy, torch threads {torch.get_num_threads()}")
-    print(f"| engine | seconds | output tokens | output tok/s |\n|---|---:|---:|---:|")
+    print("| engine | seconds | output tokens | output tok/s |\n|---|---:|---:|---:|")
     for r in rows:
         print(f"| {r['engine']} | {r['seconds']:.1f} | {r['output_tokens']} | {r['output_tok_s']:.1f} |")
     if len(rows) == 2:

@@ -93,7 +93,7 @@ def config_from_gguf(reader) -> ModelConfig:
         rope_theta=get("rope.freq_base", 10000.0),
         rope_scaling=rope_scaling,
         tie_word_embeddings="output.weight" not in names,
-        attention_bias=f"blk.0.attn_q.bias" in names,
+        attention_bias="blk.0.attn_q.bias" in names,
         bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos_ids,
     )

@@ -18,7 +18,7 @@ from starlette.types import Send
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from server.errors import APIError, engine_fault
-from server.generation import (ClientDisconnected, EngineFault, close_quietly, merge_outputs,
+from server.generation import (EngineFault, close_quietly, merge_outputs,
                                race_disconnect)
 from server.protocol_responses import SSE_DONE, Usage, sse_json
 from server.state import ServerState, start_generation

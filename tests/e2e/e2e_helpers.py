@@ -7,7 +7,6 @@ the e2e modules import this file by bare name (as tests/server does with
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -155,6 +154,3 @@ def idle(samples: dict[tuple[str, frozenset], float]) -> bool:
             and metric(samples, "num_requests_waiting") == 0
             and metric(samples, "kv_cache_blocks_used") == 0)
 
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").lower() in {"1", "true", "yes"}

@@ -11,7 +11,6 @@ import asyncio
 import collections
 
 import pytest
-import torch
 
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.config import EngineConfig

