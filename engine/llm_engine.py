@@ -153,15 +153,12 @@ class LLMEngine:
         Returns the request's last delta (``finish_reason="abort"`` for the
         unfinished samples), or None for an unknown or finished id.
         """
-        api = self._requests.pop(request_id, None)
+        api = self._requests.get(request_id)
         if api is None:
             return None
         for seq in api.seqs:
-            self.scheduler.abort_request(seq.request_id)
-            self._seq_to_api.pop(seq.request_id, None)
-        self._pending_finished.extend(self._finished_stats(api, seq, "abort" if i not in api.done
-                                                           else seq.status.finish_reason or "abort")
-                                      for i, seq in enumerate(api.seqs))
+            self.scheduler.abort_request(seq.request_id)  # no-op for samples already finished
+        self._pending_finished.extend(self._retire(api))
         outs = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="abort")
                 for i in range(len(api.seqs)) if i not in api.done]
         return RequestOutput(request_id, outs, api.prompt_token_ids, finished=True,
@@ -227,7 +224,7 @@ class LLMEngine:
                 text += detok.flush()
             lp = logprobs.get(seq.request_id)
             by_api.setdefault(api.request_id, []).append(CompletionOutput(
-                index=seq.sample_index, text=text, token_ids=[seq.output_token_ids[-1]],
+                index=seq.sample_index, text=text, token_ids=[last],
                 logprobs=[lp] if lp is not None else None,
                 finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason))
         results = []
@@ -238,26 +235,25 @@ class LLMEngine:
                     api.done.add(o.index)
             finished = len(api.done) == len(api.seqs)
             if finished:
-                self._finish(api, stats)
+                stats.finished.extend(self._retire(api))
             results.append(RequestOutput(rid, outs, api.prompt_token_ids, finished=finished,
                                          num_cached_tokens=api.seqs[0].num_cached_tokens))
         return results
 
-    def _finish(self, api: _ApiRequest, stats: StepStats) -> None:
+    def _retire(self, api: _ApiRequest) -> list[FinishedRequestStats]:
+        """Forget a finished or aborted request; one stats record per sequence (sample)."""
         del self._requests[api.request_id]
         for seq in api.seqs:
             self._seq_to_api.pop(seq.request_id, None)
-        # One record per sequence (sample), each with its own finish reason.
-        stats.finished.extend(self._finished_stats(api, seq, seq.status.finish_reason or "abort")
-                              for seq in api.seqs)
+        return [self._finished_stats(seq) for seq in api.seqs]
 
     @staticmethod
-    def _finished_stats(api: _ApiRequest, seq: Request, reason: str) -> FinishedRequestStats:
+    def _finished_stats(seq: Request) -> FinishedRequestStats:
         now = time.monotonic()
         scheduled = seq.first_scheduled_time
         return FinishedRequestStats(
-            finish_reason=reason,
-            num_prompt_tokens=len(api.prompt_token_ids),
+            finish_reason=seq.status.finish_reason or "abort",
+            num_prompt_tokens=seq.num_prompt_tokens,
             num_generation_tokens=seq.num_output_tokens,
             e2e_latency=(seq.finished_time or now) - seq.arrival_time,
             queue_time=(scheduled - seq.arrival_time) if scheduled is not None else 0.0,

@@ -57,7 +57,7 @@ class ModelRunner:
         for i in order:
             s = out.scheduled[i]
             end = s.start_pos + s.num_new_tokens
-            input_ids.extend(s.request.all_token_ids[s.start_pos:end])
+            input_ids.extend(s.token_ids)
             positions.extend(range(s.start_pos, end))
             specs.append(SeqSpec(s.num_new_tokens, end, s.block_ids))
             last_row[i] = len(input_ids) - 1
