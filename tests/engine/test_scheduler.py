@@ -9,28 +9,14 @@ plain token list.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import pytest
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine_builders import make_request
 
 VOCAB = 1000
-
-
-def make_request(request_id: str, prompt_token_ids: Sequence[int], max_tokens: int = 16,
-                 eos_token_ids: Sequence[int] = ()) -> Request:
-    """A greedy request; EOS never matches unless ``eos_token_ids`` is given."""
-    return Request(
-        request_id=request_id,
-        prompt_token_ids=list(prompt_token_ids),
-        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0),
-        max_tokens=max_tokens,
-        eos_token_ids=frozenset(eos_token_ids),
-    )
 
 
 def next_token(context: list[int]) -> int:

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
-import gguf
 import jinja2
 import pytest
-import transformers
 
 from models.chat_template import DEFAULT_CHAT_TEMPLATE, render_chat_template
 from models.tokenizer import Tokenizer
@@ -27,14 +24,13 @@ CONVERSATIONS = {
 
 
 @pytest.fixture(scope="module")
-def ours(smollm2_path: Path) -> Tokenizer:
-    return Tokenizer.from_gguf_fields(gguf.GGUFReader(smollm2_path))
+def ours(gguf_tokenizer) -> Tokenizer:
+    return gguf_tokenizer
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_path: Path):
-    path = smollm2_path
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+def reference(reference_tokenizer):
+    return reference_tokenizer
 
 
 @pytest.mark.parametrize("name", CONVERSATIONS)

@@ -20,7 +20,6 @@ from pathlib import Path
 import gguf
 import pytest
 import tokenizers
-import transformers
 from tokenizers import pre_tokenizers
 
 from models.tokenizer import Tokenizer
@@ -44,14 +43,13 @@ SPECIAL_TEXTS = {"<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"}
 
 
 @pytest.fixture(scope="module")
-def ours(smollm2_path: Path) -> Tokenizer:
-    return Tokenizer.from_gguf_fields(gguf.GGUFReader(smollm2_path))
+def ours(gguf_tokenizer) -> Tokenizer:
+    return gguf_tokenizer
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_path: Path):
-    path = smollm2_path
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+def reference(reference_tokenizer):
+    return reference_tokenizer
 
 
 @pytest.fixture(scope="module")
