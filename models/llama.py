@@ -12,9 +12,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from models.attention import AttentionMetadata, paged_attention, write_kv
+from models import ops
+from models.attention import AttentionMetadata, paged_attention
 from models.config import ModelConfig
-from models.rope import RotaryEmbedding, apply_rotary, interleave_rotary_rows
+from models.rope import RotaryEmbedding, interleave_rotary_rows
 
 
 class RMSNorm(nn.Module):
@@ -23,13 +24,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Variance in float32 for low-precision activations, as the reference does.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``norm(x)``; with ``residual``, ``(norm(residual + x), residual + x)`` in one pass."""
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -45,16 +45,12 @@ class Attention(nn.Module):
                                   bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor,
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        # Q and K heads are adjacent in the fused output: rotate them in one call.
-        qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), rope)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        q, k, v = ops.rotary_and_cache(self.qkv_proj(x), rope.rotations, positions, k_cache, v_cache,
+                                       meta.slot_mapping, self.num_heads, self.num_kv_heads)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -67,8 +63,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -79,9 +74,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope, meta, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RotaryEmbedding,
+                positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp_out, residual)``: the MLP output is added to the residual stream by the
+        next norm, so each add travels with a norm in one fused pass."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rope, positions, meta, kv_cache)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -126,12 +130,13 @@ class LlamaForCausalLM(nn.Module):
         """
         assert self.rope is not None, "call init_rope() before forward()"
         x = self.model.embed_tokens(input_ids)
-        rope = self.rope.lookup(positions)
+        residual = None
         for layer, kv in zip(self.model.layers, kv_caches):
-            x = layer(x, rope, meta, kv)
+            x, residual = layer(x, residual, self.rope, positions, meta, kv)
         if logits_indices is not None:
-            x = x.index_select(0, logits_indices)
-        return self.lm_head(self.model.norm(x)).float()
+            x, residual = x.index_select(0, logits_indices), residual.index_select(0, logits_indices)
+        x, _ = self.model.norm(x, residual)
+        return self.lm_head(x).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into the parameters, checking names and shapes.

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from models.config import ModelConfig
+from models import ops
 from models.gguf_loader import config_from_gguf, iter_gguf_weights, open_gguf
 from models.quant import quantize_model
 from models.registry import model_class
@@ -129,6 +130,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
             raise ValueError(f"quantization {quantization!r} uses CPU kernels; use --quantization none on {dev}")
         quantize_model(model, quantization)
     model.eval()
+    if dev.type == "cpu" and ops.kernels_available():  # builds them on the very first run
+        logger.info("fused CPU kernels: on")
     logger.info("loaded in %.1fs", time.perf_counter() - t0)
     return LoadedModel(model, tokenizer, config, path, torch_dtype, dev)
 

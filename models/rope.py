@@ -4,7 +4,8 @@ kvserve stores each head's Q/K features with the rotary pairs interleaved
 (``x0, x1`` rotate together, then ``x2, x3``, ...), the layout llama.cpp
 uses, instead of Hugging Face's split halves. Attention scores are unchanged
 by a permutation applied to both Q and K, and with pairs adjacent the rotation
-is a single complex multiplication instead of a dozen small ops per layer.
+is a single complex multiplication (or one pass of the fused kernel in
+``models/ops.py``) instead of a dozen small ops per layer.
 ``LlamaForCausalLM.load_weights`` permutes checkpoint Q/K rows into this layout.
 """
 
@@ -59,14 +60,3 @@ class RotaryEmbedding:
         t = torch.arange(max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [P, head_dim / 2]
         self.rotations = torch.polar(torch.ones_like(freqs), freqs)  # complex64
-
-    def lookup(self, positions: torch.Tensor) -> torch.Tensor:
-        """Rotations for ``positions [T]``, shaped ``[T, 1, head_dim / 2]``; once per forward."""
-        return self.rotations[positions].unsqueeze(1)
-
-
-def apply_rotary(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, H, D]`` (interleaved pairs, any float dtype) by ``rotations [T, 1, D/2]``."""
-    t, h, d = x.shape
-    xc = torch.view_as_complex(x.float().reshape(t, h, d // 2, 2))
-    return torch.view_as_real(xc * rotations).reshape(t, h, d).to(x.dtype)

@@ -1,4 +1,7 @@
-"""Paged attention (write_kv + paged_attention) equals plain dense causal attention."""
+"""Paged attention (write_kv + paged_attention) equals plain dense causal attention.
+
+Every test runs twice: with the fused decode kernel and with the plain-torch path.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,16 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from models.attention import SeqSpec, build_attention_metadata, paged_attention, write_kv
+from models.attention import SeqSpec, build_attention_metadata, paged_attention
+from models import ops
+from models.ops import write_kv
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["kernels", "torch"])
+def kernels(request):
+    ops.set_kernels_enabled(request.param)
+    yield request.param
+    ops.set_kernels_enabled(True)
+
 
 KV_HEADS = 2
 HEAD_DIM = 16

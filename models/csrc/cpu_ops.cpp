@@ -1,0 +1,339 @@
+// Fused CPU kernels for the decoder's small per-layer operations.
+//
+// Each kernel replaces a chain of eager torch ops (and their dispatch, which
+// dominates a batch-1 decode step on a small model) with one pass over the
+// data. Every kernel has a plain-torch twin in models/ops.py, and the tests
+// compare the two. Arithmetic is float32 whatever the storage dtype, rounding
+// to the storage dtype exactly where the eager torch code does.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// Rows per parallel chunk for row-wise kernels: below this a step runs on one
+// thread, since waking the pool costs more than a few small rows.
+constexpr int64_t kRowGrain = 16;
+
+template <typename T>
+inline float to_f(T v) { return static_cast<float>(v); }
+
+// exp(x), written so the compiler vectorises it (std::exp is a scalar call):
+// 2^(x log2 e) = 2^i * 2^f with i the nearest integer, f in [-0.5, 0.5), and
+// 2^f by its degree-6 Taylor polynomial; relative error about 2e-7. Inputs
+// are clamped to [-87, 88], where the result stays a normal float.
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float t = x * 1.4426950408889634f;
+  const float fi = std::floor(t + 0.5f);
+  const float f = t - fi;
+  const float p = 1.0f + f * (0.6931471806f + f * (0.2402265070f + f * (0.0555041087f +
+                  f * (0.0096181291f + f * (0.0013333558f + f * 0.0001540353f)))));
+  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
+  return p * __builtin_bit_cast(float, bits);
+}
+
+// 1/x for x in [1, 2^125] without a divide (vector divides are very slow on
+// some CPUs): a bit-trick first guess within 12%, then three Newton steps,
+// each squaring the relative error; worst case 1.2e-7.
+inline float recip_approx(float x) {
+  float y = __builtin_bit_cast(float, 0x7EF311C7 - __builtin_bit_cast(int32_t, x));
+  y = y * (2.0f - x * y);
+  y = y * (2.0f - x * y);
+  return y * (2.0f - x * y);
+}
+
+template <typename T>
+void rms_norm_rows(T* out, const T* x, const T* w, int64_t hidden, double eps) {
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < hidden; ++i) {
+    const float v = to_f(x[i]);
+    ss += v * v;
+  }
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(hidden) + static_cast<float>(eps));
+  for (int64_t i = 0; i < hidden; ++i) {
+    // As the reference: normalise, round to the storage dtype, then scale.
+    out[i] = static_cast<T>(to_f(w[i]) * to_f(static_cast<T>(to_f(x[i]) * r)));
+  }
+}
+
+template <>
+void rms_norm_rows<float>(float* out, const float* x, const float* w, int64_t hidden, double eps) {
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < hidden; ++i) ss += x[i] * x[i];
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(hidden) + static_cast<float>(eps));
+#pragma omp simd
+  for (int64_t i = 0; i < hidden; ++i) out[i] = w[i] * (x[i] * r);
+}
+
+template <typename T>
+void add_rows(T* row, const T* add, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) row[i] = static_cast<T>(to_f(row[i]) + to_f(add[i]));
+}
+
+template <typename T>
+void silu_mul_row(T* o, const T* g, const T* u, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = to_f(g[i]);
+    // silu rounds to the storage dtype before the product, as eager torch does.
+    // Past -80 silu is below 1e-33; the clamp keeps 1 + exp(-a) in recip_approx's range.
+    const float s = to_f(static_cast<T>(a * recip_approx(1.0f + exp_approx(std::min(-a, 80.0f)))));
+    o[i] = static_cast<T>(s * to_f(u[i]));
+  }
+}
+
+// Rotate one head's interleaved pairs (x0, x1), (x2, x3), ... by (cos, sin) pairs.
+template <typename T>
+void rotate_head(T* x, const float* cs, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float x0 = to_f(x[2 * i]), x1 = to_f(x[2 * i + 1]);
+    const float c = cs[2 * i], s = cs[2 * i + 1];
+    x[2 * i] = static_cast<T>(x0 * c - x1 * s);
+    x[2 * i + 1] = static_cast<T>(x0 * s + x1 * c);
+  }
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
+// out = rms_norm(x) * weight, row by row.
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight must match the hidden size");
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t xs = x.stride(0), os = out.stride(0);
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) rms_norm_rows(op + r * os, xp + r * xs, wp, hidden, eps);
+    });
+  });
+}
+
+// residual += x (rounded to the storage dtype), then out = rms_norm(residual) * weight.
+void add_rms_norm(at::Tensor& out, at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight,
+                  double eps) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  check_rows(residual, "residual");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight must match the hidden size");
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t xs = x.stride(0), rs = residual.stride(0), os = out.stride(0);
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        add_rows(rp + r * rs, xp + r * xs, hidden);
+        rms_norm_rows(op + r * os, rp + r * rs, wp, hidden, eps);
+      }
+    });
+  });
+}
+
+// out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i] with I = out.size(1).
+void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  check_rows(out, "out");
+  const int64_t rows = out.size(0), inter = out.size(1);
+  TORCH_CHECK(gate_up.size(0) == rows && gate_up.size(1) == 2 * inter, "gate_up must be [T, 2 * I]");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* gp = gate_up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t gs = gate_up.stride(0), os = out.stride(0);
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* g = gp + r * gs;
+        const scalar_t* u = g + inter;
+        silu_mul_row(op + r * os, g, u, inter);
+      }
+    });
+  });
+}
+
+// Rotate the Q and K heads of qkv [T, (H + 2 * KVH) * D] in place (interleaved
+// pairs) by rotations [P, D / 2, 2] (cos, sin) at positions [T], then copy
+// each token's K and V heads into slot slot_mapping[t] of the paged caches
+// [num_blocks, block_size, KVH, D].
+void rotary_and_cache(at::Tensor& qkv, const at::Tensor& rotations, const at::Tensor& positions,
+                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                      int64_t num_heads, int64_t num_kv_heads) {
+  check_rows(qkv, "qkv");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(rotations.is_contiguous() && rotations.scalar_type() == at::kFloat && rotations.dim() == 3,
+              "rotations must be contiguous float32 [P, D/2, 2]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong,
+              "positions and slot_mapping must be int64");
+  const int64_t tokens = qkv.size(0);
+  const int64_t half = rotations.size(1), head_dim = 2 * half;
+  const int64_t max_pos = rotations.size(0);
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "qkv width does not match the heads");
+  TORCH_CHECK(k_cache.size(2) == num_kv_heads && k_cache.size(3) == head_dim, "cache shape does not match");
+  TORCH_CHECK(positions.numel() == tokens && slot_mapping.numel() == tokens, "one position and slot per token");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* pos = positions.contiguous().data_ptr<int64_t>();
+  const int64_t* slots = slot_mapping.contiguous().data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " out of range");
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " out of range");
+  }
+  const float* rot = rotations.data_ptr<float>();
+  const int64_t kv_width = num_kv_heads * head_dim;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_and_cache", [&] {
+    scalar_t* base = qkv.data_ptr<scalar_t>();
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    const int64_t stride = qkv.stride(0);
+    at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        scalar_t* row = base + t * stride;
+        const float* cs = rot + pos[t] * half * 2;
+        for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) rotate_head(row + h * head_dim, cs, half);
+        const scalar_t* k = row + num_heads * head_dim;
+        std::memcpy(kc + slots[t] * kv_width, k, kv_width * sizeof(scalar_t));
+        std::memcpy(vc + slots[t] * kv_width, k + kv_width, kv_width * sizeof(scalar_t));
+      }
+    });
+  });
+}
+
+// Softmax of each of ``rows`` score rows of length n, in place.
+inline void softmax_rows(float* s, int64_t rows, int64_t n) {
+  for (int64_t g = 0; g < rows; ++g, s += n) {
+    float mx = s[0];
+    for (int64_t t = 1; t < n; ++t) mx = std::max(mx, s[t]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = exp_approx(s[t] - mx);
+      sum += s[t];
+    }
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+  }
+}
+
+template <typename T>
+inline float dot_row(const float* q, const T* k, int64_t n) {
+  float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+  for (int64_t d = 0; d < n; ++d) dot += q[d] * to_f(k[d]);
+  return dot;
+}
+
+template <typename T>
+inline void axpy_row(float* acc, float p, const T* v, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) acc[d] += p * to_f(v[d]);
+}
+
+// Where the paged caches keep this layout's dimensions and one sequence's blocks.
+struct PagedView {
+  int64_t block_size, token_stride, head_dim;
+  const int64_t* table;
+  int64_t offset(int64_t t, int64_t kv_head) const {
+    return (table[t / block_size] * block_size + t % block_size) * token_stride + kv_head * head_dim;
+  }
+};
+
+// The ``group`` query heads sharing one KV head, for one sequence of ``ctx``
+// tokens: scores, softmax, weighted sum of values. ``qf`` is pre-scaled.
+template <typename T>
+void attend_group(T* out, const float* qf, const T* kc, const T* vc, const PagedView& pv, int64_t kv_head,
+                  int64_t group, int64_t ctx, std::vector<float>& scores, std::vector<float>& acc) {
+  const int64_t hd = pv.head_dim;
+  scores.resize(group * ctx);
+  for (int64_t t = 0; t < ctx; ++t) {
+    const T* k = kc + pv.offset(t, kv_head);
+    for (int64_t g = 0; g < group; ++g) scores[g * ctx + t] = dot_row(qf + g * hd, k, hd);
+  }
+  softmax_rows(scores.data(), group, ctx);
+  acc.assign(group * hd, 0.0f);
+  for (int64_t t = 0; t < ctx; ++t) {
+    const T* v = vc + pv.offset(t, kv_head);
+    for (int64_t g = 0; g < group; ++g) axpy_row(acc.data() + g * hd, scores[g * ctx + t], v, hd);
+  }
+  for (int64_t i = 0; i < group * hd; ++i) out[i] = static_cast<T>(acc[i]);
+}
+
+template <typename T>
+void decode_attention_impl(T* out, const T* q, int64_t q_stride, const T* kc, const T* vc,
+                           const int64_t* tables, const int64_t* lens, int64_t batch, int64_t heads,
+                           int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                           float scale) {
+  const int64_t group = heads / kv_heads;
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_dim), scores, acc;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, h = item % kv_heads;
+      const T* src = q + b * q_stride + h * group * head_dim;
+      for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = to_f(src[i]) * scale;
+      const PagedView pv{block_size, kv_heads * head_dim, head_dim, tables + b * max_blocks};
+      attend_group(out + (b * heads + h * group) * head_dim, qf.data(), kc, vc, pv, h, group, lens[b],
+                   scores, acc);
+    }
+  });
+}
+
+// One query token per sequence over its paged context, read in place (no
+// gather). q [B, H, D] (rows may be strided), caches [NB, BS, KVH, D],
+// block_tables [B, max_blocks] int64, context_lens [B] int64; out [B, H, D].
+// The H / KVH query heads sharing a KV head are handled together so each key
+// and value row is read once per sequence.
+void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [B, H, D] with packed heads");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous like q");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "caches must have q's dtype");
+  TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong, "block_tables: int64");
+  TORCH_CHECK(context_lens.is_contiguous() && context_lens.scalar_type() == at::kLong, "context_lens: int64");
+  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim && heads % kv_heads == 0, "cache shape does not match q");
+  TORCH_CHECK(block_tables.size(0) == batch && context_lens.numel() == batch, "one table and length per sequence");
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_blocks * block_size, "context length ", lens[b], " out of range");
+    for (int64_t i = 0; i < (lens[b] + block_size - 1) / block_size; ++i) {
+      const int64_t blk = tables[b * max_blocks + i];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id ", blk, " out of range");
+    }
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    decode_attention_impl(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), q.stride(0),
+                          k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), tables, lens, batch,
+                          heads, kv_heads, head_dim, block_size, max_blocks, static_cast<float>(scale));
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x; out = rms_norm(residual) * weight");
+  m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up");
+  m.def("rotary_and_cache", &rotary_and_cache, "rotate Q/K in place and write K/V to the paged caches");
+  m.def("paged_decode_attention", &paged_decode_attention, "one-token attention over paged caches");
+}

@@ -1,0 +1,150 @@
+"""The fused C++ kernels (models/csrc/cpu_ops.cpp) equal their plain-torch twins.
+
+Each op runs twice on the same inputs, kernels on and off. float32 agrees to
+rounding (the kernels' exp and reciprocal are polynomial, within 2e-7
+relative); bfloat16 rounds where eager torch rounds, so it agrees to one
+bfloat16 ulp at most. Paged decode attention is also checked against dense
+attention in tests/models/test_attention.py, with the kernels on and off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import ops
+
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+
+
+def both(fn):
+    """``fn()`` with the kernels, then with the torch twins (inputs cloned for each run)."""
+    try:
+        ops.set_kernels_enabled(True)
+        fused = fn()
+        ops.set_kernels_enabled(False)
+        plain = fn()
+    finally:
+        ops.set_kernels_enabled(True)
+    return fused, plain
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def test_kernels_build_on_this_machine() -> None:
+    # CI and `make test` run on machines with g++ and the Python headers: a
+    # silent fallback to plain torch would hide a broken kernel build.
+    assert ops.kernels_available(), "models/csrc/cpu_ops.cpp did not build; see the warning logged"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_rms_norm(dtype: torch.dtype, rows: int) -> None:
+    x, w = randn(rows, 576, dtype=dtype) * 3, randn(576, dtype=dtype, seed=1)
+
+    fused, plain = both(lambda: ops.rms_norm(x, w, 1e-5))
+
+    torch.testing.assert_close(fused, plain, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_returns_the_sum_and_its_norm(dtype: torch.dtype) -> None:
+    x, res, w = randn(33, 576, dtype=dtype), randn(33, 576, dtype=dtype, seed=1), randn(576, dtype=dtype, seed=2)
+
+    (n1, r1), (n2, r2) = both(lambda: ops.add_rms_norm(x, res.clone(), w, 1e-6))
+
+    torch.testing.assert_close(r1, r2, atol=0, rtol=0)  # one rounded add, as torch
+    torch.testing.assert_close(n1, n2, **TOL[dtype])
+    torch.testing.assert_close(r1, res + x, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype: torch.dtype) -> None:
+    # Wide inputs: the kernel's exp is clamped, silu saturates at both ends.
+    gate_up = randn(9, 2 * 1536, dtype=dtype) * 8
+
+    fused, plain = both(lambda: ops.silu_and_mul(gate_up))
+
+    torch.testing.assert_close(fused, plain, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_and_cache_rotates_q_k_and_fills_the_slots(dtype: torch.dtype) -> None:
+    heads, kv_heads, head_dim, tokens = 9, 3, 64, 20
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    angles = randn(512, head_dim // 2, seed=1)
+    rotations = torch.polar(torch.ones_like(angles), angles)
+    positions = torch.randperm(512, generator=torch.Generator().manual_seed(2))[:tokens]
+    slots = torch.randperm(8 * 16, generator=torch.Generator().manual_seed(3))[:tokens]
+
+    def run():
+        caches = [torch.zeros(8, 16, kv_heads, head_dim, dtype=dtype) for _ in range(2)]
+        q, k, v = ops.rotary_and_cache(qkv.clone(), rotations, positions, *caches, slots, heads, kv_heads)
+        return q, k, v, caches
+
+    (q1, k1, v1, c1), (q2, k2, v2, c2) = both(run)
+
+    torch.testing.assert_close(q1, q2, **TOL[dtype])
+    torch.testing.assert_close(k1, k2, **TOL[dtype])
+    torch.testing.assert_close(v1, v2, atol=0, rtol=0)
+    for a, b in zip(c1, c2):
+        torch.testing.assert_close(a, b, **TOL[dtype])
+    assert torch.count_nonzero(c1[0].flatten(0, 1).abs().sum((1, 2))) == tokens
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_decode_attention_reads_the_pages_in_place(dtype: torch.dtype, group: int, block_size: int) -> None:
+    kv_heads, head_dim = 2, 64
+    lens = [1, 17, 300, 64]
+    nblocks = [-(-n // block_size) for n in lens]
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randperm(sum(nblocks) + 3, generator=gen)
+    tables = torch.zeros(len(lens), max(nblocks), dtype=torch.long)
+    start = 0
+    for i, n in enumerate(nblocks):
+        tables[i, :n] = pool[start:start + n]
+        start += n
+    k_cache = randn(len(pool), block_size, kv_heads, head_dim, dtype=dtype, seed=1)
+    v_cache = randn(len(pool), block_size, kv_heads, head_dim, dtype=dtype, seed=2)
+    # Queries as the model passes them: a strided view into the fused qkv rows.
+    qkv = randn(len(lens), (group * kv_heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=3)
+    q = qkv[:, :group * kv_heads * head_dim].view(len(lens), group * kv_heads, head_dim)
+    context_lens = torch.tensor(lens)
+
+    fused, plain = both(lambda: ops.decode_attention(q, k_cache, v_cache, tables, context_lens,
+                                                     max(lens), head_dim ** -0.5))
+
+    torch.testing.assert_close(fused, plain, **TOL[dtype])
+
+
+def test_decode_attention_rejects_a_block_id_outside_the_cache() -> None:
+    k_cache = torch.zeros(4, 16, 1, 8)
+    q = torch.zeros(1, 1, 8)
+    with pytest.raises(RuntimeError, match="block id 9 out of range"):
+        ops.decode_attention(q, k_cache, k_cache, torch.tensor([[9]]), torch.tensor([5]), 5, 1.0)
+
+
+@pytest.mark.slow
+def test_default_model_decodes_the_same_tokens_with_and_without_kernels(smollm2, make_runner) -> None:
+    ids = smollm2.tokenizer.encode("The three primary colours are")
+
+    def run():
+        runner = make_runner(smollm2.model)
+        seq = runner.new_seq(len(ids) + 24)
+        logits = [runner.step([(seq, ids)])[0][-1]]
+        tokens = [int(logits[-1].argmax())]
+        for _ in range(23):
+            logits.append(runner.step([(seq, tokens[-1:])])[0][-1])
+            tokens.append(int(logits[-1].argmax()))
+        return tokens, torch.stack(logits)
+
+    (t1, l1), (t2, l2) = both(run)
+
+    assert t1 == t2
+    diff = (l1 - l2).abs().max().item()
+    assert diff < 1e-3, f"max |logits diff| kernels vs torch: {diff:.2e}"
