@@ -138,6 +138,18 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.model.norm(x, residual)
         return self.lm_head(x).float()
 
+    def use_column_major_weights(self) -> None:
+        """Store each projection's weight column-major (same shape, transposed strides).
+
+        ``F.linear`` multiplies by ``weight.t()``, which is then contiguous: MKL's
+        CPU GEMM is about 2x faster that way for 4 to 16 rows (a decode batch of
+        a few streams) and the same elsewhere (measured, SmolLM2 layer shapes).
+        A tied LM head keeps the embedding's row-major layout for the lookups.
+        """
+        for module in self.modules():
+            if isinstance(module, nn.Linear) and module.weight is not self.model.embed_tokens.weight:
+                module.weight.data = module.weight.data.t().contiguous().t()
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into the parameters, checking names and shapes.
 

@@ -125,6 +125,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
         model.lm_head.weight = model.model.embed_tokens.weight
     model.load_weights(_progress(weights, config))
     model.init_rope(max_positions or config.max_position_embeddings)
+    if dev.type == "cpu":
+        model.use_column_major_weights()
     if quantization != "none":
         if dev.type != "cpu":
             raise ValueError(f"quantization {quantization!r} uses CPU kernels; use --quantization none on {dev}")

@@ -244,33 +244,46 @@ inline void axpy_row(float* acc, float p, const T* v, int64_t n) {
   for (int64_t d = 0; d < n; ++d) acc[d] += p * to_f(v[d]);
 }
 
-// Where the paged caches keep this layout's dimensions and one sequence's blocks.
+// One sequence's view of the paged caches [num_blocks, block_size, KVH, D].
 struct PagedView {
-  int64_t block_size, token_stride, head_dim;
+  int64_t block_size, token_stride;
   const int64_t* table;
-  int64_t offset(int64_t t, int64_t kv_head) const {
-    return (table[t / block_size] * block_size + t % block_size) * token_stride + kv_head * head_dim;
-  }
 };
+
+// Calls f(t, row_offset) for t = 0..ctx-1 in order, block by block (no
+// division per token): row_offset is where token t's row for this KV head starts.
+template <typename F>
+inline void for_each_token(const PagedView& pv, int64_t head_offset, int64_t ctx, F&& f) {
+  for (int64_t start = 0, i = 0; start < ctx; start += pv.block_size, ++i) {
+    const int64_t n = std::min(pv.block_size, ctx - start);
+    int64_t off = pv.table[i] * pv.block_size * pv.token_stride + head_offset;
+    for (int64_t j = 0; j < n; ++j, off += pv.token_stride) f(start + j, off);
+  }
+}
 
 // The ``group`` query heads sharing one KV head, for one sequence of ``ctx``
 // tokens: scores, softmax, weighted sum of values. ``qf`` is pre-scaled.
-template <typename T>
-void attend_group(T* out, const float* qf, const T* kc, const T* vc, const PagedView& pv, int64_t kv_head,
-                  int64_t group, int64_t ctx, std::vector<float>& scores, std::vector<float>& acc) {
-  const int64_t hd = pv.head_dim;
+// HD is the head size when known at compile time (0: read ``head_dim``), so
+// the common sizes get fully unrolled dot products.
+template <typename T, int HD>
+void attend_group(T* out, const float* qf, const T* kc, const T* vc, const PagedView& pv, int64_t head_offset,
+                  int64_t head_dim, int64_t group, int64_t ctx, std::vector<float>& scores,
+                  std::vector<float>& acc) {
+  const int64_t hd = HD ? HD : head_dim;
   scores.resize(group * ctx);
-  for (int64_t t = 0; t < ctx; ++t) {
-    const T* k = kc + pv.offset(t, kv_head);
-    for (int64_t g = 0; g < group; ++g) scores[g * ctx + t] = dot_row(qf + g * hd, k, hd);
-  }
-  softmax_rows(scores.data(), group, ctx);
+  float* s = scores.data();
+  for_each_token(pv, head_offset, ctx, [&](int64_t t, int64_t off) {
+    const T* k = kc + off;
+    for (int64_t g = 0; g < group; ++g) s[g * ctx + t] = dot_row(qf + g * hd, k, hd);
+  });
+  softmax_rows(s, group, ctx);
   acc.assign(group * hd, 0.0f);
-  for (int64_t t = 0; t < ctx; ++t) {
-    const T* v = vc + pv.offset(t, kv_head);
-    for (int64_t g = 0; g < group; ++g) axpy_row(acc.data() + g * hd, scores[g * ctx + t], v, hd);
-  }
-  for (int64_t i = 0; i < group * hd; ++i) out[i] = static_cast<T>(acc[i]);
+  float* a = acc.data();
+  for_each_token(pv, head_offset, ctx, [&](int64_t t, int64_t off) {
+    const T* v = vc + off;
+    for (int64_t g = 0; g < group; ++g) axpy_row(a + g * hd, s[g * ctx + t], v, hd);
+  });
+  for (int64_t i = 0; i < group * hd; ++i) out[i] = static_cast<T>(a[i]);
 }
 
 template <typename T>
@@ -279,15 +292,17 @@ void decode_attention_impl(T* out, const T* q, int64_t q_stride, const T* kc, co
                            int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
                            float scale) {
   const int64_t group = heads / kv_heads;
+  const auto attend = head_dim == 64 ? attend_group<T, 64> : head_dim == 128 ? attend_group<T, 128>
+                                                                              : attend_group<T, 0>;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), scores, acc;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / kv_heads, h = item % kv_heads;
       const T* src = q + b * q_stride + h * group * head_dim;
       for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = to_f(src[i]) * scale;
-      const PagedView pv{block_size, kv_heads * head_dim, head_dim, tables + b * max_blocks};
-      attend_group(out + (b * heads + h * group) * head_dim, qf.data(), kc, vc, pv, h, group, lens[b],
-                   scores, acc);
+      const PagedView pv{block_size, kv_heads * head_dim, tables + b * max_blocks};
+      attend(out + (b * heads + h * group) * head_dim, qf.data(), kc, vc, pv, h * head_dim, head_dim, group,
+             lens[b], scores, acc);
     }
   });
 }
