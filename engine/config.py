@@ -29,7 +29,9 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     served_model_name: str | None = None
-    quantization: str = "none"  # "none" | "int4": weight-only int4 for small decode batches (CPU)
+    # "auto" | "none" | "int4": weight-only int4 for small decode batches (CPU);
+    # auto = int4 for a GGUF with 4-bit projections on CPU (its own codes), else none.
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -40,7 +42,7 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.quantization not in ("none", "int4"):
-            raise ValueError(f"quantization must be none or int4, got {self.quantization!r}")
+        if self.quantization not in ("auto", "none", "int4"):
+            raise ValueError(f"quantization must be auto, none or int4, got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -135,6 +135,23 @@ def _permute_back(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# GGUF types whose 4-bit codes survive requantisation to int4 groups of 32.
+FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+
+
+def projection_type(reader) -> str:
+    """The GGUF type of the first layer's FFN down projection, e.g. ``"Q4_1"``.
+
+    Quantised files keep most projections at one type; this one stands for them.
+    """
+    from gguf import GGMLQuantizationType
+
+    for tensor in reader.tensors:
+        if tensor.name == "blk.0.ffn_down.weight":
+            return GGMLQuantizationType(tensor.tensor_type).name
+    raise ValueError("GGUF file has no blk.0.ffn_down.weight tensor")
+
+
 def iter_gguf_weights(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, float32 tensor)`` for every tensor of the file."""
     permute = config.architecture != "Qwen2ForCausalLM"  # llama.cpp permutes only llama-arch Q/K

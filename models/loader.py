@@ -19,7 +19,7 @@ import torch
 
 from models.config import ModelConfig
 from models import ops
-from models.gguf_loader import config_from_gguf, iter_gguf_weights, open_gguf
+from models.gguf_loader import FOUR_BIT_TYPES, config_from_gguf, iter_gguf_weights, open_gguf, projection_type
 from models.quant import quantize_model
 from models.registry import model_class
 from models.tokenizer import Tokenizer
@@ -98,12 +98,22 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+def resolve_quantization(quantization: str, gguf_type: str | None, device: torch.device) -> str:
+    """``auto`` -> ``int4`` on CPU for a GGUF whose projections are 4-bit (``gguf_type``), else ``none``."""
+    if quantization != "auto":
+        return quantization
+    return "int4" if device.type == "cpu" and gguf_type in FOUR_BIT_TYPES else "none"
+
+
 def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
                max_positions: int | None = None, quantization: str = "none") -> LoadedModel:
     """Load weights, tokenizer and config; the model is in eval mode on ``device``.
 
     ``quantization="int4"`` adds weight-only int4 copies of the projections
     (and int8 of the LM head) that small decode batches use; CPU only.
+    ``"auto"`` picks int4 on CPU for a GGUF whose projections are 4-bit (the
+    file's own codes, so nothing is lost beyond bfloat16 activations), and
+    none otherwise.
     """
     t0 = time.perf_counter()
     path = resolve_model_path(name)
@@ -116,6 +126,9 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
         config = config_from_gguf(reader)
         tokenizer = Tokenizer.from_gguf_fields(reader)
         weights = iter_gguf_weights(reader, config)
+    if quantization == "auto":
+        quantization = resolve_quantization(quantization, None if path.is_dir() else projection_type(reader), dev)
+        logger.info("quantization auto: %s", quantization)
     logger.info("loading %s (%s, %d layers) as %s on %s", path.name, config.architecture,
                 config.num_hidden_layers, str(torch_dtype).removeprefix("torch."), dev)
     with torch.device("meta"):

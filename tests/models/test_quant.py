@@ -13,6 +13,8 @@ import pytest
 import torch
 from torch import nn
 
+from models.gguf_loader import open_gguf, projection_type
+from models.loader import resolve_quantization
 from models.quant import GROUP_SIZE, SMALL_BATCH_ROWS, QuantizedLinear, quantize_model
 
 PROMPTS = ["The capital of France is Paris. The capital of Germany is",
@@ -110,5 +112,20 @@ def test_quantised_default_model_decodes_like_the_dense_one(smollm2, quantized_s
 def test_engine_config_names_the_supported_quantisations():
     from engine.config import EngineConfig
 
-    with pytest.raises(ValueError, match="none or int4"):
+    with pytest.raises(ValueError, match="auto, none or int4"):
         EngineConfig(quantization="fp3")
+    assert EngineConfig().quantization == "auto"
+
+
+@pytest.mark.parametrize("gguf_type, device, expected", [
+    ("Q4_1", "cpu", "int4"), ("Q4_0", "cpu", "int4"), ("Q4_K", "cpu", "int4"),
+    ("Q8_0", "cpu", "none"), ("F16", "cpu", "none"), (None, "cpu", "none"),  # None: an HF directory
+    ("Q4_1", "cuda", "none"),
+])
+def test_auto_quantisation_keeps_a_4_bit_gguf_in_4_bits_on_cpu(gguf_type, device, expected):
+    assert resolve_quantization("auto", gguf_type, torch.device(device)) == expected
+    assert resolve_quantization("none", gguf_type, torch.device(device)) == "none"
+
+
+def test_the_default_model_has_q4_1_projections(smollm2_path):
+    assert projection_type(open_gguf(smollm2_path)) == "Q4_1"
