@@ -1,17 +1,23 @@
-"""Weight-only quantisation for fast small-batch decoding on CPU.
+"""Weight-only quantisation for fast decoding on CPU.
 
-At batch 1 a decode step is bound by reading the weights from memory, so
-4-bit weights (group size 32, as in GGUF Q4_1) read 8x fewer bytes than
-float32. torch's CPU kernels for them (``_weight_int4pack_mm_for_cpu``,
-``_weight_int8pack_mm``) are fast only for a few rows with bfloat16
-activations; for larger batches a float32 matmul is faster. So each quantised
-layer keeps both forms and picks one by the number of rows.
+A decode step is bound by reading the weights from memory, so 4-bit weights
+(group size 32, as in GGUF Q4_1) read 8x fewer bytes than float32. kvserve's
+kernels (``ops.grouped_linear``, models/csrc/int4_gemm.cpp) take float32
+activations, keep float32 scales and reuse each dequantised weight tile for
+up to 8 rows of the batch; for prefill-sized batches MKL's float32 GEMM is
+faster. So each quantised layer keeps both forms and picks one by the number
+of rows.
 
 Requantising a GGUF Q4_1 weight keeps its 4-bit codes: Q4_1 stores
 ``w = d*q + m`` with ``m`` the group minimum and ``d = (max - min) / 15``,
-which is what the min/max int4 quantiser below recovers from the dequantised
-values. The kernel wants bfloat16 scales, so ``d`` and ``m`` (float16 in the
-file) lose three mantissa bits; the tests bound the effect on logits.
+which is what the min/max quantiser recovers from the dequantised values.
+Likewise a Q8_0 weight (``w = d*q``, ``d = max|w| / 127``) keeps its codes in
+the int8 LM head. So on the default model the quantised path computes the
+file's own weights, equal to the float path up to summation order.
+
+Without the kernels, torch's ``_weight_int4pack_mm_for_cpu`` and
+``_weight_int8pack_mm`` run instead: bfloat16 activations and scales, and
+int8 per output channel, so about 0.8 off in the logits.
 """
 
 from __future__ import annotations
@@ -19,12 +25,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from models import ops
+
 GROUP_SIZE = 32
-# Up to this many rows the quantised kernel wins: a whole SmolLM2 decode step
-# (bench.forward-style, 2-core AVX-512 CPU, column-major float32 weights) took
-# 15.7 vs 36.7 ms at 2 rows, 37.4 vs 64.5 at 8, 68 vs 69-87 at 16 and
-# 134 vs 125 at 32 (int4 vs float32).
-SMALL_BATCH_ROWS = 16
+# Up to this many rows the quantised kernels win: a whole SmolLM2 decode step
+# (context 200, 2-core AVX-512 CPU, column-major float32 weights) took 12.8 vs
+# 26 ms at 1 row, 19.7 vs 42-50 at 4, 47.0 vs 70-87 at 16 and 157.8 vs
+# 165-182 at 64 (quantised vs float32). Prefill chunks are larger.
+SMALL_BATCH_ROWS = 64
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE
@@ -73,7 +81,15 @@ class QuantizedLinear(nn.Module):
         self.weight = dense.weight  # kept (and shared if tied) for large batches
         self.bias = dense.bias
         w = dense.weight.detach()
-        if kind == "int4":
+        # kvserve's own kernels (models/csrc/int4_gemm.cpp): groups of 32 as in
+        # GGUF Q4_1 / Q8_0, float32 activations and scales, the weights reused
+        # across the batch. torch's kernels below are the fallback.
+        self.fused = ops.kernels_enabled(w.device)
+        if self.fused:
+            codes, scales = ops.pack_int4(w) if kind == "int4" else ops.pack_int8(w)
+            self.register_buffer("codes", codes, persistent=False)
+            self.register_buffer("group_scales", scales, persistent=False)
+        elif kind == "int4":
             packed, sz = quantize_int4(w)
             self.register_buffer("qweight", packed, persistent=False)
             self.register_buffer("scales", sz, persistent=False)
@@ -85,6 +101,9 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > SMALL_BATCH_ROWS:
             return nn.functional.linear(x, self.weight, self.bias)
+        if self.fused:
+            y = ops.grouped_linear(x.float(), self.codes, self.group_scales, self.out_features).to(x.dtype)
+            return y if self.bias is None else y + self.bias
         xb = x.to(torch.bfloat16)
         if self.kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.qweight, GROUP_SIZE, self.scales)

@@ -345,7 +345,13 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
 
 }  // namespace
 
+// int4_gemm.cpp
+void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
+void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int4_linear", &int4_linear, "out = x @ W^T, W packed in 4-bit groups of 32 (float scales)");
+  m.def("int8_linear", &int8_linear, "out = x @ W^T, W packed in 8-bit groups of 32 (float scales)");
   m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; out = rms_norm(residual) * weight");
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up");

@@ -1,8 +1,9 @@
 """Weight-only int4/int8 layers and the quantised default model, against the dense model.
 
-Measured on the default model (float32 activations, CPU): teacher-forced decode
-logits differ from the dense model by at most about 0.9 (logits span about
-+-20), and the greedy tokens agree.
+Measured on the default model, teacher-forced decode logits vs the dense
+(dequantised GGUF) model: with kvserve's kernels under 5e-4 (the default
+model's Q4_1 and Q8_0 codes are kept exactly); with torch's bfloat16 kernels
+(``KVSERVE_KERNELS=0``) about 0.8, logits spanning about +-20.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from models import ops
 from models.gguf_loader import open_gguf, projection_type
 from models.loader import resolve_quantization
 from models.quant import GROUP_SIZE, SMALL_BATCH_ROWS, QuantizedLinear, quantize_model
@@ -34,27 +36,54 @@ def q4_1_like_linear(out_f: int = 64, in_f: int = 128, seed: int = 0) -> nn.Line
     return lin
 
 
+def dequantised(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """What the group-32 quantisers keep of ``weight``: Q4_1-style min/max or Q8_0-style absmax."""
+    w = weight.reshape(weight.shape[0], -1, GROUP_SIZE).double()
+    if kind == "int4":
+        lo = w.amin(-1, keepdim=True)
+        d = (w.amax(-1, keepdim=True) - lo) / 15
+        return (torch.round((w - lo) / d) * d + lo).reshape(weight.shape)
+    d = w.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(w / d) * d).reshape(weight.shape)
+
+
+@pytest.fixture(params=[True, False], ids=["kvserve-kernels", "torch-kernels"])
+def fused(request):
+    ops.set_kernels_enabled(request.param)
+    yield request.param
+    ops.set_kernels_enabled(True)
+
+
 @pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_small_batches_use_the_quantised_kernel_and_stay_close(kind):
-    dense = q4_1_like_linear()
+@pytest.mark.parametrize("rows", [1, 5, SMALL_BATCH_ROWS])
+def test_small_batches_use_the_quantised_weights(fused, kind, rows):
+    # 40 rows, not a multiple of kvserve's 16-row tiles (torch's int4 kernel needs one).
+    dense = nn.Linear(96, 40 if fused else 48, bias=False)
     quant = QuantizedLinear(dense, kind)
-    x = torch.randn(SMALL_BATCH_ROWS, dense.in_features)
+    assert quant.fused == fused
+    x = torch.randn(rows, dense.in_features)
 
-    got, want = quant(x), dense(x)
+    got = quant(x).double()
 
-    # bfloat16 activations: relative error about 2^-8 per product.
-    torch.testing.assert_close(got, want, atol=0.05 * want.abs().max().item(), rtol=0)
-    assert not torch.equal(got, want), "the small-batch path should be the quantised kernel"
+    want = x.double() @ dequantised(dense.weight.detach(), kind).t()
+    scale = want.abs().max().item()
+    if fused:  # float32 throughout: rounding only
+        torch.testing.assert_close(got, want, atol=1e-5 * scale, rtol=0)
+    elif kind == "int4":  # bfloat16 activations and scales: about 2^-8 relative
+        torch.testing.assert_close(got, want, atol=0.05 * scale, rtol=0)
+    else:  # torch's int8 is per output channel, not per group: compare with the float weight
+        torch.testing.assert_close(got, x.double() @ dense.weight.double().t(), atol=0.05 * scale, rtol=0)
+    assert (got - x.double() @ dense.weight.double().t()).abs().max() > 1e-4 * scale, \
+        "the small-batch path should use the quantised weights"
 
 
 def test_int4_codes_of_a_q4_1_weight_are_recovered_exactly():
     dense = q4_1_like_linear()
-    quant = QuantizedLinear(dense, "int4")
-    eye = torch.eye(dense.in_features)[:SMALL_BATCH_ROWS]  # rows of W^T, through the kernel
+    codes, scales = ops.pack_int4(dense.weight)
+    eye = torch.eye(dense.in_features)  # rows of W^T, through the kernel
 
-    # With bf16-exact scales (as built above) the kernel's weights equal the dense ones,
-    # up to the bf16 rounding of the identity's products (none: they are exact).
-    torch.testing.assert_close(quant(eye), dense(eye), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(ops.grouped_linear(eye, codes, scales, dense.out_features),
+                               dense.weight.t(), atol=1e-6, rtol=0)
 
 
 def test_large_batches_use_the_dense_weight_exactly():
@@ -104,8 +133,10 @@ def test_quantised_default_model_decodes_like_the_dense_one(smollm2, quantized_s
         assert int(last_d.argmax()) == tok
         last_d, last_q = dense.step([(seq_d, [tok])])[0][-1], quant.step([(seq_q, [tok])])[0][-1]
 
-    print(f"max |quantised - dense| decode logits: {worst:.3f}; disagreements {disagreements}")
-    assert worst < 1.5
+    print(f"max |quantised - dense| decode logits: {worst:.2e}; disagreements {disagreements}")
+    # The default model's projections are Q4_1 and its head Q8_0: kvserve's kernels
+    # keep those codes and compute in float32, so only summation order differs.
+    assert worst < 1e-3
     assert all(margin < NEAR_TIE for _, margin in disagreements), disagreements
 
 
