@@ -32,6 +32,10 @@ class EngineConfig:
     # "auto" | "none" | "int4": weight-only int4 for small decode batches (CPU);
     # auto = int4 for a GGUF with 4-bit projections on CPU (its own codes), else none.
     quantization: str = "auto"
+    # "auto" | "float32" | "float16" | "bfloat16". auto: float16 for a float32 model
+    # (as llama.cpp's default f16 cache: twice the tokens, half the bytes decode
+    # attention reads, logits within about 0.02), else the model's dtype.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -44,5 +48,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.quantization not in ("auto", "none", "int4"):
             raise ValueError(f"quantization must be auto, none or int4, got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"kv_cache_dtype must be auto, float32, float16 or bfloat16, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

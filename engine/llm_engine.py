@@ -6,6 +6,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager, cdiv
@@ -19,6 +21,13 @@ from engine.stats import FinishedRequestStats, StatLogger, StepStats
 from models.loader import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """``auto`` -> float16 for a float32 model (half the bytes, logits within about 0.02), else the model's."""
+    if kv_cache_dtype != "auto":
+        return getattr(torch, kv_cache_dtype)
+    return torch.float16 if model_dtype == torch.float32 else model_dtype
 
 
 @dataclass
@@ -63,7 +72,8 @@ class LLMEngine:
         if config.max_model_len and config.max_model_len > loaded.config.max_position_embeddings:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length "
                              f"({loaded.config.max_position_embeddings})")
-        num_blocks = num_blocks_for_budget(loaded.config, loaded.dtype, config.block_size, config.kv_cache_memory)
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, loaded.dtype)
+        num_blocks = num_blocks_for_budget(loaded.config, kv_dtype, config.block_size, config.kv_cache_memory)
         needed = cdiv(self.max_model_len, config.block_size)
         if num_blocks < needed:
             raise ValueError(
@@ -77,7 +87,7 @@ class LLMEngine:
             SchedulerConfig(max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens),
             self.kv_cache)
-        self.runner = ModelRunner(loaded, num_blocks, config.block_size)
+        self.runner = ModelRunner(loaded, num_blocks, config.block_size, kv_dtype)
         self.sampler = Sampler(loaded.config.vocab_size)
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
         self.stat_loggers: list[StatLogger] = []
@@ -87,8 +97,8 @@ class LLMEngine:
         self._last_kv_hits = 0
         self._last_preemptions = 0
         self._pending_finished: list[FinishedRequestStats] = []
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, config.block_size,
-                    num_blocks * config.block_size)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s", num_blocks, config.block_size,
+                    num_blocks * config.block_size, str(kv_dtype).removeprefix("torch."))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":

@@ -6,7 +6,8 @@ Every layer first scatters the batch's new K/V into the paged caches and only
 then reads them, so a sequence may attend to blocks that another sequence of
 the same batch wrote in the same step (prefix-cache hits on siblings).
 
-Cache layout, per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+Cache layout, per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``,
+in the activations' dtype or a narrower one (``--kv-cache-dtype float16``).
 A token at position ``p`` of a sequence lives in slot
 ``block_table[p // block_size] * block_size + p % block_size``.
 """
@@ -108,7 +109,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             # A fresh prompt: its keys are exactly this step's, no gather needed.
             ks, vs = k[start:end], v[start:end]
         else:
-            ks, vs = _gather(k_cache, meta.block_tables[i], ctx), _gather(v_cache, meta.block_tables[i], ctx)
+            ks = _gather(k_cache, meta.block_tables[i], ctx).to(q.dtype)
+            vs = _gather(v_cache, meta.block_tables[i], ctx).to(q.dtype)
         out[start:end] = _prefill_attention(q[start:end], ks, vs, scale)
         start = end
     return out

@@ -61,6 +61,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
     p.add_argument("--kv-cache-memory", type=_size_arg, default=d.kv_cache_memory,
                    help="KV cache budget, e.g. 512MiB or 2GiB (default 512MiB)")
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+                   choices=["auto", "float32", "float16", "bfloat16"],
+                   help="auto: float16 for a float32 model (twice the tokens), else the model's dtype")
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
@@ -124,7 +127,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
             served_model_name=getattr(args, "served_model_name", None),
-            quantization=args.quantization)
+            quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     except ValueError as e:
         raise SystemExit(f"kvserve: error: {e}") from None
 

@@ -12,7 +12,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -103,6 +108,27 @@ void rotate_head(T* x, const float* cs, int64_t half) {
   }
 }
 
+// Calls f(C{}) with C the C++ type of a KV cache dtype (it may differ from the
+// activations': float16 caches halve the bytes attention reads).
+template <typename F>
+void dispatch_cache_type(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: return f(float{});
+    case at::kHalf: return f(at::Half{});
+    case at::kBFloat16: return f(at::BFloat16{});
+    default: TORCH_CHECK(false, "unsupported KV cache dtype ", t);
+  }
+}
+
+template <typename C, typename T>
+inline void convert_row(C* dst, const T* src, int64_t n) {
+  if constexpr (std::is_same_v<C, T>) {
+    std::memcpy(dst, src, n * sizeof(T));
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<C>(to_f(src[i]));
+  }
+}
+
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
 }
@@ -187,8 +213,10 @@ void rotary_and_cache(at::Tensor& qkv, const at::Tensor& rotations, const at::Te
   TORCH_CHECK(k_cache.size(2) == num_kv_heads && k_cache.size(3) == head_dim, "cache shape does not match");
   TORCH_CHECK(positions.numel() == tokens && slot_mapping.numel() == tokens, "one position and slot per token");
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  const int64_t* pos = positions.contiguous().data_ptr<int64_t>();
-  const int64_t* slots = slot_mapping.contiguous().data_ptr<int64_t>();
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must share a dtype");
+  const at::Tensor positions_c = positions.contiguous(), slots_c = slot_mapping.contiguous();
+  const int64_t* pos = positions_c.data_ptr<int64_t>();
+  const int64_t* slots = slots_c.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " out of range");
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " out of range");
@@ -196,19 +224,22 @@ void rotary_and_cache(at::Tensor& qkv, const at::Tensor& rotations, const at::Te
   const float* rot = rotations.data_ptr<float>();
   const int64_t kv_width = num_kv_heads * head_dim;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_and_cache", [&] {
-    scalar_t* base = qkv.data_ptr<scalar_t>();
-    scalar_t* kc = k_cache.data_ptr<scalar_t>();
-    scalar_t* vc = v_cache.data_ptr<scalar_t>();
-    const int64_t stride = qkv.stride(0);
-    at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        scalar_t* row = base + t * stride;
-        const float* cs = rot + pos[t] * half * 2;
-        for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) rotate_head(row + h * head_dim, cs, half);
-        const scalar_t* k = row + num_heads * head_dim;
-        std::memcpy(kc + slots[t] * kv_width, k, kv_width * sizeof(scalar_t));
-        std::memcpy(vc + slots[t] * kv_width, k + kv_width, kv_width * sizeof(scalar_t));
-      }
+    dispatch_cache_type(k_cache.scalar_type(), [&](auto cache_tag) {
+      using C = decltype(cache_tag);
+      scalar_t* base = qkv.data_ptr<scalar_t>();
+      C* kc = static_cast<C*>(k_cache.data_ptr());
+      C* vc = static_cast<C*>(v_cache.data_ptr());
+      const int64_t stride = qkv.stride(0);
+      at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          scalar_t* row = base + t * stride;
+          const float* cs = rot + pos[t] * half * 2;
+          for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) rotate_head(row + h * head_dim, cs, half);
+          const scalar_t* k = row + num_heads * head_dim;
+          convert_row(kc + slots[t] * kv_width, k, kv_width);
+          convert_row(vc + slots[t] * kv_width, k + kv_width, kv_width);
+        }
+      });
     });
   });
 }
@@ -244,6 +275,38 @@ inline void axpy_row(float* acc, float p, const T* v, int64_t n) {
   for (int64_t d = 0; d < n; ++d) acc[d] += p * to_f(v[d]);
 }
 
+#if defined(__AVX512F__)
+// float16 rows: the compiler does not vectorise c10::Half's conversion, the
+// hardware does (vcvtph2ps) 16 values at a time.
+template <>
+inline float dot_row<at::Half>(const float* q, const at::Half* k, int64_t n) {
+  if (n % 16) {
+    float dot = 0.0f;
+    for (int64_t d = 0; d < n; ++d) dot += q[d] * static_cast<float>(k[d]);
+    return dot;
+  }
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < n; d += 16) {
+    const __m512 kv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + d)));
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), kv, acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+template <>
+inline void axpy_row<at::Half>(float* acc, float p, const at::Half* v, int64_t n) {
+  if (n % 16) {
+    for (int64_t d = 0; d < n; ++d) acc[d] += p * static_cast<float>(v[d]);
+    return;
+  }
+  const __m512 pv = _mm512_set1_ps(p);
+  for (int64_t d = 0; d < n; d += 16) {
+    const __m512 vv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + d)));
+    _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, vv, _mm512_loadu_ps(acc + d)));
+  }
+}
+#endif
+
 // One sequence's view of the paged caches [num_blocks, block_size, KVH, D].
 struct PagedView {
   int64_t block_size, token_stride;
@@ -265,35 +328,36 @@ inline void for_each_token(const PagedView& pv, int64_t head_offset, int64_t ctx
 // tokens: scores, softmax, weighted sum of values. ``qf`` is pre-scaled.
 // HD is the head size when known at compile time (0: read ``head_dim``), so
 // the common sizes get fully unrolled dot products.
-template <typename T, int HD>
-void attend_group(T* out, const float* qf, const T* kc, const T* vc, const PagedView& pv, int64_t head_offset,
+template <typename T, typename C, int HD>
+void attend_group(T* out, const float* qf, const C* kc, const C* vc, const PagedView& pv, int64_t head_offset,
                   int64_t head_dim, int64_t group, int64_t ctx, std::vector<float>& scores,
                   std::vector<float>& acc) {
   const int64_t hd = HD ? HD : head_dim;
   scores.resize(group * ctx);
   float* s = scores.data();
   for_each_token(pv, head_offset, ctx, [&](int64_t t, int64_t off) {
-    const T* k = kc + off;
+    const C* k = kc + off;
     for (int64_t g = 0; g < group; ++g) s[g * ctx + t] = dot_row(qf + g * hd, k, hd);
   });
   softmax_rows(s, group, ctx);
   acc.assign(group * hd, 0.0f);
   float* a = acc.data();
   for_each_token(pv, head_offset, ctx, [&](int64_t t, int64_t off) {
-    const T* v = vc + off;
+    const C* v = vc + off;
     for (int64_t g = 0; g < group; ++g) axpy_row(a + g * hd, s[g * ctx + t], v, hd);
   });
   for (int64_t i = 0; i < group * hd; ++i) out[i] = static_cast<T>(a[i]);
 }
 
-template <typename T>
-void decode_attention_impl(T* out, const T* q, int64_t q_stride, const T* kc, const T* vc,
+template <typename T, typename C>
+void decode_attention_impl(T* out, const T* q, int64_t q_stride, const C* kc, const C* vc,
                            const int64_t* tables, const int64_t* lens, int64_t batch, int64_t heads,
                            int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
                            float scale) {
   const int64_t group = heads / kv_heads;
-  const auto attend = head_dim == 64 ? attend_group<T, 64> : head_dim == 128 ? attend_group<T, 128>
-                                                                              : attend_group<T, 0>;
+  const auto attend = head_dim == 64    ? attend_group<T, C, 64>
+                      : head_dim == 128 ? attend_group<T, C, 128>
+                                        : attend_group<T, C, 0>;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), scores, acc;
     for (int64_t item = begin; item < end; ++item) {
@@ -318,8 +382,7 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [B, H, D] with packed heads");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous like q");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "caches must have q's dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must share a dtype");
   TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong, "block_tables: int64");
   TORCH_CHECK(context_lens.is_contiguous() && context_lens.scalar_type() == at::kLong, "context_lens: int64");
   const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
@@ -337,9 +400,13 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
     }
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_attention_impl(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), q.stride(0),
-                          k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), tables, lens, batch,
-                          heads, kv_heads, head_dim, block_size, max_blocks, static_cast<float>(scale));
+    dispatch_cache_type(k_cache.scalar_type(), [&](auto cache_tag) {
+      using C = decltype(cache_tag);
+      decode_attention_impl(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), q.stride(0),
+                            static_cast<const C*>(k_cache.data_ptr()), static_cast<const C*>(v_cache.data_ptr()),
+                            tables, lens, batch, heads, kv_heads, head_dim, block_size, max_blocks,
+                            static_cast<float>(scale));
+    });
   });
 }
 

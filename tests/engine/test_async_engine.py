@@ -31,7 +31,7 @@ TIMEOUT = 60  # seconds for any one wait; generous for a loaded 2-core machine
 def make_async_engine(loaded, **overrides) -> AsyncEngine:
     budget = 128 * kv_bytes_per_block(loaded.config, loaded.dtype, BLOCK_SIZE)
     settings = dict(dtype="float32", device="cpu", kv_cache_memory=budget, block_size=BLOCK_SIZE,
-                    max_model_len=MAX_MODEL_LEN)
+                    max_model_len=MAX_MODEL_LEN, kv_cache_dtype="float32")
     settings.update(overrides)
     return AsyncEngine(LLMEngine(EngineConfig(**settings), loaded=loaded))
 

@@ -12,9 +12,10 @@ import re
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, resolve_kv_cache_dtype
 from engine.model_runner import kv_bytes_per_block
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -66,8 +67,9 @@ PROMPTS = (SHORT_PROMPTS[:2] + LONG_PROMPTS[:2] + SHORT_PROMPTS[2:6]
 def make_engine(loaded, num_blocks: int = 64, **overrides) -> LLMEngine:
     """An engine on the shared weights with a KV cache of exactly ``num_blocks`` blocks."""
     budget = num_blocks * kv_bytes_per_block(loaded.config, loaded.dtype, BLOCK_SIZE)
+    # float32 cache: the budget above counts float32 blocks.
     settings = dict(dtype="float32", device="cpu", kv_cache_memory=budget, block_size=BLOCK_SIZE,
-                    max_model_len=MAX_MODEL_LEN)
+                    max_model_len=MAX_MODEL_LEN, kv_cache_dtype="float32")
     settings.update(overrides)
     return LLMEngine(EngineConfig(**settings), loaded=loaded)
 
@@ -385,3 +387,25 @@ def test_duplicate_request_id_is_rejected(small_engine, tokenizer):
         small_engine.add_request("dup", prompt, GREEDY)
     assert small_engine.abort_request("dup").outputs[0].finish_reason == "abort"
     assert_engine_idle(small_engine)
+
+
+@pytest.mark.parametrize("setting, model_dtype, expected", [
+    ("auto", torch.float32, torch.float16), ("auto", torch.bfloat16, torch.bfloat16),
+    ("float32", torch.float32, torch.float32), ("bfloat16", torch.float32, torch.bfloat16),
+])
+def test_kv_cache_dtype_resolution(setting, model_dtype, expected):
+    assert resolve_kv_cache_dtype(setting, model_dtype) == expected
+
+
+def test_default_kv_cache_is_float16_and_holds_twice_the_blocks(smollm2_loaded, tokenizer):
+    budget = 64 * kv_bytes_per_block(smollm2_loaded.config, torch.float32, BLOCK_SIZE)
+    engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory=budget, block_size=BLOCK_SIZE,
+                                    max_model_len=MAX_MODEL_LEN), loaded=smollm2_loaded)
+    assert engine.num_blocks == 128
+    assert all(k.dtype == v.dtype == torch.float16 for k, v in engine.runner.kv_caches)
+
+    [[fp16]] = engine.generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+    [[fp32]] = make_engine(smollm2_loaded).generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0.0),
+                                                    use_tqdm=False)
+
+    assert fp16.text == fp32.text

@@ -38,7 +38,8 @@ QUESTIONS = [" So the bakery opens at", " A croissant costs"]
 def make_engine(loaded, enable_prefix_caching: bool = True, **overrides) -> LLMEngine:
     budget = 64 * kv_bytes_per_block(loaded.config, loaded.dtype, BLOCK_SIZE)
     config = EngineConfig(dtype="float32", device="cpu", kv_cache_memory=budget, block_size=BLOCK_SIZE,
-                          max_model_len=256, enable_prefix_caching=enable_prefix_caching, **overrides)
+                          max_model_len=256, enable_prefix_caching=enable_prefix_caching,
+                          kv_cache_dtype="float32", **overrides)
     return LLMEngine(config, loaded=loaded)
 
 

@@ -157,3 +157,17 @@ def test_sequence_reads_a_block_its_sibling_writes_in_the_same_step() -> None:
                 [SeqSpec(16, 16, [2]), SeqSpec(5, 21, [2, 0])], block_size,
                 full_k=[k_a, torch.cat([k_a, k_b])], full_v=[v_a, torch.cat([v_a, v_b])])
     assert_matches_reference(case)
+
+
+def test_float16_caches_for_float32_queries() -> None:
+    # --kv-cache-dtype float16: keys and values are stored rounded to float16 and
+    # read back as float32, for decodes and for a chunk after a cached prefix.
+    case = make_case([(1, 17), (1, 40), (9, 41)], block_size=16, group=3)
+    case.k_cache, case.v_cache = case.k_cache.half(), case.v_cache.half()
+    case.full_k = [k.half().float() for k in case.full_k]
+    case.full_v = [v.half().float() for v in case.full_v]
+
+    for i, (got, want) in enumerate(zip(case.run(), case.reference(), strict=True)):
+        assert got.dtype == torch.float32
+        diff = (got.double() - want).abs().max().item()
+        assert diff < 1e-3, f"sequence {i}: max |diff| {diff:.2e}"

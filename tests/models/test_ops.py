@@ -71,8 +71,9 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
     torch.testing.assert_close(fused, plain, **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_and_cache_rotates_q_k_and_fills_the_slots(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                 (torch.float32, torch.float16)])
+def test_rotary_and_cache_rotates_q_k_and_fills_the_slots(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
     heads, kv_heads, head_dim, tokens = 9, 3, 64, 20
     qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
     angles = randn(512, head_dim // 2, seed=1)
@@ -81,7 +82,7 @@ def test_rotary_and_cache_rotates_q_k_and_fills_the_slots(dtype: torch.dtype) ->
     slots = torch.randperm(8 * 16, generator=torch.Generator().manual_seed(3))[:tokens]
 
     def run():
-        caches = [torch.zeros(8, 16, kv_heads, head_dim, dtype=dtype) for _ in range(2)]
+        caches = [torch.zeros(8, 16, kv_heads, head_dim, dtype=cache_dtype) for _ in range(2)]
         q, k, v = ops.rotary_and_cache(qkv.clone(), rotations, positions, *caches, slots, heads, kv_heads)
         return q, k, v, caches
 
@@ -95,10 +96,12 @@ def test_rotary_and_cache_rotates_q_k_and_fills_the_slots(dtype: torch.dtype) ->
     assert torch.count_nonzero(c1[0].flatten(0, 1).abs().sum((1, 2))) == tokens
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                 (torch.float32, torch.float16)])
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_decode_attention_reads_the_pages_in_place(dtype: torch.dtype, group: int, block_size: int) -> None:
+def test_decode_attention_reads_the_pages_in_place(dtype: torch.dtype, cache_dtype: torch.dtype, group: int,
+                                                   block_size: int) -> None:
     kv_heads, head_dim = 2, 64
     lens = [1, 17, 300, 64]
     nblocks = [-(-n // block_size) for n in lens]
@@ -109,8 +112,8 @@ def test_decode_attention_reads_the_pages_in_place(dtype: torch.dtype, group: in
     for i, n in enumerate(nblocks):
         tables[i, :n] = pool[start:start + n]
         start += n
-    k_cache = randn(len(pool), block_size, kv_heads, head_dim, dtype=dtype, seed=1)
-    v_cache = randn(len(pool), block_size, kv_heads, head_dim, dtype=dtype, seed=2)
+    k_cache = randn(len(pool), block_size, kv_heads, head_dim, dtype=cache_dtype, seed=1)
+    v_cache = randn(len(pool), block_size, kv_heads, head_dim, dtype=cache_dtype, seed=2)
     # Queries as the model passes them: a strided view into the fused qkv rows.
     qkv = randn(len(lens), (group * kv_heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=3)
     q = qkv[:, :group * kv_heads * head_dim].view(len(lens), group * kv_heads, head_dim)
@@ -148,3 +151,27 @@ def test_default_model_decodes_the_same_tokens_with_and_without_kernels(smollm2,
     assert t1 == t2
     diff = (l1 - l2).abs().max().item()
     assert diff < 1e-3, f"max |logits diff| kernels vs torch: {diff:.2e}"
+
+
+@pytest.mark.slow
+def test_float16_kv_cache_keeps_the_default_model_close(smollm2, make_runner) -> None:
+    """A float16 cache (``--kv-cache-dtype float16``) for float32 activations, as llama.cpp's f16 cache."""
+    ids = smollm2.tokenizer.encode("The three primary colours are")
+
+    def run(cache_dtype: torch.dtype):
+        runner = make_runner(smollm2.model)
+        runner.kv_caches = [(k.to(cache_dtype), v.to(cache_dtype)) for k, v in runner.kv_caches]
+        seq = runner.new_seq(len(ids) + 24)
+        logits = [runner.step([(seq, ids)])[0][-1]]
+        tokens = [int(logits[-1].argmax())]
+        for _ in range(23):
+            logits.append(runner.step([(seq, tokens[-1:])])[0][-1])
+            tokens.append(int(logits[-1].argmax()))
+        return tokens, torch.stack(logits)
+
+    (t32, l32), (t16, l16) = run(torch.float32), run(torch.float16)
+
+    diff = (l32 - l16).abs().max().item()
+    print(f"float16 vs float32 KV cache: max |logits diff| {diff:.3f}")
+    assert t16 == t32
+    assert diff < 0.25, f"float16 KV cache moves the logits by {diff:.3f}"
