@@ -132,21 +132,22 @@ def test_decode_attention_rejects_a_block_id_outside_the_cache() -> None:
         ops.decode_attention(q, k_cache, k_cache, torch.tensor([[9]]), torch.tensor([5]), 5, 1.0)
 
 
+def greedy_with_logits(runner, ids: list[int], steps: int = 24) -> tuple[list[int], torch.Tensor]:
+    """Prefill ``ids``, then ``steps - 1`` greedy decodes: the tokens and each step's last logits."""
+    seq = runner.new_seq(len(ids) + steps)
+    logits = [runner.step([(seq, ids)])[0][-1]]
+    tokens = [int(logits[-1].argmax())]
+    for _ in range(steps - 1):
+        logits.append(runner.step([(seq, tokens[-1:])])[0][-1])
+        tokens.append(int(logits[-1].argmax()))
+    return tokens, torch.stack(logits)
+
+
 @pytest.mark.slow
 def test_default_model_decodes_the_same_tokens_with_and_without_kernels(smollm2, make_runner) -> None:
     ids = smollm2.tokenizer.encode("The three primary colours are")
 
-    def run():
-        runner = make_runner(smollm2.model)
-        seq = runner.new_seq(len(ids) + 24)
-        logits = [runner.step([(seq, ids)])[0][-1]]
-        tokens = [int(logits[-1].argmax())]
-        for _ in range(23):
-            logits.append(runner.step([(seq, tokens[-1:])])[0][-1])
-            tokens.append(int(logits[-1].argmax()))
-        return tokens, torch.stack(logits)
-
-    (t1, l1), (t2, l2) = both(run)
+    (t1, l1), (t2, l2) = both(lambda: greedy_with_logits(make_runner(smollm2.model), ids))
 
     assert t1 == t2
     diff = (l1 - l2).abs().max().item()
@@ -161,13 +162,7 @@ def test_float16_kv_cache_keeps_the_default_model_close(smollm2, make_runner) ->
     def run(cache_dtype: torch.dtype):
         runner = make_runner(smollm2.model)
         runner.kv_caches = [(k.to(cache_dtype), v.to(cache_dtype)) for k, v in runner.kv_caches]
-        seq = runner.new_seq(len(ids) + 24)
-        logits = [runner.step([(seq, ids)])[0][-1]]
-        tokens = [int(logits[-1].argmax())]
-        for _ in range(23):
-            logits.append(runner.step([(seq, tokens[-1:])])[0][-1])
-            tokens.append(int(logits[-1].argmax()))
-        return tokens, torch.stack(logits)
+        return greedy_with_logits(runner, ids)
 
     (t32, l32), (t16, l16) = run(torch.float32), run(torch.float16)
 
