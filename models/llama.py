@@ -15,6 +15,7 @@ from torch import nn
 from models import ops
 from models.attention import AttentionMetadata, paged_attention
 from models.config import ModelConfig
+from models.quant import SMALL_BATCH_ROWS, QuantizedLinear
 from models.rope import RotaryEmbedding, interleave_rotary_rows
 
 
@@ -87,6 +88,25 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
+    def packed_int4(self) -> bool:
+        """Whether every projection runs kvserve's int4 kernel (so ``forward_decodes`` applies)."""
+        attn, mlp = self.self_attn, self.mlp
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        return (all(isinstance(p, QuantizedLinear) and p.fused and p.kind == "int4" for p in projections)
+                and all(p.bias is None for p in projections[1:]))
+
+    def forward_decodes(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RotaryEmbedding,
+                        positions: torch.Tensor, meta: AttentionMetadata,
+                        kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` for a batch of decodes only, in one fused kernel call (see ``packed_int4``)."""
+        attn, mlp = self.self_attn, self.mlp
+        return ops.decode_layer(
+            x, residual, self.input_layernorm.weight, self.post_attention_layernorm.weight,
+            self.input_layernorm.eps, (attn.qkv_proj.codes, attn.qkv_proj.group_scales), attn.qkv_proj.bias,
+            (attn.o_proj.codes, attn.o_proj.group_scales), (mlp.gate_up_proj.codes, mlp.gate_up_proj.group_scales),
+            (mlp.down_proj.codes, mlp.down_proj.group_scales), rope.rotations, positions, kv_cache[0], kv_cache[1],
+            meta.slot_mapping, meta.block_tables, meta.context_lens, attn.num_heads, attn.num_kv_heads, attn.scale)
+
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -131,8 +151,14 @@ class LlamaForCausalLM(nn.Module):
         assert self.rope is not None, "call init_rope() before forward()"
         x = self.model.embed_tokens(input_ids)
         residual = None
+        # A step of decodes only (most steps while streaming) runs each layer as one
+        # kernel call when its projections are int4-packed: no per-op Python dispatch.
+        fused = (meta.num_decodes == meta.num_seqs and x.dtype == torch.float32
+                 and x.shape[0] <= SMALL_BATCH_ROWS and ops.kernels_enabled(x.device)
+                 and self.model.layers[0].packed_int4())
         for layer, kv in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, residual, self.rope, positions, meta, kv)
+            step = layer.forward_decodes if fused else layer
+            x, residual = step(x, residual, self.rope, positions, meta, kv)
         if logits_indices is not None:
             x, residual = x.index_select(0, logits_indices), residual.index_select(0, logits_indices)
         x, _ = self.model.norm(x, residual)

@@ -156,6 +156,26 @@ def rotary_and_cache(qkv: torch.Tensor, rotations: torch.Tensor, positions: torc
     return q, k, v
 
 
+def decode_layer(x: torch.Tensor, residual: torch.Tensor | None, input_norm: torch.Tensor,
+                 post_norm: torch.Tensor, eps: float, qkv: tuple[torch.Tensor, torch.Tensor],
+                 qkv_bias: torch.Tensor | None, o_proj: tuple[torch.Tensor, torch.Tensor],
+                 gate_up: tuple[torch.Tensor, torch.Tensor], down: tuple[torch.Tensor, torch.Tensor],
+                 rotations: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 num_heads: int, num_kv_heads: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole decoder layer for a batch of decodes in one kernel call; ``(mlp_out, residual)``.
+
+    Float32 activations on CPU, each projection given as ``pack_int4``'s
+    ``(codes, scales)``. The same arithmetic as the layer's op-by-op path.
+    """
+    assert _load() is not None, "decode_layer needs the fused CPU kernels"
+    out, res = _ext.decode_layer(x, residual, input_norm, post_norm, eps, list(qkv), qkv_bias, list(o_proj),
+                                 list(gate_up), list(down), torch.view_as_real(rotations), positions, k_cache,
+                                 v_cache, slot_mapping, block_tables.contiguous(), context_lens.contiguous(),
+                                 num_heads, num_kv_heads, scale)
+    return out, res
+
+
 def grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
     """``x [M, K] @ W^T`` (float32) for a weight packed by ``pack_int4`` or ``pack_int8``; needs the kernels."""
     if _load() is None:

@@ -160,3 +160,30 @@ def test_auto_quantisation_keeps_a_4_bit_gguf_in_4_bits_on_cpu(gguf_type, device
 
 def test_the_default_model_has_q4_1_projections(smollm2_path):
     assert projection_type(open_gguf(smollm2_path)) == "Q4_1"
+
+
+@pytest.mark.slow
+def test_fused_decode_layers_equal_the_op_by_op_layers(smollm2, quantized_smollm2, make_runner, monkeypatch):
+    # A step of decodes only runs each layer as one kernel call (DecoderLayer.forward_decodes).
+    assert quantized_smollm2.model.layers[0].packed_int4()
+    prompts = [smollm2.tokenizer.encode(p) for p in PROMPTS]
+
+    def decode_steps():
+        runner = make_runner(quantized_smollm2)
+        seqs = [runner.new_seq(len(ids) + 4) for ids in prompts]
+        last = [int(runner.step([(s, ids)])[0][-1].argmax()) for s, ids in zip(seqs, prompts)]
+        steps = []
+        for _ in range(3):
+            logits = runner.step([(s, [t]) for s, t in zip(seqs, last)])
+            steps.append(torch.stack([lg[-1] for lg in logits]))
+            last = [int(lg[-1].argmax()) for lg in logits]
+        return torch.stack(steps), runner.kv_caches
+
+    fused_logits, fused_caches = decode_steps()
+    monkeypatch.setattr(type(quantized_smollm2.model.layers[0]), "packed_int4", lambda self: False)
+    plain_logits, plain_caches = decode_steps()
+
+    torch.testing.assert_close(fused_logits, plain_logits, atol=1e-4, rtol=0)
+    for (k1, v1), (k2, v2) in zip(fused_caches, plain_caches):
+        torch.testing.assert_close(k1, k2, atol=1e-5, rtol=0)
+        torch.testing.assert_close(v1, v2, atol=1e-5, rtol=0)
