@@ -25,6 +25,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode-steps", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quantization", default="none", choices=["none", "int4"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="auto: the model's dtype")
     args = p.parse_args(argv)
 
     t0 = time.perf_counter()
@@ -35,7 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     total = args.prompt_len + args.decode_steps + 1
     nblocks = -(-total // block)
     shape = (nblocks, block, cfg.num_key_value_heads, cfg.head_dim)
-    kv = [(torch.zeros(shape, dtype=loaded.dtype), torch.zeros(shape, dtype=loaded.dtype))
+    kv_dtype = loaded.dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
+    kv = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
           for _ in range(cfg.num_hidden_layers)]
     table = list(range(nblocks))
     ids = torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0))
@@ -55,7 +58,8 @@ def main(argv: list[str] | None = None) -> None:
         logits = model(token, torch.tensor([pos]), meta, kv, torch.tensor([0]))
         token = logits.argmax(-1)
     decode = args.decode_steps / (time.perf_counter() - t0)
-    print(f"model {args.model} dtype {args.dtype} quantization {args.quantization} threads {torch.get_num_threads()}: "
+    print(f"model {args.model} dtype {args.dtype} quantization {args.quantization} "
+          f"kv {str(kv_dtype).removeprefix('torch.')} threads {torch.get_num_threads()}: "
           f"load {load_s:.1f}s, prefill {prefill:.0f} tok/s ({t}-token prompt), "
           f"decode {decode:.1f} tok/s (batch 1, context {t}..{t + args.decode_steps})")
 
