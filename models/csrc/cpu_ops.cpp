@@ -244,11 +244,26 @@ void rotary_and_cache(at::Tensor& qkv, const at::Tensor& rotations, const at::Te
   });
 }
 
+// max(s[0..n)), n >= 1. GCC keeps a float max reduction scalar (a chain of
+// dependent vmaxss), so the AVX-512 build spells out the vector loop.
+inline float row_max(const float* s, int64_t n) {
+  float mx = s[0];
+  int64_t t = 1;
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    __m512 m = _mm512_loadu_ps(s);
+    for (t = 16; t + 16 <= n; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + t));
+    mx = _mm512_reduce_max_ps(m);
+  }
+#endif
+  for (; t < n; ++t) mx = std::max(mx, s[t]);
+  return mx;
+}
+
 // Softmax of each of ``rows`` score rows of length n, in place.
 inline void softmax_rows(float* s, int64_t rows, int64_t n) {
   for (int64_t g = 0; g < rows; ++g, s += n) {
-    float mx = s[0];
-    for (int64_t t = 1; t < n; ++t) mx = std::max(mx, s[t]);
+    float mx = row_max(s, n);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < n; ++t) {
@@ -324,10 +339,56 @@ inline void for_each_token(const PagedView& pv, int64_t head_offset, int64_t ctx
   }
 }
 
+#if defined(__AVX512F__)
+// 16 cache values as float32.
+template <typename C>
+inline __m512 load16(const C* p);
+template <>
+inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load16<at::Half>(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+template <>
+inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+// One query head's scores over ``ctx`` tokens, the query held in registers.
+template <typename C, int HD>
+inline void scores_avx512(float* s, const float* q, const C* kc, const PagedView& pv, int64_t head_offset,
+                          int64_t ctx) {
+  constexpr int kVecs = HD / 16;
+  __m512 qv[kVecs];
+  for (int i = 0; i < kVecs; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
+  for_each_token(pv, head_offset, ctx, [&](int64_t t, int64_t off) {
+    __m512 acc = _mm512_mul_ps(qv[0], load16(kc + off));
+    for (int i = 1; i < kVecs; ++i) acc = _mm512_fmadd_ps(qv[i], load16(kc + off + 16 * i), acc);
+    s[t] = _mm512_reduce_add_ps(acc);
+  });
+}
+
+// sum_t p[t] * v[t] for one query head, the accumulator held in registers
+// (through memory, each token's add would wait for the previous store).
+template <typename C, int HD>
+inline void values_avx512(float* out, const float* p, const C* vc, const PagedView& pv, int64_t head_offset,
+                          int64_t ctx) {
+  constexpr int kVecs = HD / 16;
+  __m512 acc[kVecs];
+  for (int i = 0; i < kVecs; ++i) acc[i] = _mm512_setzero_ps();
+  for_each_token(pv, head_offset, ctx, [&](int64_t t, int64_t off) {
+    const __m512 pt = _mm512_set1_ps(p[t]);
+    for (int i = 0; i < kVecs; ++i) acc[i] = _mm512_fmadd_ps(pt, load16(vc + off + 16 * i), acc[i]);
+  });
+  for (int i = 0; i < kVecs; ++i) _mm512_storeu_ps(out + 16 * i, acc[i]);
+}
+#endif
+
 // The ``group`` query heads sharing one KV head, for one sequence of ``ctx``
 // tokens: scores, softmax, weighted sum of values. ``qf`` is pre-scaled.
 // HD is the head size when known at compile time (0: read ``head_dim``), so
-// the common sizes get fully unrolled dot products.
+// the common sizes get fully unrolled, register-resident loops.
 template <typename T, typename C, int HD>
 void attend_group(T* out, const float* qf, const C* kc, const C* vc, const PagedView& pv, int64_t head_offset,
                   int64_t head_dim, int64_t group, int64_t ctx, std::vector<float>& scores,
@@ -335,13 +396,22 @@ void attend_group(T* out, const float* qf, const C* kc, const C* vc, const Paged
   const int64_t hd = HD ? HD : head_dim;
   scores.resize(group * ctx);
   float* s = scores.data();
+  acc.assign(group * hd, 0.0f);
+  float* a = acc.data();
+#if defined(__AVX512F__)
+  if constexpr (HD > 0 && HD % 16 == 0) {
+    for (int64_t g = 0; g < group; ++g) scores_avx512<C, HD>(s + g * ctx, qf + g * hd, kc, pv, head_offset, ctx);
+    softmax_rows(s, group, ctx);
+    for (int64_t g = 0; g < group; ++g) values_avx512<C, HD>(a + g * hd, s + g * ctx, vc, pv, head_offset, ctx);
+    for (int64_t i = 0; i < group * hd; ++i) out[i] = static_cast<T>(a[i]);
+    return;
+  }
+#endif
   for_each_token(pv, head_offset, ctx, [&](int64_t t, int64_t off) {
     const C* k = kc + off;
     for (int64_t g = 0; g < group; ++g) s[g * ctx + t] = dot_row(qf + g * hd, k, hd);
   });
   softmax_rows(s, group, ctx);
-  acc.assign(group * hd, 0.0f);
-  float* a = acc.data();
   for_each_token(pv, head_offset, ctx, [&](int64_t t, int64_t off) {
     const C* v = vc + off;
     for (int64_t g = 0; g < group; ++g) axpy_row(a + g * hd, s[g * ctx + t], v, hd);

@@ -100,9 +100,10 @@ def test_rotary_and_cache_rotates_q_k_and_fills_the_slots(dtype: torch.dtype, ca
                                                  (torch.float32, torch.float16)])
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("head_dim", [64, 128, 40])  # 64 and 128 have unrolled vector paths
 def test_decode_attention_reads_the_pages_in_place(dtype: torch.dtype, cache_dtype: torch.dtype, group: int,
-                                                   block_size: int) -> None:
-    kv_heads, head_dim = 2, 64
+                                                   block_size: int, head_dim: int) -> None:
+    kv_heads = 2
     lens = [1, 17, 300, 64]
     nblocks = [-(-n // block_size) for n in lens]
     gen = torch.Generator().manual_seed(0)
