@@ -3,10 +3,11 @@
 A batch-1 decode step of a small model spends more time dispatching its
 dozens of tiny eager ops per layer than computing them. ``csrc/cpu_ops.cpp``
 fuses each chain (residual add + RMSNorm, SiLU * up, RoPE + KV-cache write,
-paged decode attention read in place) into one call. It is compiled on first
-use with torch's C++ extension builder (g++ and the Python headers; about a
-minute, cached under ``~/.cache/torch_extensions``) and runs on CPU tensors
-only. Where it cannot be built, or with ``KVSERVE_KERNELS=0``, every function
+paged decode attention read in place) into one call; ``csrc/int4_gemm.cpp``
+holds the grouped int4/int8 GEMMs. It is compiled on first
+use with torch's C++ extension builder (g++ and the Python headers; about
+30 s, cached under ``~/.cache/kvserve/kernels`` or ``$KVSERVE_KERNEL_CACHE``,
+one build per CPU and torch install) and runs on CPU tensors only. Where it cannot be built, or with ``KVSERVE_KERNELS=0``, every function
 here falls back to its plain-torch twin, which the tests compare it against.
 """
 
@@ -31,13 +32,37 @@ _tried = False
 _enabled = os.environ.get("KVSERVE_KERNELS", "1") != "0"
 
 
-def _cpu_tag() -> str:
-    """A short hash of this CPU's feature flags: a build with -march=native runs only where it was built."""
+# A build lock older than this is left by a process killed mid-build (a build
+# takes under a minute); torch would wait on it forever.
+_STALE_LOCK_SECONDS = 600
+
+
+def _build_tag() -> str:
+    """A short hash of what a build is only valid for: this CPU (-march=native) and this torch install.
+
+    Keying on the install keeps two virtual environments (two checkouts) from
+    rebuilding each other's kernels in turn.
+    """
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = platform.processor()
-    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+    key = "\n".join([flags, torch.__version__, str(Path(torch.__file__).resolve().parent)])
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def _build_directory(name: str) -> Path:
+    root = Path(os.environ.get("KVSERVE_KERNEL_CACHE", Path.home() / ".cache" / "kvserve" / "kernels"))
+    path = root / name
+    path.mkdir(parents=True, exist_ok=True)
+    lock = path / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > _STALE_LOCK_SECONDS:
+            logger.warning("removing a stale kernel build lock %s", lock)
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+    return path
 
 
 def _load() -> ModuleType | None:
@@ -49,11 +74,13 @@ def _load() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
+        name = f"kvserve_cpu_ops_{_build_tag()}"
         _ext = load(
-            name=f"kvserve_cpu_ops_{_cpu_tag()}",
+            name=name,
             sources=[str(p) for p in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"],
             extra_ldflags=["-fopenmp"],
+            build_directory=str(_build_directory(name)),
             verbose=False,
         )
     except Exception as exc:  # no compiler, no headers: run the torch twins instead

@@ -171,3 +171,24 @@ def test_float16_kv_cache_keeps_the_default_model_close(smollm2, make_runner) ->
     print(f"float16 vs float32 KV cache: max |logits diff| {diff:.3f}")
     assert t16 == t32
     assert diff < 0.25, f"float16 KV cache moves the logits by {diff:.3f}"
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch) -> None:
+    # A process killed mid-build leaves torch's lock file; torch would wait on it forever.
+    import os
+    import time
+
+    monkeypatch.setenv("KVSERVE_KERNEL_CACHE", str(tmp_path))
+    stale = tmp_path / "old" / "lock"
+    stale.parent.mkdir()
+    stale.touch()
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    fresh = tmp_path / "building" / "lock"
+    fresh.parent.mkdir()
+    fresh.touch()
+
+    assert ops._build_directory("old") == stale.parent
+    assert ops._build_directory("building") == fresh.parent
+
+    assert not stale.exists()
+    assert fresh.exists()
