@@ -109,9 +109,7 @@ def kernels_enabled(device: torch.device) -> bool:
 
 
 def _kernels_for(x: torch.Tensor) -> ModuleType | None:
-    if not _enabled or x.device.type != "cpu":
-        return None
-    return _load()
+    return _ext if kernels_enabled(x.device) else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -192,7 +190,7 @@ def decode_layer(x: torch.Tensor, residual: torch.Tensor | None, input_norm: tor
                  num_heads: int, num_kv_heads: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """A whole decoder layer for a batch of decodes in one kernel call; ``(mlp_out, residual)``.
 
-    Float32 activations on CPU, each projection given as ``pack_int4``'s
+    Float32 activations on CPU, each projection given as ``quant.pack_int4``'s
     ``(codes, scales)``. The same arithmetic as the layer's op-by-op path.
     """
     assert _load() is not None, "decode_layer needs the fused CPU kernels"
@@ -204,61 +202,13 @@ def decode_layer(x: torch.Tensor, residual: torch.Tensor | None, input_norm: tor
 
 
 def grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
-    """``x [M, K] @ W^T`` (float32) for a weight packed by ``pack_int4`` or ``pack_int8``; needs the kernels."""
+    """``x [M, K] @ W^T`` (float32) for a weight packed by ``quant.pack_int4`` or ``quant.pack_int8``."""
     if _load() is None:
         raise RuntimeError("grouped_linear needs the fused CPU kernels")
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = x.new_empty(x.shape[0], out_features)
     (_ext.int8_linear if codes.dtype == torch.int8 else _ext.int4_linear)(out, x, codes, scales)
     return out
-
-
-def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantise ``weight [N, K]`` to symmetric 8-bit groups of 32 (GGUF Q8_0's scheme) for ``grouped_linear``.
-
-    Returns ``codes [N/16, K/32, 32, 16]`` int8 and ``scales [N/16, K/32, 16]``
-    float32 (``w = d * q``), rows padded to a multiple of 16. A Q8_0 weight keeps its codes.
-    """
-    n, k = weight.shape
-    if k % 32:
-        raise ValueError(f"in_features {k} must be a multiple of 32 (group size 32)")
-    w = weight.detach().float().reshape(n, k // 32, 32)
-    d = w.abs().amax(-1) / 127
-    q = torch.round(w / d.clamp(min=1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
-    pad = -n % 16
-    if pad:
-        q, d = torch.cat([q, q.new_zeros(pad, k // 32, 32)]), torch.cat([d, d.new_zeros(pad, k // 32)])
-    tiles = (n + pad) // 16
-    codes = q.reshape(tiles, 16, k // 32, 32).permute(0, 2, 3, 1).contiguous()
-    scales = d.reshape(tiles, 16, k // 32).permute(0, 2, 1).contiguous()
-    return codes, scales
-
-
-def pack_int4(weight: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantise ``weight [N, K]`` to 4-bit min/max groups of 32 (GGUF Q4_1's scheme) for ``grouped_linear``.
-
-    Returns ``codes [N/16, K/32, 16, 16]`` uint8 (two inputs per byte) and
-    ``scales [N/16, K/32, 2, 16]`` float32 (``d`` then ``m``, ``w = d * q + m``),
-    rows padded to a multiple of 16 with zeros. A Q4_1 weight keeps its codes.
-    """
-    n, k = weight.shape
-    if k % group_size or group_size != 32:
-        raise ValueError(f"in_features {k} must be a multiple of 32 (group size 32)")
-    w = weight.detach().float().reshape(n, k // 32, 32)
-    lo, hi = w.amin(-1), w.amax(-1)
-    d = (hi - lo) / 15
-    q = torch.where(d[..., None] > 0, torch.round((w - lo[..., None]) / d.clamp(min=1e-30)[..., None]),
-                    torch.zeros_like(w)).clamp(0, 15).to(torch.uint8)
-    pad = -n % 16
-    if pad:
-        q = torch.cat([q, q.new_zeros(pad, k // 32, 32)])
-        d, lo = torch.cat([d, d.new_zeros(pad, k // 32)]), torch.cat([lo, lo.new_zeros(pad, k // 32)])
-    tiles = (n + pad) // 16
-    # [tiles, 16 rows, groups, 16 pairs, 2] -> [tiles, groups, pairs, rows] bytes
-    q = q.reshape(tiles, 16, k // 32, 16, 2)
-    codes = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1).contiguous()
-    scales = torch.stack([d, lo], dim=-1).reshape(tiles, 16, k // 32, 2).permute(0, 2, 3, 1).contiguous()
-    return codes, scales
 
 
 def apply_rotary(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,53 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.to(torch.bfloat16)
 
 
+def _groups_padded(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``weight [N, K]`` as float32 groups ``[N + pad, K/32, 32]``, rows zero-padded to a multiple of 16."""
+    n, k = weight.shape
+    if k % GROUP_SIZE:
+        raise ValueError(f"in_features {k} must be a multiple of the group size {GROUP_SIZE}")
+    w = weight.detach().float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    pad = -n % 16
+    if pad:
+        w = torch.cat([w, w.new_zeros(pad, *w.shape[1:])])
+    return w, (n + pad) // 16
+
+
+def pack_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``weight [N, K]`` to 4-bit min/max groups of 32 (GGUF Q4_1's scheme) for ``ops.grouped_linear``.
+
+    Returns ``codes [N/16, K/32, 16, 16]`` uint8 (two inputs per byte) and
+    ``scales [N/16, K/32, 2, 16]`` float32 (``d`` then ``m``, ``w = d * q + m``),
+    rows padded to a multiple of 16 with zeros. A Q4_1 weight keeps its codes.
+    """
+    w, tiles = _groups_padded(weight)
+    groups = w.shape[1]
+    lo, hi = w.amin(-1), w.amax(-1)
+    d = (hi - lo) / 15
+    q = torch.where(d[..., None] > 0, torch.round((w - lo[..., None]) / d.clamp(min=1e-30)[..., None]),
+                    torch.zeros_like(w)).clamp(0, 15).to(torch.uint8)
+    # [tiles, 16 rows, groups, 16 pairs, 2] -> [tiles, groups, pairs, rows] bytes
+    q = q.reshape(tiles, 16, groups, 16, 2)
+    codes = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1).contiguous()
+    scales = torch.stack([d, lo], dim=-1).reshape(tiles, 16, groups, 2).permute(0, 2, 3, 1).contiguous()
+    return codes, scales
+
+
+def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``weight [N, K]`` to symmetric 8-bit groups of 32 (GGUF Q8_0's scheme) for ``ops.grouped_linear``.
+
+    Returns ``codes [N/16, K/32, 32, 16]`` int8 and ``scales [N/16, K/32, 16]``
+    float32 (``w = d * q``), rows padded to a multiple of 16. A Q8_0 weight keeps its codes.
+    """
+    w, tiles = _groups_padded(weight)
+    groups = w.shape[1]
+    d = w.abs().amax(-1) / 127
+    q = torch.round(w / d.clamp(min=1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
+    codes = q.reshape(tiles, 16, groups, 32).permute(0, 2, 3, 1).contiguous()
+    scales = d.reshape(tiles, 16, groups).permute(0, 2, 1).contiguous()
+    return codes, scales
+
+
 class QuantizedLinear(nn.Module):
     """A linear layer with a weight-only quantised copy for small batches.
 
@@ -86,7 +133,7 @@ class QuantizedLinear(nn.Module):
         # across the batch. torch's kernels below are the fallback.
         self.fused = ops.kernels_enabled(w.device)
         if self.fused:
-            codes, scales = ops.pack_int4(w) if kind == "int4" else ops.pack_int8(w)
+            codes, scales = pack_int4(w) if kind == "int4" else pack_int8(w)
             self.register_buffer("codes", codes, persistent=False)
             self.register_buffer("group_scales", scales, persistent=False)
         elif kind == "int4":

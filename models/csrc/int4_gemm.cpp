@@ -14,7 +14,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -61,15 +63,6 @@ inline void tile_rows(float* y, int64_t y_stride, const float* x, int64_t x_stri
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * y_stride, mask, acc[r]);
 }
 
-template <int R>
-void tile_rows_dispatch(int rows, float* y, int64_t ys, const float* x, int64_t xs, const float* xsum,
-                        int64_t groups, const uint8_t* c, const float* s, int64_t valid) {
-  if constexpr (R > 0) {
-    if (rows == R) return tile_rows<R>(y, ys, x, xs, xsum, groups, c, s, valid);
-    return tile_rows_dispatch<R - 1>(rows, y, ys, x, xs, xsum, groups, c, s, valid);
-  }
-}
-
 // The int8 twin (GGUF Q8_0's scheme: w = d * q, q in -127..127): codes are one
 // byte per input, [group][32 inputs][16 rows].
 template <int R>
@@ -92,17 +85,20 @@ inline void tile_rows_i8(float* y, int64_t y_stride, const float* x, int64_t x_s
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * y_stride, mask, acc[r]);
 }
 
-template <int R>
-void tile_rows_i8_dispatch(int rows, float* y, int64_t ys, const float* x, int64_t xs, int64_t groups,
-                           const int8_t* c, const float* s, int64_t valid) {
+// Calls f(std::integral_constant<int, rows>{}) for 1 <= rows <= R, so the
+// tile functions get their row count (and register arrays) at compile time.
+template <int R, typename F>
+inline void with_rows(int rows, F&& f) {
   if constexpr (R > 0) {
-    if (rows == R) return tile_rows_i8<R>(y, ys, x, xs, groups, c, s, valid);
-    return tile_rows_i8_dispatch<R - 1>(rows, y, ys, x, xs, groups, c, s, valid);
+    if (rows == R) return f(std::integral_constant<int, R>{});
+    return with_rows<R - 1>(rows, f);
   }
 }
 #endif
 
-void tile_rows_i8_scalar(int rows, float* y, int64_t ys, const float* x, int64_t xs, int64_t groups,
+// Plain C++ for CPUs without AVX-512: same arithmetic, one output at a time.
+// (Compiled everywhere, so a change that breaks them fails the build here too.)
+[[maybe_unused]] void tile_rows_i8_scalar(int rows, float* y, int64_t ys, const float* x, int64_t xs, int64_t groups,
                          const int8_t* codes, const float* scales, int64_t valid) {
   for (int r = 0; r < rows; ++r) {
     for (int64_t i = 0; i < valid; ++i) {
@@ -117,8 +113,7 @@ void tile_rows_i8_scalar(int rows, float* y, int64_t ys, const float* x, int64_t
   }
 }
 
-// Plain C++ for CPUs without AVX-512: same arithmetic, one output at a time.
-void tile_rows_scalar(int rows, float* y, int64_t ys, const float* x, int64_t xs, const uint8_t* codes,
+[[maybe_unused]] void tile_rows_scalar(int rows, float* y, int64_t ys, const float* x, int64_t xs, const uint8_t* codes,
                       const float* scales, int64_t groups, int64_t valid) {
   for (int r = 0; r < rows; ++r) {
     for (int64_t i = 0; i < valid; ++i) {
@@ -136,23 +131,46 @@ void tile_rows_scalar(int rows, float* y, int64_t ys, const float* x, int64_t xs
   }
 }
 
+// Checks shared by both kernels; the code and scale layouts are each kernel's own.
+void check_grouped(const at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                   at::ScalarType code_type, int64_t scale_dims) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.scalar_type() == at::kFloat, "out must be float32 [M, N]");
+  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == code_type && codes.dim() == 4,
+              "codes must be contiguous ", code_type, " [N/16, K/32, ., 16]");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.dim() == scale_dims,
+              "scales must be contiguous float32 with ", scale_dims, " dims");
+  const int64_t n = out.size(1), tiles = codes.size(0);
+  TORCH_CHECK(x.size(1) == codes.size(1) * kGroup && out.size(0) == x.size(0),
+              "x and out do not match the packed weight");
+  TORCH_CHECK(tiles * kTile >= n && (tiles - 1) * kTile < n, "out width does not match the packed weight");
+}
+
+// f(tile, first_row, rows, valid_outputs) for every 16-row tile of W and every
+// chunk of up to kRows rows of x, tiles spread over torch's threads.
+template <typename F>
+void for_each_tile_chunk(int64_t rows, int64_t tiles, int64_t n, F&& f) {
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t valid = std::min(kTile, n - t * kTile);
+      for (int64_t r0 = 0; r0 < rows; r0 += kRows) f(t, r0, static_cast<int>(std::min<int64_t>(kRows, rows - r0)), valid);
+    }
+  });
+}
+
 }  // namespace
 
 // x [M, K] float32 (rows contiguous), codes [N/16, K/32, 16, 16] uint8,
 // scales [N/16, K/32, 2, 16] float32 -> out [M, N] float32.
 void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
-  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.scalar_type() == at::kFloat, "out must be float32 [M, N]");
-  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 4, "codes: uint8 4-D");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.dim() == 4, "scales: float 4-D");
-  const int64_t rows = x.size(0), k = x.size(1), n = out.size(1), tiles = codes.size(0), groups = codes.size(1);
-  TORCH_CHECK(k == groups * kGroup && out.size(0) == rows, "x and out do not match the packed weight");
-  TORCH_CHECK(tiles * kTile >= n && (tiles - 1) * kTile < n, "out width does not match the packed weight");
+  check_grouped(out, x, codes, scales, at::kByte, 4);
+  const int64_t rows = x.size(0), groups = codes.size(1);
   const float* xp = x.data_ptr<float>();
   float* yp = out.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const int64_t xs = x.stride(0), ys = out.stride(0);
+#if defined(__AVX512F__)
   // Each row's per-group input sums, shared by every tile.
   std::vector<float> xsum(rows * groups);
   for (int64_t r = 0; r < rows; ++r) {
@@ -162,51 +180,40 @@ void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, 
       xsum[r * groups + g] = acc;
     }
   }
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t valid = std::min(kTile, n - t * kTile);
-      const uint8_t* c = cp + t * groups * 256;
-      const float* s = sp + t * groups * 32;
-      for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-        const int r = static_cast<int>(std::min<int64_t>(kRows, rows - r0));
-#if defined(__AVX512F__)
-        tile_rows_dispatch<kRows>(r, yp + r0 * ys + t * kTile, ys, xp + r0 * xs, xs, xsum.data() + r0 * groups,
-                                  groups, c, s, valid);
-#else
-        tile_rows_scalar(r, yp + r0 * ys + t * kTile, ys, xp + r0 * xs, xs, c, s, groups, valid);
 #endif
-      }
-    }
+  for_each_tile_chunk(rows, codes.size(0), out.size(1), [&](int64_t t, int64_t r0, int r, int64_t valid) {
+    float* y = yp + r0 * ys + t * kTile;
+    const float* xr = xp + r0 * xs;
+    const uint8_t* c = cp + t * groups * 256;
+    const float* s = sp + t * groups * 32;
+#if defined(__AVX512F__)
+    with_rows<kRows>(r, [&](auto n) {
+      tile_rows<decltype(n)::value>(y, ys, xr, xs, xsum.data() + r0 * groups, groups, c, s, valid);
+    });
+#else
+    tile_rows_scalar(r, y, ys, xr, xs, c, s, groups, valid);
+#endif
   });
 }
 
 // x [M, K] float32, codes [N/16, K/32, 32, 16] int8, scales [N/16, K/32, 16] float32 -> out [M, N].
 void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
-  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.scalar_type() == at::kFloat, "out must be float32 [M, N]");
-  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kChar && codes.dim() == 4, "codes: int8 4-D");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.dim() == 3, "scales: float 3-D");
-  const int64_t rows = x.size(0), k = x.size(1), n = out.size(1), tiles = codes.size(0), groups = codes.size(1);
-  TORCH_CHECK(k == groups * kGroup && out.size(0) == rows, "x and out do not match the packed weight");
-  TORCH_CHECK(tiles * kTile >= n && (tiles - 1) * kTile < n, "out width does not match the packed weight");
+  check_grouped(out, x, codes, scales, at::kChar, 3);
+  const int64_t groups = codes.size(1);
   const float* xp = x.data_ptr<float>();
   float* yp = out.data_ptr<float>();
   const int8_t* cp = codes.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   const int64_t xs = x.stride(0), ys = out.stride(0);
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t valid = std::min(kTile, n - t * kTile);
-      const int8_t* c = cp + t * groups * 512;
-      const float* s = sp + t * groups * 16;
-      for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-        const int r = static_cast<int>(std::min<int64_t>(kRows, rows - r0));
+  for_each_tile_chunk(x.size(0), codes.size(0), out.size(1), [&](int64_t t, int64_t r0, int r, int64_t valid) {
+    float* y = yp + r0 * ys + t * kTile;
+    const float* xr = xp + r0 * xs;
+    const int8_t* c = cp + t * groups * 512;
+    const float* s = sp + t * groups * 16;
 #if defined(__AVX512F__)
-        tile_rows_i8_dispatch<kRows>(r, yp + r0 * ys + t * kTile, ys, xp + r0 * xs, xs, groups, c, s, valid);
+    with_rows<kRows>(r, [&](auto n) { tile_rows_i8<decltype(n)::value>(y, ys, xr, xs, groups, c, s, valid); });
 #else
-        tile_rows_i8_scalar(r, yp + r0 * ys + t * kTile, ys, xp + r0 * xs, xs, groups, c, s, valid);
+    tile_rows_i8_scalar(r, y, ys, xr, xs, groups, c, s, valid);
 #endif
-      }
-    }
   });
 }

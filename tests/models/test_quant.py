@@ -17,7 +17,7 @@ from torch import nn
 from models import ops
 from models.gguf_loader import open_gguf, projection_type
 from models.loader import resolve_quantization
-from models.quant import GROUP_SIZE, SMALL_BATCH_ROWS, QuantizedLinear, quantize_model
+from models.quant import GROUP_SIZE, SMALL_BATCH_ROWS, QuantizedLinear, pack_int4, quantize_model
 
 PROMPTS = ["The capital of France is Paris. The capital of Germany is",
            "北京是中国的首都，上海是",
@@ -79,7 +79,7 @@ def test_small_batches_use_the_quantised_weights(fused, kind, rows):
 
 def test_int4_codes_of_a_q4_1_weight_are_recovered_exactly():
     dense = q4_1_like_linear()
-    codes, scales = ops.pack_int4(dense.weight)
+    codes, scales = pack_int4(dense.weight)
     eye = torch.eye(dense.in_features)  # rows of W^T, through the kernel
 
     torch.testing.assert_close(ops.grouped_linear(eye, codes, scales, dense.out_features),
