@@ -32,13 +32,12 @@ class ModelRunner:
     float32 logits for the requests that sample this step.
     """
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
         self.model = loaded.model
         self.config = loaded.config
         self.device = loaded.device
         self.dtype = loaded.dtype
-        self.kv_dtype = kv_dtype or loaded.dtype
+        self.kv_dtype = kv_dtype  # resolved by the engine (``resolve_kv_cache_dtype``)
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
