@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--decode-steps", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--quantization", default="none", choices=["none", "int4"])
+    p.add_argument("--quantization", default="none", choices=["none", "int4", "w4a8"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="auto: the model's dtype")
     args = p.parse_args(argv)

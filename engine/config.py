@@ -29,8 +29,10 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     served_model_name: str | None = None
-    # "auto" | "none" | "int4": weight-only int4 for small decode batches (CPU);
-    # auto = int4 for a GGUF with 4-bit projections on CPU (its own codes), else none.
+    # "auto" | "none" | "int4" | "w4a8" (CPU): int4 = int4 weights with float
+    # activations for small decode batches; w4a8 = int4 weights and int8
+    # activations on AVX512-VNNI (llama.cpp's arithmetic), every batch.
+    # auto = w4a8 (or int4 without VNNI) for a GGUF with 4-bit projections, else none.
     quantization: str = "auto"
     # "auto" | "float32" | "float16" | "bfloat16". auto: float16 for a float32 model
     # (as llama.cpp's default f16 cache: twice the tokens, half the bytes decode
@@ -46,8 +48,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.quantization not in ("auto", "none", "int4"):
-            raise ValueError(f"quantization must be auto, none or int4, got {self.quantization!r}")
+        if self.quantization not in ("auto", "none", "int4", "w4a8"):
+            raise ValueError(f"quantization must be auto, none, int4 or w4a8, got {self.quantization!r}")
         if self.kv_cache_dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"kv_cache_dtype must be auto, float32, float16 or bfloat16, "
                              f"got {self.kv_cache_dtype!r}")

@@ -15,7 +15,7 @@ from torch import nn
 from models import ops
 from models.attention import AttentionMetadata, paged_attention
 from models.config import ModelConfig
-from models.quant import SMALL_BATCH_ROWS, QuantizedLinear
+from models.quant import QuantizedLinear
 from models.rope import RotaryEmbedding, interleave_rotary_rows
 
 
@@ -105,7 +105,8 @@ class DecoderLayer(nn.Module):
             self.input_layernorm.eps, (attn.qkv_proj.codes, attn.qkv_proj.group_scales), attn.qkv_proj.bias,
             (attn.o_proj.codes, attn.o_proj.group_scales), (mlp.gate_up_proj.codes, mlp.gate_up_proj.group_scales),
             (mlp.down_proj.codes, mlp.down_proj.group_scales), rope.rotations, positions, kv_cache[0], kv_cache[1],
-            meta.slot_mapping, meta.block_tables, meta.context_lens, attn.num_heads, attn.num_kv_heads, attn.scale)
+            meta.slot_mapping, meta.block_tables, meta.context_lens, attn.num_heads, attn.num_kv_heads, attn.scale,
+            attn.qkv_proj.int8_activations)
 
 
 class LlamaModel(nn.Module):
@@ -153,9 +154,10 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         # A step of decodes only (most steps while streaming) runs each layer as one
         # kernel call when its projections are int4-packed: no per-op Python dispatch.
+        first = self.model.layers[0]
         fused = (meta.num_decodes == meta.num_seqs and x.dtype == torch.float32
-                 and x.shape[0] <= SMALL_BATCH_ROWS and ops.kernels_enabled(x.device)
-                 and self.model.layers[0].packed_int4())
+                 and ops.kernels_enabled(x.device) and first.packed_int4()
+                 and first.self_attn.qkv_proj.uses_kernel(x.shape[0]))
         for layer, kv in zip(self.model.layers, kv_caches):
             step = layer.forward_decodes if fused else layer
             x, residual = step(x, residual, self.rope, positions, meta, kv)

@@ -99,21 +99,25 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_quantization(quantization: str, gguf_type: str | None, device: torch.device) -> str:
-    """``auto`` -> ``int4`` on CPU for a GGUF whose projections are 4-bit (``gguf_type``), else ``none``."""
+    """``auto`` -> for a GGUF whose projections are 4-bit (``gguf_type``) on CPU,
+    ``w4a8`` where the kernels run on AVX512-VNNI, else ``int4``; ``none`` otherwise."""
     if quantization != "auto":
         return quantization
-    return "int4" if device.type == "cpu" and gguf_type in FOUR_BIT_TYPES else "none"
+    if device.type != "cpu" or gguf_type not in FOUR_BIT_TYPES:
+        return "none"
+    return "w4a8" if ops.has_vnni() else "int4"
 
 
 def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
                max_positions: int | None = None, quantization: str = "none") -> LoadedModel:
     """Load weights, tokenizer and config; the model is in eval mode on ``device``.
 
-    ``quantization="int4"`` adds weight-only int4 copies of the projections
-    (and int8 of the LM head) that small decode batches use; CPU only.
-    ``"auto"`` picks int4 on CPU for a GGUF whose projections are 4-bit (the
-    file's own codes, so nothing is lost beyond bfloat16 activations), and
-    none otherwise.
+    ``quantization`` (CPU only; see ``quant.quantize_model``): ``"int4"``
+    adds int4 copies of the projections (and int8 of the LM head) that small
+    decode batches use with float activations; ``"w4a8"`` replaces them with
+    int4/int8 weights and int8 activations for every batch. ``"auto"`` picks
+    one of the two for a GGUF whose projections are 4-bit (the file's own
+    codes), and none otherwise.
     """
     t0 = time.perf_counter()
     path = resolve_model_path(name)

@@ -3,8 +3,8 @@
 A batch-1 decode step of a small model spends more time dispatching its
 dozens of tiny eager ops per layer than computing them. ``csrc/cpu_ops.cpp``
 fuses each chain (residual add + RMSNorm, SiLU * up, RoPE + KV-cache write,
-paged decode attention read in place) into one call; ``csrc/int4_gemm.cpp``
-holds the grouped int4/int8 GEMMs. It is compiled on first
+paged decode attention read in place) into one call; ``csrc/grouped_gemm.cpp``
+holds the grouped 4-/8-bit GEMMs. It is compiled on first
 use with torch's C++ extension builder (g++ and the Python headers; about
 30 s, cached under ``~/.cache/kvserve/kernels`` or ``$KVSERVE_KERNEL_CACHE``,
 one build per CPU and torch install) and runs on CPU tensors only. Where it cannot be built, or with ``KVSERVE_KERNELS=0``, every function
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "int4_gemm.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "grouped_gemm.cpp")]
 _ext: ModuleType | None = None
 _tried = False
 _enabled = os.environ.get("KVSERVE_KERNELS", "1") != "0"
@@ -187,28 +187,41 @@ def decode_layer(x: torch.Tensor, residual: torch.Tensor | None, input_norm: tor
                  gate_up: tuple[torch.Tensor, torch.Tensor], down: tuple[torch.Tensor, torch.Tensor],
                  rotations: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 num_heads: int, num_kv_heads: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 num_heads: int, num_kv_heads: int, scale: float,
+                 int8_activations: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A whole decoder layer for a batch of decodes in one kernel call; ``(mlp_out, residual)``.
 
     Float32 activations on CPU, each projection given as ``quant.pack_int4``'s
-    ``(codes, scales)``. The same arithmetic as the layer's op-by-op path.
+    ``(codes, scales)``, multiplied as ``grouped_linear`` does with
+    ``int8_activations``. The same arithmetic as the layer's op-by-op path.
     """
     assert _load() is not None, "decode_layer needs the fused CPU kernels"
     out, res = _ext.decode_layer(x, residual, input_norm, post_norm, eps, list(qkv), qkv_bias, list(o_proj),
                                  list(gate_up), list(down), torch.view_as_real(rotations), positions, k_cache,
                                  v_cache, slot_mapping, block_tables.contiguous(), context_lens.contiguous(),
-                                 num_heads, num_kv_heads, scale)
+                                 num_heads, num_kv_heads, scale, int8_activations)
     return out, res
 
 
-def grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
-    """``x [M, K] @ W^T`` (float32) for a weight packed by ``quant.pack_int4`` or ``quant.pack_int8``."""
+def grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int,
+                   int8_activations: bool = False, plain: bool = False) -> torch.Tensor:
+    """``x [M, K] @ W^T`` (float32) for a weight packed by ``quant.pack_int4`` or ``quant.pack_int8``.
+
+    ``int8_activations`` rounds each group of 32 inputs of ``x`` to 8 bits and
+    runs integer dot products (AVX512-VNNI, see ``has_vnni``); ``plain`` takes
+    the portable C++ instead of the vector code (for tests).
+    """
     if _load() is None:
         raise RuntimeError("grouped_linear needs the fused CPU kernels")
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = x.new_empty(x.shape[0], out_features)
-    (_ext.int8_linear if codes.dtype == torch.int8 else _ext.int4_linear)(out, x, codes, scales)
+    _ext.grouped_linear(out, x, codes, scales, int8_activations, plain)
     return out
+
+
+def has_vnni() -> bool:
+    """Whether the kernels were built with AVX512-VNNI, so int8 activations run as integer dot products."""
+    return _load() is not None and _ext.has_vnni()
 
 
 def apply_rotary(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:

@@ -70,9 +70,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's)")
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--quantization", default=d.quantization, choices=["auto", "none", "int4"],
-                   help="int4: weight-only int4 projections for small decode batches (CPU); "
-                        "auto (default): int4 for a 4-bit GGUF on CPU, else none")
+    p.add_argument("--quantization", default=d.quantization, choices=["auto", "none", "int4", "w4a8"],
+                   help="int4: int4 projections, float activations, for small decode batches (CPU); "
+                        "w4a8: int4 weights and int8 activations on AVX512-VNNI, every batch; "
+                        "auto (default): w4a8 (int4 without VNNI) for a 4-bit GGUF on CPU, else none")
 
 
 def build_parser() -> argparse.ArgumentParser:

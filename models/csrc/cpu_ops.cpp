@@ -471,9 +471,10 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
 
 }  // namespace
 
-// int4_gemm.cpp
-void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
-void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
+// grouped_gemm.cpp
+void grouped_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                    bool int8_activations, bool plain);
+bool has_vnni();
 
 namespace {
 
@@ -489,7 +490,7 @@ std::vector<at::Tensor> decode_layer(
     const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, const at::Tensor& rotations,
     const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
-    double scale) {
+    double scale, bool int8_activations) {
   TORCH_CHECK(qkv.size() == 2 && o_proj.size() == 2 && gate_up.size() == 2 && down.size() == 2,
               "each projection is (codes, scales)");
   const int64_t rows = x.size(0), hidden = x.size(1);
@@ -506,30 +507,30 @@ std::vector<at::Tensor> decode_layer(
     rms_norm(h, x, input_norm, eps);
   }
   at::Tensor qkv_out = at::empty({rows, qkv_width}, opts);
-  int4_linear(qkv_out, h, qkv[0], qkv[1]);
+  grouped_linear(qkv_out, h, qkv[0], qkv[1], int8_activations, false);
   if (qkv_bias.has_value()) qkv_out.add_(*qkv_bias);
   rotary_and_cache(qkv_out, rotations, positions, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads);
   const at::Tensor q = qkv_out.narrow(1, 0, num_heads * head_dim).view({rows, num_heads, head_dim});
   at::Tensor attn = at::empty({rows, num_heads, head_dim}, opts);
   paged_decode_attention(attn, q, k_cache, v_cache, block_tables, context_lens, scale);
   at::Tensor o = at::empty({rows, hidden}, opts);
-  int4_linear(o, attn.view({rows, num_heads * head_dim}), o_proj[0], o_proj[1]);
+  grouped_linear(o, attn.view({rows, num_heads * head_dim}), o_proj[0], o_proj[1], int8_activations, false);
   add_rms_norm(h, residual, o, post_norm, eps);
   const int64_t inter = down[0].size(1) * 32;  // down's input width = the intermediate size
   at::Tensor gu = at::empty({rows, 2 * inter}, opts);
-  int4_linear(gu, h, gate_up[0], gate_up[1]);
+  grouped_linear(gu, h, gate_up[0], gate_up[1], int8_activations, false);
   at::Tensor act = at::empty({rows, inter}, opts);
   silu_and_mul(act, gu);
   at::Tensor out = at::empty({rows, hidden}, opts);
-  int4_linear(out, act, down[0], down[1]);
+  grouped_linear(out, act, down[0], down[1], int8_activations, false);
   return {out, residual};
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int4_linear", &int4_linear, "out = x @ W^T, W packed in 4-bit groups of 32 (float scales)");
-  m.def("int8_linear", &int8_linear, "out = x @ W^T, W packed in 8-bit groups of 32 (float scales)");
+  m.def("grouped_linear", &grouped_linear, "out = x @ W^T, W packed in 4- or 8-bit groups of 32 (float scales)");
+  m.def("has_vnni", &has_vnni, "whether the int8-activation GEMMs run on AVX512-VNNI");
   m.def("decode_layer", &decode_layer, "one decoder layer for a batch of decodes, int4 projections");
   m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; out = rms_norm(residual) * weight");

@@ -1,0 +1,364 @@
+// y = x @ W^T with W in groups of 32 inputs per row, each weight an unsigned
+// code u times a scale plus an offset: w = d * u + m, one float d and m per
+// group. Two code widths:
+//   4 bits (GGUF Q4_1's scheme: u in 0..15, m the group minimum);
+//   8 bits (GGUF Q8_0's w = d * q, q in -127..127, stored as u = q + 128 with m = -128 d).
+//
+// Two kinds of arithmetic on the same packed weights:
+//  * float activations: a 16-row weight tile is turned into float vectors and
+//    reused for up to kRows rows of x. Per group, sum_k x_k (d u_k + m) =
+//    d * sum_k x_k u_k + m * sum_k x_k, so the scales apply once per group.
+//    The result equals the dequantised float matmul up to summation order.
+//  * int8 activations (as llama.cpp's Q8 x Q4 dot products): each row of x is
+//    rounded per 16 inputs (x ~ dx * qx, qx in -127..127) and the integer dot
+//    products run on AVX512-VNNI's vpdpbusd, 64 multiply-adds per instruction
+//    where a float FMA does 16. This adds one rounding of x to 8 bits.
+//
+// Packed layout, for 16-row tile t and group g, made so that the 32-bit lane
+// i of a 64-byte vector holds 4 consecutive inputs of weight row 16t + i (the
+// operand shape of vpdpbusd):
+//   4 bits: codes[t][g][j][i][b] = u[16t+i][32g+4j+b] | u[16t+i][32g+16+4j+b] << 4   (j < 4)
+//   8 bits: codes[t][g][j][i][b] = u[16t+i][32g+4j+b]                                (j < 8)
+//   scales[t][g][0][i] = d, scales[t][g][1][i] = m
+// Rows are padded to a multiple of 16 with zeros.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kTile = 16;   // output rows per vector
+constexpr int64_t kGroup = 32;  // inputs per scale
+constexpr int kRows = 8;        // rows of x per pass over a tile
+
+// Rows of x rounded to 8 bits per half group (16 inputs), for codes of
+// centre c (8 for 4 bits, 128 for 8 bits), stored group-major so that a pass
+// over a chunk of rows walks one pointer per array: q [groups][rows][32]
+// signed codes, d [groups][rows][2], and sum [groups][rows] = sum(x) and
+// shift [groups][rows] = c * (sum(x) - dx0 sum(qx_lo) - dx1 sum(qx_hi)) (see tile_rows_a8).
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> d, sum, shift;
+  int64_t rows;
+};
+
+// The same rounding on every path: dx = max|x| / 127, qx = nearest(x / dx), ties to even.
+QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t xs, int64_t groups, float centre) {
+  QuantizedRows qr{std::vector<int8_t>(rows * groups * kGroup), std::vector<float>(rows * groups * 2),
+                   std::vector<float>(rows * groups), std::vector<float>(rows * groups), rows};
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t gr = g * rows + r;
+        float sum = 0.0f, dq = 0.0f;
+        for (int h = 0; h < 2; ++h) {
+          const float* xh = x + r * xs + g * kGroup + h * 16;
+          int8_t* q = qr.q.data() + gr * kGroup + h * 16;
+          int qsum = 0;
+#if defined(__AVX512F__)
+          // One vector per half; the conversion rounds to nearest even, as nearbyint does.
+          const __m512 v = _mm512_loadu_ps(xh);
+          const float amax = _mm512_reduce_max_ps(_mm512_abs_ps(v));
+          sum += _mm512_reduce_add_ps(v);
+          const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+          const __m512i qv = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(inv)));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qv));
+          qsum = _mm512_reduce_add_epi32(qv);
+#else
+          float amax = 0.0f;
+          for (int k = 0; k < 16; ++k) {
+            amax = std::max(amax, std::fabs(xh[k]));
+            sum += xh[k];
+          }
+          const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+          for (int k = 0; k < 16; ++k) {
+            q[k] = static_cast<int8_t>(std::nearbyint(xh[k] * inv));
+            qsum += q[k];
+          }
+#endif
+          qr.d[2 * gr + h] = amax / 127.0f;
+          dq += qr.d[2 * gr + h] * static_cast<float>(qsum);
+        }
+        qr.sum[gr] = sum;
+        qr.shift[gr] = centre * (sum - dq);
+      }
+    }
+  });
+  return qr;
+}
+
+// Code u of row i (in its tile), input k (in its group), for the plain paths.
+template <int kBits>
+inline int code_at(const uint8_t* group, int i, int k) {
+  if constexpr (kBits == 4) {
+    const uint8_t byte = group[(k % 16) / 4 * 64 + i * 4 + k % 4];
+    return k < 16 ? byte & 0xF : byte >> 4;
+  } else {
+    return group[k / 4 * 64 + i * 4 + k % 4];
+  }
+}
+
+#if defined(__AVX512F__)
+// The group's codes as bytes, inputs 0..15 in w[0..3] and 16..31 in w[4..7],
+// 4 inputs per 32-bit lane.
+template <int kBits>
+inline void load_codes(const uint8_t* group, __m512i* w) {
+  if constexpr (kBits == 4) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i packed = _mm512_loadu_si512(group + j * 64);
+      w[j] = _mm512_and_si512(packed, low4);
+      w[4 + j] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+    }
+  } else {
+    for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(group + j * 64);
+  }
+}
+
+// Up to R rows of float x against one 16-row tile. Byte b of each lane of
+// w[j] holds input 4j + b (j < 4) or 16 + 4(j - 4) + b.
+template <int kBits, int R>
+inline void tile_rows(float* y, int64_t y_stride, const float* x, int64_t x_stride, const float* xsum,
+                      int64_t groups, const uint8_t* codes, const float* scales, int64_t valid) {
+  constexpr int64_t kGroupBytes = kTile * kGroup * kBits / 8;  // one group of a 16-row tile
+  __m512 acc[R], accq[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i byte = _mm512_set1_epi32(0xFF);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i w[8];
+    load_codes<kBits>(codes + g * kGroupBytes, w);
+    const float* xg = x + g * kGroup;
+    for (int r = 0; r < R; ++r) accq[r] = _mm512_setzero_ps();
+    for (int j = 0; j < 8; ++j) {
+      const int k0 = j < 4 ? 4 * j : 16 + 4 * (j - 4);
+      for (int b = 0; b < 4; ++b) {
+        const __m512 u = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w[j], 8 * b), byte));
+        for (int r = 0; r < R; ++r) accq[r] = _mm512_fmadd_ps(_mm512_set1_ps(xg[r * x_stride + k0 + b]), u, accq[r]);
+      }
+    }
+    const __m512 d = _mm512_loadu_ps(scales + g * 32);
+    const __m512 m = _mm512_loadu_ps(scales + g * 32 + 16);
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(d, accq[r], acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * groups + g]), acc[r]);
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * y_stride, mask, acc[r]);
+}
+
+// Calls f(std::integral_constant<int, rows>{}) for 1 <= rows <= R, so the
+// tile functions get their row count (and register arrays) at compile time.
+template <int R, typename F>
+inline void with_rows(int rows, F&& f) {
+  if constexpr (R > 0) {
+    if (rows == R) return f(std::integral_constant<int, R>{});
+    return with_rows<R - 1>(rows, f);
+  }
+}
+#endif
+
+#if defined(__AVX512VNNI__)
+inline __m512i broadcast_word(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm512_set1_epi32(v);  // folds into vpdpbusd's memory broadcast
+}
+
+// Up to R rows of int8 x against one 16-row tile. The codes u are the
+// unsigned operand of vpdpbusd, x's codes the signed one; s0 and s1 are the
+// dots of the two halves of the group, each half with its own dx. With
+// centre c and w = d (u - c) + (m + c d), per group:
+//   y += d * (dx0 s0 + dx1 s1 + shift) + m * sum(x),
+//   shift = c (sum(x) - dx0 sum(qx_lo) - dx1 sum(qx_hi)),
+// which is d * sum((u - c) dx qx) + (m + c d) sum(x): the rounding error of x
+// meets the centred codes u - c (about half the size of u for 4 bits, and
+// exactly Q8_0's q for 8 bits, where m + c d = 0).
+template <int kBits, int R>
+inline void tile_rows_a8(float* y, int64_t y_stride, const QuantizedRows& xq, int64_t r0, int64_t groups,
+                         const uint8_t* codes, const float* scales, int64_t valid) {
+  constexpr int64_t kGroupBytes = kTile * kGroup * kBits / 8;  // one group of a 16-row tile
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i w[8];
+    load_codes<kBits>(codes + g * kGroupBytes, w);
+    const __m512 d = _mm512_loadu_ps(scales + g * 32);
+    const __m512 m = _mm512_loadu_ps(scales + g * 32 + 16);
+    const int64_t first = g * xq.rows + r0;  // this chunk's rows of group g
+    const int8_t* qx = xq.q.data() + first * kGroup;
+    const float* dx = xq.d.data() + first * 2;
+    const float* shift = xq.shift.data() + first;
+    const float* sum = xq.sum.data() + first;
+#pragma GCC unroll 16  // keep acc[] in registers (GCC left this loop rolled, acc[] on the stack)
+    for (int r = 0; r < R; ++r) {
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      for (int j = 0; j < 4; ++j) {
+        s0 = _mm512_dpbusd_epi32(s0, w[j], broadcast_word(qx + r * kGroup + 4 * j));
+        s1 = _mm512_dpbusd_epi32(s1, w[4 + j], broadcast_word(qx + r * kGroup + 16 + 4 * j));
+      }
+      __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_set1_ps(dx[2 * r + 1]), _mm512_set1_ps(shift[r]));
+      t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_set1_ps(dx[2 * r]), t);
+      acc[r] = _mm512_fmadd_ps(d, t, acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sum[r]), acc[r]);
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * y_stride, mask, acc[r]);
+}
+#endif
+
+// Plain C++ for CPUs without AVX-512 (or VNNI): the same arithmetic, one
+// output at a time. The tests run them on every machine (`plain=true`).
+// float activations: y = sum_g (d sum_k x u + m sum_k x)
+template <int kBits>
+void tile_rows_plain(int rows, float* y, int64_t ys, const float* x, int64_t xs, int64_t groups,
+                     const uint8_t* codes, const float* scales, int64_t valid) {
+  constexpr int64_t kGroupBytes = kTile * kGroup * kBits / 8;  // one group of a 16-row tile
+  for (int r = 0; r < rows; ++r) {
+    for (int i = 0; i < valid; ++i) {
+      float acc = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) {
+        float dot = 0.0f, sum = 0.0f;
+        for (int k = 0; k < kGroup; ++k) {
+          const float xv = x[r * xs + g * kGroup + k];
+          dot += xv * static_cast<float>(code_at<kBits>(codes + g * kGroupBytes, i, k));
+          sum += xv;
+        }
+        acc += scales[g * 32 + i] * dot + scales[g * 32 + 16 + i] * sum;
+      }
+      y[r * ys + i] = acc;
+    }
+  }
+}
+
+// int8 activations: y = sum_g (d sum_h dx_h sum_k (u - c) qx + (m + c d) sum_k x), integer dots.
+template <int kBits>
+void tile_rows_a8_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, int64_t r0, int64_t groups,
+                        const uint8_t* codes, const float* scales, int64_t valid) {
+  constexpr int64_t kGroupBytes = kTile * kGroup * kBits / 8;  // one group of a 16-row tile
+  constexpr int kCentre = 1 << (kBits - 1);
+  for (int r = 0; r < rows; ++r) {
+    for (int i = 0; i < valid; ++i) {
+      float acc = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t gr = g * xq.rows + r0 + r;
+        float t = 0.0f;
+        for (int h = 0; h < 2; ++h) {
+          int32_t dot = 0;
+          for (int k = 16 * h; k < 16 * h + 16; ++k) {
+            dot += (code_at<kBits>(codes + g * kGroupBytes, i, k) - kCentre) * xq.q[gr * kGroup + k];
+          }
+          t += static_cast<float>(dot) * xq.d[2 * gr + h];
+        }
+        const float d = scales[g * 32 + i], m = scales[g * 32 + 16 + i];
+        acc += d * t + (m + kCentre * d) * xq.sum[gr];
+      }
+      y[r * ys + i] = acc;
+    }
+  }
+}
+
+// f(tile, first_row, rows, valid_outputs) for every 16-row tile of W and every
+// chunk of up to kRows rows of x, tiles spread over torch's threads.
+template <typename F>
+void for_each_tile_chunk(int64_t rows, int64_t tiles, int64_t n, F&& f) {
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t valid = std::min(kTile, n - t * kTile);
+      for (int64_t r0 = 0; r0 < rows; r0 += kRows) f(t, r0, static_cast<int>(std::min<int64_t>(kRows, rows - r0)), valid);
+    }
+  });
+}
+
+template <int kBits>
+void grouped_linear_impl(at::Tensor& out, const at::Tensor& x, const uint8_t* cp, const float* sp, int64_t tiles,
+                         int64_t groups, bool int8_acts, bool plain) {
+  constexpr int64_t kGroupBytes = kTile * kGroup * kBits / 8;  // one group of a 16-row tile
+  const int64_t rows = x.size(0);
+  const float* xp = x.data_ptr<float>();
+  float* yp = out.data_ptr<float>();
+  const int64_t xs = x.stride(0), ys = out.stride(0);
+#if !defined(__AVX512F__)
+  plain = true;
+#endif
+#if !defined(__AVX512VNNI__)
+  plain = plain || int8_acts;
+#endif
+  QuantizedRows xq;
+  if (int8_acts) xq = quantize_rows(xp, rows, xs, groups, static_cast<float>(1 << (kBits - 1)));
+  std::vector<float> xsum;  // the float path's per-group input sums (the m term)
+  if (!int8_acts && !plain) {
+    xsum.resize(rows * groups);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        float acc = 0.0f;
+        for (int64_t i = 0; i < kGroup; ++i) acc += xp[r * xs + g * kGroup + i];
+        xsum[r * groups + g] = acc;
+      }
+    }
+  }
+  for_each_tile_chunk(rows, tiles, out.size(1), [&](int64_t t, int64_t r0, int r, int64_t valid) {
+    float* y = yp + r0 * ys + t * kTile;
+    const uint8_t* c = cp + t * groups * kGroupBytes;
+    const float* s = sp + t * groups * 32;
+    if (plain) {
+      if (int8_acts) tile_rows_a8_plain<kBits>(r, y, ys, xq, r0, groups, c, s, valid);
+      else tile_rows_plain<kBits>(r, y, ys, xp + r0 * xs, xs, groups, c, s, valid);
+      return;
+    }
+#if defined(__AVX512F__)
+    with_rows<kRows>(r, [&](auto n) {
+      constexpr int R = decltype(n)::value;
+#if defined(__AVX512VNNI__)
+      if (int8_acts) return tile_rows_a8<kBits, R>(y, ys, xq, r0, groups, c, s, valid);
+#endif
+      tile_rows<kBits, R>(y, ys, xp + r0 * xs, xs, xsum.data() + r0 * groups, groups, c, s, valid);
+    });
+#endif
+  });
+}
+
+}  // namespace
+
+// x [M, K] float32 (rows contiguous), codes [N/16, K/32, 4 or 8, 64] uint8
+// (4 or 8 bits), scales [N/16, K/32, 2, 16] float32 -> out [M, N] float32.
+// int8_activations: the VNNI arithmetic above; plain: the portable C++.
+void grouped_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                    bool int8_activations, bool plain) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.scalar_type() == at::kFloat, "out must be float32 [M, N]");
+  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 4 &&
+                  (codes.size(2) == 4 || codes.size(2) == 8) && codes.size(3) == 64,
+              "codes must be contiguous uint8 [N/16, K/32, 4 or 8, 64]");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.dim() == 4 &&
+                  scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) && scales.size(2) == 2 &&
+                  scales.size(3) == kTile,
+              "scales must be contiguous float32 [N/16, K/32, 2, 16]");
+  const int64_t n = out.size(1), tiles = codes.size(0), groups = codes.size(1);
+  TORCH_CHECK(x.size(1) == groups * kGroup && out.size(0) == x.size(0), "x and out do not match the packed weight");
+  TORCH_CHECK(tiles * kTile >= n && (tiles - 1) * kTile < n, "out width does not match the packed weight");
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  if (codes.size(2) == 4) grouped_linear_impl<4>(out, x, cp, sp, tiles, groups, int8_activations, plain);
+  else grouped_linear_impl<8>(out, x, cp, sp, tiles, groups, int8_activations, plain);
+}
+
+// Whether the int8-activation path runs on VNNI here (else on the plain C++).
+bool has_vnni() {
+#if defined(__AVX512VNNI__)
+  return true;
+#else
+  return false;
+#endif
+}
