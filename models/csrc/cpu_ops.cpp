@@ -328,6 +328,28 @@ inline void for_each_token(const PagedView& pv, int64_t head_offset, int64_t ctx
   }
 }
 
+// for_each_token that first asks for the next block's rows (`row_bytes` each)
+// of `cache`: blocks sit anywhere in the cache, so the hardware prefetcher
+// cannot guess the next one, and a decode step at 64 sequences waits on memory.
+template <typename C, typename F>
+inline void for_each_token_prefetched(const C* cache, int64_t row_bytes, const PagedView& pv, int64_t head_offset,
+                                      int64_t ctx, F&& f) {
+  const int64_t blocks = (ctx + pv.block_size - 1) / pv.block_size;
+  for (int64_t start = 0, i = 0; start < ctx; start += pv.block_size, ++i) {
+    if (i + 1 < blocks) {
+      const int64_t n_next = std::min(pv.block_size, ctx - start - pv.block_size);
+      const char* row = reinterpret_cast<const char*>(cache + pv.table[i + 1] * pv.block_size * pv.token_stride +
+                                                      head_offset);
+      for (int64_t j = 0; j < n_next; ++j, row += pv.token_stride * sizeof(C)) {
+        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b);
+      }
+    }
+    const int64_t n = std::min(pv.block_size, ctx - start);
+    int64_t off = pv.table[i] * pv.block_size * pv.token_stride + head_offset;
+    for (int64_t j = 0; j < n; ++j, off += pv.token_stride) f(start + j, off);
+  }
+}
+
 #if defined(__AVX512F__)
 // 16 cache values as float32.
 template <typename C>
@@ -351,7 +373,7 @@ inline void scores_avx512(float* s, const float* q, const C* kc, const PagedView
   constexpr int kVecs = HD / 16;
   __m512 qv[kVecs];
   for (int i = 0; i < kVecs; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
-  for_each_token(pv, head_offset, ctx, [&](int64_t t, int64_t off) {
+  for_each_token_prefetched(kc, HD * sizeof(C), pv, head_offset, ctx, [&](int64_t t, int64_t off) {
     __m512 acc = _mm512_mul_ps(qv[0], load16(kc + off));
     for (int i = 1; i < kVecs; ++i) acc = _mm512_fmadd_ps(qv[i], load16(kc + off + 16 * i), acc);
     s[t] = _mm512_reduce_add_ps(acc);
@@ -366,7 +388,7 @@ inline void values_avx512(float* out, const float* p, const C* vc, const PagedVi
   constexpr int kVecs = HD / 16;
   __m512 acc[kVecs];
   for (int i = 0; i < kVecs; ++i) acc[i] = _mm512_setzero_ps();
-  for_each_token(pv, head_offset, ctx, [&](int64_t t, int64_t off) {
+  for_each_token_prefetched(vc, HD * sizeof(C), pv, head_offset, ctx, [&](int64_t t, int64_t off) {
     const __m512 pt = _mm512_set1_ps(p[t]);
     for (int i = 0; i < kVecs; ++i) acc[i] = _mm512_fmadd_ps(pt, load16(vc + off + 16 * i), acc[i]);
   });
