@@ -366,33 +366,65 @@ inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 
-// One query head's scores over ``ctx`` tokens, the query held in registers.
-template <typename C, int HD>
+// The G query heads of one KV head, scores over ``ctx`` tokens: each key row
+// is loaded (and converted) once for all G heads, the queries held in registers.
+template <typename C, int HD, int G>
 inline void scores_avx512(float* s, const float* q, const C* kc, const PagedView& pv, int64_t head_offset,
                           int64_t ctx) {
   constexpr int kVecs = HD / 16;
-  __m512 qv[kVecs];
-  for (int i = 0; i < kVecs; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
+  __m512 qv[G][kVecs];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < kVecs; ++i) qv[g][i] = _mm512_loadu_ps(q + g * HD + 16 * i);
   for_each_token_prefetched(kc, HD * sizeof(C), pv, head_offset, ctx, [&](int64_t t, int64_t off) {
-    __m512 acc = _mm512_mul_ps(qv[0], load16(kc + off));
-    for (int i = 1; i < kVecs; ++i) acc = _mm512_fmadd_ps(qv[i], load16(kc + off + 16 * i), acc);
-    s[t] = _mm512_reduce_add_ps(acc);
+    __m512 k[kVecs];
+    for (int i = 0; i < kVecs; ++i) k[i] = load16(kc + off + 16 * i);
+    for (int g = 0; g < G; ++g) {
+      __m512 acc = _mm512_mul_ps(qv[g][0], k[0]);
+      for (int i = 1; i < kVecs; ++i) acc = _mm512_fmadd_ps(qv[g][i], k[i], acc);
+      s[g * ctx + t] = _mm512_reduce_add_ps(acc);
+    }
   });
 }
 
-// sum_t p[t] * v[t] for one query head, the accumulator held in registers
-// (through memory, each token's add would wait for the previous store).
-template <typename C, int HD>
+// sum_t p[g][t] * v[t] for the G query heads, each value row loaded once and
+// the accumulators held in registers (through memory, each token's add would
+// wait for the previous store).
+template <typename C, int HD, int G>
 inline void values_avx512(float* out, const float* p, const C* vc, const PagedView& pv, int64_t head_offset,
                           int64_t ctx) {
   constexpr int kVecs = HD / 16;
-  __m512 acc[kVecs];
-  for (int i = 0; i < kVecs; ++i) acc[i] = _mm512_setzero_ps();
+  __m512 acc[G][kVecs];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < kVecs; ++i) acc[g][i] = _mm512_setzero_ps();
   for_each_token_prefetched(vc, HD * sizeof(C), pv, head_offset, ctx, [&](int64_t t, int64_t off) {
-    const __m512 pt = _mm512_set1_ps(p[t]);
-    for (int i = 0; i < kVecs; ++i) acc[i] = _mm512_fmadd_ps(pt, load16(vc + off + 16 * i), acc[i]);
+    __m512 v[kVecs];
+    for (int i = 0; i < kVecs; ++i) v[i] = load16(vc + off + 16 * i);
+    for (int g = 0; g < G; ++g) {
+      const __m512 pt = _mm512_set1_ps(p[g * ctx + t]);
+      for (int i = 0; i < kVecs; ++i) acc[g][i] = _mm512_fmadd_ps(pt, v[i], acc[g][i]);
+    }
   });
-  for (int i = 0; i < kVecs; ++i) _mm512_storeu_ps(out + 16 * i, acc[i]);
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < kVecs; ++i) _mm512_storeu_ps(out + g * HD + 16 * i, acc[g][i]);
+}
+
+// Query heads per pass over the cache: registers hold G x HD/16 query (or
+// accumulator) vectors, so G <= 4 at head size 64 and G <= 2 at 128.
+template <int HD>
+constexpr int kMaxGroup = HD <= 64 ? 4 : 2;
+
+// Runs f(integral_constant<G>, first_head) over the group in passes of up to kMaxGroup<HD> heads.
+template <int HD, typename F>
+inline void for_head_passes(int64_t group, F&& f) {
+  constexpr int M = kMaxGroup<HD>;
+  int64_t g = 0;
+  for (; g + M <= group; g += M) f(std::integral_constant<int, M>{}, g);
+  const int64_t rest = group - g;
+  if (rest == 1) f(std::integral_constant<int, 1>{}, g);
+  if constexpr (M >= 4) {
+    if (rest == 2) f(std::integral_constant<int, 2>{}, g);
+    if (rest == 3) f(std::integral_constant<int, 3>{}, g);
+  }
 }
 #endif
 
@@ -411,9 +443,13 @@ void attend_group(T* out, const float* qf, const C* kc, const C* vc, const Paged
   float* a = acc.data();
 #if defined(__AVX512F__)
   if constexpr (HD > 0 && HD % 16 == 0) {
-    for (int64_t g = 0; g < group; ++g) scores_avx512<C, HD>(s + g * ctx, qf + g * hd, kc, pv, head_offset, ctx);
+    for_head_passes<HD>(group, [&](auto n, int64_t g) {
+      scores_avx512<C, HD, decltype(n)::value>(s + g * ctx, qf + g * hd, kc, pv, head_offset, ctx);
+    });
     softmax_rows(s, group, ctx);
-    for (int64_t g = 0; g < group; ++g) values_avx512<C, HD>(a + g * hd, s + g * ctx, vc, pv, head_offset, ctx);
+    for_head_passes<HD>(group, [&](auto n, int64_t g) {
+      values_avx512<C, HD, decltype(n)::value>(a + g * hd, s + g * ctx, vc, pv, head_offset, ctx);
+    });
     for (int64_t i = 0; i < group * hd; ++i) out[i] = static_cast<T>(a[i]);
     return;
   }

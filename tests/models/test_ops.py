@@ -98,7 +98,7 @@ def test_rotary_and_cache_rotates_q_k_and_fills_the_slots(dtype: torch.dtype, ca
 
 @pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                  (torch.float32, torch.float16)])
-@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("group", [1, 2, 3, 8])  # passes of up to 4 (head size 64) or 2 (128) heads
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("head_dim", [64, 128, 40])  # 64 and 128 have unrolled vector paths
 def test_decode_attention_reads_the_pages_in_place(dtype: torch.dtype, cache_dtype: torch.dtype, group: int,
