@@ -1,0 +1,104 @@
+"""Speed of kvserve's CPU kernels alone, on the default model's shapes.
+
+    python -m bench.kernels --rows 1 16 64 512
+
+* The grouped GEMM on SmolLM2-135M's four projection shapes (qkv 960x576,
+  o 576x576, gate_up 3072x576, down 576x1536), summed: 4-bit weights with
+  float32 activations (``int4``) and with int8 activations (``w4a8``), and
+  MKL's float32 GEMM on column-major weights for reference.
+* Paged decode attention over 30 layers' float16 caches (a 512 MiB budget's
+  worth of blocks, each sequence's blocks spread over it), 9 query and 3 KV
+  heads of 64, at context 200.
+
+Each figure is the best of several runs (this machine is shared and noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Callable
+
+import torch
+
+from models import ops
+from models.quant import pack_int4
+
+PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+
+
+def best_ms(f: Callable[[], object], runs: int) -> float:
+    """The fastest of ``runs`` calls of ``f`` after one warm-up, in milliseconds."""
+    f()
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t)
+    return min(times) * 1e3
+
+
+def gemm_table(rows: list[int], runs: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=gen) for n, k in PROJECTIONS]
+    packed = [pack_int4(w) for w in weights]
+    column_major = [w.t().contiguous().t() for w in weights]
+    print("| rows | int4 (float acts) | w4a8 (int8 acts) | MKL float32 | w4a8 GOP/s |")
+    print("|---:|---:|---:|---:|---:|")
+    for m in rows:
+        xs = [torch.randn(m, k, generator=gen) for _, k in PROJECTIONS]
+
+        def run(f: Callable[[torch.Tensor, int], object]) -> float:
+            return sum(best_ms(lambda: f(x, i), runs) for i, x in enumerate(xs))
+
+        t_int4 = run(lambda x, i: ops.grouped_linear(x, *packed[i], PROJECTIONS[i][0]))
+        t_w4a8 = run(lambda x, i: ops.grouped_linear(x, *packed[i], PROJECTIONS[i][0], int8_activations=True))
+        t_mkl = run(lambda x, i: torch.nn.functional.linear(x, column_major[i]))
+        gop = 2 * m * sum(n * k for n, k in PROJECTIONS) / (t_w4a8 * 1e-3) / 1e9
+        print(f"| {m} | {t_int4 * 1e3:.0f} us | {t_w4a8 * 1e3:.0f} us | {t_mkl * 1e3:.0f} us | {gop:.0f} |")
+
+
+def attention_table(batches: list[int], runs: int, context: int = 200, layers: int = 30,
+                    blocks: int = 1456) -> None:
+    block_size, kv_heads, heads, head_dim = 16, 3, 9, 64
+    gen = torch.Generator().manual_seed(0)
+    caches = [tuple(torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen).half() for _ in range(2))
+              for _ in range(layers)]
+    print(f"| sequences | attention, {layers} layers |")
+    print("|---:|---:|")
+    for b in batches:
+        order = list(range(blocks))
+        random.Random(b).shuffle(order)
+        per_seq = -(-context // block_size)
+        tables = torch.tensor([order[i * per_seq:(i + 1) * per_seq] for i in range(b)])
+        lens = torch.full((b,), context)
+        q = torch.randn(b, heads, head_dim, generator=gen)
+
+        def step() -> None:
+            for k, v in caches:
+                ops.decode_attention(q, k, v, tables, lens, context, head_dim ** -0.5)
+
+        print(f"| {b} | {best_ms(step, runs):.1f} ms |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 512])
+    p.add_argument("--sequences", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    if not ops.kernels_available():
+        raise SystemExit("kvserve's CPU kernels are not available here (see `python -m models.ops`)")
+    if not ops.has_vnni():
+        raise SystemExit("the w4a8 kernels need AVX512-VNNI")
+    torch.set_num_threads(args.threads)
+    print(f"{torch.get_num_threads()} threads\n")
+    gemm_table(args.rows, args.runs)
+    print()
+    attention_table(args.sequences, args.runs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+"""bench.kernels prints one row per size it was asked for (its timings are not checked)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import kernels
+from models import ops
+
+pytestmark = pytest.mark.skipif(not ops.has_vnni(), reason="the w4a8 kernels need AVX512-VNNI")
+
+
+def test_tables_have_a_row_per_size(capsys):
+    kernels.gemm_table([1, 3], runs=1)
+    kernels.attention_table([2], runs=1, context=40, layers=2, blocks=16)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [line.split(" | ")[0] for line in lines] == ["| rows", "| 1", "| 3", "| sequences", "| 2"]
+    assert all("us" in line for line in lines[1:3]) and "ms" in lines[4]
