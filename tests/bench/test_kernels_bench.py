@@ -16,3 +16,12 @@ def test_tables_have_a_row_per_size(capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert [line.split(" | ")[0] for line in lines] == ["| rows", "| 1", "| 3", "| sequences", "| 2"]
     assert all("us" in line for line in lines[1:3]) and "ms" in lines[4]
+
+
+@pytest.mark.slow
+def test_step_table_splits_a_real_decode_step(capsys):
+    from bench import step
+
+    step.main(["--sequences", "2", "--context", "20", "--blocks", "64", "--runs", "1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
+    assert len(rows) == 1 and rows[0].count("ms") == 5

@@ -1,0 +1,77 @@
+"""Where a decode step's time goes: a whole step of the model against its parts, each timed alone.
+
+    python -m bench.step --sequences 1 16 64 --context 200
+
+Runs ``LlamaForCausalLM.forward`` for one decode token per sequence over a
+paged float16 cache (blocks spread over a 512 MiB budget's worth, as in the
+server), then times on the same shapes: the four projections of every layer
+(``grouped_linear``), paged attention over every layer's cache, and the LM
+head. "The rest" is the step minus those parts: norms, RoPE, the per-layer
+calls, Python. Each figure is the best of several runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+
+from bench.kernels import best_ms
+from models import ops
+from models.attention import SeqSpec, build_attention_metadata
+from models.loader import load_model
+from models.quant import QuantizedLinear
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--quantization", default="auto", choices=["auto", "int4", "w4a8"])
+    p.add_argument("--sequences", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--context", type=int, default=200)
+    p.add_argument("--blocks", type=int, default=1456, help="cache blocks per layer (1456: 512 MiB, float16)")
+    p.add_argument("--runs", type=int, default=5)
+    args = p.parse_args(argv)
+
+    loaded = load_model(args.model, dtype="float32", device="cpu", quantization=args.quantization)
+    model, cfg = loaded.model, loaded.config
+    layer = model.model.layers[0]
+    projections = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    if not all(isinstance(m, QuantizedLinear) and m.fused for m in projections + [model.lm_head]):
+        raise SystemExit("the step's parts are timed for kvserve's quantised kernels (int4 or w4a8)")
+    int8_acts = layer.self_attn.qkv_proj.int8_activations
+    block = 16
+    shape = (args.blocks, block, cfg.num_key_value_heads, cfg.head_dim)
+    kv = [(torch.randn(shape).half(), torch.randn(shape).half()) for _ in range(cfg.num_hidden_layers)]
+    scale = cfg.head_dim ** -0.5
+    print("| sequences | step | projection GEMMs | paged attention | LM head | the rest |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for b in args.sequences:
+        order = list(range(args.blocks))
+        random.Random(b).shuffle(order)
+        per_seq = -(-(args.context + 1) // block)
+        if b * per_seq > args.blocks:
+            raise SystemExit(f"{b} sequences of {args.context} tokens need more than {args.blocks} blocks")
+        tables = [order[i * per_seq:(i + 1) * per_seq] for i in range(b)]
+        meta = build_attention_metadata([SeqSpec(1, args.context + 1, t) for t in tables], block)
+        ids, positions = torch.full((b,), 42), torch.full((b,), args.context)
+        step = best_ms(lambda: model(ids, positions, meta, kv), args.runs)
+
+        xs = [torch.randn(b, m.in_features) for m in projections]
+        gemms = cfg.num_hidden_layers * best_ms(
+            lambda: [ops.grouped_linear(x, m.codes, m.group_scales, m.out_features, int8_acts)
+                     for x, m in zip(xs, projections)], args.runs)
+        q = torch.randn(b, cfg.num_attention_heads, cfg.head_dim)
+        attention = best_ms(lambda: [ops.decode_attention(q, k, v, meta.block_tables, meta.context_lens,
+                                                          args.context + 1, scale) for k, v in kv], args.runs)
+        h = torch.randn(b, cfg.hidden_size)
+        head = model.lm_head
+        head_ms = best_ms(lambda: ops.grouped_linear(h, head.codes, head.group_scales, head.out_features,
+                                                     head.int8_activations), args.runs)
+        rest = step - gemms - attention - head_ms
+        print(f"| {b} | {step:.1f} ms | {gemms:.1f} ms | {attention:.1f} ms | {head_ms:.1f} ms | {rest:.1f} ms |")
+
+
+if __name__ == "__main__":
+    main()
