@@ -105,7 +105,7 @@ def resolve_quantization(quantization: str, gguf_type: str | None, device: torch
         return quantization
     if device.type != "cpu" or gguf_type not in FOUR_BIT_TYPES:
         return "none"
-    return "w4a8" if ops.has_vnni() else "int4"
+    return "w4a8" if ops.kernels_enabled(device) and ops.has_vnni() else "int4"
 
 
 def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",

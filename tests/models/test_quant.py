@@ -239,6 +239,14 @@ def test_auto_quantisation_keeps_a_4_bit_gguf_in_4_bits_on_cpu(gguf_type, device
     assert resolve_quantization("none", gguf_type, torch.device(device)) == "none"
 
 
+def test_auto_quantisation_without_the_kernels_is_int4():
+    ops.set_kernels_enabled(False)
+    try:
+        assert resolve_quantization("auto", "Q4_1", torch.device("cpu")) == "int4"
+    finally:
+        ops.set_kernels_enabled(True)
+
+
 def test_the_default_model_has_q4_1_projections(smollm2_path):
     assert projection_type(open_gguf(smollm2_path)) == "Q4_1"
 
