@@ -5,7 +5,7 @@
 Runs ``LlamaForCausalLM.forward`` for one decode token per sequence over a
 paged float16 cache (blocks spread over a 512 MiB budget's worth, as in the
 server), then times on the same shapes: the four projections of every layer
-(``grouped_linear``), paged attention over every layer's cache, and the LM
+with that layer's weights (``grouped_linear``), paged attention over every layer's cache, and the LM
 head. "The rest" is the step minus those parts: norms, RoPE, the per-layer
 calls, Python. Each figure is the best of several runs.
 """
@@ -58,10 +58,12 @@ def main(argv: list[str] | None = None) -> None:
         ids, positions = torch.full((b,), 42), torch.full((b,), args.context)
         step = best_ms(lambda: model(ids, positions, meta, kv), args.runs)
 
+        # Every layer's own weights, as the step reads them (one layer's would stay in cache).
         xs = [torch.randn(b, m.in_features) for m in projections]
-        gemms = cfg.num_hidden_layers * best_ms(
-            lambda: [ops.grouped_linear(x, m.codes, m.group_scales, m.out_features, int8_acts)
-                     for x, m in zip(xs, projections)], args.runs)
+        layers = [[lay.self_attn.qkv_proj, lay.self_attn.o_proj, lay.mlp.gate_up_proj, lay.mlp.down_proj]
+                  for lay in model.model.layers]
+        gemms = best_ms(lambda: [ops.grouped_linear(x, m.codes, m.group_scales, m.out_features, int8_acts)
+                                 for ms in layers for x, m in zip(xs, ms)], args.runs)
         q = torch.randn(b, cfg.num_attention_heads, cfg.head_dim)
         attention = best_ms(lambda: [ops.decode_attention(q, k, v, meta.block_tables, meta.context_lens,
                                                           args.context + 1, scale) for k, v in kv], args.runs)
