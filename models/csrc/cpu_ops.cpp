@@ -265,8 +265,34 @@ inline void softmax_rows(float* s, int64_t rows, int64_t n) {
   }
 }
 
+#if defined(__AVX512F__)
+// 16 cache values as float32 (the compiler does not vectorise c10::Half's or
+// BFloat16's conversion; the hardware does, 16 values at a time).
+template <typename C>
+inline __m512 load16(const C* p);
+template <>
+inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load16<at::Half>(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+template <>
+inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+#endif
+
+// Rows of a length divisible by 16 go 16 values at a time through load16.
 template <typename T>
 inline float dot_row(const float* q, const T* k, int64_t n) {
+#if defined(__AVX512F__)
+  if (n % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < n; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
   float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
   for (int64_t d = 0; d < n; ++d) dot += q[d] * to_f(k[d]);
@@ -275,41 +301,18 @@ inline float dot_row(const float* q, const T* k, int64_t n) {
 
 template <typename T>
 inline void axpy_row(float* acc, float p, const T* v, int64_t n) {
+#if defined(__AVX512F__)
+  if (n % 16 == 0) {
+    const __m512 pv = _mm512_set1_ps(p);
+    for (int64_t d = 0; d < n; d += 16) {
+      _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(acc + d)));
+    }
+    return;
+  }
+#endif
 #pragma omp simd
   for (int64_t d = 0; d < n; ++d) acc[d] += p * to_f(v[d]);
 }
-
-#if defined(__AVX512F__)
-// float16 rows: the compiler does not vectorise c10::Half's conversion, the
-// hardware does (vcvtph2ps) 16 values at a time.
-template <>
-inline float dot_row<at::Half>(const float* q, const at::Half* k, int64_t n) {
-  if (n % 16) {
-    float dot = 0.0f;
-    for (int64_t d = 0; d < n; ++d) dot += q[d] * static_cast<float>(k[d]);
-    return dot;
-  }
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t d = 0; d < n; d += 16) {
-    const __m512 kv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + d)));
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), kv, acc);
-  }
-  return _mm512_reduce_add_ps(acc);
-}
-
-template <>
-inline void axpy_row<at::Half>(float* acc, float p, const at::Half* v, int64_t n) {
-  if (n % 16) {
-    for (int64_t d = 0; d < n; ++d) acc[d] += p * static_cast<float>(v[d]);
-    return;
-  }
-  const __m512 pv = _mm512_set1_ps(p);
-  for (int64_t d = 0; d < n; d += 16) {
-    const __m512 vv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + d)));
-    _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, vv, _mm512_loadu_ps(acc + d)));
-  }
-}
-#endif
 
 // One sequence's view of the paged caches [num_blocks, block_size, KVH, D].
 struct PagedView {
@@ -351,21 +354,6 @@ inline void for_each_token_prefetched(const C* cache, int64_t row_bytes, const P
 }
 
 #if defined(__AVX512F__)
-// 16 cache values as float32.
-template <typename C>
-inline __m512 load16(const C* p);
-template <>
-inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
-template <>
-inline __m512 load16<at::Half>(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-template <>
-inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {
-  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
-
 // The G query heads of one KV head, scores over ``ctx`` tokens: each key row
 // is loaded (and converted) once for all G heads, the queries held in registers.
 template <typename C, int HD, int G>

@@ -100,7 +100,7 @@ def test_rotary_and_cache_rotates_q_k_and_fills_the_slots(dtype: torch.dtype, ca
                                                  (torch.float32, torch.float16)])
 @pytest.mark.parametrize("group", [1, 2, 3, 8])  # passes of up to 4 (head size 64) or 2 (128) heads
 @pytest.mark.parametrize("block_size", [1, 16])
-@pytest.mark.parametrize("head_dim", [64, 128, 40])  # 64 and 128 have unrolled vector paths
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 40])  # 64, 128: unrolled; 80: 16-wide rows; 40: scalar
 def test_decode_attention_reads_the_pages_in_place(dtype: torch.dtype, cache_dtype: torch.dtype, group: int,
                                                    block_size: int, head_dim: int) -> None:
     kv_heads = 2
