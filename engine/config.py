@@ -6,6 +6,14 @@ from dataclasses import dataclass
 
 MiB = 1024 * 1024
 
+# The accepted values of ``quantization`` and ``kv_cache_dtype`` (the CLI offers the same).
+QUANTIZATIONS = ("auto", "none", "int4", "w4a8")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _one_of(values: tuple[str, ...]) -> str:
+    return ", ".join(values[:-1]) + " or " + values[-1]
+
 
 @dataclass
 class EngineConfig:
@@ -29,12 +37,12 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     served_model_name: str | None = None
-    # "auto" | "none" | "int4" | "w4a8" (CPU): int4 = int4 weights with float
-    # activations for small decode batches; w4a8 = int4 weights and int8
-    # activations on AVX512-VNNI (llama.cpp's arithmetic), every batch.
-    # auto = w4a8 (or int4 without VNNI) for a GGUF with 4-bit projections, else none.
+    # QUANTIZATIONS (CPU): int4 = int4 weights with float activations for small
+    # decode batches; w4a8 = int4 weights and int8 activations (per 16 inputs) on
+    # AVX512-VNNI, every batch. auto = w4a8 (or int4 without VNNI) for a GGUF
+    # with 4-bit projections, else none.
     quantization: str = "auto"
-    # "auto" | "float32" | "float16" | "bfloat16". auto: float16 for a float32 model
+    # KV_CACHE_DTYPES. auto: float16 for a float32 model
     # (as llama.cpp's default f16 cache: twice the tokens, half the bytes decode
     # attention reads, logits within about 0.02), else the model's dtype.
     kv_cache_dtype: str = "auto"
@@ -48,10 +56,9 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.quantization not in ("auto", "none", "int4", "w4a8"):
-            raise ValueError(f"quantization must be auto, none, int4 or w4a8, got {self.quantization!r}")
-        if self.kv_cache_dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"kv_cache_dtype must be auto, float32, float16 or bfloat16, "
-                             f"got {self.kv_cache_dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be {_one_of(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be {_one_of(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

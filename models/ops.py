@@ -207,8 +207,8 @@ def grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, o
                    int8_activations: bool = False, plain: bool = False) -> torch.Tensor:
     """``x [M, K] @ W^T`` (float32) for a weight packed by ``quant.pack_int4`` or ``quant.pack_int8``.
 
-    ``int8_activations`` rounds each group of 32 inputs of ``x`` to 8 bits and
-    runs integer dot products (AVX512-VNNI, see ``has_vnni``); ``plain`` takes
+    ``int8_activations`` rounds every 16 inputs of ``x`` to 8 bits and runs
+    integer dot products (AVX512-VNNI, see ``has_vnni``); ``plain`` takes
     the portable C++ instead of the vector code (for tests).
     """
     if _load() is None:

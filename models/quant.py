@@ -3,7 +3,7 @@
 A decode step is bound by reading the weights from memory, so 4-bit weights
 (group size 32, as in GGUF Q4_1) read 8x fewer bytes than float32. kvserve's
 kernels (``ops.grouped_linear``, models/csrc/grouped_gemm.cpp) keep float32
-scales and reuse each weight tile for up to 8 rows of the batch, with one of
+scales and reuse each weight tile for several rows of the batch, with one of
 two arithmetics (``quantize_model``'s methods):
 
 * ``int4``: float32 activations. For prefill-sized batches MKL's float32 GEMM
@@ -187,9 +187,9 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
 
     * ``"int4"``: float activations, so the model computes the quantised
       weights exactly (a 4-bit GGUF's own values); large batches use the dense weights.
-    * ``"w4a8"``: int8 activations per group of 32 into integer dot products
-      (AVX512-VNNI), llama.cpp's arithmetic for these formats; about 2x the
-      int4 path's GEMM speed, and no dense copies of the projections.
+    * ``"w4a8"``: activations rounded to int8 per 16 inputs, integer dot
+      products against the centred codes (AVX512-VNNI); about 2x the int4
+      path's GEMM speed, and no dense copies of the projections.
     """
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; supported: {', '.join(METHODS)}")

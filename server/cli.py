@@ -17,7 +17,7 @@ from typing import Any
 
 import uvicorn
 
-from engine.config import EngineConfig
+from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvserve")
@@ -62,7 +62,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=_size_arg, default=d.kv_cache_memory,
                    help="KV cache budget, e.g. 512MiB or 2GiB (default 512MiB)")
     p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
-                   choices=["auto", "float32", "float16", "bfloat16"],
+                   choices=KV_CACHE_DTYPES,
                    help="auto: float16 for a float32 model (twice the tokens), else the model's dtype")
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
@@ -70,7 +70,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's)")
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--quantization", default=d.quantization, choices=["auto", "none", "int4", "w4a8"],
+    p.add_argument("--quantization", default=d.quantization, choices=QUANTIZATIONS,
                    help="int4: int4 projections, float activations, for small decode batches (CPU); "
                         "w4a8: int4 weights and int8 activations on AVX512-VNNI, every batch; "
                         "auto (default): w4a8 (int4 without VNNI) for a 4-bit GGUF on CPU, else none")
