@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from models import kv_cache
 from models.attention import SeqSpec, build_attention_metadata
 from models.loader import load_model
 
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode-steps", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quantization", default="none", choices=["none", "int4", "w4a8"])
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "int8"],
                    help="auto: the model's dtype")
     args = p.parse_args(argv)
 
@@ -36,10 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     block = 16
     total = args.prompt_len + args.decode_steps + 1
     nblocks = -(-total // block)
-    shape = (nblocks, block, cfg.num_key_value_heads, cfg.head_dim)
     kv_dtype = loaded.dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
-    kv = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
-          for _ in range(cfg.num_hidden_layers)]
+    kv = kv_cache.allocate(cfg.num_hidden_layers, nblocks, block, cfg.num_key_value_heads, cfg.head_dim, kv_dtype)
     table = list(range(nblocks))
     ids = torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0))
     t = args.prompt_len

@@ -6,7 +6,7 @@
   o 576x576, gate_up 3072x576, down 576x1536), summed: 4-bit weights with
   float32 activations (``int4``) and with int8 activations (``w4a8``), and
   MKL's float32 GEMM on column-major weights for reference.
-* Paged decode attention over 30 layers' float16 caches (a 512 MiB budget's
+* Paged decode attention over 30 layers' float16 and int8 caches (a 512 MiB budget's
   worth of blocks, each sequence's blocks spread over it), 9 query and 3 KV
   heads of 64, at context 200.
 
@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from models import ops
+from models import kv_cache, ops
 from models.quant import pack_int4
 
 PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -63,10 +63,13 @@ def attention_table(batches: list[int], runs: int, context: int = 200, layers: i
                     blocks: int = 1456) -> None:
     block_size, kv_heads, heads, head_dim = 16, 3, 9, 64
     gen = torch.Generator().manual_seed(0)
-    caches = [tuple(torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen).half() for _ in range(2))
+    values = [[torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen) for _ in range(2)]
               for _ in range(layers)]
-    print(f"| sequences | attention, {layers} layers |")
-    print("|---:|---:|")
+    dtypes = (torch.float16, torch.int8)
+    caches = {dt: [tuple(kv_cache.to_cache_rows(x, dt) for x in kv) for kv in values] for dt in dtypes}
+    del values
+    print(f"| sequences | attention, {layers} layers, float16 cache | int8 cache |")
+    print("|---:|---:|---:|")
     for b in batches:
         order = list(range(blocks))
         random.Random(b).shuffle(order)
@@ -75,11 +78,12 @@ def attention_table(batches: list[int], runs: int, context: int = 200, layers: i
         lens = torch.full((b,), context)
         q = torch.randn(b, heads, head_dim, generator=gen)
 
-        def step() -> None:
-            for k, v in caches:
+        def step(layer_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+            for k, v in layer_caches:
                 ops.decode_attention(q, k, v, tables, lens, context, head_dim ** -0.5)
 
-        print(f"| {b} | {best_ms(step, runs):.1f} ms |")
+        times = [best_ms(lambda: step(caches[dt]), runs) for dt in dtypes]
+        print(f"| {b} | " + " | ".join(f"{t:.1f} ms" for t in times) + " |")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,8 +3,8 @@
     python -m bench.step --sequences 1 16 64 --context 200
 
 Runs ``LlamaForCausalLM.forward`` for one decode token per sequence over a
-paged float16 cache (blocks spread over a 512 MiB budget's worth, as in the
-server), then times on the same shapes: the four projections of every layer
+paged cache (float16 unless ``--kv-cache-dtype``; blocks spread over a 512 MiB
+float16 budget's worth, as in the server), then times on the same shapes: the four projections of every layer
 with that layer's weights (``grouped_linear``), paged attention over every layer's cache, and the LM
 head. "The rest" is the step minus those parts: norms, RoPE, the per-layer
 calls, Python. Each figure is the best of several runs.
@@ -18,7 +18,7 @@ import random
 import torch
 
 from bench.kernels import best_ms
-from models import ops
+from models import kv_cache, ops
 from models.attention import SeqSpec, build_attention_metadata
 from models.loader import load_model
 from models.quant import QuantizedLinear
@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quantization", default="auto", choices=["auto", "int4", "w4a8"])
     p.add_argument("--sequences", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--context", type=int, default=200)
+    p.add_argument("--kv-cache-dtype", default="float16", choices=["float32", "float16", "bfloat16", "int8"])
     p.add_argument("--blocks", type=int, default=1456, help="cache blocks per layer (1456: 512 MiB, float16)")
     p.add_argument("--runs", type=int, default=5)
     args = p.parse_args(argv)
@@ -43,7 +44,9 @@ def main(argv: list[str] | None = None) -> None:
     int8_acts = layer.self_attn.qkv_proj.int8_activations
     block = 16
     shape = (args.blocks, block, cfg.num_key_value_heads, cfg.head_dim)
-    kv = [(torch.randn(shape).half(), torch.randn(shape).half()) for _ in range(cfg.num_hidden_layers)]
+    kv_dtype = getattr(torch, args.kv_cache_dtype)
+    kv = [tuple(kv_cache.to_cache_rows(torch.randn(shape), kv_dtype) for _ in range(2))
+          for _ in range(cfg.num_hidden_layers)]
     scale = cfg.head_dim ** -0.5
     print("| sequences | step | projection GEMMs | paged attention | LM head | the rest |")
     print("|---:|---:|---:|---:|---:|---:|")

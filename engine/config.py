@@ -8,7 +8,7 @@ MiB = 1024 * 1024
 
 # The accepted values of ``quantization`` and ``kv_cache_dtype`` (the CLI offers the same).
 QUANTIZATIONS = ("auto", "none", "int4", "w4a8")
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 
 
 def _one_of(values: tuple[str, ...]) -> str:

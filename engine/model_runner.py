@@ -7,6 +7,7 @@ import logging
 import torch
 
 from engine.scheduler import SchedulerOutput
+from models import kv_cache
 from models.attention import SeqSpec, build_attention_metadata
 from models.config import ModelConfig
 from models.loader import LoadedModel
@@ -16,8 +17,8 @@ logger = logging.getLogger(__name__)
 
 def kv_bytes_per_block(config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
     """Bytes one block takes across all layers, keys and values."""
-    itemsize = torch.tensor([], dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * itemsize
+    return kv_cache.bytes_per_block(config.num_hidden_layers, block_size, config.num_key_value_heads,
+                                    config.head_dim, dtype)
 
 
 def num_blocks_for_budget(config: ModelConfig, dtype: torch.dtype, block_size: int, budget: int) -> int:
@@ -40,12 +41,9 @@ class ModelRunner:
         self.kv_dtype = kv_dtype  # resolved by the engine (``resolve_kv_cache_dtype``)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-             torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-            for _ in range(self.config.num_hidden_layers)
-        ]
+        self.kv_caches = kv_cache.allocate(self.config.num_hidden_layers, num_blocks, block_size,
+                                           self.config.num_key_value_heads, self.config.head_dim,
+                                           self.kv_dtype, self.device)
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run every scheduled token; logits ``[S, V]`` for the ``sample`` entries, in scheduled order."""

@@ -6,8 +6,9 @@ Every layer first scatters the batch's new K/V into the paged caches and only
 then reads them, so a sequence may attend to blocks that another sequence of
 the same batch wrote in the same step (prefix-cache hits on siblings).
 
-Cache layout, per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``,
-in the activations' dtype or a narrower one (``--kv-cache-dtype float16``).
+Cache layout, per layer: ``[num_blocks, block_size, num_kv_heads, row]``,
+in the activations' dtype or a narrower one (``--kv-cache-dtype float16`` or
+``int8``; ``models.kv_cache`` has the row formats).
 A token at position ``p`` of a sequence lives in slot
 ``block_table[p // block_size] * block_size + p % block_size``.
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from models import kv_cache
 from models.ops import decode_attention
 
 
@@ -109,8 +111,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             # A fresh prompt: its keys are exactly this step's, no gather needed.
             ks, vs = k[start:end], v[start:end]
         else:
-            ks = _gather(k_cache, meta.block_tables[i], ctx).to(q.dtype)
-            vs = _gather(v_cache, meta.block_tables[i], ctx).to(q.dtype)
+            ks = kv_cache.from_cache_rows(_gather(k_cache, meta.block_tables[i], ctx), q.dtype)
+            vs = kv_cache.from_cache_rows(_gather(v_cache, meta.block_tables[i], ctx), q.dtype)
         out[start:end] = _prefill_attention(q[start:end], ks, vs, scale)
         start = end
     return out

@@ -24,6 +24,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from models import kv_cache
+
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "grouped_gemm.cpp")]
@@ -233,10 +235,11 @@ def apply_rotary(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Scatter new keys/values ``[T, kv_heads, head_dim]`` into their slots (in the caches' dtype)."""
-    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
-    k_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """Scatter new keys/values ``[T, kv_heads, head_dim]`` into their slots (in the caches' format)."""
+    num_blocks, block_size, kv_heads, row = k_cache.shape
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        cache.view(num_blocks * block_size, kv_heads, row).index_copy_(0, slot_mapping,
+                                                                      kv_cache.to_cache_rows(x, cache.dtype))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -244,7 +247,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scale: float) -> torch.Tensor:
     """One query token per sequence ``q [B, H, D]`` over its paged context; returns ``[B, H, D]``.
 
-    The caches may hold another dtype than ``q`` (a float16 cache for float32 activations).
+    The caches may hold another dtype than ``q`` (a float16 or int8 cache for float32
+    activations; see ``models.kv_cache``).
     """
     ext = _kernels_for(q)
     if (ext is not None and q.stride(2) == 1 and q.stride(1) == q.shape[2]
@@ -266,8 +270,8 @@ def _decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     # [B, L, kv_heads, head_dim] -> [B, kv_heads, L, head_dim]
     # index_select on the flat table is markedly faster than advanced indexing on CPU.
     flat = tables.reshape(-1)
-    k = k_cache.index_select(0, flat).view(b, -1, *k_cache.shape[2:]).transpose(1, 2).to(q.dtype)
-    v = v_cache.index_select(0, flat).view(b, -1, *v_cache.shape[2:]).transpose(1, 2).to(q.dtype)
+    k, v = (kv_cache.from_cache_rows(c.index_select(0, flat), q.dtype).view(b, -1, c.shape[2], head_dim)
+            .transpose(1, 2) for c in (k_cache, v_cache))
     valid = torch.arange(k.shape[2], device=q.device) < context_lens.unsqueeze(1)  # [B, L]
     # One query per sequence: the heads sharing a KV head act as that head's
     # queries, so GQA needs no repeated K/V: [B, kv_heads, group, head_dim].

@@ -98,21 +98,50 @@ void rotate_head(T* x, const float* cs, int64_t half) {
 }
 
 // Calls f(C{}) with C the C++ type of a KV cache dtype (it may differ from the
-// activations': float16 caches halve the bytes attention reads).
+// activations': float16 caches halve the bytes attention reads, int8 ones
+// halve them again).
 template <typename F>
 void dispatch_cache_type(at::ScalarType t, F&& f) {
   switch (t) {
     case at::kFloat: return f(float{});
     case at::kHalf: return f(at::Half{});
     case at::kBFloat16: return f(at::BFloat16{});
+    case at::kChar: return f(int8_t{});
     default: TORCH_CHECK(false, "unsupported KV cache dtype ", t);
   }
 }
 
+// An int8 cache row is head_dim codes and then their float32 scale
+// (models/kv_cache.py); float rows are the values alone.
+template <typename C>
+constexpr int64_t kRowExtra = std::is_same_v<C, int8_t> ? 4 : 0;
+
+// What a row's values are multiplied by: its stored scale (int8), else 1,
+// which the compiler folds away.
+template <typename C>
+inline float row_scale(const C* row, int64_t head_dim) {
+  if constexpr (std::is_same_v<C, int8_t>) {
+    float s;
+    std::memcpy(&s, row + head_dim, sizeof(float));
+    return s;
+  } else {
+    return 1.0f;
+  }
+}
+
+// One head's values into a cache row: a cast, or int8 codes rounded to
+// nearest (ties to even) at scale max|x| / 127, as kv_cache.to_cache_rows.
 template <typename C, typename T>
-inline void convert_row(C* dst, const T* src, int64_t n) {
+inline void store_row(C* dst, const T* src, int64_t n) {
   if constexpr (std::is_same_v<C, T>) {
     std::memcpy(dst, src, n * sizeof(T));
+  } else if constexpr (std::is_same_v<C, int8_t>) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(to_f(src[i])));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<int8_t>(std::nearbyint(to_f(src[i]) * inv));
+    const float scale = amax / 127.0f;
+    std::memcpy(dst + n, &scale, sizeof(float));
   } else {
     for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<C>(to_f(src[i]));
   }
@@ -199,7 +228,8 @@ void rotary_and_cache(at::Tensor& qkv, const at::Tensor& rotations, const at::Te
   const int64_t half = rotations.size(1), head_dim = 2 * half;
   const int64_t max_pos = rotations.size(0);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "qkv width does not match the heads");
-  TORCH_CHECK(k_cache.size(2) == num_kv_heads && k_cache.size(3) == head_dim, "cache shape does not match");
+  const int64_t row = head_dim + (k_cache.scalar_type() == at::kChar ? 4 : 0);
+  TORCH_CHECK(k_cache.size(2) == num_kv_heads && k_cache.size(3) == row, "cache shape does not match");
   TORCH_CHECK(positions.numel() == tokens && slot_mapping.numel() == tokens, "one position and slot per token");
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must share a dtype");
@@ -211,7 +241,7 @@ void rotary_and_cache(at::Tensor& qkv, const at::Tensor& rotations, const at::Te
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " out of range");
   }
   const float* rot = rotations.data_ptr<float>();
-  const int64_t kv_width = num_kv_heads * head_dim;
+  const int64_t kv_width = num_kv_heads * head_dim, slot_width = num_kv_heads * row;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_and_cache", [&] {
     dispatch_cache_type(k_cache.scalar_type(), [&](auto cache_tag) {
       using C = decltype(cache_tag);
@@ -221,12 +251,14 @@ void rotary_and_cache(at::Tensor& qkv, const at::Tensor& rotations, const at::Te
       const int64_t stride = qkv.stride(0);
       at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
-          scalar_t* row = base + t * stride;
+          scalar_t* token = base + t * stride;
           const float* cs = rot + pos[t] * half * 2;
-          for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) rotate_head(row + h * head_dim, cs, half);
-          const scalar_t* k = row + num_heads * head_dim;
-          convert_row(kc + slots[t] * kv_width, k, kv_width);
-          convert_row(vc + slots[t] * kv_width, k + kv_width, kv_width);
+          for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) rotate_head(token + h * head_dim, cs, half);
+          const scalar_t* k = token + num_heads * head_dim;
+          for (int64_t h = 0; h < num_kv_heads; ++h) {
+            store_row(kc + slots[t] * slot_width + h * row, k + h * head_dim, head_dim);
+            store_row(vc + slots[t] * slot_width + h * row, k + kv_width + h * head_dim, head_dim);
+          }
         }
       });
     });
@@ -280,6 +312,10 @@ template <>
 inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+template <>
+inline __m512 load16<int8_t>(const int8_t* p) {  // the codes; the caller applies the row's scale
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 #endif
 
@@ -354,8 +390,27 @@ inline void for_each_token_prefetched(const C* cache, int64_t row_bytes, const P
 }
 
 #if defined(__AVX512F__)
+// The sums of 16 vectors, as one vector (lane i: the sum of v[i]): a tree of
+// lane shuffles and adds, about 3 instructions a vector where a horizontal
+// reduction per vector takes 8.
+inline __m512 sum16(const __m512* v) {
+  __m512 a[8], c[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: v[2i] lanes 0+2, v[2i+1] 0+2, v[2i] 1+3, v[2i+1] 1+3
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the lane's sum of v[4i], ..., v[4i + 3]
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const auto pair_lanes = [](__m512 x, __m512 y) {  // [x0 + x1, x2 + x3, y0 + y1, y2 + y3] by 128-bit lane
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  return pair_lanes(pair_lanes(c[0], c[1]), pair_lanes(c[2], c[3]));
+}
+
 // The G query heads of one KV head, scores over ``ctx`` tokens: each key row
-// is loaded (and converted) once for all G heads, the queries held in registers.
+// is loaded (and converted) once for all G heads, the queries held in
+// registers. Each token's G products wait, unreduced, until 16 tokens are in;
+// sum16 then reduces them together.
 template <typename C, int HD, int G>
 inline void scores_avx512(float* s, const float* q, const C* kc, const PagedView& pv, int64_t head_offset,
                           int64_t ctx) {
@@ -363,15 +418,29 @@ inline void scores_avx512(float* s, const float* q, const C* kc, const PagedView
   __m512 qv[G][kVecs];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < kVecs; ++i) qv[g][i] = _mm512_loadu_ps(q + g * HD + 16 * i);
-  for_each_token_prefetched(kc, HD * sizeof(C), pv, head_offset, ctx, [&](int64_t t, int64_t off) {
+  alignas(64) float parts[G][16][16];
+  alignas(64) float scales[16];
+  const auto flush = [&](int64_t first, int n) {
+    for (int g = 0; g < G; ++g) {
+      __m512 v[16];
+      for (int j = 0; j < 16; ++j) v[j] = j < n ? _mm512_load_ps(parts[g][j]) : _mm512_setzero_ps();
+      const __m512 sums = _mm512_mul_ps(sum16(v), _mm512_load_ps(scales));
+      _mm512_mask_storeu_ps(s + g * ctx + first, static_cast<__mmask16>((1u << n) - 1), sums);
+    }
+  };
+  for_each_token_prefetched(kc, (HD + kRowExtra<C>) * sizeof(C), pv, head_offset, ctx, [&](int64_t t, int64_t off) {
     __m512 k[kVecs];
     for (int i = 0; i < kVecs; ++i) k[i] = load16(kc + off + 16 * i);
+    const int j = static_cast<int>(t % 16);
+    scales[j] = row_scale(kc + off, HD);
     for (int g = 0; g < G; ++g) {
       __m512 acc = _mm512_mul_ps(qv[g][0], k[0]);
       for (int i = 1; i < kVecs; ++i) acc = _mm512_fmadd_ps(qv[g][i], k[i], acc);
-      s[g * ctx + t] = _mm512_reduce_add_ps(acc);
+      _mm512_store_ps(parts[g][j], acc);
     }
+    if (j == 15) flush(t - 15, 16);
   });
+  if (ctx % 16) flush(ctx - ctx % 16, static_cast<int>(ctx % 16));
 }
 
 // sum_t p[g][t] * v[t] for the G query heads, each value row loaded once and
@@ -384,11 +453,12 @@ inline void values_avx512(float* out, const float* p, const C* vc, const PagedVi
   __m512 acc[G][kVecs];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < kVecs; ++i) acc[g][i] = _mm512_setzero_ps();
-  for_each_token_prefetched(vc, HD * sizeof(C), pv, head_offset, ctx, [&](int64_t t, int64_t off) {
+  for_each_token_prefetched(vc, (HD + kRowExtra<C>) * sizeof(C), pv, head_offset, ctx, [&](int64_t t, int64_t off) {
     __m512 v[kVecs];
     for (int i = 0; i < kVecs; ++i) v[i] = load16(vc + off + 16 * i);
+    const float vs = row_scale(vc + off, HD);
     for (int g = 0; g < G; ++g) {
-      const __m512 pt = _mm512_set1_ps(p[g * ctx + t]);
+      const __m512 pt = _mm512_set1_ps(p[g * ctx + t] * vs);
       for (int i = 0; i < kVecs; ++i) acc[g][i] = _mm512_fmadd_ps(pt, v[i], acc[g][i]);
     }
   });
@@ -444,12 +514,14 @@ void attend_group(T* out, const float* qf, const C* kc, const C* vc, const Paged
 #endif
   for_each_token(pv, head_offset, ctx, [&](int64_t t, int64_t off) {
     const C* k = kc + off;
-    for (int64_t g = 0; g < group; ++g) s[g * ctx + t] = dot_row(qf + g * hd, k, hd);
+    const float ks = row_scale(k, hd);
+    for (int64_t g = 0; g < group; ++g) s[g * ctx + t] = dot_row(qf + g * hd, k, hd) * ks;
   });
   softmax_rows(s, group, ctx);
   for_each_token(pv, head_offset, ctx, [&](int64_t t, int64_t off) {
     const C* v = vc + off;
-    for (int64_t g = 0; g < group; ++g) axpy_row(a + g * hd, s[g * ctx + t], v, hd);
+    const float vs = row_scale(v, hd);
+    for (int64_t g = 0; g < group; ++g) axpy_row(a + g * hd, s[g * ctx + t] * vs, v, hd);
   });
   for (int64_t i = 0; i < group * hd; ++i) out[i] = static_cast<T>(a[i]);
 }
@@ -460,6 +532,7 @@ void decode_attention_impl(T* out, const T* q, int64_t q_stride, const C* kc, co
                            int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
                            float scale) {
   const int64_t group = heads / kv_heads;
+  const int64_t row = head_dim + kRowExtra<C>;  // cache elements per (token, head)
   const auto attend = head_dim == 64    ? attend_group<T, C, 64>
                       : head_dim == 128 ? attend_group<T, C, 128>
                                         : attend_group<T, C, 0>;
@@ -469,15 +542,16 @@ void decode_attention_impl(T* out, const T* q, int64_t q_stride, const C* kc, co
       const int64_t b = item / kv_heads, h = item % kv_heads;
       const T* src = q + b * q_stride + h * group * head_dim;
       for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = to_f(src[i]) * scale;
-      const PagedView pv{block_size, kv_heads * head_dim, tables + b * max_blocks};
-      attend(out + (b * heads + h * group) * head_dim, qf.data(), kc, vc, pv, h * head_dim, head_dim, group,
+      const PagedView pv{block_size, kv_heads * row, tables + b * max_blocks};
+      attend(out + (b * heads + h * group) * head_dim, qf.data(), kc, vc, pv, h * row, head_dim, group,
              lens[b], scores, acc);
     }
   });
 }
 
 // One query token per sequence over its paged context, read in place (no
-// gather). q [B, H, D] (rows may be strided), caches [NB, BS, KVH, D],
+// gather). q [B, H, D] (rows may be strided), caches [NB, BS, KVH, D] (int8:
+// [NB, BS, KVH, D + 4], each row's scale after its codes),
 // block_tables [B, max_blocks] int64, context_lens [B] int64; out [B, H, D].
 // The H / KVH query heads sharing a KV head are handled together so each key
 // and value row is read once per sequence.
@@ -492,7 +566,8 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
   TORCH_CHECK(context_lens.is_contiguous() && context_lens.scalar_type() == at::kLong, "context_lens: int64");
   const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim && heads % kv_heads == 0, "cache shape does not match q");
+  const int64_t row = head_dim + (k_cache.scalar_type() == at::kChar ? 4 : 0);
+  TORCH_CHECK(k_cache.size(3) == row && heads % kv_heads == 0, "cache shape does not match q");
   TORCH_CHECK(block_tables.size(0) == batch && context_lens.numel() == batch, "one table and length per sequence");
   const int64_t max_blocks = block_tables.size(1);
   const int64_t* tables = block_tables.data_ptr<int64_t>();

@@ -392,6 +392,7 @@ def test_duplicate_request_id_is_rejected(small_engine, tokenizer):
 @pytest.mark.parametrize("setting, model_dtype, expected", [
     ("auto", torch.float32, torch.float16), ("auto", torch.bfloat16, torch.bfloat16),
     ("float32", torch.float32, torch.float32), ("bfloat16", torch.float32, torch.bfloat16),
+    ("int8", torch.float32, torch.int8), ("int8", torch.bfloat16, torch.int8),
 ])
 def test_kv_cache_dtype_resolution(setting, model_dtype, expected):
     assert resolve_kv_cache_dtype(setting, model_dtype) == expected
@@ -409,3 +410,20 @@ def test_default_kv_cache_is_float16_and_holds_twice_the_blocks(smollm2_loaded, 
                                                     use_tqdm=False)
 
     assert fp16.text == fp32.text
+
+
+def test_int8_kv_cache_holds_about_twice_the_tokens_of_float16_and_generates(smollm2_loaded):
+    budget = 64 * kv_bytes_per_block(smollm2_loaded.config, torch.float16, BLOCK_SIZE)
+    engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory=budget, block_size=BLOCK_SIZE,
+                                    max_model_len=MAX_MODEL_LEN, kv_cache_dtype="int8"), loaded=smollm2_loaded)
+    # A row of 64 int8 codes and a float32 scale against 64 float16 values: 128 / 68 bytes.
+    assert engine.num_blocks == 64 * 128 // 68
+    assert all(k.dtype == v.dtype == torch.int8 and k.shape[-1] == 68 for k, v in engine.runner.kv_caches)
+
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    [[int8]] = engine.generate(["The capital of France is"], greedy, use_tqdm=False)
+    [[fp32]] = make_engine(smollm2_loaded).generate(["The capital of France is"], greedy, use_tqdm=False)
+
+    # Logits move by up to about 1 (test_ops): the first tokens still agree.
+    assert int8.token_ids[:4] == fp32.token_ids[:4]
+    assert_engine_idle(engine)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from models import kv_cache
 from models.attention import SeqSpec, build_attention_metadata
 
 # Small enough to build in milliseconds; 4 query heads over 2 KV heads exercises GQA.
@@ -33,14 +34,13 @@ class PagedRunner:
     """
 
     def __init__(self, model: torch.nn.Module, block_size: int = 16, num_blocks: int = 64,
-                 seed: int = 0) -> None:
+                 seed: int = 0, kv_dtype: torch.dtype | None = None) -> None:
         cfg = model.config
-        dtype = model.model.embed_tokens.weight.dtype
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        dtype = kv_dtype or model.model.embed_tokens.weight.dtype
         self.model = model
         self.block_size = block_size
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-                          for _ in range(cfg.num_hidden_layers)]
+        self.kv_caches = kv_cache.allocate(cfg.num_hidden_layers, num_blocks, block_size,
+                                           cfg.num_key_value_heads, cfg.head_dim, dtype)
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from models import kv_cache, ops
 from models.attention import SeqSpec, build_attention_metadata, paged_attention
-from models import ops
 from models.ops import write_kv
 
 @pytest.fixture(autouse=True, params=[True, False], ids=["kernels", "torch"])
@@ -159,13 +159,16 @@ def test_sequence_reads_a_block_its_sibling_writes_in_the_same_step() -> None:
     assert_matches_reference(case)
 
 
-def test_float16_caches_for_float32_queries() -> None:
-    # --kv-cache-dtype float16: keys and values are stored rounded to float16 and
-    # read back as float32, for decodes and for a chunk after a cached prefix.
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.int8])
+def test_narrow_caches_for_float32_queries(cache_dtype: torch.dtype) -> None:
+    # --kv-cache-dtype float16 / int8: keys and values are stored rounded (int8:
+    # codes and a scale per row) and read back as float32, for decodes and for
+    # a chunk after a cached prefix. The reference attends to the rounded values.
     case = make_case([(1, 17), (1, 40), (9, 41)], block_size=16, group=3)
-    case.k_cache, case.v_cache = case.k_cache.half(), case.v_cache.half()
-    case.full_k = [k.half().float() for k in case.full_k]
-    case.full_v = [v.half().float() for v in case.full_v]
+    case.k_cache, case.v_cache = (kv_cache.to_cache_rows(c, cache_dtype) for c in (case.k_cache, case.v_cache))
+    rounded = [[kv_cache.from_cache_rows(kv_cache.to_cache_rows(x, cache_dtype), torch.float32) for x in xs]
+               for xs in (case.full_k, case.full_v)]
+    case.full_k, case.full_v = rounded
 
     for i, (got, want) in enumerate(zip(case.run(), case.reference(), strict=True)):
         assert got.dtype == torch.float32

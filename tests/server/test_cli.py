@@ -50,14 +50,14 @@ def test_serve_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
         "serve", "--model", "/m.gguf", "--kv-cache-memory", "1.5GB", "--block-size", "32",
         "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--max-model-len", "1024",
         "--served-model-name", "mine", "--max-queue", "5", "--max-body-size", "1MiB",
-        "--shutdown-timeout", "3", "--dtype", "float32", "--kv-cache-dtype", "float16",
+        "--shutdown-timeout", "3", "--dtype", "float32", "--kv-cache-dtype", "int8",
         "--quantization", "none"])
     assert args.api_key == "from-env" and args.max_queue == 5 and args.max_body_size == 1024**2
     assert args.shutdown_timeout == 3.0
     assert cli.engine_config(args) == EngineConfig(
         model="/m.gguf", dtype="float32", kv_cache_memory=1_500_000_000, block_size=32,
         max_num_seqs=8, max_num_batched_tokens=512, max_model_len=1024,
-        served_model_name="mine", kv_cache_dtype="float16", quantization="none")
+        served_model_name="mine", kv_cache_dtype="int8", quantization="none")
 
 
 def test_bad_settings_exit_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:

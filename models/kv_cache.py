@@ -1,0 +1,64 @@
+"""The paged KV cache's storage: its tensors' shape and the int8 row format.
+
+Per layer, K and V each are ``[num_blocks, block_size, num_kv_heads, row]``.
+A float cache (float32, float16, bfloat16) stores a head's ``head_dim``
+values as they are (``row = head_dim``). An int8 cache stores each (token,
+head) row as ``head_dim`` int8 codes followed by its float32 scale in 4
+more bytes (``row = head_dim + 4``), as llama.cpp's q8_0 cache does per 32
+values: ``x ~= scale * code`` with ``scale = max|x| / 127``. Keeping the
+scale inside the row keeps one tensor per K and V, so block tables, slots
+and gathers stay the same for every dtype; decode attention reads about
+half the bytes of a float16 cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Bytes after each int8 row: its float32 scale.
+INT8_SCALE_BYTES = 4
+
+
+def row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements per (token, head) row in a cache of ``dtype``."""
+    return head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, keys and values."""
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * row_width(head_dim, dtype) * itemsize
+
+
+def allocate(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+             dtype: torch.dtype, device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zeroed ``(k_cache, v_cache)`` per layer."""
+    shape = (num_blocks, block_size, num_kv_heads, row_width(head_dim, dtype))
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)]
+
+
+def to_cache_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``[..., head_dim]`` in the cache's format: a cast, or int8 codes and their scale.
+
+    The rounding is the C++ kernel's: ``code = nearest(x * (127 / max|x|))``,
+    ties to even, and ``scale = max|x| / 127``; an all-zero row gets scale 0.
+    """
+    if dtype != torch.int8:
+        return x.to(dtype)
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    codes = torch.round(xf * inv).to(torch.int8)
+    scale = (amax / 127.0).contiguous().view(torch.int8)  # float32 bits as 4 bytes
+    return torch.cat([codes, scale], dim=-1)
+
+
+def from_cache_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows ``[..., row]`` back as ``[..., head_dim]`` values of ``dtype``."""
+    if rows.dtype != torch.int8:
+        return rows.to(dtype)
+    head_dim = rows.shape[-1] - INT8_SCALE_BYTES
+    scale = rows[..., head_dim:].contiguous().view(torch.float32)
+    return (rows[..., :head_dim].float() * scale).to(dtype)

@@ -1,0 +1,49 @@
+"""The KV cache's storage formats (``models.kv_cache``): sizes and the int8 rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import kv_cache
+
+
+def test_int8_rows_hold_the_codes_then_the_scale() -> None:
+    x = torch.tensor([[0.5, -1.0, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0]])
+
+    rows = kv_cache.to_cache_rows(x, torch.int8)
+
+    assert rows.dtype == torch.int8 and rows.shape == (2, 4 + kv_cache.INT8_SCALE_BYTES)
+    # max|x| = 1 -> codes x * 127, ties to even (0.5 * 127 = 63.5 -> 64, 0.25 * 127 = 31.75 -> 32).
+    assert rows[0, :4].tolist() == [64, -127, 32, 0]
+    assert rows[0, 4:].contiguous().view(torch.float32).item() == pytest.approx(1 / 127)
+    assert rows[1].tolist() == [0] * 8  # an all-zero row: codes 0, scale 0.0
+
+
+def test_int8_rows_round_trip_within_half_a_code() -> None:
+    x = torch.randn(50, 3, 64, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 2, 50)[:, None, None]
+
+    back = kv_cache.from_cache_rows(kv_cache.to_cache_rows(x, torch.int8), torch.float32)
+
+    half_code = x.abs().amax(-1, keepdim=True) / 127 / 2
+    assert back.shape == x.shape
+    assert ((back - x).abs() <= half_code * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_float_rows_are_a_cast(dtype: torch.dtype) -> None:
+    x = torch.randn(4, 2, 16)
+    rows = kv_cache.to_cache_rows(x, dtype)
+    assert rows.dtype == dtype and rows.shape == x.shape
+    assert torch.equal(kv_cache.from_cache_rows(rows, torch.float32), x.to(dtype).float())
+
+
+def test_sizes_per_dtype() -> None:
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64, blocks of 16 tokens.
+    fp16 = kv_cache.bytes_per_block(30, 16, 3, 64, torch.float16)
+    int8 = kv_cache.bytes_per_block(30, 16, 3, 64, torch.int8)
+    assert fp16 == 2 * 30 * 16 * 3 * 64 * 2
+    assert int8 == 2 * 30 * 16 * 3 * 68
+    (k, v), = kv_cache.allocate(1, 5, 16, 3, 64, torch.int8)
+    assert k.shape == v.shape == (5, 16, 3, 68) and not k.any()
+    assert kv_cache.row_width(64, torch.int8) == 68 and kv_cache.row_width(64, torch.float16) == 64
