@@ -179,6 +179,12 @@ inline __m512i broadcast_word(const int8_t* p) {
   return _mm512_set1_epi32(v);  // folds into vpdpbusd's memory broadcast
 }
 
+// s += dot(u, qx[p..p+4)) per 32-bit lane, with the 4 bytes at p broadcast from memory by
+// vpdpbusd itself (GCC emits a separate vpbroadcastd for _mm512_set1_epi32).
+inline void dpbusd_bcast(__m512i& s, __m512i u, const int8_t* p) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(s) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(p)));
+}
+
 // Up to R rows of int8 x against one 16-row tile. The codes u are the
 // unsigned operand of vpdpbusd, x's codes the signed one; s0 and s1 are the
 // dots of the two halves of the group, each half with its own dx. With
@@ -208,8 +214,8 @@ inline void tile_rows_a8(float* y, int64_t y_stride, const QuantizedRows& xq, in
     for (int r = 0; r < R; ++r) {
       __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
       for (int j = 0; j < 4; ++j) {
-        s0 = _mm512_dpbusd_epi32(s0, w[j], broadcast_word(qx + r * kGroup + 4 * j));
-        s1 = _mm512_dpbusd_epi32(s1, w[4 + j], broadcast_word(qx + r * kGroup + 16 + 4 * j));
+        dpbusd_bcast(s0, w[j], qx + r * kGroup + 4 * j);
+        dpbusd_bcast(s1, w[4 + j], qx + r * kGroup + 16 + 4 * j);
       }
       __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_set1_ps(dx[2 * r + 1]), _mm512_set1_ps(shift[r]));
       t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_set1_ps(dx[2 * r]), t);
