@@ -120,7 +120,7 @@ def int8_activation_product(x: torch.Tensor, weight: torch.Tensor, kind: str) ->
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 @pytest.mark.parametrize("int8_activations", [False, True], ids=["float-acts", "int8-acts"])
-@pytest.mark.parametrize("rows", [1, 7, 19])
+@pytest.mark.parametrize("rows", [1, 7, 19, 101])  # 101: blocks of 48 rows, the last one partial
 def test_vector_kernels_equal_the_plain_cpp_and_the_defined_arithmetic(kind, int8_activations, rows):
     if int8_activations and not ops.has_vnni():
         pytest.skip("the vector int8-activation kernel needs AVX512-VNNI")
