@@ -44,15 +44,25 @@ def q4_1_like_linear(out_f: int = 64, in_f: int = 128, seed: int = 0) -> nn.Line
     return lin
 
 
-def dequantised(weight: torch.Tensor, kind: str) -> torch.Tensor:
-    """What the group-32 quantisers keep of ``weight``: Q4_1-style min/max or Q8_0-style absmax."""
-    w = weight.reshape(weight.shape[0], -1, GROUP_SIZE).double()
+def group_codes(weight: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, d, m)`` per group of 32, ``w ~= d * q + m``: Q4_1-style min/max or Q8_0-style absmax.
+
+    Rounded in float32 as the packers do (float64 would round a code the other
+    way now and then); returned in float64.
+    """
+    w = weight.reshape(weight.shape[0], -1, GROUP_SIZE).float()
     if kind == "int4":
         lo = w.amin(-1, keepdim=True)
         d = (w.amax(-1, keepdim=True) - lo) / 15
-        return (torch.round((w - lo) / d) * d + lo).reshape(weight.shape)
+        return torch.round((w - lo) / d).double(), d.double(), lo.double()
     d = w.abs().amax(-1, keepdim=True) / 127
-    return (torch.round(w / d) * d).reshape(weight.shape)
+    return torch.round(w / d).double(), d.double(), torch.zeros_like(d).double()
+
+
+def dequantised(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """What the group-32 quantisers keep of ``weight``, in float64."""
+    q, d, m = group_codes(weight, kind)
+    return (q * d + m).reshape(weight.shape)
 
 
 @pytest.fixture(params=[True, False], ids=["kvserve-kernels", "torch-kernels"])
@@ -104,16 +114,15 @@ def int8_activation_product(x: torch.Tensor, weight: torch.Tensor, kind: str) ->
     """
     xh = x.reshape(x.shape[0], -1, 16)
     amax = xh.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    # True division, as the kernel: torch's ``127 / amax`` is ``amax.reciprocal() * 127``, an ulp off
+    # for about a quarter of the values, which now and then rounds a code the other way.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     qx = (torch.round(xh * inv).double() * (amax / 127).double()).reshape(x.shape[0], -1, GROUP_SIZE)
-    w = weight.reshape(weight.shape[0], -1, GROUP_SIZE).double()
+    q, d, m = group_codes(weight, kind)
     if kind == "int4":
-        lo = w.amin(-1, keepdim=True)
-        d = (w.amax(-1, keepdim=True) - lo) / 15
-        q, const = torch.round((w - lo) / d) - 8, lo + 8 * d
+        q, const = q - 8, m + 8 * d
     else:
-        d = w.abs().amax(-1, keepdim=True) / 127
-        q, const = torch.round(w / d), torch.zeros_like(d)
+        const = m
     xg = x.reshape(x.shape[0], -1, GROUP_SIZE).double()
     return torch.einsum("rgk,ngk->rn", qx, q * d) + torch.einsum("rg,ng->rn", xg.sum(-1), const.squeeze(-1))
 
