@@ -113,8 +113,14 @@ void dispatch_cache_type(at::ScalarType t, F&& f) {
 
 // An int8 cache row is head_dim codes and then their float32 scale
 // (models/kv_cache.py); float rows are the values alone.
+constexpr int64_t kInt8ScaleBytes = sizeof(float);
 template <typename C>
-constexpr int64_t kRowExtra = std::is_same_v<C, int8_t> ? 4 : 0;
+constexpr int64_t kRowExtra = std::is_same_v<C, int8_t> ? kInt8ScaleBytes : 0;
+
+// Elements per (token, head) row of a cache tensor holding heads of head_dim.
+inline int64_t cache_row(const at::Tensor& cache, int64_t head_dim) {
+  return head_dim + (cache.scalar_type() == at::kChar ? kInt8ScaleBytes : 0);
+}
 
 // What a row's values are multiplied by: its stored scale (int8), else 1,
 // which the compiler folds away.
@@ -228,7 +234,7 @@ void rotary_and_cache(at::Tensor& qkv, const at::Tensor& rotations, const at::Te
   const int64_t half = rotations.size(1), head_dim = 2 * half;
   const int64_t max_pos = rotations.size(0);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "qkv width does not match the heads");
-  const int64_t row = head_dim + (k_cache.scalar_type() == at::kChar ? 4 : 0);
+  const int64_t row = cache_row(k_cache, head_dim);
   TORCH_CHECK(k_cache.size(2) == num_kv_heads && k_cache.size(3) == row, "cache shape does not match");
   TORCH_CHECK(positions.numel() == tokens && slot_mapping.numel() == tokens, "one position and slot per token");
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
@@ -357,22 +363,14 @@ struct PagedView {
 };
 
 // Calls f(t, row_offset) for t = 0..ctx-1 in order, block by block (no
-// division per token): row_offset is where token t's row for this KV head starts.
-template <typename F>
-inline void for_each_token(const PagedView& pv, int64_t head_offset, int64_t ctx, F&& f) {
-  for (int64_t start = 0, i = 0; start < ctx; start += pv.block_size, ++i) {
-    const int64_t n = std::min(pv.block_size, ctx - start);
-    int64_t off = pv.table[i] * pv.block_size * pv.token_stride + head_offset;
-    for (int64_t j = 0; j < n; ++j, off += pv.token_stride) f(start + j, off);
-  }
-}
-
-// for_each_token that first asks for the next block's rows (`row_bytes` each)
-// of `cache`: blocks sit anywhere in the cache, so the hardware prefetcher
-// cannot guess the next one, and a decode step at 64 sequences waits on memory.
+// division per token): row_offset is where token t's row for this KV head
+// starts in `cache`. Each block first asks for the next block's rows
+// (`row_bytes` each): blocks sit anywhere in the cache, so the hardware
+// prefetcher cannot guess the next one, and a decode step at 64 sequences
+// waits on memory.
 template <typename C, typename F>
-inline void for_each_token_prefetched(const C* cache, int64_t row_bytes, const PagedView& pv, int64_t head_offset,
-                                      int64_t ctx, F&& f) {
+inline void for_each_token(const C* cache, int64_t row_bytes, const PagedView& pv, int64_t head_offset, int64_t ctx,
+                           F&& f) {
   const int64_t blocks = (ctx + pv.block_size - 1) / pv.block_size;
   for (int64_t start = 0, i = 0; start < ctx; start += pv.block_size, ++i) {
     if (i + 1 < blocks) {
@@ -419,20 +417,21 @@ inline void scores_avx512(float* s, const float* q, const C* kc, const PagedView
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < kVecs; ++i) qv[g][i] = _mm512_loadu_ps(q + g * HD + 16 * i);
   alignas(64) float parts[G][16][16];
-  alignas(64) float scales[16];
+  alignas(64) float scales[16];  // the key rows' int8 scales
   const auto flush = [&](int64_t first, int n) {
     for (int g = 0; g < G; ++g) {
       __m512 v[16];
       for (int j = 0; j < 16; ++j) v[j] = j < n ? _mm512_load_ps(parts[g][j]) : _mm512_setzero_ps();
-      const __m512 sums = _mm512_mul_ps(sum16(v), _mm512_load_ps(scales));
+      __m512 sums = sum16(v);
+      if constexpr (kRowExtra<C> > 0) sums = _mm512_mul_ps(sums, _mm512_load_ps(scales));
       _mm512_mask_storeu_ps(s + g * ctx + first, static_cast<__mmask16>((1u << n) - 1), sums);
     }
   };
-  for_each_token_prefetched(kc, (HD + kRowExtra<C>) * sizeof(C), pv, head_offset, ctx, [&](int64_t t, int64_t off) {
+  for_each_token(kc, (HD + kRowExtra<C>) * sizeof(C), pv, head_offset, ctx, [&](int64_t t, int64_t off) {
     __m512 k[kVecs];
     for (int i = 0; i < kVecs; ++i) k[i] = load16(kc + off + 16 * i);
     const int j = static_cast<int>(t % 16);
-    scales[j] = row_scale(kc + off, HD);
+    if constexpr (kRowExtra<C> > 0) scales[j] = row_scale(kc + off, HD);
     for (int g = 0; g < G; ++g) {
       __m512 acc = _mm512_mul_ps(qv[g][0], k[0]);
       for (int i = 1; i < kVecs; ++i) acc = _mm512_fmadd_ps(qv[g][i], k[i], acc);
@@ -453,7 +452,7 @@ inline void values_avx512(float* out, const float* p, const C* vc, const PagedVi
   __m512 acc[G][kVecs];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < kVecs; ++i) acc[g][i] = _mm512_setzero_ps();
-  for_each_token_prefetched(vc, (HD + kRowExtra<C>) * sizeof(C), pv, head_offset, ctx, [&](int64_t t, int64_t off) {
+  for_each_token(vc, (HD + kRowExtra<C>) * sizeof(C), pv, head_offset, ctx, [&](int64_t t, int64_t off) {
     __m512 v[kVecs];
     for (int i = 0; i < kVecs; ++i) v[i] = load16(vc + off + 16 * i);
     const float vs = row_scale(vc + off, HD);
@@ -512,13 +511,14 @@ void attend_group(T* out, const float* qf, const C* kc, const C* vc, const Paged
     return;
   }
 #endif
-  for_each_token(pv, head_offset, ctx, [&](int64_t t, int64_t off) {
+  const int64_t row_bytes = (hd + kRowExtra<C>) * sizeof(C);
+  for_each_token(kc, row_bytes, pv, head_offset, ctx, [&](int64_t t, int64_t off) {
     const C* k = kc + off;
     const float ks = row_scale(k, hd);
     for (int64_t g = 0; g < group; ++g) s[g * ctx + t] = dot_row(qf + g * hd, k, hd) * ks;
   });
   softmax_rows(s, group, ctx);
-  for_each_token(pv, head_offset, ctx, [&](int64_t t, int64_t off) {
+  for_each_token(vc, row_bytes, pv, head_offset, ctx, [&](int64_t t, int64_t off) {
     const C* v = vc + off;
     const float vs = row_scale(v, hd);
     for (int64_t g = 0; g < group; ++g) axpy_row(a + g * hd, s[g * ctx + t] * vs, v, hd);
@@ -566,7 +566,7 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
   TORCH_CHECK(context_lens.is_contiguous() && context_lens.scalar_type() == at::kLong, "context_lens: int64");
   const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t row = head_dim + (k_cache.scalar_type() == at::kChar ? 4 : 0);
+  const int64_t row = cache_row(k_cache, head_dim);
   TORCH_CHECK(k_cache.size(3) == row && heads % kv_heads == 0, "cache shape does not match q");
   TORCH_CHECK(block_tables.size(0) == batch && context_lens.numel() == batch, "one table and length per sequence");
   const int64_t max_blocks = block_tables.size(1);
