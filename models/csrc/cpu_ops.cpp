@@ -8,6 +8,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "parallel.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -168,7 +170,7 @@ void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, do
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t xs = x.stride(0), os = out.stride(0);
-    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    kvserve::parallel_chunks(rows, kRowGrain, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) rms_norm_rows(op + r * os, xp + r * xs, wp, hidden, eps);
     });
   });
@@ -188,7 +190,7 @@ void add_rms_norm(at::Tensor& out, at::Tensor& residual, const at::Tensor& x, co
     scalar_t* rp = residual.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t xs = x.stride(0), rs = residual.stride(0), os = out.stride(0);
-    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    kvserve::parallel_chunks(rows, kRowGrain, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         add_rows(rp + r * rs, xp + r * xs, hidden);
         rms_norm_rows(op + r * os, rp + r * rs, wp, hidden, eps);
@@ -207,7 +209,7 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
     const scalar_t* gp = gate_up.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t gs = gate_up.stride(0), os = out.stride(0);
-    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    kvserve::parallel_chunks(rows, kRowGrain, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* g = gp + r * gs;
         const scalar_t* u = g + inter;
@@ -255,7 +257,7 @@ void rotary_and_cache(at::Tensor& qkv, const at::Tensor& rotations, const at::Te
       C* kc = static_cast<C*>(k_cache.data_ptr());
       C* vc = static_cast<C*>(v_cache.data_ptr());
       const int64_t stride = qkv.stride(0);
-      at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
+      kvserve::parallel_chunks(tokens, kRowGrain, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
           scalar_t* token = base + t * stride;
           const float* cs = rot + pos[t] * half * 2;
@@ -536,8 +538,10 @@ void decode_attention_impl(T* out, const T* q, int64_t q_stride, const C* kc, co
   const auto attend = head_dim == 64    ? attend_group<T, C, 64>
                       : head_dim == 128 ? attend_group<T, C, 128>
                                         : attend_group<T, C, 0>;
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), scores, acc;
+  kvserve::parallel_chunks(batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    // Per thread, reused across chunks and calls (a chunk is one item).
+    thread_local std::vector<float> qf, scores, acc;
+    qf.resize(group * head_dim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / kv_heads, h = item % kv_heads;
       const T* src = q + b * q_stride + h * group * head_dim;
