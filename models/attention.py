@@ -1,7 +1,9 @@
-"""Paged attention over a flat batch of tokens, in plain torch.
+"""Paged attention over a flat batch of tokens.
 
 The batch holds decode sequences first (one token each) and then prefill
-sequences (a prompt, or a chunk of one, possibly after a cached prefix).
+sequences (a prompt, or a chunk of one, possibly after a cached prefix). Each
+part is one call (``ops.decode_attention``, ``ops.prefill_attention``): the
+fused CPU kernels read the pages in place; their torch twins gather and run SDPA.
 Every layer first scatters the batch's new K/V into the paged caches and only
 then reads them, so a sequence may attend to blocks that another sequence of
 the same batch wrote in the same step (prefix-cache hits on siblings).
@@ -18,10 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from models import kv_cache
-from models.ops import decode_attention
+from models.ops import decode_attention, prefill_attention
 
 
 @dataclass
@@ -98,47 +98,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     values ``[T, kv_heads, head_dim]`` (already written to the caches).
     Returns ``[T, heads, head_dim]``.
     """
-    out = q.new_empty(q.shape)
     d = meta.num_decodes
+    if d == meta.num_seqs:
+        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                max(meta.context_lens_host), scale)
+    out = q.new_empty(q.shape)
     if d:
         out[:d] = decode_attention(q[:d], k_cache, v_cache, meta.block_tables[:d],
                                    meta.context_lens[:d], max(meta.context_lens_host[:d]), scale)
-    start = d
-    for i in range(d, meta.num_seqs):
-        qlen, ctx = meta.query_lens_host[i], meta.context_lens_host[i]
-        end = start + qlen
-        if ctx == qlen:
-            # A fresh prompt: its keys are exactly this step's, no gather needed.
-            ks, vs = k[start:end], v[start:end]
-        else:
-            ks = kv_cache.from_cache_rows(_gather(k_cache, meta.block_tables[i], ctx), q.dtype)
-            vs = kv_cache.from_cache_rows(_gather(v_cache, meta.block_tables[i], ctx), q.dtype)
-        out[start:end] = _prefill_attention(q[start:end], ks, vs, scale)
-        start = end
+    out[d:] = prefill_attention(q[d:], k[d:], v[d:], k_cache, v_cache, meta.block_tables[d:],
+                                meta.query_lens_host[d:], meta.context_lens_host[d:], scale)
     return out
-
-
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, ctx: int) -> torch.Tensor:
-    """The first ``ctx`` tokens of one sequence, ``[ctx, kv_heads, head_dim]``."""
-    block_size = cache.shape[1]
-    nblocks = -(-ctx // block_size)
-    return cache.index_select(0, block_table[:nblocks]).flatten(0, 1)[:ctx]
-
-
-def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Queries are the last ``len(q)`` positions of a context of ``len(k)`` tokens."""
-    qlen, ctx = q.shape[0], k.shape[0]
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        # NOTE: SDPA's enable_gqa falls back to the slow math kernel on CPU;
-        # repeating K/V heads keeps the fused (flash) kernel, about 3x faster.
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, len, head_dim]
-    if qlen == ctx:
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
-    else:
-        # Query i sits at position ctx - qlen + i and sees keys 0..that position.
-        rows = torch.arange(qlen, device=q.device).unsqueeze(1) + (ctx - qlen)
-        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
-    return o[0].transpose(0, 1)

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -553,6 +554,42 @@ void decode_attention_impl(T* out, const T* q, int64_t q_stride, const C* kc, co
   });
 }
 
+// The shapes both paged attention kernels read, checked: q [N, H, D] with
+// packed heads (rows may be strided), out like q, caches [NB, BS, KVH, row],
+// one block table and context length per sequence, every block a context
+// touches inside the cache.
+struct PagedShapes {
+  int64_t heads, head_dim, block_size, kv_heads, max_blocks;
+  const int64_t* tables;
+  const int64_t* lens;
+};
+
+PagedShapes check_paged(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& context_lens) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [N, H, D] with packed heads");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous like q");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must share a dtype");
+  TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong && block_tables.dim() == 2,
+              "block_tables: int64 [S, max_blocks]");
+  TORCH_CHECK(context_lens.is_contiguous() && context_lens.scalar_type() == at::kLong, "context_lens: int64");
+  const int64_t heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == cache_row(k_cache, head_dim) && heads % kv_heads == 0, "cache shape does not match q");
+  const int64_t seqs = context_lens.numel(), max_blocks = block_tables.size(1);
+  TORCH_CHECK(block_tables.size(0) == seqs, "one table and length per sequence");
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < seqs; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_blocks * block_size, "context length ", lens[b], " out of range");
+    for (int64_t i = 0; i < (lens[b] + block_size - 1) / block_size; ++i) {
+      const int64_t blk = tables[b * max_blocks + i];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id ", blk, " out of range");
+    }
+  }
+  return {heads, head_dim, block_size, kv_heads, max_blocks, tables, lens};
+}
+
 // One query token per sequence over its paged context, read in place (no
 // gather). q [B, H, D] (rows may be strided), caches [NB, BS, KVH, D] (int8:
 // [NB, BS, KVH, D + 4], each row's scale after its codes),
@@ -562,34 +599,251 @@ void decode_attention_impl(T* out, const T* q, int64_t q_stride, const C* kc, co
 void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [B, H, D] with packed heads");
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous like q");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must share a dtype");
-  TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong, "block_tables: int64");
-  TORCH_CHECK(context_lens.is_contiguous() && context_lens.scalar_type() == at::kLong, "context_lens: int64");
-  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t row = cache_row(k_cache, head_dim);
-  TORCH_CHECK(k_cache.size(3) == row && heads % kv_heads == 0, "cache shape does not match q");
-  TORCH_CHECK(block_tables.size(0) == batch && context_lens.numel() == batch, "one table and length per sequence");
-  const int64_t max_blocks = block_tables.size(1);
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_blocks * block_size, "context length ", lens[b], " out of range");
-    for (int64_t i = 0; i < (lens[b] + block_size - 1) / block_size; ++i) {
-      const int64_t blk = tables[b * max_blocks + i];
-      TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id ", blk, " out of range");
-    }
-  }
+  const PagedShapes p = check_paged(out, q, k_cache, v_cache, block_tables, context_lens);
+  TORCH_CHECK(context_lens.numel() == q.size(0), "one query token per sequence");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     dispatch_cache_type(k_cache.scalar_type(), [&](auto cache_tag) {
       using C = decltype(cache_tag);
       decode_attention_impl(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), q.stride(0),
                             static_cast<const C*>(k_cache.data_ptr()), static_cast<const C*>(v_cache.data_ptr()),
-                            tables, lens, batch, heads, kv_heads, head_dim, block_size, max_blocks,
-                            static_cast<float>(scale));
+                            p.tables, p.lens, q.size(0), p.heads, p.kv_heads, p.head_dim, p.block_size,
+                            p.max_blocks, static_cast<float>(scale));
+    });
+  });
+}
+
+// ---------------------------------------------------------------- prefill attention
+
+// Query tokens per work item, and keys per softmax update (a tile of each).
+constexpr int64_t kQueryTile = 16;
+constexpr int64_t kKeyTile = 16;
+
+// One cache row as float32 (times its int8 scale), 16 values at a time where the
+// hardware converts them.
+template <typename C>
+inline void row_to_float(float* dst, const C* row, int64_t d) {
+  const float s = row_scale(row, d);
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= d; i += 16) _mm512_storeu_ps(dst + i, _mm512_mul_ps(load16(row + i), _mm512_set1_ps(s)));
+#endif
+  for (; i < d; ++i) dst[i] = to_f(row[i]) * s;
+}
+
+#if defined(__AVX512F__)
+// exp_approx on 16 lanes (the same steps, so the same values).
+inline __m512 exp_approx16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 fi = _mm512_roundscale_ps(_mm512_add_ps(t, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, fi);
+  __m512 p = _mm512_set1_ps(0.0001540353f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0013333558f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0096181291f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0555041087f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265070f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471806f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fi), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// R consecutive query rows (q, acc: [R][d]) against one key tile (kt: [d][16]
+// keys transposed, vt: [16][d] values; row r sees the first valid[r] keys):
+// scores in one vector per row, the online softmax update of (max, sum), and
+// acc = acc * alpha + p @ vt. Several rows at once share each key and value
+// load and keep 2R independent FMA chains in flight (one row alone waits on
+// its FMAs' latency).
+template <int R>
+inline void prefill_rows_avx512(const float* q, float* acc, const float* kt, const float* vt, int64_t d,
+                                const int64_t* valid, float* max, float* sum) {
+  __m512 s0[R], s1[R];
+  for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 2 <= d; i += 2) {
+    const __m512 k0 = _mm512_loadu_ps(kt + i * 16), k1 = _mm512_loadu_ps(kt + (i + 1) * 16);
+    for (int r = 0; r < R; ++r) {
+      s0[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * d + i]), k0, s0[r]);
+      s1[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * d + i + 1]), k1, s1[r]);
+    }
+  }
+  for (; i < d; ++i)
+    for (int r = 0; r < R; ++r) s0[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * d + i]), _mm512_loadu_ps(kt + i * 16), s0[r]);
+  alignas(64) float pv[R][16];
+  __m512 alpha[R];
+  int64_t keys = 0;
+  for (int r = 0; r < R; ++r) {
+    const __m512 sc = _mm512_add_ps(s0[r], s1[r]);
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid[r]) - 1);
+    const float m = std::max(max[r], _mm512_mask_reduce_max_ps(mask, sc));
+    const float a = exp_approx(max[r] - m);  // 0 on the first tile (max = -inf, clamped)
+    const __m512 p = _mm512_maskz_mov_ps(mask, exp_approx16(_mm512_sub_ps(sc, _mm512_set1_ps(m))));
+    max[r] = m;
+    sum[r] = sum[r] * a + _mm512_reduce_add_ps(p);
+    _mm512_store_ps(pv[r], p);
+    alpha[r] = _mm512_set1_ps(a);
+    keys = std::max(keys, valid[r]);
+  }
+  for (int64_t i0 = 0; i0 < d; i0 += 16) {
+    __m512 o[R];
+    for (int r = 0; r < R; ++r) o[r] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * d + i0), alpha[r]);
+    for (int64_t j = 0; j < keys; ++j) {
+      const __m512 v = _mm512_loadu_ps(vt + j * d + i0);
+      for (int r = 0; r < R; ++r) o[r] = _mm512_fmadd_ps(_mm512_set1_ps(pv[r][j]), v, o[r]);
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * d + i0, o[r]);
+  }
+}
+#endif
+
+// The attention of one tile of up to kQueryTile query tokens of one sequence,
+// for the `group` query heads of KV head h, over keys 0..(its last position),
+// read from the paged caches: a flash-attention pass over key tiles with an
+// online softmax, so no [queries x context] score matrix is formed. Rows r of
+// the tile are (token r / group, head r % group).
+struct PrefillTile {
+  const int64_t* table;  // the sequence's block table
+  int64_t first_pos;     // position of the tile's first query token
+  int64_t tokens;        // query tokens in the tile
+};
+
+template <typename T, typename C>
+void prefill_tile(T* out, int64_t out_stride, const T* q, int64_t q_stride, const C* kc, const C* vc,
+                  const PrefillTile& tile, int64_t h, int64_t group, int64_t d, int64_t kv_heads,
+                  int64_t block_size, float scale, std::vector<float>& buf) {
+  const int64_t rows = tile.tokens * group;
+  const int64_t row = d + kRowExtra<C>, token_stride = kv_heads * row;
+  buf.resize(rows * d * 2 + rows * 2 + d * kKeyTile * 2 + d);
+  float* qf = buf.data();      // [rows][d], scaled
+  float* acc = qf + rows * d;  // [rows][d]
+  float* mx = acc + rows * d;  // [rows] running max of the scores
+  float* sum = mx + rows;      // [rows] running sum of exp(score - max)
+  float* kt = sum + rows;      // [d][kKeyTile]: this key tile, transposed
+  float* vt = kt + d * kKeyTile;  // [kKeyTile][d]
+  float* tmp = vt + kKeyTile * d;  // [d]: one key row
+  thread_local std::vector<int64_t> valid_keys;  // per row: how many of the tile's keys it sees
+  valid_keys.resize(rows);
+  int64_t* valid = valid_keys.data();
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = q + (r / group) * q_stride + (h * group + r % group) * d;
+    for (int64_t i = 0; i < d; ++i) qf[r * d + i] = to_f(src[i]) * scale;
+    std::fill(acc + r * d, acc + (r + 1) * d, 0.0f);
+    mx[r] = -std::numeric_limits<float>::infinity();
+    sum[r] = 0.0f;
+  }
+  const int64_t end = tile.first_pos + tile.tokens;  // keys 0..end-1 are seen by some row
+  for (int64_t k0 = 0; k0 < end; k0 += kKeyTile) {
+    const int64_t nk = std::min(kKeyTile, end - k0);
+    for (int64_t j = 0; j < kKeyTile; ++j) {
+      if (j < nk) {
+        const int64_t pos = k0 + j;
+        const int64_t off = (tile.table[pos / block_size] * block_size + pos % block_size) * token_stride + h * row;
+        row_to_float(tmp, kc + off, d);
+        for (int64_t i = 0; i < d; ++i) kt[i * kKeyTile + j] = tmp[i];
+        row_to_float(vt + j * d, vc + off, d);
+      } else {
+        for (int64_t i = 0; i < d; ++i) kt[i * kKeyTile + j] = 0.0f;
+      }
+    }
+    // Rows before the tile's first key see none of it; every later row sees some.
+    const int64_t first = std::max<int64_t>(0, (k0 - tile.first_pos) * group);
+    for (int64_t r = first; r < rows; ++r) valid[r] = std::min(nk, tile.first_pos + r / group - k0 + 1);
+    int64_t r = first;
+#if defined(__AVX512F__)
+    if (d % 16 == 0) {
+      for (; r + 4 <= rows; r += 4) prefill_rows_avx512<4>(qf + r * d, acc + r * d, kt, vt, d, valid + r, mx + r, sum + r);
+      for (; r < rows; ++r) prefill_rows_avx512<1>(qf + r * d, acc + r * d, kt, vt, d, valid + r, mx + r, sum + r);
+    }
+#endif
+    for (; r < rows; ++r) {
+      float* ar = acc + r * d;
+      float s[kKeyTile];
+      for (int64_t j = 0; j < kKeyTile; ++j) s[j] = 0.0f;
+      const float* qr = qf + r * d;
+      for (int64_t i = 0; i < d; ++i) {
+        const float qi = qr[i];
+#pragma omp simd
+        for (int64_t j = 0; j < kKeyTile; ++j) s[j] += qi * kt[i * kKeyTile + j];
+      }
+      float m = mx[r];
+      for (int64_t j = 0; j < valid[r]; ++j) m = std::max(m, s[j]);
+      const float alpha = exp_approx(mx[r] - m);  // 0 on the first tile (mx = -inf, clamped)
+      float p[kKeyTile], psum = 0.0f;
+      for (int64_t j = 0; j < kKeyTile; ++j) {
+        p[j] = j < valid[r] ? exp_approx(s[j] - m) : 0.0f;
+        psum += p[j];
+      }
+      mx[r] = m;
+      sum[r] = sum[r] * alpha + psum;
+      for (int64_t i = 0; i < d; ++i) {
+        float a = ar[i] * alpha;
+        for (int64_t j = 0; j < valid[r]; ++j) a += p[j] * vt[j * d + i];
+        ar[i] = a;
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    T* dst = out + (r / group) * out_stride + (h * group + r % group) * d;
+    const float inv = 1.0f / sum[r];
+    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(acc[r * d + i] * inv);
+  }
+}
+
+// Causal attention for sequences of several query tokens each (prompts, or
+// chunks of them after a cached prefix): sequence i's tokens are rows
+// starts[i]..starts[i+1]-1 of q and the last of its lens[i] positions, whose
+// K/V are already in the caches. One work item per (sequence, KV head, tile
+// of kQueryTile tokens); later tiles see more keys, so items are claimed one
+// at a time (parallel_chunks), the costliest first, rather than split evenly.
+template <typename T, typename C>
+void prefill_attention_impl(T* out, const T* q, int64_t q_stride, const C* kc, const C* vc, const int64_t* tables,
+                            const int64_t* lens, const int64_t* starts, int64_t seqs, int64_t heads,
+                            int64_t kv_heads, int64_t d, int64_t block_size, int64_t max_blocks, float scale) {
+  const int64_t group = heads / kv_heads;
+  std::vector<int64_t> first_item(seqs + 1, 0);  // items of sequence i: first_item[i]..first_item[i+1]-1
+  for (int64_t i = 0; i < seqs; ++i) {
+    const int64_t tiles = (starts[i + 1] - starts[i] + kQueryTile - 1) / kQueryTile;
+    first_item[i + 1] = first_item[i] + tiles * kv_heads;
+  }
+  kvserve::parallel_chunks(first_item[seqs], 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> buf;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+      const int64_t qlen = starts[i + 1] - starts[i], tiles = (qlen + kQueryTile - 1) / kQueryTile;
+      // Last tiles first: they see the most keys, and the cheap ones at the end
+      // even out the threads' finishing times.
+      const int64_t local = item - first_item[i], tile = tiles - 1 - local / kv_heads, h = local % kv_heads;
+      const int64_t t0 = tile * kQueryTile, row0 = starts[i] + t0;
+      const PrefillTile pt{tables + i * max_blocks, lens[i] - qlen + t0, std::min(kQueryTile, qlen - t0)};
+      prefill_tile(out + row0 * heads * d, heads * d, q + row0 * q_stride, q_stride, kc, vc, pt, h, group, d,
+                   kv_heads, block_size, scale, buf);
+    }
+  });
+}
+
+// q [T, H, D] (rows may be strided) holds the query tokens of S sequences,
+// sequence i's at rows query_start[i]..query_start[i+1]-1, the last of its
+// context_lens[i] positions; caches as paged_decode_attention's; out [T, H, D].
+void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& block_tables,
+                             const at::Tensor& context_lens, const at::Tensor& query_start, double scale) {
+  const PagedShapes p = check_paged(out, q, k_cache, v_cache, block_tables, context_lens);
+  const int64_t seqs = context_lens.numel();
+  TORCH_CHECK(query_start.is_contiguous() && query_start.scalar_type() == at::kLong && query_start.numel() == seqs + 1,
+              "query_start: int64, one more than the sequences");
+  const int64_t* starts = query_start.data_ptr<int64_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[seqs] == q.size(0), "query_start must run from 0 to the number of tokens");
+  for (int64_t i = 0; i < seqs; ++i) {
+    const int64_t qlen = starts[i + 1] - starts[i];
+    TORCH_CHECK(qlen >= 1 && qlen <= p.lens[i], "sequence ", i, ": ", qlen, " query tokens, context length ", p.lens[i]);
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill_attention", [&] {
+    dispatch_cache_type(k_cache.scalar_type(), [&](auto cache_tag) {
+      using C = decltype(cache_tag);
+      prefill_attention_impl(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), q.stride(0),
+                             static_cast<const C*>(k_cache.data_ptr()), static_cast<const C*>(v_cache.data_ptr()),
+                             p.tables, p.lens, starts, seqs, p.heads, p.kv_heads, p.head_dim, p.block_size,
+                             p.max_blocks, static_cast<float>(scale));
     });
   });
 }
@@ -662,4 +916,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up");
   m.def("rotary_and_cache", &rotary_and_cache, "rotate Q/K in place and write K/V to the paged caches");
   m.def("paged_decode_attention", &paged_decode_attention, "one-token attention over paged caches");
+  m.def("paged_prefill_attention", &paged_prefill_attention, "causal attention of prompt chunks over paged caches");
 }

@@ -3,8 +3,9 @@
 Each op runs twice on the same inputs, kernels on and off. float32 agrees to
 rounding (the kernels' exp and reciprocal are polynomial, within 2e-7
 relative); bfloat16 rounds where eager torch rounds, so it agrees to one
-bfloat16 ulp at most. Paged decode attention is also checked against dense
-attention in tests/models/test_attention.py, with the kernels on and off.
+bfloat16 ulp at most. Paged decode and prefill attention are also checked
+against dense attention in tests/models/test_attention.py, with the kernels
+on and off.
 """
 
 from __future__ import annotations
@@ -104,6 +105,22 @@ def test_rotary_and_cache_rotates_q_k_and_fills_the_slots(dtype: torch.dtype, ca
     assert torch.count_nonzero(c1[0].flatten(0, 1).abs().sum((1, 2))) == tokens
 
 
+def paged_caches(lens: list[int], block_size: int, kv_heads: int, head_dim: int,
+                 cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random K/V caches in ``cache_dtype`` and shuffled block tables for contexts of ``lens`` tokens
+    (a few spare blocks that no table names)."""
+    nblocks = [-(-n // block_size) for n in lens]
+    pool = torch.randperm(sum(nblocks) + 3, generator=torch.Generator().manual_seed(0))
+    tables = torch.zeros(len(lens), max(nblocks), dtype=torch.long)
+    start = 0
+    for i, n in enumerate(nblocks):
+        tables[i, :n] = pool[start:start + n]
+        start += n
+    k_cache = kv_cache.to_cache_rows(randn(len(pool), block_size, kv_heads, head_dim, seed=1), cache_dtype)
+    v_cache = kv_cache.to_cache_rows(randn(len(pool), block_size, kv_heads, head_dim, seed=2), cache_dtype)
+    return tables, k_cache, v_cache
+
+
 @pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                  (torch.float32, torch.float16), (torch.float32, torch.int8),
                                                  (torch.bfloat16, torch.int8)])
@@ -114,16 +131,7 @@ def test_decode_attention_reads_the_pages_in_place(dtype: torch.dtype, cache_dty
                                                    block_size: int, head_dim: int) -> None:
     kv_heads = 2
     lens = [1, 17, 300, 64]
-    nblocks = [-(-n // block_size) for n in lens]
-    gen = torch.Generator().manual_seed(0)
-    pool = torch.randperm(sum(nblocks) + 3, generator=gen)
-    tables = torch.zeros(len(lens), max(nblocks), dtype=torch.long)
-    start = 0
-    for i, n in enumerate(nblocks):
-        tables[i, :n] = pool[start:start + n]
-        start += n
-    k_cache = kv_cache.to_cache_rows(randn(len(pool), block_size, kv_heads, head_dim, seed=1), cache_dtype)
-    v_cache = kv_cache.to_cache_rows(randn(len(pool), block_size, kv_heads, head_dim, seed=2), cache_dtype)
+    tables, k_cache, v_cache = paged_caches(lens, block_size, kv_heads, head_dim, cache_dtype)
     # Queries as the model passes them: a strided view into the fused qkv rows.
     qkv = randn(len(lens), (group * kv_heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=3)
     q = qkv[:, :group * kv_heads * head_dim].view(len(lens), group * kv_heads, head_dim)
@@ -133,6 +141,39 @@ def test_decode_attention_reads_the_pages_in_place(dtype: torch.dtype, cache_dty
                                                      max(lens), head_dim ** -0.5))
 
     torch.testing.assert_close(fused, plain, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                 (torch.float32, torch.float16), (torch.float32, torch.int8)])
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("head_dim", [64, 128, 40])  # 64, 128: 16-wide rows; 40: scalar
+def test_prefill_attention_reads_the_pages_in_place(dtype: torch.dtype, cache_dtype: torch.dtype, group: int,
+                                                    block_size: int, head_dim: int) -> None:
+    kv_heads = 2
+    # (query tokens, context): fresh prompts of 1, 16 (one query tile) and 37 tokens, a
+    # one-token chunk, chunks after short and long cached prefixes (partial tiles).
+    seqs = [(1, 1), (16, 16), (37, 37), (1, 9), (70, 100), (20, 300)]
+    tables, k_cache, v_cache = paged_caches([ctx for _, ctx in seqs], block_size, kv_heads, head_dim, cache_dtype)
+    # This step's K/V as the layer hands them over: what it has just written to the caches.
+    slots = torch.cat([tables[i, torch.arange(ctx - n, ctx) // block_size] * block_size
+                       + torch.arange(ctx - n, ctx) % block_size for i, (n, ctx) in enumerate(seqs)])
+    k, v = (kv_cache.from_cache_rows(c.flatten(0, 1)[slots], dtype) for c in (k_cache, v_cache))
+    tokens = sum(n for n, _ in seqs)
+    qkv = randn(tokens, (group * kv_heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=3)
+    q = qkv[:, :group * kv_heads * head_dim].view(tokens, group * kv_heads, head_dim)
+
+    fused, plain = both(lambda: ops.prefill_attention(q, k, v, k_cache, v_cache, tables, [n for n, _ in seqs],
+                                                      [ctx for _, ctx in seqs], head_dim ** -0.5))
+
+    torch.testing.assert_close(fused, plain, **TOL[dtype])
+
+
+def test_prefill_attention_rejects_a_block_id_outside_the_cache() -> None:
+    k_cache = torch.zeros(4, 16, 1, 8)
+    q = torch.zeros(3, 1, 8)
+    with pytest.raises(RuntimeError, match="block id 9 out of range"):
+        ops.prefill_attention(q, q[:, :1], q[:, :1], k_cache, k_cache, torch.tensor([[9]]), [3], [5], 1.0)
 
 
 def test_decode_attention_rejects_a_block_id_outside_the_cache() -> None:
