@@ -24,6 +24,7 @@ import torch
 from engine.outputs import TokenLogprob
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from models import ops
 
 # NOTE: as in vLLM, temperatures this small are treated as greedy: dividing by
 # them would overflow float32 logits to inf.
@@ -66,12 +67,12 @@ class Sampler:
         needs_processing = any(_needs_processing(r) for r in requests)
         wants_logprobs = any(p.logprobs is not None for p in params)
         if all(greedy) and not needs_processing and not wants_logprobs:
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+            return SamplerOutput(ops.argmax(logits).tolist(), [None] * len(requests))
 
-        raw_argmax = logits.argmax(dim=-1)
+        raw_argmax = ops.argmax(logits)
         if needs_processing:
             logits = apply_logits_processors(logits, requests)
-        tokens = logits.argmax(dim=-1)
+        tokens = ops.argmax(logits)
         random_rows = [i for i, g in enumerate(greedy) if not g]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
@@ -212,7 +213,7 @@ def _sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     if any(p.min_p > 0 for p in params):
         logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
     probs = logits.softmax(dim=-1)
-    return (probs / _exponential_noise(requests, vocab, device)).argmax(dim=-1)
+    return ops.argmax(probs / _exponential_noise(requests, vocab, device))
 
 
 def _exponential_noise(requests: list[Request], vocab: int, device: torch.device) -> torch.Tensor:

@@ -280,6 +280,16 @@ def _decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return o.reshape(b, heads, head_dim)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for ``x [S, V]``: int64 ``[S]``, the first index on ties, NaN counting as largest."""
+    ext = _kernels_for(x)
+    if ext is not None and x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1 and x.shape[1] > 0:
+        out = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+        ext.argmax_rows(out, x)
+        return out
+    return x.argmax(dim=-1)
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, block_tables: torch.Tensor, query_lens: list[int],
                       context_lens: list[int], scale: float) -> torch.Tensor:

@@ -257,3 +257,21 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatc
 
     assert not stale.exists()
     assert fresh.exists()
+
+
+@pytest.mark.parametrize("width", [1, 15, 16, 31, 32, 33, 100, 49152])
+def test_argmax_takes_the_first_largest_value_as_torch_does(width: int) -> None:
+    x = randn(9, width + 3)[:, :width]  # rows strided, as the sampler's slice of a padded head
+    x[0] = 1.0  # all tied: the first
+    x[1, width // 2] = float("nan")  # NaN beats every number
+    x[2, -1] = x[2, 0] = float("inf")
+    x[3] = float("-inf")
+    if width > 3:
+        x[4, 2] = x[4, 3] = float("nan")  # two NaNs: the first
+        x[5, width - 2] = x[5, width - 1] = 99.0  # a tie in the tail
+    x[6, width - 1] = 99.0  # the last index
+
+    fused, plain = both(lambda: ops.argmax(x))
+
+    assert fused.dtype == torch.long
+    assert torch.equal(fused, plain), (fused, plain)
