@@ -89,24 +89,26 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
     def packed_int4(self) -> bool:
-        """Whether every projection runs kvserve's int4 kernel (so ``forward_decodes`` applies)."""
+        """Whether every projection runs kvserve's int4 kernel (so ``forward_fused`` applies)."""
         attn, mlp = self.self_attn, self.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         return (all(isinstance(p, QuantizedLinear) and p.fused and p.kind == "int4" for p in projections)
                 and all(p.bias is None for p in projections[1:]))
 
-    def forward_decodes(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RotaryEmbedding,
-                        positions: torch.Tensor, meta: AttentionMetadata,
-                        kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward`` for a batch of decodes only, in one fused kernel call (see ``packed_int4``)."""
+    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RotaryEmbedding,
+                      positions: torch.Tensor, meta: AttentionMetadata,
+                      kv_cache: tuple[torch.Tensor, torch.Tensor],
+                      prefill_query_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` in one fused kernel call (see ``packed_int4``); ``prefill_query_start``
+        (the prompt chunks' row offsets after the decodes) when the step has prompt chunks."""
         attn, mlp = self.self_attn, self.mlp
-        return ops.decode_layer(
+        return ops.fused_layer(
             x, residual, self.input_layernorm.weight, self.post_attention_layernorm.weight,
             self.input_layernorm.eps, (attn.qkv_proj.codes, attn.qkv_proj.group_scales), attn.qkv_proj.bias,
             (attn.o_proj.codes, attn.o_proj.group_scales), (mlp.gate_up_proj.codes, mlp.gate_up_proj.group_scales),
             (mlp.down_proj.codes, mlp.down_proj.group_scales), rope.rotations, positions, kv_cache[0], kv_cache[1],
             meta.slot_mapping, meta.block_tables, meta.context_lens, attn.num_heads, attn.num_kv_heads, attn.scale,
-            attn.qkv_proj.int8_activations)
+            attn.qkv_proj.int8_activations, meta.num_decodes, prefill_query_start)
 
 
 class LlamaModel(nn.Module):
@@ -152,15 +154,19 @@ class LlamaForCausalLM(nn.Module):
         assert self.rope is not None, "call init_rope() before forward()"
         x = self.model.embed_tokens(input_ids)
         residual = None
-        # A step of decodes only (most steps while streaming) runs each layer as one
-        # kernel call when its projections are int4-packed: no per-op Python dispatch.
+        # With int4-packed projections each layer runs as one kernel call (decodes
+        # and prompt chunks alike): no per-op Python dispatch.
         first = self.model.layers[0]
-        fused = (meta.num_decodes == meta.num_seqs and x.dtype == torch.float32
-                 and ops.kernels_enabled(x.device) and first.packed_int4()
+        fused = (x.dtype == torch.float32 and ops.kernels_enabled(x.device) and first.packed_int4()
                  and first.self_attn.qkv_proj.uses_kernel(x.shape[0]))
-        for layer, kv in zip(self.model.layers, kv_caches):
-            step = layer.forward_decodes if fused else layer
-            x, residual = step(x, residual, self.rope, positions, meta, kv)
+        if fused:
+            d = meta.num_decodes
+            starts = meta.query_start_loc[d:] - meta.query_start_loc[d] if d < meta.num_seqs else None
+            for layer, kv in zip(self.model.layers, kv_caches):
+                x, residual = layer.forward_fused(x, residual, self.rope, positions, meta, kv, starts)
+        else:
+            for layer, kv in zip(self.model.layers, kv_caches):
+                x, residual = layer(x, residual, self.rope, positions, meta, kv)
         if logits_indices is not None:
             x, residual = x.index_select(0, logits_indices), residual.index_select(0, logits_indices)
         x, _ = self.model.norm(x, residual)

@@ -921,19 +921,22 @@ bool has_vnni();
 
 namespace {
 
-// One decoder layer for a batch of decodes (one token per sequence), float32
-// activations, every projection int4-packed: the same kernels the Python layer
-// calls one by one, in one call, so a step pays no per-op Python dispatch.
+// One decoder layer for a step's batch, float32 activations, every projection
+// packed (grouped_linear's codes and scales): the same kernels the Python
+// layer calls one by one, in one call, so a step pays no per-op Python
+// dispatch. The batch is num_decodes decodes (one token per sequence), then,
+// when prefill_query_start is given, prompt chunks (rows num_decodes + its
+// offsets, the sequences after the decodes in block_tables and context_lens).
 // Returns (mlp_out, residual); ``residual`` is None on the first layer, where x
 // is the embedding output and becomes the residual stream.
-std::vector<at::Tensor> decode_layer(
+std::vector<at::Tensor> fused_layer(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& input_norm,
     const at::Tensor& post_norm, double eps, const std::vector<at::Tensor>& qkv,
     const c10::optional<at::Tensor>& qkv_bias, const std::vector<at::Tensor>& o_proj,
     const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, const at::Tensor& rotations,
     const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
-    double scale, bool int8_activations) {
+    double scale, bool int8_activations, int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start) {
   TORCH_CHECK(qkv.size() == 2 && o_proj.size() == 2 && gate_up.size() == 2 && down.size() == 2,
               "each projection is (codes, scales)");
   const int64_t rows = x.size(0), hidden = x.size(1);
@@ -955,7 +958,20 @@ std::vector<at::Tensor> decode_layer(
   rotary_and_cache(qkv_out, rotations, positions, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads);
   const at::Tensor q = qkv_out.narrow(1, 0, num_heads * head_dim).view({rows, num_heads, head_dim});
   at::Tensor attn = at::empty({rows, num_heads, head_dim}, opts);
-  paged_decode_attention(attn, q, k_cache, v_cache, block_tables, context_lens, scale);
+  if (!prefill_query_start.has_value()) {
+    paged_decode_attention(attn, q, k_cache, v_cache, block_tables, context_lens, scale);
+  } else {
+    const int64_t seqs = context_lens.numel(), d = num_decodes;
+    TORCH_CHECK(d >= 0 && d < seqs && d < rows, "num_decodes ", d, " out of range");
+    if (d > 0) {
+      at::Tensor head = attn.narrow(0, 0, d);
+      paged_decode_attention(head, q.narrow(0, 0, d), k_cache, v_cache, block_tables.narrow(0, 0, d),
+                             context_lens.narrow(0, 0, d), scale);
+    }
+    at::Tensor tail = attn.narrow(0, d, rows - d);
+    paged_prefill_attention(tail, q.narrow(0, d, rows - d), k_cache, v_cache, block_tables.narrow(0, d, seqs - d),
+                            context_lens.narrow(0, d, seqs - d), *prefill_query_start, scale);
+  }
   at::Tensor o = at::empty({rows, hidden}, opts);
   grouped_linear(o, attn.view({rows, num_heads * head_dim}), o_proj[0], o_proj[1], int8_activations, false);
   add_rms_norm(h, residual, o, post_norm, eps);
@@ -974,7 +990,7 @@ std::vector<at::Tensor> decode_layer(
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_linear", &grouped_linear, "out = x @ W^T, W packed in 4- or 8-bit groups of 32 (float scales)");
   m.def("has_vnni", &has_vnni, "whether the int8-activation GEMMs run on AVX512-VNNI");
-  m.def("decode_layer", &decode_layer, "one decoder layer for a batch of decodes, int4 projections");
+  m.def("fused_layer", &fused_layer, "one decoder layer for a step's decodes and prompt chunks, packed projections");
   m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; out = rms_norm(residual) * weight");
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up");

@@ -262,7 +262,7 @@ def test_the_default_model_has_q4_1_projections(smollm2_path):
 
 @pytest.mark.slow
 def test_fused_decode_layers_equal_the_op_by_op_layers(smollm2, quantized_smollm2, make_runner, monkeypatch):
-    # A step of decodes only runs each layer as one kernel call (DecoderLayer.forward_decodes).
+    # A step of decodes only runs each layer as one kernel call (DecoderLayer.forward_fused).
     assert quantized_smollm2.model.layers[0].packed_int4()
     prompts = [smollm2.tokenizer.encode(p) for p in PROMPTS]
 
@@ -281,6 +281,41 @@ def test_fused_decode_layers_equal_the_op_by_op_layers(smollm2, quantized_smollm
     monkeypatch.setattr(type(quantized_smollm2.model.layers[0]), "packed_int4", lambda self: False)
     plain_logits, plain_caches = decode_steps()
 
+    torch.testing.assert_close(fused_logits, plain_logits, atol=1e-4, rtol=0)
+    for (k1, v1), (k2, v2) in zip(fused_caches, plain_caches):
+        torch.testing.assert_close(k1, k2, atol=1e-5, rtol=0)
+        torch.testing.assert_close(v1, v2, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_fused_mixed_steps_equal_the_op_by_op_layers(smollm2, quantized_smollm2, make_runner, monkeypatch):
+    # Decodes, a fresh prompt and a prompt's second chunk after its cached first half, in
+    # one step: each layer is still one kernel call (decode and prefill attention inside).
+    assert quantized_smollm2.model.layers[0].packed_int4()
+    a, b, c = (smollm2.tokenizer.encode(p) for p in PROMPTS)
+    half = len(c) // 2
+
+    def mixed_step():
+        runner = make_runner(quantized_smollm2)
+        sa, sb, sc = runner.new_seq(len(a) + 2), runner.new_seq(len(b) + 1), runner.new_seq(len(c) + 1)
+        first = runner.step([(sa, a), (sc, c[:half])])
+        ta = int(first[0][-1].argmax())
+        logits = runner.step([(sa, [ta]), (sb, b), (sc, c[half:])])
+        return torch.cat(logits), runner.kv_caches
+
+    calls = []
+    fused_layer = ops.fused_layer
+    monkeypatch.setattr(ops, "fused_layer", lambda *args, **kw: calls.append(args[-1]) or fused_layer(*args, **kw))
+    fused_logits, fused_caches = mixed_step()
+    monkeypatch.setattr(type(quantized_smollm2.model.layers[0]), "packed_int4", lambda self: False)
+    plain_logits, plain_caches = mixed_step()
+
+    if quantized_smollm2.method == "w4a8":  # int4 runs prefill-sized steps on dense copies
+        # Every layer of the mixed step went through the fused call with its prompt chunks.
+        layers = len(quantized_smollm2.model.layers)
+        assert sum(starts is not None and starts.tolist() == [0, len(b), len(b) + len(c) - half]
+                   for starts in calls) == layers
+    assert fused_logits.shape[0] == 1 + len(b) + len(c) - half
     torch.testing.assert_close(fused_logits, plain_logits, atol=1e-4, rtol=0)
     for (k1, v1), (k2, v2) in zip(fused_caches, plain_caches):
         torch.testing.assert_close(k1, k2, atol=1e-5, rtol=0)
