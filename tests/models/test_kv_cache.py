@@ -1,6 +1,8 @@
-"""The KV cache's storage formats (``models.kv_cache``): sizes and the int8 rows."""
+"""The KV cache's storage (``models.kv_cache``): sizes, the int8 rows and the CPU allocation."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -47,3 +49,28 @@ def test_sizes_per_dtype() -> None:
     (k, v), = kv_cache.allocate(1, 5, 16, 3, 64, torch.int8)
     assert k.shape == v.shape == (5, 16, 3, 68) and not k.any()
     assert kv_cache.row_width(64, torch.int8) == 68 and kv_cache.row_width(64, torch.float16) == 64
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.int8])
+def test_cpu_caches_are_separate_zeroed_views_that_outlive_the_list(dtype: torch.dtype) -> None:
+    layers, shape = 3, (5, 4, 2, kv_cache.row_width(8, dtype))
+    caches = kv_cache.allocate(layers, 5, 4, 2, 8, dtype)
+    assert len(caches) == layers
+    tensors = [t for pair in caches for t in pair]
+    for i, t in enumerate(tensors):
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+        assert not t.any()
+        t.fill_(i + 1)
+    del caches
+    gc.collect()
+    # Each view kept its own values (no overlap) and the mapping under them is still alive.
+    for i, t in enumerate(tensors):
+        assert (t == i + 1).all()
+    assert len({t.data_ptr() for t in tensors}) == 2 * layers
+
+
+def test_huge_page_zeros_is_zeroed_and_writable() -> None:
+    buf = kv_cache.huge_page_zeros(3 << 20)
+    assert buf.dtype == torch.uint8 and buf.numel() == 3 << 20 and not buf.any()
+    buf[-1] = 7
+    assert int(buf.sum()) == 7
