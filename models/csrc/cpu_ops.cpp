@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 
 #include "parallel.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <cmath>
@@ -395,22 +396,7 @@ inline void for_each_token(const C* cache, int64_t row_bytes, const PagedView& p
 }
 
 #if defined(__AVX512F__)
-// The sums of 16 vectors, as one vector (lane i: the sum of v[i]): a tree of
-// lane shuffles and adds, about 3 instructions a vector where a horizontal
-// reduction per vector takes 8.
-inline __m512 sum16(const __m512* v) {
-  __m512 a[8], c[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: v[2i] lanes 0+2, v[2i+1] 0+2, v[2i] 1+3, v[2i+1] 1+3
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the lane's sum of v[4i], ..., v[4i + 3]
-    c[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const auto pair_lanes = [](__m512 x, __m512 y) {  // [x0 + x1, x2 + x3, y0 + y1, y2 + y3] by 128-bit lane
-    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
-  };
-  return pair_lanes(pair_lanes(c[0], c[1]), pair_lanes(c[2], c[3]));
-}
+using kvserve::sum16;
 
 // The G query heads of one KV head, scores over ``ctx`` tokens: each key row
 // is loaded (and converted) once for all G heads, the queries held in
