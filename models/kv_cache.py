@@ -57,9 +57,10 @@ def huge_page_zeros(nbytes: int) -> torch.Tensor:
     the cache: with 4 KiB pages nearly every block is a TLB miss and a page
     walk in front of its memory reads. 2 MiB pages made decode attention at
     64 sequences about 10% faster here (the kernel's ``madvise`` mode; with
-    THP off the advice is a no-op). The mapping is zero-filled by the kernel
-    and faulted in as blocks are first written, so an idle server does not
-    hold the whole budget. The tensor keeps the mapping alive.
+    THP off the advice is a no-op). The pages are touched here, after the
+    advice, so the memory is claimed at start-up (a budget the machine cannot
+    hold fails now, not mid-request) as ``torch.zeros`` did. The tensor keeps
+    the mapping alive.
     """
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
@@ -68,7 +69,7 @@ def huge_page_zeros(nbytes: int) -> torch.Tensor:
             buf.madvise(advice)
         except OSError:  # a kernel built without THP
             pass
-    return torch.frombuffer(buf, dtype=torch.uint8)
+    return torch.frombuffer(buf, dtype=torch.uint8).zero_()
 
 
 def to_cache_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
