@@ -130,16 +130,19 @@ def int8_activation_product(x: torch.Tensor, weight: torch.Tensor, kind: str) ->
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 @pytest.mark.parametrize("int8_activations", [False, True], ids=["float-acts", "int8-acts"])
 @pytest.mark.parametrize("rows", [1, 7, 19, 101])  # 101: blocks of 48 rows, the last one partial
-def test_vector_kernels_equal_the_plain_cpp_and_the_defined_arithmetic(kind, int8_activations, rows):
+# (96, 40): one claim of tiles. (576, 200): 36 half groups of inputs, rounded 16 at a time (two
+# whole runs and a partial one) as the model's are, and 13 tiles in 4 claims per block of rows.
+@pytest.mark.parametrize("in_f, out_f", [(96, 40), (576, 200)])
+def test_vector_kernels_equal_the_plain_cpp_and_the_defined_arithmetic(kind, int8_activations, rows, in_f, out_f):
     if int8_activations and not ops.has_vnni():
         pytest.skip("the vector int8-activation kernel needs AVX512-VNNI")
-    dense = q4_1_like_linear(out_f=40, in_f=96) if kind == "int4" else nn.Linear(96, 40, bias=False)
+    dense = q4_1_like_linear(out_f=out_f, in_f=in_f) if kind == "int4" else nn.Linear(in_f, out_f, bias=False)
     codes, scales = (pack_int4 if kind == "int4" else pack_int8)(dense.weight.detach())
-    x = torch.randn(rows, 96)
+    x = torch.randn(rows, in_f)
     x[0, :32] = 0  # an all-zero group quantises to zero, not NaN
 
-    vector = ops.grouped_linear(x, codes, scales, 40, int8_activations).double()
-    plain = ops.grouped_linear(x, codes, scales, 40, int8_activations, plain=True).double()
+    vector = ops.grouped_linear(x, codes, scales, out_f, int8_activations).double()
+    plain = ops.grouped_linear(x, codes, scales, out_f, int8_activations, plain=True).double()
 
     w = dense.weight.detach()
     want = int8_activation_product(x, w, kind) if int8_activations else x.double() @ dequantised(w, kind).t()
