@@ -13,7 +13,6 @@ half the bytes of a float16 cache.
 
 from __future__ import annotations
 
-import math
 import mmap
 
 import torch
@@ -45,8 +44,8 @@ def allocate(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: in
     if torch.device(device).type != "cpu":
         return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                 for _ in range(num_layers)]
-    itemsize = torch.tensor([], dtype=dtype).element_size()
-    flat = huge_page_zeros(2 * num_layers * math.prod(shape) * itemsize).view(dtype).view(2 * num_layers, *shape)
+    nbytes = num_blocks * bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+    flat = huge_page_zeros(nbytes).view(dtype).view(2 * num_layers, *shape)
     return [(flat[2 * i], flat[2 * i + 1]) for i in range(num_layers)]
 
 
