@@ -12,7 +12,7 @@ setup: $(STAMP)
 # NOTE: torch goes in first and on its own: with no torch present, a bare
 # `torch` requirement would pull a multi-GB CUDA build. `torch==2.13.0` takes
 # the CPU wheel on machines without CUDA.
-$(STAMP): pyproject.toml models/csrc/cpu_ops.cpp models/csrc/grouped_gemm.cpp models/csrc/parallel.h models/csrc/simd.h
+$(STAMP): pyproject.toml $(wildcard models/csrc/*.cpp models/csrc/*.h)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install "$(TORCH)"

@@ -21,6 +21,11 @@ import torch
 INT8_SCALE_BYTES = 4
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: how many blocks of ``b`` tokens hold ``a`` tokens."""
+    return -(a // -b)
+
+
 def row_width(head_dim: int, dtype: torch.dtype) -> int:
     """Elements per (token, head) row in a cache of ``dtype``."""
     return head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim

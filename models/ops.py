@@ -1,14 +1,18 @@
 """The decoder's small per-layer operations: fused C++ kernels with plain-torch twins.
 
 A batch-1 decode step of a small model spends more time dispatching its
-dozens of tiny eager ops per layer than computing them. ``csrc/cpu_ops.cpp``
-fuses each chain (residual add + RMSNorm, SiLU * up, RoPE + KV-cache write,
-paged decode and prefill attention read in place) into one call; ``csrc/grouped_gemm.cpp``
-holds the grouped 4-/8-bit GEMMs. It is compiled on first
-use with torch's C++ extension builder (g++ and the Python headers; about
-30 s, cached under ``~/.cache/kvserve/kernels`` or ``$KVSERVE_KERNEL_CACHE``,
-one build per CPU and torch install) and runs on CPU tensors only. Where it cannot be built, or with ``KVSERVE_KERNELS=0``, every function
-here falls back to its plain-torch twin, which the tests compare it against.
+dozens of tiny eager ops per layer than computing them. The C++ kernels in
+``csrc/`` fuse each chain into one call: ``rowwise.cpp`` (residual add +
+RMSNorm, SiLU * up, RoPE + KV-cache write), ``decode_attention.cpp`` and
+``prefill_attention.cpp`` (paged attention read in place), ``argmax.cpp``,
+``fused_layer.cpp`` (a whole decoder layer) and ``grouped_gemm.cpp`` (the
+grouped 4-/8-bit GEMMs); ``bindings.cpp`` exports them and ``kernels.h``
+declares them. The module is compiled on first use with torch's C++
+extension builder (g++ and the Python headers; about a minute, cached under
+``~/.cache/kvserve/kernels`` or ``$KVSERVE_KERNEL_CACHE``, one build per CPU
+and torch install) and runs on CPU tensors only. Where it cannot be built, or
+with ``KVSERVE_KERNELS=0``, every function here falls back to its plain-torch
+twin, which the tests compare it against.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from models import kv_cache
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "grouped_gemm.cpp")]
+_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 _ext: ModuleType | None = None
 _tried = False
 _enabled = os.environ.get("KVSERVE_KERNELS", "1") != "0"
@@ -270,7 +274,7 @@ def _decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             scale: float) -> torch.Tensor:
     b, heads, head_dim = q.shape
     block_size = k_cache.shape[1]
-    nblocks = -(-max_ctx // block_size)
+    nblocks = kv_cache.cdiv(max_ctx, block_size)
     tables = block_tables[:, :nblocks]
     # [B, L, kv_heads, head_dim] -> [B, kv_heads, L, head_dim]
     # index_select on the flat table is markedly faster than advanced indexing on CPU.
@@ -340,7 +344,7 @@ def _prefill_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, ctx: int) -> torch.Tensor:
     """The first ``ctx`` tokens of one sequence, ``[ctx, kv_heads, head_dim]``."""
     block_size = cache.shape[1]
-    nblocks = -(-ctx // block_size)
+    nblocks = kv_cache.cdiv(ctx, block_size)
     return cache.index_select(0, block_table[:nblocks]).flatten(0, 1)[:ctx]
 
 

@@ -24,6 +24,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "grouped_gemm.h"
 #include "parallel.h"
 #include "simd.h"
 

@@ -46,7 +46,7 @@ class PagedRunner:
 
     def new_seq(self, max_tokens: int) -> Seq:
         """A sequence with room for ``max_tokens`` tokens."""
-        n = -(-max_tokens // self.block_size)
+        n = kv_cache.cdiv(max_tokens, self.block_size)
         table, self.free_blocks = self.free_blocks[:n], self.free_blocks[n:]
         return Seq(table)
 

@@ -79,7 +79,7 @@ def make_case(lengths: list[tuple[int, int]], block_size: int, group: int, seed:
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen)
 
-    needed = [-(-ctx // block_size) for _, ctx in lengths]
+    needed = [kv_cache.cdiv(ctx, block_size) for _, ctx in lengths]
     pool = torch.randperm(sum(needed) + 5, generator=gen).tolist()
     k_cache = randn(len(pool), block_size, KV_HEADS, HEAD_DIM)
     v_cache = randn(len(pool), block_size, KV_HEADS, HEAD_DIM)

@@ -1,4 +1,4 @@
-"""The fused C++ kernels (models/csrc/cpu_ops.cpp) equal their plain-torch twins.
+"""The fused C++ kernels (models/csrc/*.cpp) equal their plain-torch twins.
 
 Each op runs twice on the same inputs, kernels on and off. float32 agrees to
 rounding (the kernels' exp and reciprocal are polynomial, within 2e-7
@@ -38,7 +38,7 @@ def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> tor
 def test_kernels_build_on_this_machine() -> None:
     # CI and `make test` run on machines with g++ and the Python headers: a
     # silent fallback to plain torch would hide a broken kernel build.
-    assert ops.kernels_available(), "models/csrc/cpu_ops.cpp did not build; see the warning logged"
+    assert ops.kernels_available(), "the kernels in models/csrc did not build; see the warning logged"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -109,7 +109,7 @@ def paged_caches(lens: list[int], block_size: int, kv_heads: int, head_dim: int,
                  cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random K/V caches in ``cache_dtype`` and shuffled block tables for contexts of ``lens`` tokens
     (a few spare blocks that no table names)."""
-    nblocks = [-(-n // block_size) for n in lens]
+    nblocks = [kv_cache.cdiv(n, block_size) for n in lens]
     pool = torch.randperm(sum(nblocks) + 3, generator=torch.Generator().manual_seed(0))
     tables = torch.zeros(len(lens), max(nblocks), dtype=torch.long)
     start = 0

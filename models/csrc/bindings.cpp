@@ -1,0 +1,25 @@
+// The Python module: every kernel of kernels.h and grouped_gemm.h, as
+// models/ops.py calls them.
+#include <torch/extension.h>
+
+#include "grouped_gemm.h"
+#include "kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("grouped_linear", &grouped_linear, "out = x @ W^T, W packed in 4- or 8-bit groups of 32 (float scales)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("has_vnni", &has_vnni, "whether the int8-activation GEMMs run on AVX512-VNNI");
+  m.def("fused_layer", &kvserve::fused_layer,
+        "one decoder layer for a step's decodes and prompt chunks, packed projections",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &kvserve::rms_norm, "out = rms_norm(x) * weight");
+  m.def("add_rms_norm", &kvserve::add_rms_norm, "residual += x; out = rms_norm(residual) * weight");
+  m.def("silu_and_mul", &kvserve::silu_and_mul, "out = silu(gate) * up");
+  m.def("rotary_and_cache", &kvserve::rotary_and_cache, "rotate Q/K in place and write K/V to the paged caches");
+  m.def("paged_decode_attention", &kvserve::paged_decode_attention, "one-token attention over paged caches",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("argmax_rows", &kvserve::argmax_rows, "index of each row's largest value (first on ties, NaN largest)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("paged_prefill_attention", &kvserve::paged_prefill_attention,
+        "causal attention of prompt chunks over paged caches", py::call_guard<py::gil_scoped_release>());
+}

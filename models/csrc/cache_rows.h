@@ -1,0 +1,77 @@
+// The KV cache's row formats as the kernels read and write them: the C++ type
+// of each cache dtype, an int8 row's scale, and 16 values at a time as float32.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace kvserve {
+
+// Calls f(C{}) with C the C++ type of a KV cache dtype (it may differ from the
+// activations': float16 caches halve the bytes attention reads, int8 ones
+// halve them again).
+template <typename F>
+void dispatch_cache_type(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: return f(float{});
+    case at::kHalf: return f(at::Half{});
+    case at::kBFloat16: return f(at::BFloat16{});
+    case at::kChar: return f(int8_t{});
+    default: TORCH_CHECK(false, "unsupported KV cache dtype ", t);
+  }
+}
+
+// An int8 cache row is head_dim codes and then their float32 scale
+// (models/kv_cache.py); float rows are the values alone.
+inline constexpr int64_t kInt8ScaleBytes = sizeof(float);
+template <typename C>
+inline constexpr int64_t kRowExtra = std::is_same_v<C, int8_t> ? kInt8ScaleBytes : 0;
+
+// Elements per (token, head) row of a cache tensor holding heads of head_dim.
+inline int64_t cache_row(const at::Tensor& cache, int64_t head_dim) {
+  return head_dim + (cache.scalar_type() == at::kChar ? kInt8ScaleBytes : 0);
+}
+
+// What a row's values are multiplied by: its stored scale (int8), else 1,
+// which the compiler folds away.
+template <typename C>
+inline float row_scale(const C* row, int64_t head_dim) {
+  if constexpr (std::is_same_v<C, int8_t>) {
+    float s;
+    std::memcpy(&s, row + head_dim, sizeof(float));
+    return s;
+  } else {
+    return 1.0f;
+  }
+}
+
+#if defined(__AVX512F__)
+// 16 cache values as float32 (the compiler does not vectorise c10::Half's or
+// BFloat16's conversion; the hardware does, 16 values at a time).
+template <typename C>
+inline __m512 load16(const C* p);
+template <>
+inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load16<at::Half>(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+template <>
+inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+template <>
+inline __m512 load16<int8_t>(const int8_t* p) {  // the codes; the caller applies the row's scale
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
+}  // namespace kvserve

@@ -1,0 +1,316 @@
+// Paged decode attention: one query token per sequence over its paged
+// context, read in place.
+#include <ATen/ATen.h>
+
+#include "attention.h"
+#include "cache_rows.h"
+#include "fastmath.h"
+#include "kernels.h"
+#include "parallel.h"
+#include "simd.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace kvserve {
+namespace {
+
+// max(s[0..n)), n >= 1. GCC keeps a float max reduction scalar (a chain of
+// dependent vmaxss), so the AVX-512 build spells out the vector loop.
+inline float row_max(const float* s, int64_t n) {
+  float mx = s[0];
+  int64_t t = 1;
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    __m512 m = _mm512_loadu_ps(s);
+    for (t = 16; t + 16 <= n; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + t));
+    mx = _mm512_reduce_max_ps(m);
+  }
+#endif
+  for (; t < n; ++t) mx = std::max(mx, s[t]);
+  return mx;
+}
+
+// Softmax of each of ``rows`` score rows of length n, in place.
+inline void softmax_rows(float* s, int64_t rows, int64_t n) {
+  for (int64_t g = 0; g < rows; ++g, s += n) {
+    float mx = row_max(s, n);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = exp_approx(s[t] - mx);
+      sum += s[t];
+    }
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+  }
+}
+
+// Rows of a length divisible by 16 go 16 values at a time through load16.
+template <typename T>
+inline float dot_row(const float* q, const T* k, int64_t n) {
+#if defined(__AVX512F__)
+  if (n % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < n; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+  for (int64_t d = 0; d < n; ++d) dot += q[d] * to_f(k[d]);
+  return dot;
+}
+
+template <typename T>
+inline void axpy_row(float* acc, float p, const T* v, int64_t n) {
+#if defined(__AVX512F__)
+  if (n % 16 == 0) {
+    const __m512 pv = _mm512_set1_ps(p);
+    for (int64_t d = 0; d < n; d += 16) {
+      _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(acc + d)));
+    }
+    return;
+  }
+#endif
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) acc[d] += p * to_f(v[d]);
+}
+
+// One sequence's view of the paged caches [num_blocks, block_size, KVH, D].
+struct PagedView {
+  int64_t block_size, token_stride;
+  const int64_t* table;
+};
+
+// Calls f(t, row_offset) for t = 0..ctx-1 in order, block by block (no
+// division per token): row_offset is where token t's row for this KV head
+// starts in `cache`. Each block first asks for the next block's rows
+// (`row_bytes` each): blocks sit anywhere in the cache, so the hardware
+// prefetcher cannot guess the next one, and a decode step at 64 sequences
+// waits on memory.
+template <typename C, typename F>
+inline void for_each_token(const C* cache, int64_t row_bytes, const PagedView& pv, int64_t head_offset, int64_t ctx,
+                           F&& f) {
+  const int64_t blocks = (ctx + pv.block_size - 1) / pv.block_size;
+  for (int64_t start = 0, i = 0; start < ctx; start += pv.block_size, ++i) {
+    if (i + 1 < blocks) {
+      const int64_t n_next = std::min(pv.block_size, ctx - start - pv.block_size);
+      const char* row = reinterpret_cast<const char*>(cache + pv.table[i + 1] * pv.block_size * pv.token_stride +
+                                                      head_offset);
+      for (int64_t j = 0; j < n_next; ++j, row += pv.token_stride * sizeof(C)) {
+        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b);
+      }
+    }
+    const int64_t n = std::min(pv.block_size, ctx - start);
+    int64_t off = pv.table[i] * pv.block_size * pv.token_stride + head_offset;
+    for (int64_t j = 0; j < n; ++j, off += pv.token_stride) f(start + j, off);
+  }
+}
+
+#if defined(__AVX512F__)
+// The G query heads of one KV head, scores over ``ctx`` tokens: each key row
+// is loaded (and converted) once for all G heads, the queries held in
+// registers. Each token's G products wait, unreduced, until 16 tokens are in;
+// sum16 then reduces them together.
+template <typename C, int HD, int G>
+inline void scores_avx512(float* s, const float* q, const C* kc, const PagedView& pv, int64_t head_offset,
+                          int64_t ctx) {
+  constexpr int kVecs = HD / 16;
+  __m512 qv[G][kVecs];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < kVecs; ++i) qv[g][i] = _mm512_loadu_ps(q + g * HD + 16 * i);
+  alignas(64) float parts[G][16][16];
+  alignas(64) float scales[16];  // the key rows' int8 scales
+  const auto flush = [&](int64_t first, int n) {
+    for (int g = 0; g < G; ++g) {
+      __m512 v[16];
+      for (int j = 0; j < 16; ++j) v[j] = j < n ? _mm512_load_ps(parts[g][j]) : _mm512_setzero_ps();
+      __m512 sums = sum16(v);
+      if constexpr (kRowExtra<C> > 0) sums = _mm512_mul_ps(sums, _mm512_load_ps(scales));
+      _mm512_mask_storeu_ps(s + g * ctx + first, static_cast<__mmask16>((1u << n) - 1), sums);
+    }
+  };
+  for_each_token(kc, (HD + kRowExtra<C>) * sizeof(C), pv, head_offset, ctx, [&](int64_t t, int64_t off) {
+    __m512 k[kVecs];
+    for (int i = 0; i < kVecs; ++i) k[i] = load16(kc + off + 16 * i);
+    const int j = static_cast<int>(t % 16);
+    if constexpr (kRowExtra<C> > 0) scales[j] = row_scale(kc + off, HD);
+    for (int g = 0; g < G; ++g) {
+      __m512 acc = _mm512_mul_ps(qv[g][0], k[0]);
+      for (int i = 1; i < kVecs; ++i) acc = _mm512_fmadd_ps(qv[g][i], k[i], acc);
+      _mm512_store_ps(parts[g][j], acc);
+    }
+    if (j == 15) flush(t - 15, 16);
+  });
+  if (ctx % 16) flush(ctx - ctx % 16, static_cast<int>(ctx % 16));
+}
+
+// sum_t p[g][t] * v[t] for the G query heads, each value row loaded once and
+// the accumulators held in registers (through memory, each token's add would
+// wait for the previous store).
+template <typename C, int HD, int G>
+inline void values_avx512(float* out, const float* p, const C* vc, const PagedView& pv, int64_t head_offset,
+                          int64_t ctx) {
+  constexpr int kVecs = HD / 16;
+  __m512 acc[G][kVecs];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < kVecs; ++i) acc[g][i] = _mm512_setzero_ps();
+  for_each_token(vc, (HD + kRowExtra<C>) * sizeof(C), pv, head_offset, ctx, [&](int64_t t, int64_t off) {
+    __m512 v[kVecs];
+    for (int i = 0; i < kVecs; ++i) v[i] = load16(vc + off + 16 * i);
+    const float vs = row_scale(vc + off, HD);
+    for (int g = 0; g < G; ++g) {
+      const __m512 pt = _mm512_set1_ps(p[g * ctx + t] * vs);
+      for (int i = 0; i < kVecs; ++i) acc[g][i] = _mm512_fmadd_ps(pt, v[i], acc[g][i]);
+    }
+  });
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < kVecs; ++i) _mm512_storeu_ps(out + g * HD + 16 * i, acc[g][i]);
+}
+
+// Query heads per pass over the cache: registers hold G x HD/16 query (or
+// accumulator) vectors, so G <= 4 at head size 64 and G <= 2 at 128.
+template <int HD>
+constexpr int kMaxGroup = HD <= 64 ? 4 : 2;
+
+// Runs f(integral_constant<G>, first_head) over the group in passes of up to kMaxGroup<HD> heads.
+template <int HD, typename F>
+inline void for_head_passes(int64_t group, F&& f) {
+  constexpr int M = kMaxGroup<HD>;
+  int64_t g = 0;
+  for (; g + M <= group; g += M) f(std::integral_constant<int, M>{}, g);
+  const int64_t rest = group - g;
+  if (rest == 1) f(std::integral_constant<int, 1>{}, g);
+  if constexpr (M >= 4) {
+    if (rest == 2) f(std::integral_constant<int, 2>{}, g);
+    if (rest == 3) f(std::integral_constant<int, 3>{}, g);
+  }
+}
+#endif
+
+// The ``group`` query heads sharing one KV head, for one sequence of ``ctx``
+// tokens: scores, softmax, weighted sum of values. ``qf`` is pre-scaled.
+// HD is the head size when known at compile time (0: read ``head_dim``), so
+// the common sizes get fully unrolled, register-resident loops.
+template <typename T, typename C, int HD>
+void attend_group(T* out, const float* qf, const C* kc, const C* vc, const PagedView& pv, int64_t head_offset,
+                  int64_t head_dim, int64_t group, int64_t ctx, std::vector<float>& scores,
+                  std::vector<float>& acc) {
+  const int64_t hd = HD ? HD : head_dim;
+  scores.resize(group * ctx);
+  float* s = scores.data();
+  acc.assign(group * hd, 0.0f);
+  float* a = acc.data();
+#if defined(__AVX512F__)
+  if constexpr (HD > 0 && HD % 16 == 0) {
+    for_head_passes<HD>(group, [&](auto n, int64_t g) {
+      scores_avx512<C, HD, decltype(n)::value>(s + g * ctx, qf + g * hd, kc, pv, head_offset, ctx);
+    });
+    softmax_rows(s, group, ctx);
+    for_head_passes<HD>(group, [&](auto n, int64_t g) {
+      values_avx512<C, HD, decltype(n)::value>(a + g * hd, s + g * ctx, vc, pv, head_offset, ctx);
+    });
+    for (int64_t i = 0; i < group * hd; ++i) out[i] = static_cast<T>(a[i]);
+    return;
+  }
+#endif
+  const int64_t row_bytes = (hd + kRowExtra<C>) * sizeof(C);
+  for_each_token(kc, row_bytes, pv, head_offset, ctx, [&](int64_t t, int64_t off) {
+    const C* k = kc + off;
+    const float ks = row_scale(k, hd);
+    for (int64_t g = 0; g < group; ++g) s[g * ctx + t] = dot_row(qf + g * hd, k, hd) * ks;
+  });
+  softmax_rows(s, group, ctx);
+  for_each_token(vc, row_bytes, pv, head_offset, ctx, [&](int64_t t, int64_t off) {
+    const C* v = vc + off;
+    const float vs = row_scale(v, hd);
+    for (int64_t g = 0; g < group; ++g) axpy_row(a + g * hd, s[g * ctx + t] * vs, v, hd);
+  });
+  for (int64_t i = 0; i < group * hd; ++i) out[i] = static_cast<T>(a[i]);
+}
+
+template <typename T, typename C>
+void decode_attention_impl(T* out, const T* q, int64_t q_stride, const C* kc, const C* vc,
+                           const int64_t* tables, const int64_t* lens, int64_t batch, int64_t heads,
+                           int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                           float scale) {
+  const int64_t group = heads / kv_heads;
+  const int64_t row = head_dim + kRowExtra<C>;  // cache elements per (token, head)
+  const auto attend = head_dim == 64    ? attend_group<T, C, 64>
+                      : head_dim == 128 ? attend_group<T, C, 128>
+                                        : attend_group<T, C, 0>;
+  kvserve::parallel_chunks(batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    // Per thread, reused across chunks and calls (a chunk is one item).
+    thread_local std::vector<float> qf, scores, acc;
+    qf.resize(group * head_dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, h = item % kv_heads;
+      const T* src = q + b * q_stride + h * group * head_dim;
+      for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = to_f(src[i]) * scale;
+      const PagedView pv{block_size, kv_heads * row, tables + b * max_blocks};
+      attend(out + (b * heads + h * group) * head_dim, qf.data(), kc, vc, pv, h * row, head_dim, group,
+             lens[b], scores, acc);
+    }
+  });
+}
+
+}  // namespace
+
+// attention.h describes the shapes it checks.
+PagedShapes check_paged(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& context_lens) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [N, H, D] with packed heads");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous like q");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must share a dtype");
+  TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong && block_tables.dim() == 2,
+              "block_tables: int64 [S, max_blocks]");
+  TORCH_CHECK(context_lens.is_contiguous() && context_lens.scalar_type() == at::kLong, "context_lens: int64");
+  const int64_t heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == cache_row(k_cache, head_dim) && heads % kv_heads == 0, "cache shape does not match q");
+  const int64_t seqs = context_lens.numel(), max_blocks = block_tables.size(1);
+  TORCH_CHECK(block_tables.size(0) == seqs, "one table and length per sequence");
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < seqs; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_blocks * block_size, "context length ", lens[b], " out of range");
+    for (int64_t i = 0; i < (lens[b] + block_size - 1) / block_size; ++i) {
+      const int64_t blk = tables[b * max_blocks + i];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id ", blk, " out of range");
+    }
+  }
+  return {heads, head_dim, block_size, kv_heads, max_blocks, tables, lens};
+}
+
+// One query token per sequence over its paged context, read in place (no
+// gather). q [B, H, D] (rows may be strided), caches [NB, BS, KVH, D] (int8:
+// [NB, BS, KVH, D + 4], each row's scale after its codes),
+// block_tables [B, max_blocks] int64, context_lens [B] int64; out [B, H, D].
+// The H / KVH query heads sharing a KV head are handled together so each key
+// and value row is read once per sequence.
+void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, double scale) {
+  const PagedShapes p = check_paged(out, q, k_cache, v_cache, block_tables, context_lens);
+  TORCH_CHECK(context_lens.numel() == q.size(0), "one query token per sequence");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    dispatch_cache_type(k_cache.scalar_type(), [&](auto cache_tag) {
+      using C = decltype(cache_tag);
+      decode_attention_impl(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), q.stride(0),
+                            static_cast<const C*>(k_cache.data_ptr()), static_cast<const C*>(v_cache.data_ptr()),
+                            p.tables, p.lens, q.size(0), p.heads, p.kv_heads, p.head_dim, p.block_size,
+                            p.max_blocks, static_cast<float>(scale));
+    });
+  });
+}
+
+}  // namespace kvserve

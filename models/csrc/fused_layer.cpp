@@ -1,0 +1,76 @@
+// One whole decoder layer in one call, from the kernels of the other files.
+#include <ATen/ATen.h>
+
+#include "grouped_gemm.h"
+#include "kernels.h"
+
+#include <cstdint>
+#include <vector>
+
+namespace kvserve {
+
+// One decoder layer for a step's batch, float32 activations, every projection
+// packed (grouped_linear's codes and scales): the same kernels the Python
+// layer calls one by one, in one call, so a step pays no per-op Python
+// dispatch. The batch is num_decodes decodes (one token per sequence), then,
+// when prefill_query_start is given, prompt chunks (rows num_decodes + its
+// offsets, the sequences after the decodes in block_tables and context_lens).
+// Returns (mlp_out, residual); ``residual`` is None on the first layer, where x
+// is the embedding output and becomes the residual stream.
+std::vector<at::Tensor> fused_layer(
+    const at::Tensor& x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& input_norm,
+    const at::Tensor& post_norm, double eps, const std::vector<at::Tensor>& qkv,
+    const c10::optional<at::Tensor>& qkv_bias, const std::vector<at::Tensor>& o_proj,
+    const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, const at::Tensor& rotations,
+    const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
+    double scale, bool int8_activations, int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start) {
+  TORCH_CHECK(qkv.size() == 2 && o_proj.size() == 2 && gate_up.size() == 2 && down.size() == 2,
+              "each projection is (codes, scales)");
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  const int64_t head_dim = rotations.size(1) * 2;
+  const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * head_dim;
+  const auto opts = x.options();
+  at::Tensor h = at::empty({rows, hidden}, opts);
+  at::Tensor residual;
+  if (residual_in.has_value()) {
+    residual = *residual_in;
+    add_rms_norm(h, residual, x, input_norm, eps);
+  } else {
+    residual = x;
+    rms_norm(h, x, input_norm, eps);
+  }
+  at::Tensor qkv_out = at::empty({rows, qkv_width}, opts);
+  grouped_linear(qkv_out, h, qkv[0], qkv[1], int8_activations, false);
+  if (qkv_bias.has_value()) qkv_out.add_(*qkv_bias);
+  rotary_and_cache(qkv_out, rotations, positions, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads);
+  const at::Tensor q = qkv_out.narrow(1, 0, num_heads * head_dim).view({rows, num_heads, head_dim});
+  at::Tensor attn = at::empty({rows, num_heads, head_dim}, opts);
+  if (!prefill_query_start.has_value()) {
+    paged_decode_attention(attn, q, k_cache, v_cache, block_tables, context_lens, scale);
+  } else {
+    const int64_t seqs = context_lens.numel(), d = num_decodes;
+    TORCH_CHECK(d >= 0 && d < seqs && d < rows, "num_decodes ", d, " out of range");
+    if (d > 0) {
+      at::Tensor head = attn.narrow(0, 0, d);
+      paged_decode_attention(head, q.narrow(0, 0, d), k_cache, v_cache, block_tables.narrow(0, 0, d),
+                             context_lens.narrow(0, 0, d), scale);
+    }
+    at::Tensor tail = attn.narrow(0, d, rows - d);
+    paged_prefill_attention(tail, q.narrow(0, d, rows - d), k_cache, v_cache, block_tables.narrow(0, d, seqs - d),
+                            context_lens.narrow(0, d, seqs - d), *prefill_query_start, scale);
+  }
+  at::Tensor o = at::empty({rows, hidden}, opts);
+  grouped_linear(o, attn.view({rows, num_heads * head_dim}), o_proj[0], o_proj[1], int8_activations, false);
+  add_rms_norm(h, residual, o, post_norm, eps);
+  const int64_t inter = down[0].size(1) * 32;  // down's input width = the intermediate size
+  at::Tensor gu = at::empty({rows, 2 * inter}, opts);
+  grouped_linear(gu, h, gate_up[0], gate_up[1], int8_activations, false);
+  at::Tensor act = at::empty({rows, inter}, opts);
+  silu_and_mul(act, gu);
+  at::Tensor out = at::empty({rows, hidden}, opts);
+  grouped_linear(out, act, down[0], down[1], int8_activations, false);
+  return {out, residual};
+}
+
+}  // namespace kvserve

@@ -1,0 +1,52 @@
+// Fused CPU kernels for the decoder's small per-layer operations.
+//
+// Each kernel replaces a chain of eager torch ops (and their dispatch, which
+// dominates a batch-1 decode step on a small model) with one pass over the
+// data. Every kernel has a plain-torch twin in models/ops.py, and the tests
+// compare the two. Arithmetic is float32 whatever the storage dtype, rounding
+// to the storage dtype exactly where the eager torch code does.
+//
+// This header declares the kernels the Python module exports (bindings.cpp),
+// by the file that holds each; grouped_gemm.h declares the grouped GEMMs.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace kvserve {
+
+// rowwise.cpp: RMSNorm (with the residual add), SiLU * up, RoPE + KV-cache write.
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+void add_rms_norm(at::Tensor& out, at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight,
+                  double eps);
+void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up);
+void rotary_and_cache(at::Tensor& qkv, const at::Tensor& rotations, const at::Tensor& positions,
+                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                      int64_t num_heads, int64_t num_kv_heads);
+
+// decode_attention.cpp
+void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, double scale);
+
+// prefill_attention.cpp
+void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& block_tables,
+                             const at::Tensor& context_lens, const at::Tensor& query_start, double scale);
+
+// argmax.cpp
+void argmax_rows(at::Tensor& out, const at::Tensor& x);
+
+// fused_layer.cpp
+std::vector<at::Tensor> fused_layer(
+    const at::Tensor& x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& input_norm,
+    const at::Tensor& post_norm, double eps, const std::vector<at::Tensor>& qkv,
+    const c10::optional<at::Tensor>& qkv_bias, const std::vector<at::Tensor>& o_proj,
+    const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, const at::Tensor& rotations,
+    const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
+    double scale, bool int8_activations, int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start);
+
+}  // namespace kvserve
