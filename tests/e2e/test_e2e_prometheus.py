@@ -1,7 +1,8 @@
 """A real Prometheus, configured from docker/prometheus.yml, scrapes the real server.
 
 Debian's ``prometheus`` package (2.42, with ``promtool``) provides the binaries;
-.ci/run installs it. Under CI (``CI=true``) a missing binary fails the test.
+``make test`` installs it where it may. A missing binary fails the test, with the
+line ``make test`` prints when it cannot install it.
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ from e2e_helpers import (
 pytestmark = pytest.mark.slow
 
 COMPOSE_CONFIG = REPO / "docker" / "prometheus.yml"
+# The Makefile's PROMETHEUS_HINT, word for word.
+PROMETHEUS_HINT = ("prometheus is not installed: run 'sudo apt-get install -y prometheus' "
+                   "(tests/e2e/test_e2e_prometheus.py needs prometheus and promtool)")
 
 
 def binary(name: str) -> str:
     path = shutil.which(name)
     if path is None:
-        pytest.fail(f"{name} is not installed: apt-get install -y prometheus (.ci/run does)")
+        pytest.fail(f"{name} is not on PATH. {PROMETHEUS_HINT}")
     return path
 
 
@@ -107,3 +111,8 @@ def test_prometheus_scrapes_the_server_counters(prometheus: str, server: KVServe
     assert series["metric"]["model_name"] == MODEL
     [up] = query(prometheus, f'up{{job="{job["job_name"]}"}}')
     assert up["value"][1] == "1"
+
+
+def test_the_hint_is_the_one_make_prints() -> None:
+    makefile = (REPO / "Makefile").read_text()
+    assert f"PROMETHEUS_HINT := {PROMETHEUS_HINT}\n" in makefile
