@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     model, cfg = loaded.model, loaded.config
     block = 16
     total = args.prompt_len + args.decode_steps + 1
-    nblocks = -(-total // block)
+    nblocks = kv_cache.cdiv(total, block)
     kv_dtype = loaded.dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
     kv = kv_cache.allocate(cfg.num_hidden_layers, nblocks, block, cfg.num_key_value_heads, cfg.head_dim, kv_dtype)
     table = list(range(nblocks))

@@ -73,7 +73,7 @@ def attention_table(batches: list[int], runs: int, context: int = 200, layers: i
     for b in batches:
         order = list(range(blocks))
         random.Random(b).shuffle(order)
-        per_seq = -(-context // block_size)
+        per_seq = kv_cache.cdiv(context, block_size)
         tables = torch.tensor([order[i * per_seq:(i + 1) * per_seq] for i in range(b)])
         lens = torch.full((b,), context)
         q = torch.randn(b, heads, head_dim, generator=gen)

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     for b in args.sequences:
         order = list(range(args.blocks))
         random.Random(b).shuffle(order)
-        per_seq = -(-(args.context + 1) // block)
+        per_seq = kv_cache.cdiv(args.context + 1, block)
         if b * per_seq > args.blocks:
             raise SystemExit(f"{b} sequences of {args.context} tokens need more than {args.blocks} blocks")
         tables = [order[i * per_seq:(i + 1) * per_seq] for i in range(b)]

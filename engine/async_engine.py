@@ -1,9 +1,10 @@
-"""The engine loop on a background thread, with per-request async streams.
+"""The engine loop on its own thread, with per-request async streams.
 
-The HTTP event loop never runs model code: it hands requests to the loop
-thread through a thread-safe queue and receives deltas through per-request
-``asyncio.Queue``s filled with ``call_soon_threadsafe``. An idle engine blocks
-on its command queue, so it costs no CPU.
+The HTTP event loop never runs model code: it hands requests to the engine
+thread (the one that calls ``AsyncEngine.run_loop``) through a thread-safe
+queue and receives deltas through per-request ``asyncio.Queue``s filled with
+``call_soon_threadsafe``. An idle engine blocks on its command queue, so it
+costs no CPU.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
 from engine.stats import StatLogger
 
@@ -30,13 +31,6 @@ class EngineDeadError(RuntimeError):
 
 
 @dataclass
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-
-
-@dataclass
 class _Abort:
     request_id: str
 
@@ -45,31 +39,31 @@ _STOP = object()
 
 
 class AsyncEngine:
-    """Async front of an ``LLMEngine`` whose ``step()`` runs on one background thread."""
+    """Async front of an ``LLMEngine``: per-request streams on the event loop,
+    ``step()`` on the thread that calls :meth:`run_loop`.
+
+    NOTE: torch's OpenMP thread pool is fast only on the process's main thread;
+    on any other thread each parallel region costs tens of microseconds more
+    (measured: a batch-1 decode step 50% slower). The server therefore runs
+    :meth:`run_loop` on the main thread and uvicorn's event loop on a helper
+    thread.
+    """
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
         self.num_kv_blocks = engine.num_blocks
         self.block_size = engine.block_size
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
         self.last_step_time: float | None = None
-        # Set by host_loop_on_current_thread(): the loop then runs on the thread
-        # that calls run_hosted_loop() instead of on a thread of its own.
-        self._hosted = False
         self._bound = threading.Event()  # start() has bound the event loop
-        self._hosted_done = threading.Event()
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
-        """Load the model and build the engine; the loop starts with :meth:`start`."""
-        return cls(LLMEngine.from_config(config))
+        self._loop_done = threading.Event()  # run_loop() has returned
 
     # -- state ------------------------------------------------------------
 
@@ -79,11 +73,7 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         """True while the loop runs; False before start and after a fault or shutdown."""
-        if self._dead is not None:
-            return False
-        if self._hosted:
-            return self._bound.is_set() and not self._hosted_done.is_set()
-        return self._thread is not None and self._thread.is_alive()
+        return self._dead is None and self._bound.is_set() and not self._loop_done.is_set()
 
     @property
     def is_ready(self) -> bool:
@@ -105,79 +95,66 @@ class AsyncEngine:
 
     # -- lifecycle --------------------------------------------------------
 
-    def host_loop_on_current_thread(self) -> None:
-        """Make :meth:`start` leave the loop to :meth:`run_hosted_loop` on this thread.
-
-        NOTE: torch's OpenMP thread pool is fast only on the process's main
-        thread; on any other thread each parallel region costs tens of
-        microseconds more (measured: a batch-1 decode step 50% slower). The
-        server therefore runs the engine loop on the main thread and uvicorn's
-        event loop on a helper thread.
-        """
-        self._hosted = True
-
-    def run_hosted_loop(self, give_up: "threading.Event | None" = None) -> None:
-        """Run the loop on the calling thread until shutdown (blocks).
+    def run_loop(self, give_up: "threading.Event | None" = None) -> None:
+        """Run the engine loop on the calling thread until shutdown (blocks).
 
         Waits for :meth:`start` first; returns early if ``give_up`` is set
         before that (the HTTP server failed to start).
         """
-        assert self._hosted, "call host_loop_on_current_thread() first"
         while not self._bound.wait(0.2):
             if give_up is not None and give_up.is_set():
                 return
         try:
             self._run()
         finally:
-            self._hosted_done.set()
+            self._loop_done.set()
 
     async def start(self) -> None:
-        """Start the loop; call from the event loop that will consume outputs."""
+        """Bind the event loop that will consume outputs; call from that loop."""
         if self._bound.is_set():
             return
         self._loop = asyncio.get_running_loop()
-        if not self._hosted:
-            self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
-            self._thread.start()
         self._bound.set()
 
     async def shutdown(self) -> None:
         """Abort everything and stop the loop."""
-        if not self._bound.is_set() or (not self._hosted and self._thread is None):
+        if not self._bound.is_set():
             return
         for rid in list(self._streams):
             self._commands.put(_Abort(rid))
         self._commands.put(_STOP)
-        if self._hosted:
-            await asyncio.to_thread(self._hosted_done.wait, 30)
-        else:
-            await asyncio.to_thread(self._thread.join, 30)
-            self._thread = None
+        await asyncio.to_thread(self._loop_done.wait, 30)
         if self._dead is None:
             self._dead = EngineDeadError("the engine was shut down")
         self._fail_all("the engine was shut down")
 
     # -- requests ---------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Stream deltas for one request until it finishes.
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Check a request and return the stream of its deltas.
 
-        Raises ``ValueError`` before the first delta if the request can never
-        run, ``EngineDeadError`` if the engine is dead. Closing or cancelling the
-        iterator aborts the request and frees its KV blocks.
+        Raises ``InvalidRequestError`` (a ``ValueError``) at once if the
+        request can never run. The request enters the engine when the stream
+        is first iterated, which raises ``EngineDeadError`` if the engine is
+        dead; closing or cancelling the stream aborts the request and frees its
+        KV blocks.
         """
+        return self._stream(self.engine.prepare(request_id, prompt_token_ids, params))
+
+    async def _stream(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        request_id = request.request_id
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.engine.validate(prompt_token_ids, params)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, list(prompt_token_ids), params))
+        self._commands.put(request)
         if self._dead is not None:
-            # NOTE: the loop died after the check above and may have failed its
-            # streams before this one was registered: nothing would ever arrive.
+            # NOTE: the loop died after the check above and may have
+            # failed its streams before this one was registered: nothing would
+            # ever arrive.
             self._streams.pop(request_id, None)
             raise EngineDeadError("the engine is not running")
         finished = False
@@ -195,10 +172,6 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self._commands.put(_Abort(request_id))
-
-    async def abort(self, request_id: str) -> None:
-        """Abort a request; its stream ends with a ``finish_reason="abort"`` delta."""
-        self._commands.put(_Abort(request_id))
 
     # -- the loop (engine thread) -----------------------------------------
 
@@ -238,10 +211,10 @@ class AsyncEngine:
         while True:
             if cmd is _STOP:
                 return False
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, EngineRequest):
                 try:
-                    self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
-                except ValueError as exc:
+                    self.engine.add(cmd)
+                except ValueError as exc:  # an id already in use
                     self._deliver(cmd.request_id, exc)
             else:
                 self._abort_now(cmd.request_id)

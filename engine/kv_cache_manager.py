@@ -11,11 +11,7 @@ from dataclasses import dataclass
 
 from engine.block_pool import BlockHash, BlockPool, hash_block_tokens
 from engine.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division: how many blocks of ``b`` tokens hold ``a`` tokens."""
-    return -(a // -b)
+from models.kv_cache import cdiv
 
 
 @dataclass

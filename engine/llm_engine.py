@@ -10,14 +10,16 @@ import torch
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner, num_blocks_for_budget
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.request import Request, RequestStatus
+from engine.request import EngineRequest, Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.stats import FinishedRequestStats, StatLogger, StepStats
+from engine.validation import RequestLimits, check_request
+from models.kv_cache import cdiv
 from models.loader import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -88,7 +90,10 @@ class LLMEngine:
                             max_num_batched_tokens=config.max_num_batched_tokens),
             self.kv_cache)
         self.runner = ModelRunner(loaded, num_blocks, config.block_size, kv_dtype)
-        self.sampler = Sampler(loaded.config.vocab_size)
+        # Ids both the tokenizer and the model's rows know (see RequestLimits).
+        self.vocab_size = min(self.tokenizer.vocab_size, loaded.config.vocab_size)
+        self.limits = RequestLimits(vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        self.sampler = Sampler(self.vocab_size)
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
         self.stat_loggers: list[StatLogger] = []
         self._requests: dict[str, _ApiRequest] = {}
@@ -100,62 +105,44 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s", num_blocks, config.block_size,
                     num_blocks * config.block_size, str(kv_dtype).removeprefix("torch."))
 
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLMEngine":
-        """Load the model named in ``config`` and build an engine around it."""
-        return cls(config)
-
     # -- requests ---------------------------------------------------------
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Check a request can run; return its resolved ``max_tokens``. ``ValueError`` if not."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise ValueError(f"{name} names token id {bad}, outside the vocabulary (0..{vocab - 1})")
-        if n >= self.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens, but the context length is {self.max_model_len}; "
-                             "it leaves no room for a completion")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
-        if n + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds the "
-                f"model's context length of {self.max_model_len} tokens; reduce the prompt or max_tokens")
-        return max_tokens
+    def prepare(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                arrival_time: float | None = None) -> EngineRequest:
+        """Check a request against the model's limits (``engine.validation``).
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request (its ``params.n`` samples). ``ValueError`` if it can never run."""
+        Raises ``InvalidRequestError`` if it can never run. Reads only what is
+        fixed at construction, so any thread may call it.
+        """
+        max_tokens = check_request(prompt_token_ids, params, self.limits)
+        return EngineRequest(request_id, list(prompt_token_ids), params, max_tokens,
+                             time.monotonic() if arrival_time is None else arrival_time)
+
+    def add(self, request: EngineRequest) -> None:
+        """Queue a prepared request (its ``params.n`` samples); ``ValueError`` if its id is in use."""
+        request_id, params = request.request_id, request.params
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        max_tokens = self.validate(prompt_token_ids, params)
-        arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = [
             Request(request_id=f"{request_id}#{i}" if params.n > 1 else request_id,
-                    prompt_token_ids=list(prompt_token_ids), sampling_params=params,
-                    max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
-                    parent_id=request_id, sample_index=i, arrival_time=arrival)
+                    prompt_token_ids=list(request.prompt_token_ids), sampling_params=params,
+                    max_tokens=request.max_tokens, eos_token_ids=self.eos_token_ids,
+                    sample_index=i, arrival_time=request.arrival_time)
             for i in range(params.n)
         ]
-        for i, seq in enumerate(seqs):
-            try:
-                self.scheduler.add_request(seq)
-            except ValueError:
-                for added in seqs[:i]:
-                    self.scheduler.abort_request(added.request_id)
-                raise
-        api = _ApiRequest(request_id, list(prompt_token_ids), params, seqs,
-                          [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) for _ in seqs])
+        for seq in seqs:
+            self.scheduler.add_request(seq)
+        api = _ApiRequest(request_id, list(request.prompt_token_ids), params, seqs,
+                          [IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
+                           for _ in seqs])
         self._requests[request_id] = api
         for seq in seqs:
             self._seq_to_api[seq.request_id] = api
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """:meth:`prepare` then :meth:`add`: ``ValueError`` if the request can never run."""
+        self.add(self.prepare(request_id, prompt_token_ids, params, arrival_time))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request (all its samples) and free its blocks now.
@@ -226,10 +213,7 @@ class LLMEngine:
             if detok.finished:
                 # A stop string ended it (even on the step that hit the length limit).
                 seq.stop_reason = detok.stop_reason
-                if seq.is_finished:
-                    seq.status = RequestStatus.FINISHED_STOPPED
-                else:  # release the blocks at once
-                    self.scheduler.finish_request(seq.request_id, RequestStatus.FINISHED_STOPPED)
+                self.scheduler.stop_on_string(seq)
             elif seq.is_finished:
                 text += detok.flush()
             lp = logprobs.get(seq.request_id)

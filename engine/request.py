@@ -18,7 +18,6 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
-    FINISHED_REJECTED = "rejected"
 
     @property
     def finished(self) -> bool:
@@ -27,21 +26,25 @@ class RequestStatus(enum.Enum):
     @property
     def finish_reason(self) -> str | None:
         """The OpenAI finish_reason for a finished status (None while running)."""
-        if self in (RequestStatus.FINISHED_STOPPED,):
-            return "stop"
-        if self is RequestStatus.FINISHED_LENGTH:
-            return "length"
-        if self in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_REJECTED):
-            return "abort"
-        return None
+        return self.value if self.finished else None
 
 
 _FINISHED = {
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
-    RequestStatus.FINISHED_REJECTED,
 }
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A request that passed ``engine.validation.check_request``, on its way into the engine."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved: never None
+    arrival_time: float
 
 
 @dataclass
@@ -58,7 +61,6 @@ class Request:
     sampling_params: SamplingParams
     max_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
-    parent_id: str | None = None  # the API request id when this is one of n samples
     sample_index: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)

@@ -16,8 +16,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
+from models.kv_cache import cdiv
 
 
 @dataclass
@@ -67,10 +68,6 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)  # ids preempted this step
     admitted: list[str] = field(default_factory=list)  # ids admitted (or resumed) this step
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
 
 class Scheduler:
     """Waiting and running queues, the per-step token budget and preemption.
@@ -102,24 +99,14 @@ class Scheduler:
         return bool(self._requests)
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; ``ValueError`` if it could never run."""
+        """Queue a request that ``engine.validation.check_request`` accepted."""
         rid = request.request_id
-        if rid in self._requests:
-            raise ValueError(f"request id {rid!r} is already in use")
-        if request.num_prompt_tokens == 0:
-            raise ValueError(f"request {rid!r} has an empty prompt")
+        assert rid not in self._requests, f"request id {rid!r} is already in use"
+        assert request.num_prompt_tokens > 0, f"request {rid!r} has an empty prompt"
         longest = request.num_prompt_tokens + request.max_tokens
-        if longest > self.config.max_model_len:
-            raise ValueError(
-                f"request {rid!r}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
-                f"({request.max_tokens}) = {longest} exceeds the context length "
-                f"({self.config.max_model_len}); shorten the prompt or lower max_tokens")
-        blocks = cdiv(longest, self.kv_cache.block_size)
-        if blocks > self.kv_cache.num_blocks:
-            raise ValueError(
-                f"request {rid!r}: prompt + max_tokens = {longest} tokens need {blocks} KV blocks "
-                f"but the cache has only {self.kv_cache.num_blocks}; lower max_tokens or "
-                "give the KV cache more memory")
+        assert longest <= self.config.max_model_len, (rid, longest, self.config.max_model_len)
+        # The engine sizes the cache for one max_model_len sequence, so this holds too.
+        assert cdiv(longest, self.kv_cache.block_size) <= self.kv_cache.num_blocks, (rid, longest)
         request.status = RequestStatus.WAITING
         self._requests[rid] = request
         self.waiting.append(request)
@@ -217,6 +204,14 @@ class Scheduler:
             self.waiting.remove(request)
         self._finish(request, status, time.monotonic())
         return request
+
+    def stop_on_string(self, request: Request) -> None:
+        """The detokenizer found a stop string in the request's last token: finish it as
+        stopped (freeing its blocks), or re-label it if that token also ended it by length."""
+        if request.is_finished:
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
 
     def abort_request(self, request_id: str) -> Request | None:
         """Abort a waiting or running request (``FINISHED_ABORTED``)."""

@@ -41,7 +41,8 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
               max_body_size: int = 4 * MiB, served_model_name: str | None = None) -> FastAPI:
     """Build the HTTP app around ``engine``.
 
-    The app's lifespan starts the engine loop and shuts it down; ``api_key``
+    The app's lifespan binds the engine to its event loop (``engine.start``; the loop
+    itself runs wherever ``engine.run_loop`` is called) and shuts it down; ``api_key``
     (if set) is required on every route except ``/health``, ``/ready`` and
     ``/metrics``; ``max_queue`` (if set) bounds ``engine.num_unfinished_requests``
     before new requests get 503; ``served_model_name`` defaults to
@@ -126,7 +127,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def detokenize(request: Request) -> JSONResponse:
         body = await read_model(request, DetokenizeRequest)
         state.check_model(body.model)
-        check_token_ids(body.tokens, engine.tokenizer.vocab_size, "tokens")
+        check_token_ids(body.tokens, engine.vocab_size, "tokens")
         return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
 
     @app.get("/health")

@@ -7,6 +7,7 @@ are interchangeable: ``build_app`` accepts anything with this shape.
 
 from __future__ import annotations
 
+import threading
 from typing import AsyncIterator, Protocol
 
 from engine.outputs import RequestOutput
@@ -17,7 +18,6 @@ from engine.stats import StatLogger
 class TokenizerLike(Protocol):
     """The tokenizer surface the server uses (``models.tokenizer.Tokenizer``)."""
 
-    vocab_size: int
     eos_token_ids: list[int] | set[int] | frozenset[int] | tuple[int, ...]
     bos_token_id: int | None
 
@@ -35,6 +35,7 @@ class EngineClient(Protocol):
     tokenizer: TokenizerLike
     model_name: str
     max_model_len: int
+    vocab_size: int  # token ids in [0, vocab_size) are valid in a prompt, stop_token_ids, logit_bias
     num_kv_blocks: int
     block_size: int
 
@@ -48,9 +49,14 @@ class EngineClient(Protocol):
 
     async def start(self) -> None: ...
 
+    def run_loop(self, give_up: threading.Event | None = None) -> None:
+        """Run the engine loop on the calling thread until shutdown."""
+        ...
+
     async def shutdown(self) -> None: ...
 
     def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams) -> AsyncIterator[RequestOutput]: ...
-
-    async def abort(self, request_id: str) -> None: ...
+                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Raises ``engine.validation.InvalidRequestError`` at once for a request that can
+        never run; the returned stream starts the request when first iterated."""
+        ...

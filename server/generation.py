@@ -19,7 +19,6 @@ import anyio
 from starlette.requests import Request
 
 from engine.outputs import RequestOutput
-from server.errors import bad_request
 
 logger = logging.getLogger(__name__)
 
@@ -55,19 +54,13 @@ async def close_quietly(it: Any) -> None:
 
 
 async def _checked(gen: AsyncIterator[RequestOutput]) -> AsyncGenerator[RequestOutput, None]:
-    """Map engine failures of one stream to ``ValueError`` -> 400 or ``EngineFault``."""
-    started = False
+    """Map engine failures of one stream to ``EngineFault``. (A request the engine
+    refuses never gets here: ``engine.generate`` raises before its stream starts.)"""
     try:
         async for out in gen:
             if out.error:
                 raise EngineFault(out.error)
-            started = True
             yield out
-    except ValueError as e:
-        # The engine refuses a request it can never run before yielding anything.
-        if not started:
-            raise bad_request(str(e)) from None
-        raise EngineFault(str(e)) from e
     except (EngineFault, GeneratorExit, asyncio.CancelledError):
         raise
     except Exception as e:  # e.g. EngineDeadError: the loop died under this request

@@ -61,14 +61,9 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     params = body.sampling_params()
     tok = state.engine.tokenizer
     prompt = render_prompt(tok, body)
-    if not prompt:
-        raise bad_request("The rendered chat prompt is empty.", "messages")
-    state.check_prompt(prompt, params, "messages")
-    state.admit()
-
     request_id = new_request_id("chatcmpl")
     choices = Choices([len(prompt)], params.n)
-    merged = launch(state, request_id, [prompt], params)
+    merged = launch(state, request_id, [prompt], params, "messages")
     want_logprobs = params.logprobs is not None
 
     if not body.stream:

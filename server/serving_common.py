@@ -78,11 +78,18 @@ class Choices:
 
 
 def launch(state: ServerState, request_id: str, prompts: list[list[int]],
-           params: SamplingParams) -> Merged:
-    """Start one engine request per prompt and merge their streams."""
+           params: SamplingParams, prompt_param: str) -> Merged:
+    """One engine request per prompt, their streams merged; then admission.
+
+    Every prompt is checked by the engine first (a 400 names ``prompt_param``
+    or the parameter at fault), then the queue bound (503). Nothing has
+    entered the engine yet when either is raised: a stream starts on first
+    iteration.
+    """
     gens = [start_generation(state.engine, request_id if len(prompts) == 1 else f"{request_id}-{i}",
-                             ids, params)
+                             ids, params, prompt_param)
             for i, ids in enumerate(prompts)]
+    state.admit()
     return merge_outputs(gens)
 
 

@@ -41,16 +41,12 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     params = body.sampling_params()
     tok = state.engine.tokenizer
     prompts = [tok.encode(p) if isinstance(p, str) else p for p in body.prompts()]
-    for ids in prompts:
-        state.check_prompt(ids, params, "prompt")
-    state.admit()
-
     request_id = new_request_id("cmpl")
+    merged = launch(state, request_id, prompts, params, "prompt")
     # NOTE: echo of a token-id prompt returns its decoded text.
     echoes = [(p if isinstance(p, str) else tok.decode(p)) if body.echo else ""
               for p in body.prompts()]
     choices = Choices([len(p) for p in prompts], params.n)
-    merged = launch(state, request_id, prompts, params)
     want_logprobs = params.logprobs is not None
 
     if not body.stream:

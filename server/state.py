@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import inspect
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.validation import InvalidRequestError
 from server.engine_client import EngineClient
 from server.errors import bad_request, model_not_found, unavailable
 from server.metrics import PrometheusStatLogger
-from server.protocol import check_token_ids
 
 
 @dataclass
@@ -42,24 +40,6 @@ class ServerState:
             raise unavailable(f"The server is overloaded ({self.max_queue} requests queued); "
                               "retry later.")
 
-    def check_prompt(self, ids: list[int], params: SamplingParams, param: str) -> None:
-        """400 for ids outside the vocabulary or a prompt that cannot fit the context."""
-        vocab = self.engine.tokenizer.vocab_size
-        check_token_ids(ids, vocab, param)
-        check_token_ids(params.stop_token_ids, vocab, "stop_token_ids")
-        check_token_ids(list(params.logit_bias), vocab, "logit_bias")
-        limit = self.engine.max_model_len
-        n, want = len(ids), params.max_tokens
-        if want is None and n >= limit:
-            raise bad_request(f"This model's maximum context length is {limit} tokens. However, "
-                              f"your prompt has {n} tokens, which leaves no room for the "
-                              "completion. Please shorten the prompt.", param)
-        if want is not None and n + want > limit:
-            raise bad_request(f"This model's maximum context length is {limit} tokens. However, "
-                              f"you requested {n + want} tokens ({n} in the prompt, {want} for "
-                              "the completion). Please reduce the length of the prompt or "
-                              "max_tokens.", param)
-
 
 def new_request_id(prefix: str) -> str:
     """A server-minted id such as ``cmpl-1f0c...`` or ``chatcmpl-...``."""
@@ -67,25 +47,13 @@ def new_request_id(prefix: str) -> str:
 
 
 def start_generation(engine: EngineClient, request_id: str, prompt_ids: list[int],
-                     params: SamplingParams) -> AsyncIterator[RequestOutput]:
-    """Call ``engine.generate``; also accepts an engine whose ``generate`` is a
-    coroutine returning the iterator, by awaiting it on first use."""
-    try:
-        it: Any = engine.generate(request_id, prompt_ids, params)
-    except ValueError as e:  # refused on the spot rather than on first iteration
-        raise bad_request(str(e)) from None
-    if inspect.isawaitable(it):
-        return _await_then_iterate(it)
-    return it
+                     params: SamplingParams, prompt_param: str) -> AsyncIterator[RequestOutput]:
+    """``engine.generate``, with the engine's refusal as OpenAI's 400.
 
-
-async def _await_then_iterate(
-        awaitable: Awaitable[AsyncIterator[RequestOutput]]) -> AsyncIterator[RequestOutput]:
-    it = await awaitable
+    ``prompt_param`` is the body field the prompt came from (``prompt`` or
+    ``messages``), named in the error when the prompt itself is at fault.
+    """
     try:
-        async for out in it:
-            yield out
-    finally:
-        aclose = getattr(it, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        return engine.generate(request_id, prompt_ids, params)
+    except InvalidRequestError as e:
+        raise bad_request(str(e), prompt_param if e.param == "prompt" else e.param) from None

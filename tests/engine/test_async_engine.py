@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import threading
 
 import pytest
 
@@ -29,11 +30,19 @@ TIMEOUT = 60  # seconds for any one wait; generous for a loaded 2-core machine
 
 
 def make_async_engine(loaded, **overrides) -> AsyncEngine:
+    """An engine on the shared weights; its loop is left to the test's ``run_loop`` call."""
     budget = 128 * kv_bytes_per_block(loaded.config, loaded.dtype, BLOCK_SIZE)
     settings = dict(dtype="float32", device="cpu", kv_cache_memory=budget, block_size=BLOCK_SIZE,
                     max_model_len=MAX_MODEL_LEN, kv_cache_dtype="float32")
     settings.update(overrides)
     return AsyncEngine(LLMEngine(EngineConfig(**settings), loaded=loaded))
+
+
+def start_loop_thread(engine: AsyncEngine) -> threading.Thread:
+    """Run the engine loop on a thread of its own (it begins once ``start()`` binds the event loop)."""
+    thread = threading.Thread(target=engine.run_loop, name="test-engine-loop", daemon=True)
+    thread.start()
+    return thread
 
 
 class StatsRecorder:
@@ -81,6 +90,7 @@ def test_cancelled_streams_free_their_blocks_and_the_rest_complete(smollm2_loade
         engine = make_async_engine(smollm2_loaded)
         recorder = StatsRecorder()
         engine.add_stat_logger(recorder)
+        start_loop_thread(engine)
         await engine.start()
         try:
             completing = {rid: asyncio.create_task(collect(engine.generate(rid, prompts[rid], params)))
@@ -127,6 +137,7 @@ def test_engine_fault_fails_every_in_flight_request(smollm2_loaded, monkeypatch)
 
     async def scenario() -> None:
         engine = make_async_engine(smollm2_loaded)
+        start_loop_thread(engine)
         await engine.start()
         try:
             streams = [engine.generate(f"fault-{i}", tok.encode(f"Story {i}: once upon a time"), params)
@@ -164,11 +175,11 @@ def test_engine_fault_fails_every_in_flight_request(smollm2_loaded, monkeypatch)
 def test_request_that_can_never_fit_raises_value_error(smollm2_loaded):
     async def scenario() -> None:
         engine = make_async_engine(smollm2_loaded)
+        start_loop_thread(engine)
         await engine.start()
         try:
-            stream = engine.generate("too-long", [42] * 250, SamplingParams(temperature=0, max_tokens=17))
             with pytest.raises(ValueError, match=r"\b250\b"):
-                await asyncio.wait_for(anext(stream), TIMEOUT)
+                engine.generate("too-long", [42] * 250, SamplingParams(temperature=0, max_tokens=17))
             assert engine.num_unfinished_requests == 0
             assert engine.is_alive
             # The engine still serves requests that fit.
@@ -186,6 +197,7 @@ def test_shutdown_ends_in_flight_streams(smollm2_loaded):
 
     async def scenario() -> None:
         engine = make_async_engine(smollm2_loaded)
+        start_loop_thread(engine)
         await engine.start()
         stream = engine.generate("long", tok.encode("Once upon a time"),
                                  SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
@@ -205,38 +217,39 @@ def test_shutdown_ends_in_flight_streams(smollm2_loaded):
 
 
 def test_request_arriving_as_the_engine_dies_fails_instead_of_hanging(smollm2_loaded, monkeypatch):
-    # The fault lands after generate() saw a live engine but before its request
-    # reached the loop: validation is where that window is widest (long prompts).
+    # The fault lands after the stream saw a live engine but before its request
+    # was registered: is_alive answers True, and the loop dies right after.
     tok = smollm2_loaded.tokenizer
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 
     async def scenario() -> None:
         engine = make_async_engine(smollm2_loaded)
+        loop_thread = start_loop_thread(engine)
         await engine.start()
         inner = engine.engine
-        real_validate = inner.validate
+        real_is_alive = AsyncEngine.is_alive.fget
 
         def fail_the_engine(*_):
             raise RuntimeError("simulated device fault")
 
-        def validate_while_the_engine_dies(prompt_token_ids, request_params):
-            max_tokens = real_validate(prompt_token_ids, request_params)
+        def alive_then_dies(self) -> bool:
+            alive = real_is_alive(self)
             monkeypatch.setattr(inner.runner, "execute", fail_the_engine)
-            engine._thread.join(TIMEOUT)  # the in-flight request's next step kills the loop
-            return max_tokens
+            loop_thread.join(TIMEOUT)  # the in-flight request's next step kills the loop
+            return alive
 
         try:
             running = engine.generate("running", tok.encode("Once upon a time"), params)
             await asyncio.wait_for(anext(running), TIMEOUT)
-            monkeypatch.setattr(inner, "validate", validate_while_the_engine_dies)
-
             late = engine.generate("late", tok.encode("Hello there"), params)
+            monkeypatch.setattr(AsyncEngine, "is_alive", property(alive_then_dies))
             try:
                 outs = await asyncio.wait_for(collect(late), 10)
             except EngineDeadError:
                 pass
             else:
                 assert outs[-1].finished and outs[-1].error is not None
+            monkeypatch.undo()
             assert not engine.is_alive
             rest = await asyncio.wait_for(collect(running), TIMEOUT)
             assert rest[-1].error is not None
@@ -253,6 +266,7 @@ def test_abort_that_leaves_the_engine_idle_still_reaches_the_stat_loggers(smollm
         engine = make_async_engine(smollm2_loaded)
         recorder = StatsRecorder()
         engine.add_stat_logger(recorder)
+        start_loop_thread(engine)
         await engine.start()
         try:
             stream = engine.generate("gone", tok.encode("Once upon a time"),
@@ -272,12 +286,9 @@ def test_abort_that_leaves_the_engine_idle_still_reaches_the_stat_loggers(smollm
     asyncio.run(scenario())
 
 
-def test_hosted_loop_serves_from_the_calling_thread_and_stops_on_shutdown(smollm2_loaded):
+def test_loop_serves_from_the_calling_thread_and_stops_on_shutdown(smollm2_loaded):
     """The server's layout: the engine loop on this thread, the event loop on another."""
-    import threading
-
     engine = make_async_engine(smollm2_loaded)
-    engine.host_loop_on_current_thread()
     results: dict[str, object] = {}
 
     async def client() -> None:
@@ -291,7 +302,7 @@ def test_hosted_loop_serves_from_the_calling_thread_and_stops_on_shutdown(smollm
 
     loop_thread = threading.Thread(target=lambda: asyncio.run(client()))
     loop_thread.start()
-    engine.run_hosted_loop()  # returns once shutdown() stops the loop
+    engine.run_loop()  # returns once shutdown() stops the loop
     loop_thread.join(TIMEOUT)
 
     assert not loop_thread.is_alive()
@@ -300,14 +311,11 @@ def test_hosted_loop_serves_from_the_calling_thread_and_stops_on_shutdown(smollm
     assert engine.engine.kv_cache.stats.num_blocks_used == 0
 
 
-def test_hosted_loop_gives_up_when_the_http_side_never_starts(smollm2_loaded):
-    import threading
-
+def test_loop_gives_up_when_the_http_side_never_starts(smollm2_loaded):
     engine = make_async_engine(smollm2_loaded)
-    engine.host_loop_on_current_thread()
     give_up = threading.Event()
     give_up.set()
 
-    engine.run_hosted_loop(give_up=give_up)  # must return, not wait forever
+    engine.run_loop(give_up=give_up)  # must return, not wait forever
 
     assert not engine.is_alive

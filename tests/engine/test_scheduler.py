@@ -235,18 +235,18 @@ def test_the_request_being_scheduled_preempts_itself_when_it_is_the_newest(asser
     assert_scheduler_empty(scheduler)
 
 
-def test_requests_that_can_never_fit_are_rejected(assert_scheduler_empty):
+def test_requests_that_can_never_fit_are_internal_errors(assert_scheduler_empty):
+    # engine.validation refuses them before they get here (tests/engine/test_validation.py).
     scheduler = make_scheduler(num_blocks=4, block_size=16, max_model_len=100)
-    too_long = r"\(90 tokens\) \+ max_tokens \(20\) = 110 exceeds the context length \(100\)"
-    with pytest.raises(ValueError, match=too_long):
+    with pytest.raises(AssertionError):
         scheduler.add_request(make_request("too-long", prompt(0, 90), max_tokens=20))
-    with pytest.raises(ValueError, match="need 5 KV blocks but the cache has only 4"):
+    with pytest.raises(AssertionError):
         scheduler.add_request(make_request("too-big", prompt(0, 60), max_tokens=10))
-    with pytest.raises(ValueError, match="empty prompt"):
+    with pytest.raises(AssertionError, match="empty prompt"):
         scheduler.add_request(make_request("empty", [], max_tokens=10))
     assert_scheduler_empty(scheduler)
     scheduler.add_request(make_request("fits", prompt(0, 54), max_tokens=10))
-    with pytest.raises(ValueError, match="already in use"):
+    with pytest.raises(AssertionError, match="already in use"):
         scheduler.add_request(make_request("fits", prompt(0, 5), max_tokens=10))
     assert scheduler.num_waiting == 1
 

@@ -13,6 +13,7 @@ or by raising, as a dead engine loop does.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from dataclasses import dataclass, field
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.stats import FinishedRequestStats, StatLogger, StepStats
+from engine.validation import RequestLimits, check_request
+from models.kv_cache import cdiv
 
 SCRIPT = "hello world, this is kvserve speaking. " * 8
 
@@ -109,13 +112,8 @@ class FakeEngine:
         self.requests: list[FakeRequest] = []
         self.aborted: list[str] = []
         self._active: dict[str, FakeRequest] = {}
-        self._abort_flags: set[str] = set()
         self._loggers: list[StatLogger] = []
         self._seen_prompts: list[list[int]] = []
-
-    @classmethod
-    def from_config(cls, config: object) -> "FakeEngine":
-        return cls(model_name=getattr(config, "served_model_name", None) or "fake-model")
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -127,21 +125,16 @@ class FakeEngine:
     async def start(self) -> None:
         self.started = True
 
-    def host_loop_on_current_thread(self) -> None:
-        self.hosted = True
-
-    def run_hosted_loop(self, give_up=None) -> None:
-        """The fake steps on its own; like the real one, return once the HTTP side gave up."""
-        if give_up is not None:
-            give_up.wait(10)
+    def run_loop(self, give_up: threading.Event | None = None) -> None:
+        """The fake steps on its own; like the real loop, return once shut down, or once
+        the HTTP side gave up. Records the thread it ran on."""
+        self.loop_thread = threading.current_thread()
+        while not self.shut_down and not (give_up is not None and give_up.is_set()):
+            time.sleep(0.05)
 
     async def shutdown(self) -> None:
         self.shut_down = True
         self.is_alive = False
-
-    async def abort(self, request_id: str) -> None:
-        if request_id in self._active:
-            self._abort_flags.add(request_id)
 
     def _cached_tokens(self, prompt: list[int]) -> int:
         best = 0
@@ -159,7 +152,7 @@ class FakeEngine:
         used = 0
         for req in self._active.values():
             for s in req.samples:
-                used += -(-(len(req.prompt_token_ids) + s.num_tokens) // self.block_size)
+                used += cdiv(len(req.prompt_token_ids) + s.num_tokens, self.block_size)
         return used
 
     def _emit(self, stats: StepStats) -> None:
@@ -212,19 +205,21 @@ class FakeEngine:
         return CompletionOutput(index=s.index, text=delta, token_ids=[tok], logprobs=logprobs,
                                 finish_reason=s.finish_reason, stop_reason=s.stop_reason)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """The real engine's check (``InvalidRequestError`` at once), then the stream."""
+        limits = RequestLimits(vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        limit = check_request(prompt_token_ids, params, limits)
+        return self._stream(request_id, list(prompt_token_ids), params, limit)
+
+    async def _stream(self, request_id: str, prompt: list[int], params: SamplingParams,
+                      limit: int) -> AsyncIterator[RequestOutput]:
         """Yield one ``RequestOutput`` per step until every sample finishes."""
-        prompt = list(prompt_token_ids)
         n_prompt = len(prompt)
-        if not prompt:
-            raise ValueError("prompt must not be empty")
-        if n_prompt >= self.max_model_len:
-            raise ValueError(f"prompt has {n_prompt} tokens, max_model_len is {self.max_model_len}")
-        limit = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
-        if n_prompt + limit > self.max_model_len:
-            raise ValueError(f"prompt ({n_prompt}) + max_tokens ({limit}) exceeds "
-                             f"max_model_len ({self.max_model_len})")
         if not self.is_alive:
             raise FakeEngineDeadError("engine is dead")
         req = FakeRequest(request_id, prompt, params, [_Sample(k) for k in range(params.n)])
@@ -239,18 +234,6 @@ class FakeEngine:
                 await asyncio.sleep(self.step_delay)
                 now = time.monotonic()
                 stats = StepStats()
-                if request_id in self._abort_flags:
-                    outs = [CompletionOutput(s.index, "", [], finish_reason="abort")
-                            for s in req.samples if s.finish_reason is None]
-                    for s in req.samples:
-                        if s.finish_reason is None:
-                            s.finish_reason = "abort"
-                            stats.finished.append(self._finished(req, s, arrival, now))
-                    del self._active[request_id]
-                    self._emit(stats)
-                    yield RequestOutput(request_id, outs, prompt, finished=True,
-                                        num_cached_tokens=cached)
-                    return
                 if self.fail_after_steps is not None and steps >= self.fail_after_steps:
                     del self._active[request_id]
                     if self.fault == "raise":
@@ -293,7 +276,6 @@ class FakeEngine:
                 stats = StepStats(finished=[self._finished(req, s, arrival, time.monotonic())
                                             for s in req.samples if s.finish_reason is None])
                 self._emit(stats)
-            self._abort_flags.discard(request_id)
 
     @staticmethod
     def _finished(req: FakeRequest, s: _Sample, arrival: float, now: float) -> FinishedRequestStats:

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from server.chat_client import ChatError, ChatSession, iter_sse_data, run
+from server.cli.chat import ChatError, ChatSession, iter_sse_data, run
 
 
 def sse_reply(text: str) -> str:

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import types
 from pathlib import Path
@@ -18,6 +19,8 @@ import pytest
 
 from engine.config import EngineConfig
 from server import cli
+from server.cli import args as cli_args
+from server.cli import serve as cli_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,26 +30,26 @@ ROOT = Path(__file__).resolve().parents[2]
     ("4096", 4096), ("4mib", 4 * 1024**2), (" 1 KiB ", 1024), ("10kb", 10_000), ("1T", 10**12),
 ])
 def test_parse_size(text: str, expected: int) -> None:
-    assert cli.parse_size(text) == expected
+    assert cli_args.parse_size(text) == expected
 
 
 @pytest.mark.parametrize("text", ["", "MiB", "1.2.3GB", "5 parsecs", "-1GB", "0", "1e3"])
 def test_parse_size_rejects(text: str) -> None:
     with pytest.raises(ValueError):
-        cli.parse_size(text)
+        cli_args.parse_size(text)
 
 
 def test_serve_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVSERVE_API_KEY", raising=False)
-    args = cli.build_parser().parse_args(["serve"])
+    args = cli_args.build_parser().parse_args(["serve"])
     assert (args.model, args.host, args.port, args.dtype) == ("smollm2", "127.0.0.1", 8000, "auto")
     assert args.max_body_size == 4 * 1024**2 and args.api_key is None and args.max_queue is None
-    assert cli.engine_config(args) == EngineConfig()
+    assert cli_args.engine_config(args) == EngineConfig()
 
 
 def test_serve_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSERVE_API_KEY", "from-env")
-    args = cli.build_parser().parse_args([
+    args = cli_args.build_parser().parse_args([
         "serve", "--model", "/m.gguf", "--kv-cache-memory", "1.5GB", "--block-size", "32",
         "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--max-model-len", "1024",
         "--served-model-name", "mine", "--max-queue", "5", "--max-body-size", "1MiB",
@@ -54,7 +57,7 @@ def test_serve_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
         "--quantization", "none"])
     assert args.api_key == "from-env" and args.max_queue == 5 and args.max_body_size == 1024**2
     assert args.shutdown_timeout == 3.0
-    assert cli.engine_config(args) == EngineConfig(
+    assert cli_args.engine_config(args) == EngineConfig(
         model="/m.gguf", dtype="float32", kv_cache_memory=1_500_000_000, block_size=32,
         max_num_seqs=8, max_num_batched_tokens=512, max_model_len=1024,
         served_model_name="mine", kv_cache_dtype="int8", quantization="none")
@@ -62,11 +65,11 @@ def test_serve_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_bad_settings_exit_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        cli.build_parser().parse_args(["serve", "--kv-cache-memory", "lots"])
+        cli_args.build_parser().parse_args(["serve", "--kv-cache-memory", "lots"])
     assert "invalid size" in capsys.readouterr().err
-    args = cli.build_parser().parse_args(["serve", "--block-size", "3"])
+    args = cli_args.build_parser().parse_args(["serve", "--block-size", "3"])
     with pytest.raises(SystemExit, match="block_size"):
-        cli.engine_config(args)
+        cli_args.engine_config(args)
 
 
 def test_generate_calls_llm_engine(monkeypatch: pytest.MonkeyPatch,
@@ -74,10 +77,8 @@ def test_generate_calls_llm_engine(monkeypatch: pytest.MonkeyPatch,
     seen = {}
 
     class FakeLLM:
-        @classmethod
-        def from_config(cls, config):
+        def __init__(self, config):
             seen["config"] = config
-            return cls()
 
         def generate(self, prompts, params, use_tqdm=True):
             seen["prompts"], seen["params"] = prompts, params
@@ -99,12 +100,13 @@ def test_serve_wiring_and_startup_log(monkeypatch: pytest.MonkeyPatch,
 
     engines = []
 
-    def from_config(config):
+    def async_engine(config):
         engines.append(FakeEngine(model_name=config.served_model_name or config.model))
         return engines[-1]
 
-    monkeypatch.setitem(sys.modules, "engine.async_engine",
-                        types.SimpleNamespace(AsyncEngine=types.SimpleNamespace(from_config=from_config)))
+    # LLMEngine(config) loads the model; the fake AsyncEngine takes the config instead.
+    monkeypatch.setattr(cli_serve, "LLMEngine", lambda config: config)
+    monkeypatch.setattr(cli_serve, "AsyncEngine", async_engine)
     made = {}
 
     class StubServer:
@@ -121,12 +123,12 @@ def test_serve_wiring_and_startup_log(monkeypatch: pytest.MonkeyPatch,
         on_drain()
         return StubServer()
 
-    monkeypatch.setattr(cli, "_make_server", make_server)
+    monkeypatch.setattr(cli_serve, "make_server", make_server)
     with caplog.at_level(logging.INFO, logger="kvserve"):
         code = cli.main(["serve", "--port", "9123", "--api-key", "k", "--max-queue", "3",
                          "--shutdown-timeout", "2"])
     assert code == 0 and made["ran"] and (made["host"], made["port"]) == ("127.0.0.1", 9123)
-    assert engines[0].hosted, "the engine loop must run on the main thread"
+    assert engines[0].loop_thread is threading.main_thread(), "the engine loop must run on the main thread"
     state = made["app"].state.kvserve
     assert (state.api_key, state.max_queue, state.draining) == ("k", 3, True)
     text = caplog.text
@@ -136,7 +138,7 @@ def test_serve_wiring_and_startup_log(monkeypatch: pytest.MonkeyPatch,
 
 def test_signal_starts_draining_without_reraising() -> None:
     drained = []
-    server = cli._make_server(object(), "127.0.0.1", 0, 1.0, "info", lambda: drained.append(1))
+    server = cli_serve.make_server(object(), "127.0.0.1", 0, 1.0, "info", lambda: drained.append(1))
     server.handle_exit(signal.SIGTERM, None)
     assert drained == [1] and server.should_exit
 
@@ -152,11 +154,12 @@ SERVE_FAKE = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from fake_engine import FakeEngine
     from server.app import build_app
-    from server.cli import _make_server
-    app = build_app(FakeEngine(step_delay=0.02))
-    server = _make_server(app, "127.0.0.1", {port}, {timeout}, "warning",
-                          lambda: setattr(app.state.kvserve, "draining", True))
-    server.run()
+    from server.cli.serve import make_server, serve_app
+    engine = FakeEngine(step_delay=0.02)
+    app = build_app(engine)
+    server = make_server(app, "127.0.0.1", {port}, {timeout}, "warning",
+                         lambda: setattr(app.state.kvserve, "draining", True))
+    print("serve_app returned", serve_app(engine, server), flush=True)
     print("engine shut down:", app.state.kvserve.engine.shut_down, flush=True)
 """)
 
@@ -185,7 +188,7 @@ def test_sigterm_lets_in_flight_finish_then_exits_0() -> None:
         assert '"finish_reason":"length"' in rest[-2]
         out, err = proc.communicate(timeout=30)
         assert proc.returncode == 0, err
-        assert "engine shut down: True" in out
+        assert "serve_app returned 0" in out and "engine shut down: True" in out
     finally:
         if proc.poll() is None:
             proc.kill()

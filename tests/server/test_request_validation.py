@@ -6,6 +6,7 @@ import httpx
 import pytest
 
 from api_helpers import MODEL, assert_error
+from engine.validation import InvalidRequestError
 
 pytestmark = pytest.mark.anyio
 
@@ -121,15 +122,14 @@ async def test_engine_value_error_is_400(client: httpx.AsyncClient, engine) -> N
     # A limit only the engine knows still reaches the client as a 400, streaming or not.
     saved = engine.generate
 
-    async def refusing(*args, **kwargs):
-        raise ValueError("prompt (3) + max_tokens (2) exceeds max_model_len (4)")
-        yield  # pragma: no cover
+    def refusing(*args, **kwargs):
+        raise InvalidRequestError("prompt (3) + max_tokens (2) exceeds max_model_len (4)", "max_tokens")
 
     engine.generate = refusing
     try:
         for stream in (False, True):
             r = await client.post(CMPL, json={"prompt": "hi", "max_tokens": 2, "stream": stream})
-            assert_error(r, 400, contains="exceeds max_model_len (4)")
+            assert_error(r, 400, param="max_tokens", contains="exceeds max_model_len (4)")
     finally:
         engine.generate = saved
 

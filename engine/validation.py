@@ -1,0 +1,69 @@
+"""The one check a request passes before the engine accepts it.
+
+``SamplingParams`` validates each parameter on its own at construction; what
+depends on the model (the vocabulary, the context length) is checked here,
+once, when a request enters the engine (``LLMEngine.prepare``). The server
+maps ``InvalidRequestError`` to OpenAI's 400 with its ``param``; the scheduler
+below only asserts what this module guarantees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine can never run; ``param`` names the field at fault
+    (``"prompt"`` for the prompt itself, else a ``SamplingParams`` field)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What bounds a request on the loaded model.
+
+    ``vocab_size`` is the number of token ids that both the tokenizer and the
+    model's embedding rows know: the bound for prompt ids, ``stop_token_ids``
+    and ``logit_bias`` keys, and the width the sampler draws from, so that every
+    id that goes in or comes out can be both embedded and decoded.
+    """
+
+    vocab_size: int
+    max_model_len: int
+
+
+def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: RequestLimits) -> int:
+    """Check that a request can run; return its resolved ``max_tokens``.
+
+    Raises ``InvalidRequestError`` with a message a user can act on.
+    """
+    n, limit = len(prompt_token_ids), limits.max_model_len
+    if n == 0:
+        raise InvalidRequestError("The prompt is empty.", "prompt")
+    _check_ids(prompt_token_ids, limits.vocab_size, "prompt")
+    _check_ids(params.stop_token_ids, limits.vocab_size, "stop_token_ids")
+    _check_ids(list(params.logit_bias), limits.vocab_size, "logit_bias")
+    if n >= limit:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {limit} tokens. However, your prompt has "
+            f"{n} tokens, which leaves no room for the completion. Please shorten the prompt.",
+            "prompt")
+    max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
+    if n + max_tokens > limit:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). "
+            "Please reduce the length of the prompt or max_tokens.", "prompt")
+    return max_tokens
+
+
+def _check_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"{param} contains token id {bad}, outside the vocabulary "
+                                  f"[0, {vocab_size}).", param)

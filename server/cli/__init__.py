@@ -1,0 +1,67 @@
+"""The ``kvserve`` command, the program's front door: ``serve``, ``generate``
+(offline), ``chat`` and ``bench``.
+
+It sits above the HTTP layer: ``serve`` wires the engine to ``server.app``,
+``chat`` is a client of a running server and ``bench`` runs ``bench/``'s load
+generator. Each subcommand's module is imported when it runs, so ``kvserve
+chat`` starts without loading torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from engine.sampling_params import SamplingParams
+from server.cli.args import build_parser, engine_config
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from server.cli.serve import cmd_serve
+
+    return cmd_serve(args)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    """Offline generation for one prompt through the synchronous ``LLMEngine``."""
+    from engine.llm_engine import LLMEngine  # loads torch
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+        llm = LLMEngine(engine_config(args))
+    except ValueError as e:
+        raise SystemExit(f"kvserve: error: {e}") from None
+    # One list of n samples per prompt.
+    [samples] = llm.generate([args.prompt], params, use_tqdm=False)
+    for sample in samples:
+        print(sample.text)
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from server.cli.chat import ChatSession, run
+
+    session = ChatSession(args.url, api_key=args.api_key, system=args.system, model=args.model,
+                          temperature=args.temperature)
+    return run(session)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    # bench/ is a client of any OpenAI-compatible server; only this subcommand needs it.
+    import bench.serve
+
+    tools = {"serve": bench.serve.main}
+    return tools[args.tool](args.args, prog=f"kvserve bench {args.tool}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvserve`` console script."""
+    args = build_parser().parse_args(argv)
+    # The chat client's screen is the conversation: only warnings go to the log.
+    level = "warning" if args.command == "chat" else getattr(args, "log_level", "info")
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    commands = {"serve": _cmd_serve, "generate": _cmd_generate, "chat": _cmd_chat,
+                "bench": _cmd_bench}
+    return commands[args.command](args)

@@ -1,0 +1,122 @@
+"""The ``kvserve`` command line's arguments: sizes, the parser, the engine settings."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+
+_UNITS = {"": 1, "b": 1,
+          "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"512MiB"``, ``"2GiB"``, ``"1.5GB"``, ``"4096"``.
+
+    ``KiB/MiB/GiB/TiB`` are powers of 1024; ``KB/MB/GB/TB`` (and ``K/M/G/T``)
+    powers of 1000; a plain number is bytes. Case does not matter.
+    """
+    match = _SIZE.match(text)
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise ValueError(f"invalid size {text!r}: use a number with an optional unit "
+                         "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 512MiB")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"size must be positive, got {text!r}")
+    return value
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    p.add_argument("--model", default=d.model,
+                   help="model name (smollm2), checkpoint directory or .gguf file")
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--kv-cache-memory", type=_size_arg, default=d.kv_cache_memory,
+                   help="KV cache budget, e.g. 512MiB or 2GiB (default 512MiB)")
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+                   choices=KV_CACHE_DTYPES,
+                   help="auto: float16 for a float32 model (twice the tokens), else the model's dtype; "
+                        "int8: 8-bit codes and a scale per token and head (about 1.9x float16's tokens, "
+                        "logits within about 1)")
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's)")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--quantization", default=d.quantization, choices=QUANTIZATIONS,
+                   help="int4: int4 projections, float activations, for small decode batches (CPU); "
+                        "w4a8: int4 weights and int8 activations on AVX512-VNNI, every batch; "
+                        "auto (default): w4a8 (int4 without VNNI) for a 4-bit GGUF on CPU, else none")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser for all subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="kvserve", description="kvserve: serve, generate (offline), chat and bench.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
+                       help="require 'Authorization: Bearer <key>' (default: $KVSERVE_API_KEY)")
+    serve.add_argument("--max-queue", type=int, default=None,
+                       help="refuse new requests with 503 once this many are unfinished")
+    serve.add_argument("--max-body-size", type=_size_arg, default=4 * 1024**2,
+                       help="largest request body (default 4MiB)")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests may run after SIGTERM")
+    serve.add_argument("--log-level", default="info")
+
+    gen = sub.add_parser("generate", help="generate offline for one prompt")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+
+    chat = sub.add_parser("chat", help="chat with a running server in the terminal")
+    chat.add_argument("--url", default="http://127.0.0.1:8000")
+    chat.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"))
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--model", default=None)
+    # NOTE: a 135M model rambles at OpenAI's default temperature of 1.0.
+    chat.add_argument("--temperature", type=float, default=0.2,
+                      help="sampling temperature (default 0.2)")
+
+    bench = sub.add_parser("bench", help="benchmark a running server (kvserve bench serve --help)")
+    bench.add_argument("tool", choices=["serve"], help="serve: load generator for an "
+                       "OpenAI-compatible server")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="the tool's own arguments")
+    return parser
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The ``EngineConfig`` for parsed ``serve``/``generate`` arguments; a bad
+    setting exits with its message rather than a traceback."""
+    try:
+        return EngineConfig(
+            model=args.model, dtype=args.dtype, device=args.device,
+            kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+            served_model_name=getattr(args, "served_model_name", None),
+            quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+    except ValueError as e:
+        raise SystemExit(f"kvserve: error: {e}") from None

@@ -1,0 +1,100 @@
+"""``kvserve serve``: the engine loop on the main thread, uvicorn on a helper thread."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import LLMEngine
+from server.app import build_app
+from server.cli.args import engine_config
+from server.engine_client import EngineClient
+
+logger = logging.getLogger("kvserve")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, plus: a signal first flips the app into draining (new requests
+    get 503 while in-flight ones finish).
+
+    uvicorn runs on a helper thread, where it installs no signal handlers (and
+    so re-raises none after its graceful shutdown, which keeps the exit status
+    0): :func:`serve_app` routes SIGINT and SIGTERM to :meth:`handle_exit` from
+    the main thread.
+    """
+
+    def __init__(self, config: uvicorn.Config, on_drain: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_drain = on_drain
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._on_drain()
+        super().handle_exit(sig, frame)
+
+
+def make_server(app: FastAPI, host: str, port: int, shutdown_timeout: float, log_level: str,
+                on_drain: Callable[[], None]) -> DrainingServer:
+    """uvicorn lets in-flight requests run up to ``shutdown_timeout`` seconds
+    after a signal, then cancels them (which aborts their engine requests)."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=shutdown_timeout)
+    return DrainingServer(config, on_drain)
+
+
+def serve_app(engine: EngineClient, server: DrainingServer) -> int:
+    """Serve until SIGINT/SIGTERM: ``engine.run_loop`` on this (main) thread, where
+    torch's thread pool is fast, and ``server`` on a helper thread. Returns the exit status."""
+    http_done = threading.Event()
+
+    def serve_http() -> None:
+        try:
+            server.run()
+        finally:
+            http_done.set()
+
+    http = threading.Thread(target=serve_http, name="kvserve-http")
+    previous = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        http.start()
+        engine.run_loop(give_up=http_done)
+        # Signals must still reach uvicorn while it drains: keep waking up.
+        while http.is_alive():
+            http.join(0.2)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    # uvicorn returns normally after a signal-driven graceful shutdown; a failed
+    # start-up (port in use, lifespan error) leaves ``started`` false.
+    return 0 if server.started else 1
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Load the model named in ``args`` and serve it."""
+    config = engine_config(args)
+    logger.info("loading model %s", config.model)
+    try:
+        engine = AsyncEngine(LLMEngine(config))
+    except ValueError as e:  # a bad model name or setting: say it, no traceback
+        raise SystemExit(f"kvserve: error: {e}") from None
+    app = build_app(engine, api_key=args.api_key, max_queue=args.max_queue,
+                    max_body_size=args.max_body_size, served_model_name=args.served_model_name)
+    state = app.state.kvserve
+    logger.info("kvserve listening on http://%s:%d (model %s, max_model_len %d, auth %s)",
+                args.host, args.port, state.model_name, engine.max_model_len,
+                "on" if args.api_key else "off")
+    logger.info("KV cache: %d blocks x %d tokens = %d tokens", engine.num_kv_blocks,
+                engine.block_size, engine.num_kv_blocks * engine.block_size)
+
+    def drain() -> None:
+        state.draining = True
+
+    server = make_server(app, args.host, args.port, args.shutdown_timeout, args.log_level, drain)
+    return serve_app(engine, server)
