@@ -130,17 +130,18 @@ class AsyncEngine:
 
     # -- requests ---------------------------------------------------------
 
-    def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 group: str | None = None) -> AsyncIterator[RequestOutput]:
         """Check a request and return the stream of its deltas.
 
-        Raises ``InvalidRequestError`` (a ``ValueError``) at once if the
+        Requests of one ``group`` (default: the request alone) take turns with
+        other groups for admission. Raises ``InvalidRequestError`` (a ``ValueError``) at once if the
         request can never run. The request enters the engine when the stream
         is first iterated, which raises ``EngineDeadError`` if the engine is
         dead; closing or cancelling the stream aborts the request and frees its
         KV blocks.
         """
-        return self._stream(self.engine.prepare(request_id, prompt_token_ids, params))
+        return self._stream(self.engine.prepare(request_id, prompt_token_ids, params, group=group))
 
     async def _stream(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         request_id = request.request_id
@@ -172,6 +173,12 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self._commands.put(_Abort(request_id))
+
+    def abort_all(self) -> None:
+        """Abort every unfinished request now (a drain that ran out of time): each
+        stream ends with a ``finish_reason="abort"`` delta and the blocks are freed."""
+        for rid in list(self._streams):
+            self._commands.put(_Abort(rid))
 
     # -- the loop (engine thread) -----------------------------------------
 

@@ -108,15 +108,18 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------
 
     def prepare(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                arrival_time: float | None = None) -> EngineRequest:
+                arrival_time: float | None = None, group: str | None = None) -> EngineRequest:
         """Check a request against the model's limits (``engine.validation``).
 
-        Raises ``InvalidRequestError`` if it can never run. Reads only what is
-        fixed at construction, so any thread may call it.
+        ``group`` (default: the request alone) names the requests that take
+        turns together with other groups for admission, e.g. the prompts of one
+        API request. Raises ``InvalidRequestError`` if the request can never
+        run. Reads only what is fixed at construction, so any thread may call it.
         """
         max_tokens = check_request(prompt_token_ids, params, self.limits)
         return EngineRequest(request_id, list(prompt_token_ids), params, max_tokens,
-                             time.monotonic() if arrival_time is None else arrival_time)
+                             time.monotonic() if arrival_time is None else arrival_time,
+                             group or request_id)
 
     def add(self, request: EngineRequest) -> None:
         """Queue a prepared request (its ``params.n`` samples); ``ValueError`` if its id is in use."""
@@ -127,7 +130,7 @@ class LLMEngine:
             Request(request_id=f"{request_id}#{i}" if params.n > 1 else request_id,
                     prompt_token_ids=list(request.prompt_token_ids), sampling_params=params,
                     max_tokens=request.max_tokens, eos_token_ids=self.eos_token_ids,
-                    sample_index=i, arrival_time=request.arrival_time)
+                    group=request.group, sample_index=i, arrival_time=request.arrival_time)
             for i in range(params.n)
         ]
         for seq in seqs:

@@ -45,6 +45,7 @@ class EngineRequest:
     params: SamplingParams
     max_tokens: int  # resolved: never None
     arrival_time: float
+    group: str  # admission takes turns between groups (engine/waiting_queue.py)
 
 
 @dataclass
@@ -61,6 +62,9 @@ class Request:
     sampling_params: SamplingParams
     max_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
+    # Requests of one group take turns with other groups for admission
+    # (engine/waiting_queue.py); empty means a group of its own.
+    group: str = ""
     sample_index: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
@@ -78,6 +82,7 @@ class Request:
 
     def __post_init__(self) -> None:
         assert self.max_tokens >= 1
+        self.group = self.group or self.request_id
         seed = self.sampling_params.seed
         if seed is not None and self.generator is None:
             # Each of n samples gets its own stream, derived from the seed.

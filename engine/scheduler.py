@@ -13,11 +13,11 @@ freed and it later re-runs its prompt and the tokens it already generated
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.waiting_queue import WaitingQueue
 from models.kv_cache import cdiv
 
 
@@ -81,7 +81,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
         self.config = config
         self.kv_cache = kv_cache
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self._requests: dict[str, Request] = {}  # every unfinished request
         self.num_preemptions_total = 0
@@ -129,12 +129,12 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # Admissions, FIFO (preempted requests sit at the front). Not after a
-        # preemption: blocks are short, and admitting would only thrash.
+        # Admissions in the waiting queue's fair order (preempted requests first).
+        # Not after a preemption: blocks are short, and admitting would only thrash.
         admitted: list[str] = []
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
+            request = self.waiting.peek()
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
             num_remaining = request.num_tokens - num_cached
             num_new = min(num_remaining, budget)
@@ -142,7 +142,7 @@ class Scheduler:
                 break
             if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens = num_cached
@@ -249,7 +249,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(request)
+        self.waiting.push_preempted(request)
 
     def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
         self.kv_cache.free(request.request_id)

@@ -59,6 +59,13 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). "
             "Please reduce the length of the prompt or max_tokens.", "prompt")
+    if params.min_tokens > max_tokens:
+        # Only reachable without max_tokens (SamplingParams checks the pair): the
+        # completion can hold the rest of the context, and no more.
+        raise InvalidRequestError(
+            f"This model's maximum context length is {limit} tokens. However, you asked for "
+            f"at least {params.min_tokens} completion tokens after a prompt of {n} tokens, "
+            f"which leaves room for {limit - n}. Please reduce min_tokens.", "min_tokens")
     return max_tokens
 
 

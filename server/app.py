@@ -7,6 +7,7 @@ argument.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,11 +20,12 @@ from starlette.responses import JSONResponse, Response
 
 from server.body import read_model
 from server.engine_client import EngineClient
-from server.errors import install_exception_handlers, unavailable
+from server.errors import ClientDisconnected, install_exception_handlers, unavailable
 from server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
-from server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, DrainMiddleware
+from server.middleware import OPEN_PATHS, APIKeyMiddleware, BodySizeLimitMiddleware, DrainMiddleware
 from server.protocol import DetokenizeRequest, TokenizeRequest, check_token_ids, template_messages
 from server.serving_chat import apply_template, create_chat_completion
+from server.serving_common import client_disconnected
 from server.serving_completions import create_completion
 from server.state import ServerState
 
@@ -38,17 +40,20 @@ def _version() -> str:
 
 
 def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: int | None = None,
-              max_body_size: int = 4 * MiB, served_model_name: str | None = None) -> FastAPI:
+              max_body_size: int = 4 * MiB, served_model_name: str | None = None,
+              metrics_require_key: bool = False) -> FastAPI:
     """Build the HTTP app around ``engine``.
 
     The app's lifespan binds the engine to its event loop (``engine.start``; the loop
     itself runs wherever ``engine.run_loop`` is called) and shuts it down; ``api_key``
     (if set) is required on every route except ``/health``, ``/ready`` and
-    ``/metrics``; ``max_queue`` (if set) bounds ``engine.num_unfinished_requests``
-    before new requests get 503; ``served_model_name`` defaults to
-    ``engine.model_name``. Set ``app.state.kvserve.draining = True`` to start
-    refusing new requests (graceful shutdown).
+    ``/metrics`` (that one too with ``metrics_require_key``); ``max_queue``
+    (if set) bounds the generation requests in flight before new ones get 503;
+    ``served_model_name`` defaults to ``engine.model_name``. Call
+    ``app.state.kvserve.begin_drain(timeout)`` to start a graceful shutdown.
     """
+    if metrics_require_key and not api_key:
+        raise ValueError("metrics_require_key needs an api_key")
     model_name = served_model_name or engine.model_name
     metrics = PrometheusStatLogger(model_name)
     engine.add_stat_logger(metrics)
@@ -57,6 +62,7 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.loop = asyncio.get_running_loop()
         await engine.start()
         state.started = True
         try:
@@ -73,11 +79,19 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kvserve = state
     install_exception_handlers(app)
+
+    async def on_client_disconnect(request: Request, _: Exception) -> Response:
+        # Hung up while its body was read or before its answer was ready; a stream
+        # that loses its client counts itself (serving_common.SSEResponse).
+        return client_disconnected(state, None)
+
+    app.add_exception_handler(ClientDisconnected, on_client_disconnect)
     # Added innermost first: auth runs first, then the drain gate, then the body limit.
     app.add_middleware(BodySizeLimitMiddleware, max_body_size=max_body_size)
     app.add_middleware(DrainMiddleware, is_draining=lambda: state.draining)
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        open_paths = OPEN_PATHS - {"/metrics"} if metrics_require_key else OPEN_PATHS
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
     _add_routes(app, state)
     return app
 

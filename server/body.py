@@ -13,9 +13,9 @@ import math
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
-from server.errors import bad_request, validation_message
+from server.errors import ClientDisconnected, bad_request, validation_message
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -86,4 +86,8 @@ def validate(model: type[ModelT], obj: dict[str, Any]) -> ModelT:
 
 async def read_model(request: Request, model: type[ModelT]) -> ModelT:
     """Read, parse and validate the body of ``request`` as ``model``."""
-    return validate(model, parse_json(await request.body()))
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        raise ClientDisconnected() from None
+    return validate(model, parse_json(raw))

@@ -55,8 +55,13 @@ class EngineClient(Protocol):
 
     async def shutdown(self) -> None: ...
 
-    def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 group: str | None = None) -> AsyncIterator[RequestOutput]:
         """Raises ``engine.validation.InvalidRequestError`` at once for a request that can
-        never run; the returned stream starts the request when first iterated."""
+        never run; the returned stream starts the request when first iterated. Requests
+        of one ``group`` take turns with other groups for admission."""
+        ...
+
+    def abort_all(self) -> None:
+        """Abort every unfinished request; each stream ends with an ``abort`` delta."""
         ...

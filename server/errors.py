@@ -48,6 +48,10 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
 
 
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready (or while its body was read)."""
+
+
 def error_body(message: str, type: str, param: str | None = None,
                code: str | int | None = None) -> dict[str, Any]:
     """The OpenAI error envelope."""

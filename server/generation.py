@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
 from starlette.requests import Request
 
 from engine.outputs import RequestOutput
+from server.errors import ClientDisconnected
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +33,36 @@ class EngineFault(Exception):
     """The engine failed a request (``RequestOutput.error`` or an engine exception)."""
 
 
-class ClientDisconnected(Exception):
-    """The client went away before its response was ready."""
+class RequestAborted(Exception):
+    """The server aborted the request: a drain ran past ``--shutdown-timeout``.
+
+    The engine ends an aborted stream with ``finish_reason="abort"``; a client
+    that disconnected never sees one, so any that reaches a response is this.
+    """
+
+
+class AdmittedStream:
+    """The merged engine streams of one API request, holding its admission place
+    (``ServerState.admit``) until :meth:`aclose`, which may be called any number
+    of times and also before the first delta (when an async generator's own
+    ``aclose`` would not run its cleanup)."""
+
+    def __init__(self, merged: AsyncGenerator[tuple[int, RequestOutput], None],
+                 release: Callable[[], None]) -> None:
+        self._merged = merged
+        self._release = release
+
+    def __aiter__(self) -> "AdmittedStream":
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        return await self._merged.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await close_quietly(self._merged)
+        finally:
+            self._release()
 
 
 async def close_quietly(it: Any) -> None:
@@ -60,8 +89,10 @@ async def _checked(gen: AsyncIterator[RequestOutput]) -> AsyncGenerator[RequestO
         async for out in gen:
             if out.error:
                 raise EngineFault(out.error)
+            if any(o.finish_reason == "abort" for o in out.outputs):
+                raise RequestAborted()
             yield out
-    except (EngineFault, GeneratorExit, asyncio.CancelledError):
+    except (EngineFault, RequestAborted, GeneratorExit, asyncio.CancelledError):
         raise
     except Exception as e:  # e.g. EngineDeadError: the loop died under this request
         logger.exception("engine stream failed")

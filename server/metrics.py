@@ -2,7 +2,8 @@
 
 Names follow vLLM's (``vllm:x`` becomes ``kvserve_x``) so existing dashboards
 translate directly. Every number comes from ``engine.stats.StepStats``; the
-HTTP layer never re-derives engine state. Each logger has its own registry,
+HTTP layer never re-derives engine state; it counts only what it alone sees
+(clients that disconnect). Each logger has its own registry,
 so several apps (tests) in one process do not collide.
 """
 
@@ -63,6 +64,10 @@ class PrometheusStatLogger:
         self.prefix_cache_hits = counter("prefix_cache_hits",
                                          "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Preemptions of running requests.")
+        # Counted by the HTTP layer: the one series that is not an engine stat.
+        self.client_disconnected = counter(
+            "http_requests_client_disconnected",
+            "Requests whose client hung up before the response was complete.")
         self._success = Counter("kvserve_request_success", "Finished sequences by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self._model_name = m

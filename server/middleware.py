@@ -23,11 +23,12 @@ async def _send_error(err: APIError, scope: Scope, receive: Receive, send: Send)
 
 
 class APIKeyMiddleware:
-    """Require ``Authorization: Bearer <key>`` on every path but ``OPEN_PATHS``."""
+    """Require ``Authorization: Bearer <key>`` on every path but ``open_paths``."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.app = app
         self._key = api_key.encode("utf-8")
+        self._open = open_paths
 
     def _authorized(self, scope: Scope) -> bool:
         for name, value in scope.get("headers", ()):
@@ -38,7 +39,7 @@ class APIKeyMiddleware:
         return False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] == "http" and scope["path"] not in OPEN_PATHS
+        if (scope["type"] == "http" and scope["path"] not in self._open
                 and not self._authorized(scope)):
             await _send_error(unauthorized(), scope, receive, send)
             return

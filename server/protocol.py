@@ -18,6 +18,11 @@ from server.errors import APIError, bad_request
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
+# Prompts in one completions request. Each becomes an engine request, and the
+# engine lets the prompts of one request take turns with other requests
+# (engine/waiting_queue.py); the bound keeps one body from queueing thousands.
+MAX_PROMPTS = 128
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -118,6 +123,9 @@ class CompletionRequest(_SamplingRequest):
         items = p if isinstance(p, list) else []
         if p == "" or p == [] or any(x == "" or x == [] for x in items):
             raise ValueError("prompt must not be empty")
+        if items and not isinstance(items[0], int) and len(items) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts are allowed in one request, "
+                             f"got {len(items)}; split them over several requests")
         return p
 
     @field_validator("suffix")

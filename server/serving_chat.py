@@ -11,13 +11,12 @@ from engine.outputs import RequestOutput, TokenLogprob
 from server.body import read_model
 from server.engine_client import TokenizerLike
 from server.errors import bad_request
-from server.generation import ClientDisconnected
 from server.protocol import ChatCompletionRequest, template_messages
 from server.protocol_responses import (AssistantMessage, ChatChoice, ChatChunkChoice,
                                        ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
                                        ChatTokenLogprob, DeltaMessage, TopLogprob, now, sse)
-from server.serving_common import (Choices, SSEResponse, disconnected_response, first_output,
-                                   launch, run_to_completion, sse_stream)
+from server.serving_common import (Choices, first_output, launch, run_to_completion,
+                                   stream_response)
 from server.state import ServerState, new_request_id
 
 
@@ -67,10 +66,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     want_logprobs = params.logprobs is not None
 
     if not body.stream:
-        try:
-            await run_to_completion(request, merged, choices)
-        except ClientDisconnected:
-            return disconnected_response()
+        await run_to_completion(request, merged, choices)
         result = ChatCompletionResponse(id=request_id, model=state.model_name,
                                         usage=choices.usage(), choices=[
             ChatChoice(index=idx, message=AssistantMessage(content="".join(st.text)),
@@ -79,10 +75,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
             for idx, st in enumerate(choices.states)])
         return JSONResponse(result.model_dump(mode="json"))
 
-    try:
-        first = await first_output(request, merged)
-    except ClientDisconnected:
-        return disconnected_response()
+    first = await first_output(request, merged)
     created = now()
     include_usage = body.include_usage
 
@@ -112,4 +105,4 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         if include_usage:
             yield chunk(None, usage=True)
 
-    return SSEResponse(sse_stream(first, merged, prelude(), render, epilogue))
+    return stream_response(state, request_id, first, merged, prelude(), render, epilogue)

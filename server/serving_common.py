@@ -8,18 +8,18 @@ endpoint's chunk renderer with the error-event and ``[DONE]`` protocol.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
-from starlette.types import Send
+from starlette.types import Receive, Scope, Send
 
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
-from server.errors import APIError, engine_fault
-from server.generation import (EngineFault, close_quietly, merge_outputs,
-                               race_disconnect)
+from server.errors import APIError, engine_fault, unavailable
+from server.generation import (AdmittedStream, EngineFault, RequestAborted, close_quietly,
+                               merge_outputs, race_disconnect)
 from server.protocol_responses import SSE_DONE, Usage, sse_json
 from server.state import ServerState, start_generation
 
@@ -28,7 +28,9 @@ logger = logging.getLogger(__name__)
 # Not an HTTP status the client sees (it is gone); it marks the access log.
 CLIENT_CLOSED_REQUEST = 499
 
-Merged = AsyncGenerator[tuple[int, RequestOutput], None]
+# What a drain that ran out of time tells a client whose request it aborted.
+ABORTED_BY_SHUTDOWN = ("The server is shutting down: this request was aborted before it "
+                       "finished; retry it.")
 
 
 @dataclass
@@ -78,58 +80,66 @@ class Choices:
 
 
 def launch(state: ServerState, request_id: str, prompts: list[list[int]],
-           params: SamplingParams, prompt_param: str) -> Merged:
+           params: SamplingParams, prompt_param: str) -> AdmittedStream:
     """One engine request per prompt, their streams merged; then admission.
 
     Every prompt is checked by the engine first (a 400 names ``prompt_param``
     or the parameter at fault), then the queue bound (503). Nothing has
     entered the engine yet when either is raised: a stream starts on first
-    iteration.
+    iteration. The prompts form one group, which takes turns with other
+    requests for the engine's admission. The caller must close the result.
     """
     gens = [start_generation(state.engine, request_id if len(prompts) == 1 else f"{request_id}-{i}",
-                             ids, params, prompt_param)
+                             ids, params, prompt_param, group=request_id)
             for i, ids in enumerate(prompts)]
-    state.admit()
-    return merge_outputs(gens)
+    return AdmittedStream(merge_outputs(gens), state.admit(request_id))
 
 
-async def collect(merged: Merged, choices: Choices) -> Choices:
+async def collect(merged: AdmittedStream, choices: Choices) -> Choices:
     """Run a non-streaming request to the end."""
-    try:
-        async for prompt_index, ro in merged:
-            choices.update(prompt_index, ro)
-    finally:
-        await close_quietly(merged)
+    async for prompt_index, ro in merged:
+        choices.update(prompt_index, ro)
     return choices
 
 
-async def run_to_completion(request: Request, merged: Merged, choices: Choices) -> Choices:
-    """``collect`` raced against client disconnect; engine faults become a 500."""
+def _as_api_error(e: EngineFault | RequestAborted) -> APIError:
+    if isinstance(e, RequestAborted):
+        return unavailable(ABORTED_BY_SHUTDOWN)
+    return engine_fault(str(e))
+
+
+async def run_to_completion(request: Request, merged: AdmittedStream, choices: Choices) -> Choices:
+    """``collect`` raced against client disconnect (``ClientDisconnected``); an engine
+    fault becomes a 500, an abort by a drain a 503. Closes ``merged`` however it ends."""
     try:
         return await race_disconnect(request, collect(merged, choices))
-    except EngineFault as e:
-        raise engine_fault(str(e)) from None
+    except (EngineFault, RequestAborted) as e:
+        raise _as_api_error(e) from None
+    finally:
+        await merged.aclose()
 
 
-async def first_output(request: Request, merged: Merged) -> tuple[int, RequestOutput] | None:
-    """Wait for the first delta before sending headers, so that a request the
-    engine refuses still gets a proper 400 rather than a 200 with an error event."""
+async def first_output(request: Request,
+                       merged: AdmittedStream) -> tuple[int, RequestOutput] | None:
+    """Wait for the first delta before sending headers, so that a failure before
+    it (an engine fault, an abort by a drain) gets a proper status code rather
+    than a 200 with an error event. Closes ``merged`` if it raises."""
     try:
         return await race_disconnect(request, anext(merged))
     except StopAsyncIteration:
         return None
-    except EngineFault as e:
-        await close_quietly(merged)
-        raise engine_fault(str(e)) from None
+    except (EngineFault, RequestAborted) as e:
+        await merged.aclose()
+        raise _as_api_error(e) from None
     except BaseException:
-        await close_quietly(merged)
+        await merged.aclose()
         raise
 
 
 Render = Callable[[int, RequestOutput], Iterable[str]]
 
 
-async def sse_stream(first: tuple[int, RequestOutput] | None, merged: Merged,
+async def sse_stream(first: tuple[int, RequestOutput] | None, merged: AdmittedStream,
                      prelude: Iterable[str], render: Render,
                      epilogue: Callable[[], Iterable[str]]) -> AsyncIterator[str]:
     """The SSE body: prelude, rendered deltas, epilogue, then ``[DONE]``.
@@ -149,37 +159,66 @@ async def sse_stream(first: tuple[int, RequestOutput] | None, merged: Merged,
                     yield event
         for event in epilogue():
             yield event
-    except EngineFault as e:
-        yield sse_json(engine_fault(str(e)).body_json())
+    except (EngineFault, RequestAborted) as e:
+        yield sse_json(_as_api_error(e).body_json())
     except APIError as e:
         yield sse_json(e.body_json())
     except Exception:
         logger.exception("stream failed")
         yield sse_json(APIError(500, "Internal server error.", type="server_error").body_json())
     finally:
-        await close_quietly(merged)
+        await merged.aclose()
     yield SSE_DONE
 
 
 class SSEResponse(StreamingResponse):
-    """Server-sent events that always close their body iterator.
+    """Server-sent events that always close their body and the engine streams.
 
     Starlette leaves an interrupted iterator to the garbage collector; closing
-    it here aborts the engine requests as soon as the stream ends.
+    it here aborts the engine requests (and gives back the admission place) as
+    soon as the stream ends, even when the body never started. A stream that
+    did not end with its last event lost its client: ``on_disconnect`` runs.
     """
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str]) -> None:
+    def __init__(self, content: AsyncIterator[str], merged: AdmittedStream,
+                 on_disconnect: Callable[[], None]) -> None:
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._merged = merged
+        self._on_disconnect = on_disconnect
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except ClientDisconnect:  # ASGI 2.4: a failed send; counted in stream_response
+            pass
 
     async def stream_response(self, send: Send) -> None:
+        completed = False
         try:
             await super().stream_response(send)
+            completed = True
         finally:
             await close_quietly(self.body_iterator)
+            await self._merged.aclose()
+            if not completed:
+                self._on_disconnect()
 
 
-def disconnected_response() -> Response:
+def stream_response(state: ServerState, request_id: str, first: tuple[int, RequestOutput] | None,
+                    merged: AdmittedStream, prelude: Iterable[str], render: Render,
+                    epilogue: Callable[[], Iterable[str]]) -> SSEResponse:
+    """The streaming response of one request (see ``sse_stream``)."""
+    return SSEResponse(sse_stream(first, merged, prelude, render, epilogue), merged,
+                       lambda: client_disconnected(state, request_id))
+
+
+def client_disconnected(state: ServerState, request_id: str | None) -> Response:
+    """Count and log (at info: it is no error of the server's) a client that hung up
+    before its response was complete; everything it held is freed by then."""
+    state.metrics.client_disconnected.inc()
+    logger.info("client disconnected before the response to %s was complete",
+                request_id or "its request")
     return Response(status_code=CLIENT_CLOSED_REQUEST)
 

@@ -10,12 +10,11 @@ from starlette.responses import JSONResponse, Response
 from engine.outputs import RequestOutput, TokenLogprob
 from server.body import read_model
 from server.engine_client import TokenizerLike
-from server.generation import ClientDisconnected
 from server.protocol import CompletionRequest
 from server.protocol_responses import (CompletionChoice, CompletionLogprobs, CompletionResponse,
                                        sse, now)
-from server.serving_common import (Choices, SSEResponse, disconnected_response, first_output,
-                                   launch, run_to_completion, sse_stream)
+from server.serving_common import (Choices, first_output, launch, run_to_completion,
+                                   stream_response)
 from server.state import ServerState, new_request_id
 
 
@@ -50,10 +49,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     want_logprobs = params.logprobs is not None
 
     if not body.stream:
-        try:
-            await run_to_completion(request, merged, choices)
-        except ClientDisconnected:
-            return disconnected_response()
+        await run_to_completion(request, merged, choices)
         result = CompletionResponse(id=request_id, model=state.model_name, usage=choices.usage(),
                                     choices=[])
         for idx, st in enumerate(choices.states):
@@ -63,10 +59,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
                                                    logprobs=lps, finish_reason=st.finish_reason))
         return JSONResponse(result.model_dump(mode="json"))
 
-    try:
-        first = await first_output(request, merged)
-    except ClientDisconnected:
-        return disconnected_response()
+    first = await first_output(request, merged)
     created = now()
     include_usage = body.include_usage
     offsets = [len(echoes[i // params.n]) for i in range(len(choices.states))]
@@ -100,4 +93,4 @@ async def create_completion(state: ServerState, request: Request) -> Response:
             yield sse(CompletionResponse(id=request_id, created=created, model=state.model_name,
                                          choices=[], usage=choices.usage()), include_usage=True)
 
-    return SSEResponse(sse_stream(first, merged, prelude(), render, epilogue))
+    return stream_response(state, request_id, first, merged, prelude(), render, epilogue)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -13,10 +16,16 @@ from server.engine_client import EngineClient
 from server.errors import bad_request, model_not_found, unavailable
 from server.metrics import PrometheusStatLogger
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class ServerState:
-    """Everything the routes share; one per app (``app.state.kvserve``)."""
+    """Everything the routes share; one per app (``app.state.kvserve``).
+
+    The event loop's thread owns it; only :meth:`begin_drain` may be called
+    from another thread (a signal handler).
+    """
 
     engine: EngineClient
     model_name: str
@@ -25,20 +34,59 @@ class ServerState:
     max_queue: int | None = None
     draining: bool = False
     started: bool = False
+    loop: asyncio.AbstractEventLoop | None = None  # set by the app's lifespan
+    # Admitted generation requests not yet answered, by id: when each was admitted.
+    in_flight: dict[str, float] = field(default_factory=dict)
+    _abort_scheduled: bool = False
 
     def check_model(self, model: str | None) -> None:
         """404 unless ``model`` is unset or the served name."""
         if model is not None and model != self.model_name:
             raise model_not_found(model)
 
-    def admit(self) -> None:
-        """503 when the engine is dead or the queue is full (draining is checked
-        earlier, in ``server.middleware``, for every route)."""
+    def admit(self, request_id: str) -> Callable[[], None]:
+        """Take a place for ``request_id`` or raise 503: the engine is dead, or
+        ``max_queue`` requests are in flight (draining is checked earlier, in
+        ``server.middleware``, for every route).
+
+        Returns the function that gives the place back (idempotent). Counting
+        here, on the event loop, rather than reading the engine's count makes
+        the bound hold for requests that arrive together: the engine learns of
+        a request only when its stream starts.
+        """
         if not self.engine.is_alive:
             raise unavailable("The engine is not running.")
-        if self.max_queue is not None and self.engine.num_unfinished_requests >= self.max_queue:
+        if self.max_queue is not None and len(self.in_flight) >= self.max_queue:
             raise unavailable(f"The server is overloaded ({self.max_queue} requests queued); "
                               "retry later.")
+        self.in_flight[request_id] = time.monotonic()
+
+        def release() -> None:
+            self.in_flight.pop(request_id, None)
+
+        return release
+
+    def begin_drain(self, timeout: float) -> None:
+        """Refuse new requests from now on; abort the ones still running after
+        ``timeout`` seconds, so that their clients get an error (an SSE error
+        event and ``[DONE]``, or a 503) rather than a cut connection.
+
+        Thread-safe: called from the signal handler on the main thread.
+        """
+        self.draining = True
+        if self.loop is not None and not self._abort_scheduled:
+            self._abort_scheduled = True
+            self.loop.call_soon_threadsafe(self.loop.call_later, timeout, self._abort_in_flight,
+                                           timeout)
+
+    def _abort_in_flight(self, timeout: float) -> None:
+        now = time.monotonic()
+        for request_id, admitted in self.in_flight.items():
+            logger.warning("aborting request %s: still running %.1f s after it was admitted, "
+                           "past the %.1f s drain (--shutdown-timeout)", request_id,
+                           now - admitted, timeout)
+        if self.in_flight:
+            self.engine.abort_all()
 
 
 def new_request_id(prefix: str) -> str:
@@ -47,13 +95,15 @@ def new_request_id(prefix: str) -> str:
 
 
 def start_generation(engine: EngineClient, request_id: str, prompt_ids: list[int],
-                     params: SamplingParams, prompt_param: str) -> AsyncIterator[RequestOutput]:
+                     params: SamplingParams, prompt_param: str,
+                     group: str) -> AsyncIterator[RequestOutput]:
     """``engine.generate``, with the engine's refusal as OpenAI's 400.
 
     ``prompt_param`` is the body field the prompt came from (``prompt`` or
-    ``messages``), named in the error when the prompt itself is at fault.
+    ``messages``), named in the error when the prompt itself is at fault;
+    ``group`` is the API request the prompt belongs to.
     """
     try:
-        return engine.generate(request_id, prompt_ids, params)
+        return engine.generate(request_id, prompt_ids, params, group=group)
     except InvalidRequestError as e:
         raise bad_request(str(e), prompt_param if e.param == "prompt" else e.param) from None

@@ -78,11 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
                        help="require 'Authorization: Bearer <key>' (default: $KVSERVE_API_KEY)")
     serve.add_argument("--max-queue", type=int, default=None,
-                       help="refuse new requests with 503 once this many are unfinished")
+                       help="refuse new generation requests with 503 while this many are in flight")
+    serve.add_argument("--metrics-require-key", action="store_true",
+                       help="require the API key on /metrics too (default: open, as in vLLM)")
     serve.add_argument("--max-body-size", type=_size_arg, default=4 * 1024**2,
                        help="largest request body (default 4MiB)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
-                       help="seconds in-flight requests may run after SIGTERM")
+                       help="seconds in-flight requests may run after SIGTERM; the rest are "
+                            "aborted (an error event, or a 503)")
     serve.add_argument("--log-level", default="info")
 
     gen = sub.add_parser("generate", help="generate offline for one prompt")

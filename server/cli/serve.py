@@ -40,12 +40,18 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+# Seconds uvicorn waits past --shutdown-timeout before it cancels what is left:
+# by then the drain has aborted every request, and their clients are being told.
+ABORT_GRACE_SECONDS = 5.0
+
+
 def make_server(app: FastAPI, host: str, port: int, shutdown_timeout: float, log_level: str,
                 on_drain: Callable[[], None]) -> DrainingServer:
-    """uvicorn lets in-flight requests run up to ``shutdown_timeout`` seconds
-    after a signal, then cancels them (which aborts their engine requests)."""
+    """A server whose signal calls ``on_drain`` (which aborts what still runs after
+    ``shutdown_timeout``: ``ServerState.begin_drain``); uvicorn itself cancels
+    connections only ``ABORT_GRACE_SECONDS`` later, as a backstop."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout)
+                            timeout_graceful_shutdown=shutdown_timeout + ABORT_GRACE_SECONDS)
     return DrainingServer(config, on_drain)
 
 
@@ -79,13 +85,16 @@ def serve_app(engine: EngineClient, server: DrainingServer) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Load the model named in ``args`` and serve it."""
     config = engine_config(args)
+    if args.metrics_require_key and not args.api_key:
+        raise SystemExit("kvserve: error: --metrics-require-key needs --api-key (or $KVSERVE_API_KEY)")
     logger.info("loading model %s", config.model)
     try:
         engine = AsyncEngine(LLMEngine(config))
     except ValueError as e:  # a bad model name or setting: say it, no traceback
         raise SystemExit(f"kvserve: error: {e}") from None
     app = build_app(engine, api_key=args.api_key, max_queue=args.max_queue,
-                    max_body_size=args.max_body_size, served_model_name=args.served_model_name)
+                    max_body_size=args.max_body_size, served_model_name=args.served_model_name,
+                    metrics_require_key=args.metrics_require_key)
     state = app.state.kvserve
     logger.info("kvserve listening on http://%s:%d (model %s, max_model_len %d, auth %s)",
                 args.host, args.port, state.model_name, engine.max_model_len,
@@ -94,7 +103,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 engine.block_size, engine.num_kv_blocks * engine.block_size)
 
     def drain() -> None:
-        state.draining = True
+        state.begin_drain(args.shutdown_timeout)
 
     server = make_server(app, args.host, args.port, args.shutdown_timeout, args.log_level, drain)
     return serve_app(engine, server)

@@ -58,3 +58,12 @@ def test_a_prompt_that_fills_the_context_leaves_no_room() -> None:
 def test_the_refusal_is_a_value_error() -> None:
     # Callers outside the server (offline generate, tests) catch ValueError.
     assert issubclass(InvalidRequestError, ValueError)
+
+
+def test_min_tokens_past_the_context_is_refused() -> None:
+    # Without max_tokens the completion may take the rest of the context (61 tokens here).
+    err = refusal([1, 2, 3], max_tokens=None, min_tokens=62)
+    assert err.param == "min_tokens" and "61" in str(err) and "62" in str(err)
+    err = refusal([1, 2, 3], max_tokens=None, min_tokens=2**63)
+    assert err.param == "min_tokens"
+    assert check_request([1, 2, 3], SamplingParams(max_tokens=None, min_tokens=61), LIMITS) == 61

@@ -108,16 +108,17 @@ class FakeEngine:
         self.is_alive = True
         self.started = False
         self.shut_down = False
-        self.extra_unfinished = 0  # pretend queue depth, for admission tests
         self.requests: list[FakeRequest] = []
         self.aborted: list[str] = []
         self._active: dict[str, FakeRequest] = {}
+        self._abort_all: set[str] = set()
+        self.groups: dict[str, str] = {}  # request id -> the group generate() was given
         self._loggers: list[StatLogger] = []
         self._seen_prompts: list[list[int]] = []
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._active) + self.extra_unfinished
+        return len(self._active)
 
     def add_stat_logger(self, logger: StatLogger) -> None:
         self._loggers.append(logger)
@@ -209,12 +210,16 @@ class FakeEngine:
     def vocab_size(self) -> int:
         return self.tokenizer.vocab_size
 
-    def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 group: str | None = None) -> AsyncIterator[RequestOutput]:
         """The real engine's check (``InvalidRequestError`` at once), then the stream."""
         limits = RequestLimits(vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         limit = check_request(prompt_token_ids, params, limits)
+        self.groups[request_id] = group or request_id
         return self._stream(request_id, list(prompt_token_ids), params, limit)
+
+    def abort_all(self) -> None:
+        self._abort_all.update(self._active)
 
     async def _stream(self, request_id: str, prompt: list[int], params: SamplingParams,
                       limit: int) -> AsyncIterator[RequestOutput]:
@@ -234,6 +239,19 @@ class FakeEngine:
                 await asyncio.sleep(self.step_delay)
                 now = time.monotonic()
                 stats = StepStats()
+                if request_id in self._abort_all:
+                    self._abort_all.discard(request_id)
+                    outs = [CompletionOutput(s.index, "", [], finish_reason="abort")
+                            for s in req.samples if s.finish_reason is None]
+                    for s in req.samples:
+                        if s.finish_reason is None:
+                            s.finish_reason = "abort"
+                            stats.finished.append(self._finished(req, s, arrival, now))
+                    del self._active[request_id]
+                    self._emit(stats)
+                    yield RequestOutput(request_id, outs, prompt, finished=True,
+                                        num_cached_tokens=cached)
+                    return
                 if self.fail_after_steps is not None and steps >= self.fail_after_steps:
                     del self._active[request_id]
                     if self.fault == "raise":

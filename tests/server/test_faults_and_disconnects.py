@@ -10,7 +10,6 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from starlette.requests import ClientDisconnect
 
 import server.generation
 from api_helpers import assert_error, sse_events
@@ -162,10 +161,11 @@ async def test_streaming_disconnect_seen_by_send_aborts(slow_engine: FakeEngine)
              "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
              "headers": [(b"content-type", b"application/json")],
              "client": ("127.0.0.1", 1234), "server": ("test", 80)}
-    with anyio.fail_after(10), pytest.raises(ClientDisconnect):
-        await app(scope, receive, send)
+    with anyio.fail_after(10):
+        await app(scope, receive, send)  # a gone client is no error of the server's
     assert slow_engine.requests[0].aborted
     assert slow_engine.num_unfinished_requests == 0
+    assert app.state.kvserve.metrics.client_disconnected._value.get() == 1
 
 
 async def test_disconnect_while_waiting_for_first_token(slow_engine: FakeEngine) -> None:

@@ -122,10 +122,12 @@ async def test_streamed_body_over_limit_is_413_before_the_end(engine: FakeEngine
 async def test_queue_full_is_503_with_retry_after(engine: FakeEngine) -> None:
     app = build_app(engine, max_queue=2)
     body = {"prompt": "hi", "max_tokens": 1}
+    in_flight = app.state.kvserve.in_flight  # what admission counts: requests not yet answered
     async with client_for(app) as c:
-        engine.extra_unfinished = 1
+        in_flight["other-1"] = 0.0
         assert (await c.post("/v1/completions", json=body)).status_code == 200
-        engine.extra_unfinished = 2
+        assert list(in_flight) == ["other-1"], "an answered request gives its place back"
+        in_flight["other-2"] = 0.0
         for path, b in (("/v1/completions", body),
                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
             r = await c.post(path, json=b)
