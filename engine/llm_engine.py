@@ -19,17 +19,17 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.stats import FinishedRequestStats, StatLogger, StepStats
 from engine.validation import RequestLimits, check_request
-from models.kv_cache import cdiv
+from models.kv_cache import cdiv, default_dtype
 from models.loader import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """``auto`` -> float16 for a float32 model (half the bytes, logits within about 0.02), else the model's."""
+    """``auto`` -> ``models.kv_cache.default_dtype``; otherwise the named dtype."""
     if kv_cache_dtype != "auto":
         return getattr(torch, kv_cache_dtype)
-    return torch.float16 if model_dtype == torch.float32 else model_dtype
+    return default_dtype(model_dtype)
 
 
 @dataclass

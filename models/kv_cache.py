@@ -26,6 +26,12 @@ def cdiv(a: int, b: int) -> int:
     return -(a // -b)
 
 
+def default_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """``--kv-cache-dtype auto``: float16 for a float32 model (half the bytes, as
+    llama.cpp's default f16 cache; logits within about 0.03), else the model's dtype."""
+    return torch.float16 if model_dtype == torch.float32 else model_dtype
+
+
 def row_width(head_dim: int, dtype: torch.dtype) -> int:
     """Elements per (token, head) row in a cache of ``dtype``."""
     return head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
+from models import autotune, ops
 from models.config import ModelConfig
-from models import ops
 from models.gguf_loader import FOUR_BIT_TYPES, config_from_gguf, iter_gguf_weights, open_gguf, projection_type
 from models.quant import quantize_model
 from models.registry import model_class
@@ -67,25 +67,27 @@ def resolve_model_path(name: str) -> Path:
     return path
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto`` -> bfloat16 where the hardware computes it natively, else float32."""
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype in table:
-        return table[dtype]
-    if dtype != "auto":
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_path(dtype: str, quantization: str, config: ModelConfig, gguf_type: str | None,
+                 device: torch.device) -> tuple[torch.dtype, str]:
+    """The activation dtype and quantization to run with.
+
+    A setting other than ``auto`` is kept. On a CPU the open ones are measured
+    (``models.autotune``): float32 or bfloat16 activations (bfloat16 where
+    the CPU computes it natively), and for a GGUF whose projections are 4-bit
+    (``gguf_type``) w4a8, int4 or dense weights. On CUDA ``auto`` means bfloat16
+    (float16 without bf16 support) and no quantization.
+    """
+    if dtype != "auto" and dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-
-
-def cpu_has_native_bf16() -> bool:
-    """True on CPUs with AVX512-BF16 or AMX, where bf16 matmuls run at full speed."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(f in flags for f in (" avx512_bf16", " amx_bf16"))
+        if dtype == "auto":
+            dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        return _DTYPES[dtype], "none" if quantization == "auto" else quantization
+    chosen = autotune.choose(config, dtype, quantization, four_bit=gguf_type in FOUR_BIT_TYPES)
+    return _DTYPES[chosen.dtype], chosen.quantization
 
 
 def resolve_device(device: str) -> torch.device:
@@ -98,16 +100,6 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def resolve_quantization(quantization: str, gguf_type: str | None, device: torch.device) -> str:
-    """``auto`` -> for a GGUF whose projections are 4-bit (``gguf_type``) on CPU,
-    ``w4a8`` where the kernels run on AVX512-VNNI, else ``int4``; ``none`` otherwise."""
-    if quantization != "auto":
-        return quantization
-    if device.type != "cpu" or gguf_type not in FOUR_BIT_TYPES:
-        return "none"
-    return "w4a8" if ops.kernels_enabled(device) and ops.has_vnni() else "int4"
-
-
 def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
                max_positions: int | None = None, quantization: str = "none") -> LoadedModel:
     """Load weights, tokenizer and config; the model is in eval mode on ``device``.
@@ -115,24 +107,22 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
     ``quantization`` (CPU only; see ``quant.quantize_model``): ``"int4"``
     adds int4 copies of the projections (and int8 of the LM head) that small
     decode batches use with float activations; ``"w4a8"`` replaces them with
-    int4/int8 weights and int8 activations for every batch. ``"auto"`` picks
-    one of the two for a GGUF whose projections are 4-bit (the file's own
-    codes), and none otherwise.
+    int4/int8 weights and int8 activations for every batch. ``"auto"`` (and
+    ``dtype="auto"``) leave the choice to ``resolve_path``: measured on a CPU.
     """
     t0 = time.perf_counter()
     path = resolve_model_path(name)
     dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
     if path.is_dir():
         config, tokenizer, weights = _open_hf_dir(path)
+        gguf_type = None
     else:
         reader = open_gguf(path)
         config = config_from_gguf(reader)
         tokenizer = Tokenizer.from_gguf_fields(reader)
         weights = iter_gguf_weights(reader, config)
-    if quantization == "auto":
-        quantization = resolve_quantization(quantization, None if path.is_dir() else projection_type(reader), dev)
-        logger.info("quantization auto: %s", quantization)
+        gguf_type = projection_type(reader)
+    torch_dtype, quantization = resolve_path(dtype, quantization, config, gguf_type, dev)
     logger.info("loading %s (%s, %d layers) as %s on %s", path.name, config.architecture,
                 config.num_hidden_layers, str(torch_dtype).removeprefix("torch."), dev)
     with torch.device("meta"):

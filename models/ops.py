@@ -71,6 +71,11 @@ def _build_directory(name: str) -> Path:
     return path
 
 
+def cache_directory() -> Path:
+    """This CPU's and torch build's folder in the kernel cache (kernels, tuned choices)."""
+    return _build_directory(f"kvserve_cpu_ops_{_build_tag()}")
+
+
 def _load() -> ModuleType | None:
     global _ext, _tried
     if _tried:

@@ -43,7 +43,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     p.add_argument("--model", default=d.model,
                    help="model name (smollm2), checkpoint directory or .gguf file")
-    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="activation dtype; auto: on a CPU the fastest of float32 and bfloat16 (where "
+                        "the CPU computes it), measured once and cached; on CUDA bfloat16")
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
     p.add_argument("--kv-cache-memory", type=_size_arg, default=d.kv_cache_memory,
                    help="KV cache budget, e.g. 512MiB or 2GiB (default 512MiB)")
@@ -61,7 +63,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=d.quantization, choices=QUANTIZATIONS,
                    help="int4: int4 projections, float activations, for small decode batches (CPU); "
                         "w4a8: int4 weights and int8 activations on AVX512-VNNI, every batch; "
-                        "auto (default): w4a8 (int4 without VNNI) for a 4-bit GGUF on CPU, else none")
+                        "auto (default): for a 4-bit GGUF on CPU the fastest of w4a8, int4 and none, "
+                        "measured once and cached; else none")
 
 
 def build_parser() -> argparse.ArgumentParser:

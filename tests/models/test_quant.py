@@ -22,7 +22,6 @@ from torch import nn
 
 from models import ops
 from models.gguf_loader import open_gguf, projection_type
-from models.loader import resolve_quantization
 from models.quant import GROUP_SIZE, SMALL_BATCH_ROWS, QuantizedLinear, pack_int4, pack_int8, quantize_model
 
 needs_vnni = pytest.mark.skipif(not ops.has_vnni(), reason="w4a8 runs on AVX512-VNNI CPUs only")
@@ -236,27 +235,6 @@ def test_engine_config_names_the_supported_quantisations():
     with pytest.raises(ValueError, match="auto, none, int4 or w4a8"):
         EngineConfig(quantization="fp3")
     assert EngineConfig().quantization == "auto"
-
-
-FOUR_BIT = "w4a8" if ops.has_vnni() else "int4"
-
-
-@pytest.mark.parametrize("gguf_type, device, expected", [
-    ("Q4_1", "cpu", FOUR_BIT), ("Q4_0", "cpu", FOUR_BIT), ("Q4_K", "cpu", FOUR_BIT),
-    ("Q8_0", "cpu", "none"), ("F16", "cpu", "none"), (None, "cpu", "none"),  # None: an HF directory
-    ("Q4_1", "cuda", "none"),
-])
-def test_auto_quantisation_keeps_a_4_bit_gguf_in_4_bits_on_cpu(gguf_type, device, expected):
-    assert resolve_quantization("auto", gguf_type, torch.device(device)) == expected
-    assert resolve_quantization("none", gguf_type, torch.device(device)) == "none"
-
-
-def test_auto_quantisation_without_the_kernels_is_int4():
-    ops.set_kernels_enabled(False)
-    try:
-        assert resolve_quantization("auto", "Q4_1", torch.device("cpu")) == "int4"
-    finally:
-        ops.set_kernels_enabled(True)
 
 
 def test_the_default_model_has_q4_1_projections(smollm2_path):

@@ -1,0 +1,104 @@
+"""models.autotune: the candidates a CPU can run, the measured choice, and its cache."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from models import autotune, ops
+from models.autotune import RunPath, Timing
+from models.config import ModelConfig
+from models.loader import resolve_path
+
+# Shapes the kernels accept (multiples of 32), small enough to time in milliseconds.
+TINY = ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=64,
+                   intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, max_position_embeddings=2048)
+VNNI = ops.kernels_available() and ops.has_vnni()
+FOUR_BIT_QUANTS = (["w4a8"] if VNNI else []) + ["int4", "none"]
+DTYPES = ["float32"] + (["bfloat16"] if autotune.cpu_has_native_bf16() else [])
+
+
+def test_settings_that_are_not_auto_are_kept() -> None:
+    assert autotune.candidates("bfloat16", "int4", four_bit=True) == [RunPath("bfloat16", "int4")]
+    assert autotune.candidates("float32", "auto", four_bit=False) == [RunPath("float32", "none")]
+
+
+def test_open_settings_list_every_path_this_cpu_runs() -> None:
+    assert autotune.candidates("auto", "auto", four_bit=True) == [
+        RunPath(d, q) for d in DTYPES for q in FOUR_BIT_QUANTS]
+    assert autotune.candidates("float32", "auto", four_bit=True) == [
+        RunPath("float32", q) for q in FOUR_BIT_QUANTS]
+
+
+def test_without_the_kernels_w4a8_is_no_candidate() -> None:
+    ops.set_kernels_enabled(False)
+    try:
+        assert [p.quantization for p in autotune.candidates("float32", "auto", True)] == ["int4", "none"]
+    finally:
+        ops.set_kernels_enabled(True)
+
+
+def test_the_pick_weighs_decode_and_prompt_alike() -> None:
+    fast_decode = Timing(RunPath("float32", "w4a8"), decode_ms=10.0, prompt_ms=300.0)
+    fast_prompt = Timing(RunPath("bfloat16", "none"), decode_ms=20.0, prompt_ms=200.0)
+    balanced = Timing(RunPath("float32", "int4"), decode_ms=12.0, prompt_ms=220.0)
+    best, why = autotune.pick([fast_decode, fast_prompt, balanced])
+    assert best is balanced  # 1.2 x 1.1 beats 1.0 x 1.5 and 2.0 x 1.0
+    assert why.index("float32 + int4") < why.index("float32 + w4a8") < why.index("bfloat16 + none")
+
+
+def test_the_choice_is_measured_once_then_read_from_the_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    measured: list[RunPath] = []
+
+    def fake_measure(config: ModelConfig, path: RunPath) -> Timing:
+        measured.append(path)
+        fast = path == RunPath("float32", "int4")
+        return Timing(path, decode_ms=1.0 if fast else 2.0, prompt_ms=5.0 if fast else 6.0)
+
+    monkeypatch.setattr(autotune, "measure", fake_measure)
+    with caplog.at_level(logging.INFO, logger="models.autotune"):
+        first = autotune.choose(TINY, "float32", "auto", four_bit=True, cache_dir=tmp_path)
+        assert measured == [RunPath("float32", q) for q in FOUR_BIT_QUANTS]
+        again = autotune.choose(TINY, "float32", "auto", four_bit=True, cache_dir=tmp_path)
+    assert first == again == RunPath("float32", "int4")
+    assert len(measured) == len(FOUR_BIT_QUANTS), "the second choice came from the cache"
+    assert "path auto: float32 + int4" in caplog.text and "measured earlier" in caplog.text
+    # Another model (or another set of candidates) is measured anew.
+    autotune.choose(TINY, "float32", "auto", four_bit=False, cache_dir=tmp_path)
+    autotune.choose(ModelConfig(**{**TINY.__dict__, "hidden_size": 128}), "float32", "auto",
+                    four_bit=True, cache_dir=tmp_path)
+    assert len(measured) == 2 * len(FOUR_BIT_QUANTS)  # four_bit=False had one candidate: no timing
+
+
+@pytest.mark.parametrize("path", [RunPath(d, q) for d in DTYPES for q in FOUR_BIT_QUANTS],
+                         ids=str)
+def test_every_candidate_runs_on_a_probe_model(path: RunPath) -> None:
+    t = autotune.measure(TINY, path, runs=1)
+    assert t.path == path and t.decode_ms > 0 and t.prompt_ms > 0
+
+
+def test_resolve_path_keeps_forced_settings_and_measures_open_ones(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(autotune.ops, "cache_directory", lambda: tmp_path)
+    cpu = torch.device("cpu")
+    assert resolve_path("float32", "none", TINY, "Q4_1", cpu) == (torch.float32, "none")
+    assert resolve_path("bfloat16", "w4a8", TINY, None, cpu) == (torch.bfloat16, "w4a8")
+    # An HF directory (no GGUF type) with a forced dtype has one candidate: no timing.
+    assert resolve_path("float32", "auto", TINY, None, cpu) == (torch.float32, "none")
+    dtype, quant = resolve_path("float32", "auto", TINY, "Q4_1", cpu)
+    assert dtype == torch.float32 and quant in FOUR_BIT_QUANTS
+    with pytest.raises(ValueError, match="unknown dtype"):
+        resolve_path("float8", "none", TINY, None, cpu)
+
+
+def test_on_cuda_auto_is_bfloat16_without_quantization(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    cuda = torch.device("cuda")
+    assert resolve_path("auto", "auto", TINY, "Q4_1", cuda) == (torch.bfloat16, "none")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    assert resolve_path("auto", "auto", TINY, None, cuda) == (torch.float16, "none")
