@@ -48,9 +48,10 @@ class RunPath:
 
     dtype: str  # "float32" | "bfloat16"
     quantization: str  # "none" | "int4" | "w4a8"
+    amx: bool = False  # w4a8's integer dots on AMX tiles instead of VNNI (equal results)
 
     def __str__(self) -> str:
-        return f"{self.dtype} + {self.quantization}"
+        return f"{self.dtype} + {self.quantization}" + (" on AMX" if self.amx else "")
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,10 @@ def candidates(dtype: str, quantization: str, four_bit: bool) -> list[RunPath]:
         quants += ["int4", "none"]
     else:
         quants = ["none"]
-    return [RunPath(d, q) for d in dtypes for q in quants]
+    paths = [RunPath(d, q) for d in dtypes for q in quants]
+    if ops.amx_usable() and len(paths) > 1:
+        paths += [RunPath(p.dtype, p.quantization, amx=True) for p in paths if p.quantization == "w4a8"]
+    return paths
 
 
 def cpu_has_native_bf16() -> bool:
@@ -132,6 +136,15 @@ def measure(config: ModelConfig, path: RunPath, runs: int = RUNS) -> Timing:
     layers = min(PROBE_LAYERS, config.num_hidden_layers)
     probe_config = dataclasses.replace(config, num_hidden_layers=layers)
     model = _probe_model(probe_config, path)
+    was_amx = ops.amx_enabled()
+    ops.set_amx_enabled(path.amx)
+    try:
+        return _time(model, config, path, layers, runs)
+    finally:
+        ops.set_amx_enabled(was_amx)
+
+
+def _time(model: torch.nn.Module, config: ModelConfig, path: RunPath, layers: int, runs: int) -> Timing:
     kv_dtype = kv_cache.default_dtype(getattr(torch, path.dtype))
     decode_blocks = kv_cache.cdiv(DECODE_CONTEXT + 1, BLOCK_SIZE)
     prompt_blocks = kv_cache.cdiv(PROMPT_TOKENS, BLOCK_SIZE)

@@ -87,6 +87,7 @@ def resolve_path(dtype: str, quantization: str, config: ModelConfig, gguf_type: 
             dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
         return _DTYPES[dtype], "none" if quantization == "auto" else quantization
     chosen = autotune.choose(config, dtype, quantization, four_bit=gguf_type in FOUR_BIT_TYPES)
+    ops.set_amx_enabled(chosen.amx)
     return _DTYPES[chosen.dtype], chosen.quantization
 
 

@@ -36,6 +36,7 @@ _SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 _ext: ModuleType | None = None
 _tried = False
 _enabled = os.environ.get("KVSERVE_KERNELS", "1") != "0"
+_amx_usable = False  # set by _check_amx
 
 
 # A build lock older than this is left by a process killed mid-build (a build
@@ -100,7 +101,39 @@ def _load() -> ModuleType | None:
     elapsed = time.perf_counter() - t0
     if _ext is not None and elapsed > 2:  # a cached build loads in well under a second
         logger.info("built the fused CPU kernels in %.0fs (cached for later runs)", elapsed)
+    if _ext is not None:
+        _check_amx(_ext)
     return _ext
+
+
+def _check_amx(ext: ModuleType) -> None:
+    """Offer AMX for the int8-activation GEMMs (``amx_usable``) only if it gives
+    the VNNI kernel's results bit for bit on random data, and ``KVSERVE_AMX`` is
+    not 0. It stays off until chosen (``set_amx_enabled``; ``models.autotune``
+    measures it against VNNI)."""
+    global _amx_usable
+    ext.set_amx_enabled(False)
+    if not ext.amx_available():
+        return
+    if os.environ.get("KVSERVE_AMX", "1") == "0":
+        logger.info("AMX: not offered (KVSERVE_AMX=0)")
+        return
+    gen = torch.Generator().manual_seed(0)
+    for bits, rows in ((4, 37), (8, 64)):
+        tiles, groups = 5, 7
+        x = torch.randn(rows, groups * 32, generator=gen)
+        codes = torch.randint(0, 256, (tiles, groups, bits, 64), generator=gen, dtype=torch.uint8)
+        scales = torch.rand(tiles, groups, 2, 16, generator=gen)
+        outs = []
+        for amx in (True, False):
+            ext.set_amx_enabled(amx)
+            out = torch.empty(rows, tiles * 16 - 3)
+            ext.grouped_linear(out, x, codes, scales, True, False)
+            outs.append(out)
+        if not torch.equal(outs[0], outs[1]):
+            logger.warning("AMX: not offered (its %d-bit GEMM differs from VNNI's on the self-check)", bits)
+            return  # left disabled by the last pass
+    _amx_usable = True
 
 
 def kernels_available() -> bool:
@@ -233,6 +266,27 @@ def grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, o
     out = x.new_empty(x.shape[0], out_features)
     _ext.grouped_linear(out, x, codes, scales, int8_activations, plain)
     return out
+
+
+# grouped_gemm.cpp's kAmxMinRows: the row count from which AMX takes over from VNNI.
+AMX_MIN_ROWS = 16
+
+
+def amx_usable() -> bool:
+    """Whether the int8-activation GEMMs can run on AMX here: the CPU has AMX-INT8,
+    the OS granted the tiles, and the start-up self-check matched VNNI bit for bit."""
+    return _load() is not None and _amx_usable
+
+
+def amx_enabled() -> bool:
+    """Whether int8-activation GEMMs of ``AMX_MIN_ROWS`` rows or more run on AMX tiles now."""
+    return _load() is not None and _ext.amx_enabled()
+
+
+def set_amx_enabled(enabled: bool) -> None:
+    """Run the int8-activation GEMMs on AMX (where usable) or on VNNI; results are equal."""
+    if _load() is not None:
+        _ext.set_amx_enabled(enabled and _amx_usable)
 
 
 def has_vnni() -> bool:

@@ -3,12 +3,16 @@
 #include <torch/extension.h>
 
 #include "grouped_gemm.h"
+#include "grouped_gemm_amx.h"
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_linear", &grouped_linear, "out = x @ W^T, W packed in 4- or 8-bit groups of 32 (float scales)",
         py::call_guard<py::gil_scoped_release>());
   m.def("has_vnni", &has_vnni, "whether the int8-activation GEMMs run on AVX512-VNNI");
+  m.def("amx_available", &kvserve::amx_available, "whether the CPU and the OS let the GEMMs use AMX-INT8");
+  m.def("amx_enabled", &kvserve::amx_enabled, "whether the int8-activation GEMMs use AMX now");
+  m.def("set_amx_enabled", &kvserve::set_amx_enabled, "let the int8-activation GEMMs use AMX, or not");
   m.def("fused_layer", &kvserve::fused_layer,
         "one decoder layer for a step's decodes and prompt chunks, packed projections",
         py::call_guard<py::gil_scoped_release>());

@@ -25,6 +25,7 @@
 #include <ATen/Parallel.h>
 
 #include "grouped_gemm.h"
+#include "grouped_gemm_amx.h"
 #include "parallel.h"
 #include "simd.h"
 
@@ -134,9 +135,12 @@ inline void quantize_row_avx512(QuantizedRows& qr, const float* x, int64_t r, in
 #endif
 
 // The same rounding on every path: dx = max|x| / 127, qx = nearest(x / dx), ties to even.
-QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t xs, int64_t groups, float centre) {
-  QuantizedRows qr{std::vector<int8_t>(rows * groups * kGroup), std::vector<float>(rows * groups * 2),
-                   std::vector<float>(rows * groups), std::vector<float>(rows * groups), rows};
+// Room for `stride_rows` >= rows rows per group; the ones past `rows` stay zero.
+QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t xs, int64_t groups, float centre,
+                            int64_t stride_rows) {
+  const int64_t n = stride_rows * groups;
+  QuantizedRows qr{std::vector<int8_t>(n * kGroup), std::vector<float>(n * 2), std::vector<float>(n),
+                   std::vector<float>(n), stride_rows};
   kvserve::parallel_chunks(rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
 #if defined(__AVX512F__)
@@ -328,6 +332,11 @@ void tile_rows_a8_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq,
 // rows unchanged.
 constexpr int64_t kRowBlock = 48;
 
+// From this many rows the int8-activation GEMM runs on AMX where the CPU has it
+// (grouped_gemm_amx.cpp): below, VNNI's registers beat the tiles' round trip
+// through memory.
+constexpr int64_t kAmxMinRows = 16;
+
 // Tiles a thread claims at a time (parallel_chunks): few enough claims to
 // cost nothing, small enough pieces for an idle thread to take over.
 constexpr int64_t kTileGrain = 4;
@@ -381,8 +390,16 @@ void grouped_linear_impl(at::Tensor& out, const at::Tensor& x, const uint8_t* cp
 #if !defined(__AVX512VNNI__)
   plain = plain || int8_acts;
 #endif
+  const float centre = static_cast<float>(1 << (kBits - 1));
+  if (int8_acts && !plain && rows >= kAmxMinRows && kvserve::amx_enabled()) {
+    const int64_t padded = (rows + 15) / 16 * 16;
+    const QuantizedRows xq = quantize_rows(xp, rows, xs, groups, centre, padded);
+    const kvserve::AmxRows ax{xq.q.data(), xq.d.data(), xq.shift.data(), xq.sum.data(), rows, padded};
+    kvserve::grouped_linear_a8_amx(kBits, yp, ys, ax, cp, sp, tiles, groups, out.size(1));
+    return;
+  }
   QuantizedRows xq;
-  if (int8_acts) xq = quantize_rows(xp, rows, xs, groups, static_cast<float>(1 << (kBits - 1)));
+  if (int8_acts) xq = quantize_rows(xp, rows, xs, groups, centre, rows);
   std::vector<float> xsum;  // the float path's per-group input sums (the m term)
   if (!int8_acts && !plain) {
     xsum.resize(rows * groups);

@@ -22,22 +22,27 @@ FOUR_BIT_QUANTS = (["w4a8"] if VNNI else []) + ["int4", "none"]
 DTYPES = ["float32"] + (["bfloat16"] if autotune.cpu_has_native_bf16() else [])
 
 
+def paths(dtypes: list[str], quants: list[str]) -> list[RunPath]:
+    """What ``candidates`` lists: each pair, then w4a8 on AMX where the GEMMs can use it."""
+    plain = [RunPath(d, q) for d in dtypes for q in quants]
+    amx = [RunPath(p.dtype, p.quantization, amx=True) for p in plain if p.quantization == "w4a8"]
+    return plain + (amx if ops.amx_usable() else [])
+
+
 def test_settings_that_are_not_auto_are_kept() -> None:
     assert autotune.candidates("bfloat16", "int4", four_bit=True) == [RunPath("bfloat16", "int4")]
     assert autotune.candidates("float32", "auto", four_bit=False) == [RunPath("float32", "none")]
 
 
 def test_open_settings_list_every_path_this_cpu_runs() -> None:
-    assert autotune.candidates("auto", "auto", four_bit=True) == [
-        RunPath(d, q) for d in DTYPES for q in FOUR_BIT_QUANTS]
-    assert autotune.candidates("float32", "auto", four_bit=True) == [
-        RunPath("float32", q) for q in FOUR_BIT_QUANTS]
+    assert autotune.candidates("auto", "auto", four_bit=True) == paths(DTYPES, FOUR_BIT_QUANTS)
+    assert autotune.candidates("float32", "auto", four_bit=True) == paths(["float32"], FOUR_BIT_QUANTS)
 
 
 def test_without_the_kernels_w4a8_is_no_candidate() -> None:
     ops.set_kernels_enabled(False)
     try:
-        assert [p.quantization for p in autotune.candidates("float32", "auto", True)] == ["int4", "none"]
+        assert autotune.candidates("float32", "auto", True) == paths(["float32"], ["int4", "none"])
     finally:
         ops.set_kernels_enabled(True)
 
@@ -63,20 +68,20 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(
     monkeypatch.setattr(autotune, "measure", fake_measure)
     with caplog.at_level(logging.INFO, logger="models.autotune"):
         first = autotune.choose(TINY, "float32", "auto", four_bit=True, cache_dir=tmp_path)
-        assert measured == [RunPath("float32", q) for q in FOUR_BIT_QUANTS]
+        assert measured == paths(["float32"], FOUR_BIT_QUANTS)
         again = autotune.choose(TINY, "float32", "auto", four_bit=True, cache_dir=tmp_path)
     assert first == again == RunPath("float32", "int4")
-    assert len(measured) == len(FOUR_BIT_QUANTS), "the second choice came from the cache"
+    n = len(paths(["float32"], FOUR_BIT_QUANTS))
+    assert len(measured) == n, "the second choice came from the cache"
     assert "path auto: float32 + int4" in caplog.text and "measured earlier" in caplog.text
     # Another model (or another set of candidates) is measured anew.
     autotune.choose(TINY, "float32", "auto", four_bit=False, cache_dir=tmp_path)
     autotune.choose(ModelConfig(**{**TINY.__dict__, "hidden_size": 128}), "float32", "auto",
                     four_bit=True, cache_dir=tmp_path)
-    assert len(measured) == 2 * len(FOUR_BIT_QUANTS)  # four_bit=False had one candidate: no timing
+    assert len(measured) == 2 * n  # four_bit=False had one candidate: no timing
 
 
-@pytest.mark.parametrize("path", [RunPath(d, q) for d in DTYPES for q in FOUR_BIT_QUANTS],
-                         ids=str)
+@pytest.mark.parametrize("path", paths(DTYPES, FOUR_BIT_QUANTS), ids=str)
 def test_every_candidate_runs_on_a_probe_model(path: RunPath) -> None:
     t = autotune.measure(TINY, path, runs=1)
     assert t.path == path and t.decode_ms > 0 and t.prompt_ms > 0

@@ -1,0 +1,205 @@
+// The int8-activation grouped GEMM (grouped_gemm.cpp's tile_rows_a8) on AMX
+// tiles, with results equal bit for bit.
+//
+// tile_rows_a8 computes, per row of x and group of 32 inputs, two int32 dots
+// s0, s1 (one per half group: each half has its own activation scale) with
+// vpdpbusd, then folds them into the row's float accumulators. AMX-INT8's
+// tdpbsud computes the same int32 dots (signed x codes times unsigned weight
+// codes, exact integer sums) for 16 rows x 16 outputs x 16 inputs at once: A
+// is 16 rows of one half group (16 bytes, rows 32 bytes apart in the
+// group-major quantised rows), B is the half group's 4 x 64 bytes of codes,
+// which is the packed layout itself (lane i: 4 inputs of output i). The
+// dots go through memory to the very float arithmetic of tile_rows_a8, in the
+// same order, so only where the integer dots come from differs.
+//
+// Built for every CPU (target attributes), used where the CPU has AMX-INT8 and
+// the kernel granted this process the tile state (arch_prctl, asked once).
+#include "grouped_gemm_amx.h"
+
+#include "parallel.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace kvserve {
+
+namespace {
+
+std::atomic<bool> g_enabled{true};
+
+#if defined(__x86_64__)
+constexpr long kArchReqXcompPerm = 0x1023;  // arch_prctl: ask for an XSAVE feature
+constexpr long kXfeatureXtiledata = 18;     // the AMX tile data
+
+bool cpu_has_amx_int8() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return (d >> 24 & 1) && (d >> 25 & 1);  // AMX-TILE, AMX-INT8
+}
+
+bool ask_for_tiles() {
+  return cpu_has_amx_int8() && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+// ldtilecfg's 64-byte operand.
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles (the intrinsics take literal numbers): 0/1 A (x codes, low/high half
+// group), 2/3 B (weight codes, same halves), 4/5 and 6/7 C (the dots s0/s1 of
+// even and odd groups).
+
+__attribute__((target("amx-tile"))) void configure_tiles() {
+  TileConfig cfg;
+  for (int t : {0, 1}) cfg.rows[t] = 16, cfg.colsb[t] = 16;
+  for (int t : {2, 3}) cfg.rows[t] = 4, cfg.colsb[t] = 64;
+  for (int t : {4, 5, 6, 7}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  // NOTE: GCC 12 does not see ldtilecfg read the struct and drops the stores
+  // above without this barrier (the tiles then fault as unconfigured).
+  __asm__ volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+// Codes of one group as tdpbsud's B operand: 8 x 64 bytes, rows 0-3 for inputs
+// 0..15, rows 4-7 for 16..31 (load_codes' w[0..7] in memory).
+template <int kBits>
+__attribute__((target("avx512f,avx512bw"))) inline const uint8_t* b_operand(const uint8_t* group, uint8_t* buf) {
+  if constexpr (kBits == 8) {
+    return group;  // already bytes in that order
+  } else {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i packed = _mm512_loadu_si512(group + j * 64);
+      _mm512_storeu_si512(buf + j * 64, _mm512_and_si512(packed, low4));
+      _mm512_storeu_si512(buf + (4 + j) * 64, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4));
+    }
+    return buf;
+  }
+}
+
+// Group g's dots for 16 rows into `dots` (s0 then s1, 16 x 16 int32 each), through
+// C tiles C0 and C1: two pairs alternate, so that one group's tile work runs
+// while the float arithmetic of the group before reads its dots. (A macro: the
+// tile intrinsics take their tile numbers as literal text.)
+#define KVSERVE_GROUP_DOTS(C0, C1, qx, b, dots) \
+  do {                                          \
+    _tile_zero(C0);                             \
+    _tile_zero(C1);                             \
+    _tile_loadd(0, (qx), 32);                   \
+    _tile_loadd(1, (qx) + 16, 32);              \
+    _tile_loadd(2, (b), 64);                    \
+    _tile_loadd(3, (b) + 256, 64);              \
+    _tile_dpbsud(C0, 0, 2);                     \
+    _tile_dpbsud(C1, 1, 3);                     \
+    _tile_stored(C0, (dots), 64);               \
+    _tile_stored(C1, (dots) + 256, 64);         \
+  } while (0)
+
+// 16 rows of x (from row r0, valid rows `rows`) against tile t: tile_rows_a8's arithmetic.
+template <int kBits>
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw"))) void tile_block(
+    float* y, int64_t ys, const AmxRows& x, int64_t r0, int rows, const uint8_t* codes, const float* scales,
+    int64_t groups, int64_t valid, uint8_t* bbuf) {
+  constexpr int64_t kGroupBytes = 16 * 32 * kBits / 8;
+  alignas(64) int32_t dots[2][2 * 16 * 16];  // per buffer: s0 [16 rows][16], then s1
+  __m512 acc[16];
+  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+  const auto qx_of = [&](int64_t g) { return x.q + (g * x.padded_rows + r0) * 32; };
+  const uint8_t* b = b_operand<kBits>(codes, bbuf);
+  KVSERVE_GROUP_DOTS(4, 5, qx_of(0), b, dots[0]);
+  for (int64_t g = 0; g < groups; ++g) {
+    if (g + 1 < groups) {
+      const int odd = (g + 1) % 2;
+      b = b_operand<kBits>(codes + (g + 1) * kGroupBytes, bbuf + 512 * odd);
+      if (odd) KVSERVE_GROUP_DOTS(6, 7, qx_of(g + 1), b, dots[1]);
+      else KVSERVE_GROUP_DOTS(4, 5, qx_of(g + 1), b, dots[0]);
+    }
+    const int32_t* dg = dots[g % 2];
+    const int64_t first = g * x.padded_rows + r0;
+    const __m512 d = _mm512_loadu_ps(scales + g * 32);
+    const __m512 m = _mm512_loadu_ps(scales + g * 32 + 16);
+    const float* dx = x.d + first * 2;
+    const float* shift = x.shift + first;
+    const float* sum = x.sum + first;
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      const __m512i s0 = _mm512_load_si512(dg + r * 16), s1 = _mm512_load_si512(dg + 256 + r * 16);
+      __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_set1_ps(dx[2 * r + 1]), _mm512_set1_ps(shift[r]));
+      t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_set1_ps(dx[2 * r]), t);
+      acc[r] = _mm512_fmadd_ps(d, t, acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sum[r]), acc[r]);
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+  for (int r = 0; r < rows; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * ys, mask, acc[r]);
+}
+
+// Tiles [begin, end) over all rows, on the calling thread.
+template <int kBits>
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw"))) void run_tiles(
+    int64_t begin, int64_t end, float* y, int64_t ys, const AmxRows& x, const uint8_t* codes,
+    const float* scales, int64_t groups, int64_t n) {
+  constexpr int64_t kGroupBytes = 16 * 32 * kBits / 8;
+  configure_tiles();  // the tile configuration is per-thread state
+  alignas(64) uint8_t bbuf[1024];  // a 4-bit group's unpacked codes, per C pair
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t valid = std::min<int64_t>(16, n - t * 16);
+    const uint8_t* c = codes + t * groups * kGroupBytes;
+    const float* s = scales + t * groups * 32;
+    for (int64_t r0 = 0; r0 < x.rows; r0 += 16) {
+      const int rows = static_cast<int>(std::min<int64_t>(16, x.rows - r0));
+      tile_block<kBits>(y + t * 16, ys, x, r0, rows, c, s, groups, valid, bbuf);
+    }
+  }
+  _tile_release();
+}
+
+// A thread's share is a run of tiles over all rows: each tile's codes are read
+// once, and the rows' codes (rows x K bytes) stay in L2.
+template <int kBits>
+void run(float* y, int64_t ys, const AmxRows& x, const uint8_t* codes, const float* scales, int64_t tiles,
+         int64_t groups, int64_t n) {
+  parallel_chunks(tiles, 1, [&](int64_t begin, int64_t end) {
+    run_tiles<kBits>(begin, end, y, ys, x, codes, scales, groups, n);
+  });
+}
+#endif
+
+}  // namespace
+
+bool amx_available() {
+#if defined(__x86_64__)
+  static const bool granted = ask_for_tiles();
+  return granted;
+#else
+  return false;
+#endif
+}
+
+bool amx_enabled() { return g_enabled.load() && amx_available(); }
+
+void set_amx_enabled(bool enabled) { g_enabled.store(enabled); }
+
+void grouped_linear_a8_amx(int bits, float* y, int64_t ys, const AmxRows& x, const uint8_t* codes,
+                           const float* scales, int64_t tiles, int64_t groups, int64_t n) {
+#if defined(__x86_64__)
+  if (bits == 4) run<4>(y, ys, x, codes, scales, tiles, groups, n);
+  else run<8>(y, ys, x, codes, scales, tiles, groups, n);
+#else
+  (void)bits, (void)y, (void)ys, (void)x, (void)codes, (void)scales, (void)tiles, (void)groups, (void)n;
+#endif
+}
+
+}  // namespace kvserve

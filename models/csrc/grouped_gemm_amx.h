@@ -1,0 +1,31 @@
+// The int8-activation grouped GEMM on AMX tiles (grouped_gemm_amx.cpp).
+#pragma once
+
+#include <cstdint>
+
+namespace kvserve {
+
+// Rows of x rounded to int8 as grouped_gemm.cpp's QuantizedRows holds them
+// (group-major), with room for `padded_rows` (a multiple of 16) rows per group;
+// the rows past `rows` are zeros.
+struct AmxRows {
+  const int8_t* q;      // [groups][padded_rows][32]
+  const float* d;       // [groups][padded_rows][2]
+  const float* shift;   // [groups][padded_rows]
+  const float* sum;     // [groups][padded_rows]
+  int64_t rows, padded_rows;
+};
+
+// The CPU has AMX-INT8 and the kernel granted this process the tile state
+// (asked once, on the first call).
+bool amx_available();
+// amx_available() and not turned off by set_amx_enabled(false).
+bool amx_enabled();
+void set_amx_enabled(bool enabled);
+
+// y [rows, n] (row stride ys) = the int8-activation GEMM of grouped_gemm.cpp for
+// `bits`-bit packed codes, equal bit for bit to the VNNI kernel.
+void grouped_linear_a8_amx(int bits, float* y, int64_t ys, const AmxRows& x, const uint8_t* codes,
+                           const float* scales, int64_t tiles, int64_t groups, int64_t n);
+
+}  // namespace kvserve
