@@ -134,6 +134,7 @@ def _check_amx(ext: ModuleType) -> None:
             logger.warning("AMX: not offered (its %d-bit GEMM differs from VNNI's on the self-check)", bits)
             return  # left disabled by the last pass
     _amx_usable = True
+    logger.info("AMX-INT8: usable (self-check equal to VNNI), offered to the path choice")
 
 
 def kernels_available() -> bool:
