@@ -28,6 +28,7 @@ import torch
 from models import kv_cache, ops
 from models.attention import SeqSpec, build_attention_metadata
 from models.config import ModelConfig
+from models.gguf_loader import FOUR_BIT_TYPES
 from models.quant import quantize_model
 from models.registry import model_class
 
@@ -81,6 +82,11 @@ def candidates(dtype: str, quantization: str, four_bit: bool) -> list[RunPath]:
     if ops.amx_usable() and len(paths) > 1:
         paths += [RunPath(p.dtype, p.quantization, amx=True) for p in paths if p.quantization == "w4a8"]
     return paths
+
+
+def four_bit(gguf_type: str | None) -> bool:
+    """Whether a checkpoint of this GGUF projection type (None: an HF directory) keeps 4-bit codes."""
+    return gguf_type in FOUR_BIT_TYPES
 
 
 def cpu_has_native_bf16() -> bool:

@@ -19,7 +19,7 @@ import torch
 
 from models import autotune, ops
 from models.config import ModelConfig
-from models.gguf_loader import FOUR_BIT_TYPES, config_from_gguf, iter_gguf_weights, open_gguf, projection_type
+from models.gguf_loader import config_from_gguf, iter_gguf_weights, open_gguf, projection_type
 from models.quant import quantize_model
 from models.registry import model_class
 from models.tokenizer import Tokenizer
@@ -86,7 +86,7 @@ def resolve_path(dtype: str, quantization: str, config: ModelConfig, gguf_type: 
         if dtype == "auto":
             dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
         return _DTYPES[dtype], "none" if quantization == "auto" else quantization
-    chosen = autotune.choose(config, dtype, quantization, four_bit=gguf_type in FOUR_BIT_TYPES)
+    chosen = autotune.choose(config, dtype, quantization, four_bit=autotune.four_bit(gguf_type))
     ops.set_amx_enabled(chosen.amx)
     return _DTYPES[chosen.dtype], chosen.quantization
 
@@ -99,6 +99,15 @@ def resolve_device(device: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available")
     return dev
+
+
+def read_config(name: str) -> tuple[ModelConfig, str | None]:
+    """A model's config and its GGUF projection type (None for an HF directory), without its weights."""
+    path = resolve_model_path(name)
+    if path.is_dir():
+        return _open_hf_dir(path)[0], None
+    reader = open_gguf(path)
+    return config_from_gguf(reader), projection_type(reader)
 
 
 def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",

@@ -427,6 +427,26 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return o[0].transpose(0, 1)
 
 
-if __name__ == "__main__":  # `python -m models.ops`: build the kernels ahead of the first run
+def main(argv: list[str] | None = None) -> int:
+    """``python -m models.ops``: build the kernels ahead of the first run; with
+    ``--choose-path MODEL``, also make (and log) the ``auto`` path choice for MODEL."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m models.ops", description=main.__doc__)
+    p.add_argument("--choose-path", metavar="MODEL", default=None,
+                   help="a model name, directory or .gguf file (e.g. smollm2)")
+    args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print("fused CPU kernels:", "ready" if kernels_available() else "unavailable, plain torch ops will run")
+    if args.choose_path:
+        from models import autotune
+        from models.loader import read_config
+
+        config, gguf_type = read_config(args.choose_path)
+        path = autotune.choose(config, "auto", "auto", four_bit=autotune.four_bit(gguf_type))
+        print(f"path auto for {args.choose_path}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -107,3 +107,17 @@ def test_on_cuda_auto_is_bfloat16_without_quantization(monkeypatch: pytest.Monke
     assert resolve_path("auto", "auto", TINY, "Q4_1", cuda) == (torch.bfloat16, "none")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
     assert resolve_path("auto", "auto", TINY, None, cuda) == (torch.float16, "none")
+
+
+def test_python_m_models_ops_reports_the_choice(monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from models import loader
+
+    monkeypatch.setattr(loader, "read_config", lambda name: (TINY, "Q4_1"))
+    monkeypatch.setattr(autotune.ops, "cache_directory", lambda: tmp_path)
+    monkeypatch.setattr(autotune, "measure", lambda config, path: Timing(
+        path, decode_ms=1.0 if path.quantization == "int4" else 3.0, prompt_ms=1.0))
+    assert ops.main(["--choose-path", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "fused CPU kernels: ready" in out
+    assert f"path auto for tiny: {DTYPES[0]} + int4" in out
