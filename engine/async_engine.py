@@ -135,11 +135,11 @@ class AsyncEngine:
         """Check a request and return the stream of its deltas.
 
         Requests of one ``group`` (default: the request alone) take turns with
-        other groups for admission. Raises ``InvalidRequestError`` (a ``ValueError``) at once if the
-        request can never run. The request enters the engine when the stream
-        is first iterated, which raises ``EngineDeadError`` if the engine is
-        dead; closing or cancelling the stream aborts the request and frees its
-        KV blocks.
+        other groups for admission. Raises ``InvalidRequestError`` (a
+        ``ValueError``) at once if the request can never run. The request
+        enters the engine when the stream is first iterated, which raises
+        ``EngineDeadError`` if the engine is dead; closing or cancelling the
+        stream aborts the request and frees its KV blocks.
         """
         return self._stream(self.engine.prepare(request_id, prompt_token_ids, params, group=group))
 

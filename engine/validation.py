@@ -45,9 +45,9 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
     n, limit = len(prompt_token_ids), limits.max_model_len
     if n == 0:
         raise InvalidRequestError("The prompt is empty.", "prompt")
-    _check_ids(prompt_token_ids, limits.vocab_size, "prompt")
-    _check_ids(params.stop_token_ids, limits.vocab_size, "stop_token_ids")
-    _check_ids(list(params.logit_bias), limits.vocab_size, "logit_bias")
+    check_token_ids(prompt_token_ids, limits.vocab_size, "prompt")
+    check_token_ids(params.stop_token_ids, limits.vocab_size, "stop_token_ids")
+    check_token_ids(list(params.logit_bias), limits.vocab_size, "logit_bias")
     if n >= limit:
         raise InvalidRequestError(
             f"This model's maximum context length is {limit} tokens. However, your prompt has "
@@ -69,7 +69,8 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
     return max_tokens
 
 
-def _check_ids(ids: list[int], vocab_size: int, param: str) -> None:
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    """``InvalidRequestError`` naming ``param`` unless every id is in ``[0, vocab_size)``."""
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidRequestError(f"{param} contains token id {bad}, outside the vocabulary "

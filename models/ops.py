@@ -269,10 +269,6 @@ def grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, o
     return out
 
 
-# grouped_gemm.cpp's kAmxMinRows: the row count from which AMX takes over from VNNI.
-AMX_MIN_ROWS = 16
-
-
 def amx_usable() -> bool:
     """Whether the int8-activation GEMMs can run on AMX here: the CPU has AMX-INT8,
     the OS granted the tiles, and the start-up self-check matched VNNI bit for bit."""
@@ -280,7 +276,8 @@ def amx_usable() -> bool:
 
 
 def amx_enabled() -> bool:
-    """Whether int8-activation GEMMs of ``AMX_MIN_ROWS`` rows or more run on AMX tiles now."""
+    """Whether int8-activation GEMMs run on AMX tiles now (from grouped_gemm.cpp's
+    ``kAmxMinRows`` rows; smaller batches stay on VNNI)."""
     return _load() is not None and _ext.amx_enabled()
 
 

@@ -18,12 +18,13 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from engine.validation import InvalidRequestError, check_token_ids
 from server.body import read_model
 from server.engine_client import EngineClient
-from server.errors import ClientDisconnected, install_exception_handlers, unavailable
+from server.errors import ClientDisconnected, bad_request, install_exception_handlers, unavailable
 from server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from server.middleware import OPEN_PATHS, APIKeyMiddleware, BodySizeLimitMiddleware, DrainMiddleware
-from server.protocol import DetokenizeRequest, TokenizeRequest, check_token_ids, template_messages
+from server.protocol import DetokenizeRequest, TokenizeRequest, template_messages
 from server.serving_chat import apply_template, create_chat_completion
 from server.serving_common import client_disconnected
 from server.serving_completions import create_completion
@@ -141,7 +142,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def detokenize(request: Request) -> JSONResponse:
         body = await read_model(request, DetokenizeRequest)
         state.check_model(body.model)
-        check_token_ids(body.tokens, engine.vocab_size, "tokens")
+        try:
+            check_token_ids(body.tokens, engine.vocab_size, "tokens")
+        except InvalidRequestError as e:
+            raise bad_request(str(e), e.param) from None
         return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
 
     @app.get("/health")

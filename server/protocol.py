@@ -257,14 +257,6 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
-def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    """400 unless every id is in ``[0, vocab_size)``."""
-    for tok in ids:
-        if not 0 <= tok < vocab_size:
-            raise bad_request(f"{param} contains token id {tok}, outside the vocabulary "
-                              f"[0, {vocab_size})", param)
-
-
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     """Messages as the plain dicts a chat template expects."""
     out = []

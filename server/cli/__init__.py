@@ -51,8 +51,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     # bench/ is a client of any OpenAI-compatible server; only this subcommand needs it.
     import bench.serve
 
-    tools = {"serve": bench.serve.main}
-    return tools[args.tool](args.args, prog=f"kvserve bench {args.tool}")
+    assert args.tool == "serve", args.tool  # the parser's only choice
+    return bench.serve.main(args.args, prog="kvserve bench serve")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
