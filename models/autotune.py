@@ -29,7 +29,7 @@ from models import kv_cache, ops
 from models.attention import SeqSpec, build_attention_metadata
 from models.config import ModelConfig
 from models.gguf_loader import FOUR_BIT_TYPES
-from models.quant import quantize_model
+from models.quant import prepare_projections
 from models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,10 @@ PROMPT_TOKENS = 512  # the engine's default step budget
 RUNS = 5
 BLOCK_SIZE = 16
 CACHE_FILE = "paths.json"
+# Part of the cache key, with a digest of the kernels' sources: bump it when a
+# path's Python side changes what it runs, so the choice is measured again.
+# 2: int4 runs the grouped kernel for every batch, none the dense one.
+PATHS_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -196,9 +200,7 @@ def _probe_model(config: ModelConfig, path: RunPath) -> torch.nn.Module:
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.init_rope(DECODE_CONTEXT + PROMPT_TOKENS + 1)
-    model.use_column_major_weights()
-    if path.quantization != "none":
-        quantize_model(model, path.quantization)
+    prepare_projections(model, path.quantization)
     return model.eval()
 
 
@@ -222,7 +224,7 @@ def _cache_key(config: ModelConfig, options: list[RunPath]) -> str:
     shapes = (f"{config.architecture} h{config.hidden_size} i{config.intermediate_size} "
               f"a{config.num_attention_heads} kv{config.num_key_value_heads} d{config.head_dim} "
               f"v{config.vocab_size} L{config.num_hidden_layers}")
-    return f"{shapes} | {', '.join(str(p) for p in options)}"
+    return f"{shapes} | {', '.join(str(p) for p in options)} | v{PATHS_VERSION} kernels {ops.sources_digest()}"
 
 
 def _timing_json(t: Timing) -> dict:

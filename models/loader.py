@@ -20,7 +20,7 @@ import torch
 from models import autotune, ops
 from models.config import ModelConfig
 from models.gguf_loader import config_from_gguf, iter_gguf_weights, open_gguf, projection_type
-from models.quant import quantize_model
+from models.quant import prepare_projections
 from models.registry import model_class
 from models.tokenizer import Tokenizer
 
@@ -114,11 +114,11 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
                max_positions: int | None = None, quantization: str = "none") -> LoadedModel:
     """Load weights, tokenizer and config; the model is in eval mode on ``device``.
 
-    ``quantization`` (CPU only; see ``quant.quantize_model``): ``"int4"``
-    adds int4 copies of the projections (and int8 of the LM head) that small
-    decode batches use with float activations; ``"w4a8"`` replaces them with
-    int4/int8 weights and int8 activations for every batch. ``"auto"`` (and
-    ``dtype="auto"``) leave the choice to ``resolve_path``: measured on a CPU.
+    ``quantization`` (see ``quant.prepare_projections``): ``"int4"`` runs
+    the projections as int4 weights (the LM head as int8) with float
+    activations, ``"w4a8"`` with int8 activations (both CPU only); ``"none"``
+    keeps them dense (on CPU in kvserve's batch-invariant GEMM). ``"auto"``
+    (and ``dtype="auto"``) leave the choice to ``resolve_path``: measured on a CPU.
     """
     t0 = time.perf_counter()
     path = resolve_model_path(name)
@@ -142,12 +142,10 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
         model.lm_head.weight = model.model.embed_tokens.weight
     model.load_weights(_progress(weights, config))
     model.init_rope(max_positions or config.max_position_embeddings)
+    if quantization != "none" and dev.type != "cpu":
+        raise ValueError(f"quantization {quantization!r} uses CPU kernels; use --quantization none on {dev}")
     if dev.type == "cpu":
-        model.use_column_major_weights()
-    if quantization != "none":
-        if dev.type != "cpu":
-            raise ValueError(f"quantization {quantization!r} uses CPU kernels; use --quantization none on {dev}")
-        quantize_model(model, quantization)
+        prepare_projections(model, quantization)
     model.eval()
     if dev.type == "cpu" and ops.kernels_available():  # builds them on the very first run
         logger.info("fused CPU kernels: on")

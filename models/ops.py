@@ -3,8 +3,8 @@
 A batch-1 decode step of a small model spends more time dispatching its
 dozens of tiny eager ops per layer than computing them. The C++ kernels in
 ``csrc/`` fuse each chain into one call: ``rowwise.cpp`` (residual add +
-RMSNorm, SiLU * up, RoPE + KV-cache write), ``decode_attention.cpp`` and
-``prefill_attention.cpp`` (paged attention read in place), ``argmax.cpp``,
+RMSNorm, SiLU * up, RoPE + KV-cache write), ``paged_attention.cpp`` (decode
+and prompt attention read in place, one arithmetic for both), ``argmax.cpp``,
 ``fused_layer.cpp`` (a whole decoder layer) and ``grouped_gemm.cpp`` (the
 grouped 4-/8-bit GEMMs); ``bindings.cpp`` exports them and ``kernels.h``
 declares them. The module is compiled on first use with torch's C++
@@ -70,6 +70,15 @@ def _build_directory(name: str) -> Path:
     except FileNotFoundError:
         pass
     return path
+
+
+def sources_digest() -> str:
+    """A short hash of the kernels' sources: what they compute changes with it."""
+    h = hashlib.sha256()
+    for path in sorted((Path(__file__).parent / "csrc").iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def cache_directory() -> Path:
@@ -266,6 +275,20 @@ def grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, o
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = x.new_empty(x.shape[0], out_features)
     _ext.grouped_linear(out, x, codes, scales, int8_activations, plain)
+    return out
+
+
+def dense_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x [M, K] @ W^T`` for a weight packed by ``dense.pack_dense`` (float32, or bfloat16 for bfloat16 x).
+
+    Each output is one chain of FMAs over the inputs in order, so a row's
+    result does not depend on the other rows (MKL's and oneDNN's does).
+    """
+    if _load() is None:
+        raise RuntimeError("dense_linear needs the fused CPU kernels")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = x.new_empty(x.shape[0], out_features)
+    _ext.dense_linear(out, x, packed)
     return out
 
 

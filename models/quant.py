@@ -6,8 +6,9 @@ kernels (``ops.grouped_linear``, models/csrc/grouped_gemm.cpp) keep float32
 scales and reuse each weight tile for several rows of the batch, with one of
 two arithmetics (``quantize_model``'s methods):
 
-* ``int4``: float32 activations. For prefill-sized batches MKL's float32 GEMM
-  is faster, so each layer keeps its dense weight too and picks by row count.
+* ``int4``: float32 activations, every batch (MKL's float32 GEMM on the
+  dense weight is faster for prompt-sized batches, but another summation
+  order: a token's logits would depend on how many rows shared its step).
 * ``w4a8``: activations rounded to int8 per 16 inputs, integer dot products
   on AVX512-VNNI. Faster than both at every batch size, so no dense copy.
 
@@ -29,12 +30,11 @@ import torch
 from torch import nn
 
 from models import ops
+from models.dense import DTYPES, pack_model
 
 GROUP_SIZE = 32
-# Up to this many rows the quantised kernels win: a whole SmolLM2 decode step
-# (context 200, 2-core AVX-512 CPU, column-major float32 weights) took 12.8 vs
-# 26 ms at 1 row, 19.7 vs 42-50 at 4, 47.0 vs 70-87 at 16 and 157.8 vs
-# 165-182 at 64 (quantised vs float32). Prefill chunks are larger.
+# Without kvserve's kernels, torch's int4/int8 kernels (bfloat16 activations)
+# run up to this many rows and the dense float weight above.
 SMALL_BATCH_ROWS = 64
 
 
@@ -125,11 +125,12 @@ METHODS = ("int4", "w4a8")
 class QuantizedLinear(nn.Module):
     """A linear layer with a quantised copy of its weight.
 
-    ``kind`` is ``"int4"`` or ``"int8"`` (the weight). With float activations
-    the quantised kernel runs for up to ``SMALL_BATCH_ROWS`` rows and the kept
-    dense weight above that. With ``int8_activations`` (kvserve's kernels on a
-    VNNI CPU) the kernel beats MKL's float32 GEMM at every batch size, so it
-    runs for all rows and the dense weight is not kept.
+    ``kind`` is ``"int4"`` or ``"int8"`` (the weight). With kvserve's kernels
+    every batch runs the grouped kernel (float or, with ``int8_activations``,
+    int8 activations), whose arithmetic for a row does not depend on the
+    other rows, and the dense weight is not kept. Without them, torch's
+    quantised kernels run up to ``SMALL_BATCH_ROWS`` rows and the kept dense
+    weight above that.
     """
 
     def __init__(self, dense: nn.Linear, kind: str, int8_activations: bool = False) -> None:
@@ -145,8 +146,8 @@ class QuantizedLinear(nn.Module):
         # batch. torch's kernels below are the fallback.
         self.fused = ops.kernels_enabled(w.device)
         self.int8_activations = int8_activations and self.fused
-        # kept (and shared if tied) for large batches of float activations
-        self.weight = None if self.int8_activations else dense.weight
+        # kept (and shared if tied) for torch's large batches only
+        self.weight = None if self.fused else dense.weight
         if self.fused:
             codes, scales = pack_int4(w) if kind == "int4" else pack_int8(w)
             self.register_buffer("codes", codes, persistent=False)
@@ -162,7 +163,7 @@ class QuantizedLinear(nn.Module):
 
     def uses_kernel(self, rows: int) -> bool:
         """Whether a batch of ``rows`` runs kvserve's grouped kernel (not the dense weight or torch's)."""
-        return self.fused and (self.int8_activations or rows <= SMALL_BATCH_ROWS)
+        return self.fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.uses_kernel(x.shape[0]):
@@ -186,7 +187,7 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
     ``method`` (CPU only):
 
     * ``"int4"``: float activations, so the model computes the quantised
-      weights exactly (a 4-bit GGUF's own values); large batches use the dense weights.
+      weights exactly (a 4-bit GGUF's own values), every batch in the grouped kernel.
     * ``"w4a8"``: activations rounded to int8 per 16 inputs, integer dot
       products against the centred codes (AVX512-VNNI); about 2x the int4
       path's GEMM speed, and no dense copies of the projections.
@@ -205,4 +206,20 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
     # NOTE: the LM head is often tied to the embedding and its rows are many:
     # int8 keeps logits close while reading 4x fewer bytes.
     model.lm_head = QuantizedLinear(model.lm_head, "int8", int8_acts)
+    return model
+
+
+def prepare_projections(model: nn.Module, quantization: str) -> nn.Module:
+    """Put a CPU model's projections in the form its run path multiplies them in, in place.
+
+    ``none``: ``dense.pack_model`` (the batch-invariant dense GEMM) where
+    kvserve's kernels run and the dtype is float32 or bfloat16, else
+    column-major weights for torch's GEMM. ``int4`` / ``w4a8``: ``quantize_model``.
+    """
+    if quantization != "none":
+        return quantize_model(model, quantization)
+    dtype = model.lm_head.weight.dtype
+    if ops.kernels_enabled(model.lm_head.weight.device) and dtype in DTYPES:
+        return pack_model(model)
+    model.use_column_major_weights()
     return model

@@ -9,6 +9,8 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_linear", &grouped_linear, "out = x @ W^T, W packed in 4- or 8-bit groups of 32 (float scales)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("dense_linear", &kvserve::dense_linear, "out = x @ W^T, W float32 or bfloat16 packed in 16-row tiles",
+        py::call_guard<py::gil_scoped_release>());
   m.def("has_vnni", &has_vnni, "whether the int8-activation GEMMs run on AVX512-VNNI");
   m.def("amx_available", &kvserve::amx_available, "whether the CPU and the OS let the GEMMs use AMX-INT8");
   m.def("amx_enabled", &kvserve::amx_enabled, "whether the int8-activation GEMMs use AMX now");
@@ -20,7 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &kvserve::add_rms_norm, "residual += x; out = rms_norm(residual) * weight");
   m.def("silu_and_mul", &kvserve::silu_and_mul, "out = silu(gate) * up");
   m.def("rotary_and_cache", &kvserve::rotary_and_cache, "rotate Q/K in place and write K/V to the paged caches");
-  m.def("paged_decode_attention", &kvserve::paged_decode_attention, "one-token attention over paged caches",
+  m.def("paged_decode_attention", &kvserve::paged_decode_attention, "one query token per sequence over paged caches",
         py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &kvserve::argmax_rows, "index of each row's largest value (first on ties, NaN largest)",
         py::call_guard<py::gil_scoped_release>());

@@ -26,15 +26,18 @@ void rotary_and_cache(at::Tensor& qkv, const at::Tensor& rotations, const at::Te
                       at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
                       int64_t num_heads, int64_t num_kv_heads);
 
-// decode_attention.cpp
+// paged_attention.cpp: decode tokens and prompt chunks, one arithmetic per query token.
 void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, double scale);
 
-// prefill_attention.cpp
 void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_tables,
                              const at::Tensor& context_lens, const at::Tensor& query_start, double scale);
+
+// dense_gemm.cpp: x @ W^T for unquantised weights packed as [N/16, K, 16], the same
+// arithmetic for a row whatever the batch.
+void dense_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w);
 
 // argmax.cpp
 void argmax_rows(at::Tensor& out, const at::Tensor& x);

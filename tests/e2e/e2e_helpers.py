@@ -99,13 +99,14 @@ class KVServe(Process):
     """A ``kvserve serve`` process on 127.0.0.1:``port``."""
 
     def __init__(self, port: int, log_path: Path, api_key: str | None, shutdown_timeout: float,
-                 extra: Sequence[str] = ()) -> None:
+                 extra: Sequence[str] = (), dtype: str | None = "float32") -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.api_key = api_key
         self.shutdown_timeout = shutdown_timeout
+        # dtype None: kvserve's own choice (--dtype auto), as a user's plain `kvserve serve`.
         argv = kvserve_argv("serve", "--model", MODEL, "--host", "127.0.0.1", "--port", str(port),
-                            "--dtype", "float32", "--kv-cache-memory", "256MiB",
+                            *(("--dtype", dtype) if dtype else ()), "--kv-cache-memory", "256MiB",
                             "--max-model-len", "2048",
                             "--shutdown-timeout", str(shutdown_timeout), *extra)
         if api_key:

@@ -1,8 +1,17 @@
-// Paged decode attention: one query token per sequence over its paged
-// context, read in place.
+// Paged attention read in place: decode tokens (one query token per
+// sequence) and prompt chunks (several, causal) over the paged KV caches.
+//
+// Both go through one routine, attend_token: a query token's heads sharing a
+// KV head, over its context. So a token's attention is the same arithmetic,
+// bit for bit, whether it runs as a decode, inside a prompt chunk of any size
+// or after a cached prefix of any length: every reduction here has a fixed
+// order that depends only on the token's context length (explicit vector
+// code, never a compiler-chosen reduction, whose order could follow a
+// buffer's alignment). A flash-attention tile over 16 query tokens shared key
+// loads between them but reduced in another order than a decode, so a
+// prefix-cache hit changed the logits (issue 14).
 #include <ATen/ATen.h>
 
-#include "attention.h"
 #include "cache_rows.h"
 #include "fastmath.h"
 #include "kernels.h"
@@ -37,19 +46,36 @@ inline float row_max(const float* s, int64_t n) {
   return mx;
 }
 
-// Softmax of each of ``rows`` score rows of length n, in place.
+// Softmax of each of ``rows`` score rows of length n, in place. The sum runs
+// in 16 lanes over the row in order, then one fixed lane reduction.
 inline void softmax_rows(float* s, int64_t rows, int64_t n) {
   for (int64_t g = 0; g < rows; ++g, s += n) {
-    float mx = row_max(s, n);
+    const float mx = row_max(s, n);
     float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) {
+    int64_t t = 0;
+#if defined(__AVX512F__)
+    const __m512 m = _mm512_set1_ps(mx);
+    __m512 acc = _mm512_setzero_ps();
+    for (; t + 16 <= n; t += 16) {
+      const __m512 e = exp_approx16(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
+      _mm512_storeu_ps(s + t, e);
+      acc = _mm512_add_ps(acc, e);
+    }
+    if (t < n) {
+      const __mmask16 mask = static_cast<__mmask16>((1u << (n - t)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(mask, exp_approx16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t), m)));
+      _mm512_mask_storeu_ps(s + t, mask, e);
+      acc = _mm512_add_ps(acc, e);
+      t = n;
+    }
+    sum = _mm512_reduce_add_ps(acc);
+#endif
+    for (; t < n; ++t) {
       s[t] = exp_approx(s[t] - mx);
       sum += s[t];
     }
     const float inv = 1.0f / sum;
-#pragma omp simd
-    for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+    for (t = 0; t < n; ++t) s[t] *= inv;
   }
 }
 
@@ -63,8 +89,7 @@ inline float dot_row(const float* q, const T* k, int64_t n) {
     return _mm512_reduce_add_ps(acc);
   }
 #endif
-  float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
+  float dot = 0.0f;  // in order: a vectorised reduction's order could depend on alignment
   for (int64_t d = 0; d < n; ++d) dot += q[d] * to_f(k[d]);
   return dot;
 }
@@ -237,34 +262,16 @@ void attend_group(T* out, const float* qf, const C* kc, const C* vc, const Paged
   for (int64_t i = 0; i < group * hd; ++i) out[i] = static_cast<T>(a[i]);
 }
 
-template <typename T, typename C>
-void decode_attention_impl(T* out, const T* q, int64_t q_stride, const C* kc, const C* vc,
-                           const int64_t* tables, const int64_t* lens, int64_t batch, int64_t heads,
-                           int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                           float scale) {
-  const int64_t group = heads / kv_heads;
-  const int64_t row = head_dim + kRowExtra<C>;  // cache elements per (token, head)
-  const auto attend = head_dim == 64    ? attend_group<T, C, 64>
-                      : head_dim == 128 ? attend_group<T, C, 128>
-                                        : attend_group<T, C, 0>;
-  kvserve::parallel_chunks(batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    // Per thread, reused across chunks and calls (a chunk is one item).
-    thread_local std::vector<float> qf, scores, acc;
-    qf.resize(group * head_dim);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / kv_heads, h = item % kv_heads;
-      const T* src = q + b * q_stride + h * group * head_dim;
-      for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = to_f(src[i]) * scale;
-      const PagedView pv{block_size, kv_heads * row, tables + b * max_blocks};
-      attend(out + (b * heads + h * group) * head_dim, qf.data(), kc, vc, pv, h * row, head_dim, group,
-             lens[b], scores, acc);
-    }
-  });
-}
+// The shapes both entry points read, checked: q [N, H, D] with packed heads
+// (rows may be strided), out like q, caches [NB, BS, KVH, row], one block
+// table and context length per sequence, every block a context touches
+// inside the cache.
+struct PagedShapes {
+  int64_t heads, head_dim, block_size, kv_heads, max_blocks;
+  const int64_t* tables;
+  const int64_t* lens;
+};
 
-}  // namespace
-
-// attention.h describes the shapes it checks.
 PagedShapes check_paged(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& context_lens) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [N, H, D] with packed heads");
@@ -291,6 +298,53 @@ PagedShapes check_paged(const at::Tensor& out, const at::Tensor& q, const at::Te
   return {heads, head_dim, block_size, kv_heads, max_blocks, tables, lens};
 }
 
+// The caches and shapes every token of a call shares.
+template <typename T, typename C>
+struct PagedCall {
+  const T* q;
+  int64_t q_stride;
+  T* out;
+  const C* kc;
+  const C* vc;
+  const PagedShapes& p;
+  float scale;
+};
+
+// Query row `row` (its heads of KV head h) over the first ctx tokens of the
+// sequence whose block table is `table`: the one routine behind decodes and
+// prompt chunks alike. qf is a per-thread buffer.
+template <typename T, typename C>
+void attend_token(const PagedCall<T, C>& c, int64_t row, int64_t h, const int64_t* table, int64_t ctx) {
+  const PagedShapes& p = c.p;
+  const int64_t group = p.heads / p.kv_heads, d = p.head_dim;
+  const int64_t row_elems = d + kRowExtra<C>;  // cache elements per (token, head)
+  thread_local std::vector<float> qf, scores, acc;
+  qf.resize(group * d);
+  const T* src = c.q + row * c.q_stride + h * group * d;
+  for (int64_t i = 0; i < group * d; ++i) qf[i] = to_f(src[i]) * c.scale;
+  const PagedView pv{p.block_size, p.kv_heads * row_elems, table};
+  T* dst = c.out + (row * p.heads + h * group) * d;
+  if (d == 64) attend_group<T, C, 64>(dst, qf.data(), c.kc, c.vc, pv, h * row_elems, d, group, ctx, scores, acc);
+  else if (d == 128) attend_group<T, C, 128>(dst, qf.data(), c.kc, c.vc, pv, h * row_elems, d, group, ctx, scores, acc);
+  else attend_group<T, C, 0>(dst, qf.data(), c.kc, c.vc, pv, h * row_elems, d, group, ctx, scores, acc);
+}
+
+// Calls f(PagedCall<scalar_t, C>) for q's dtype and the caches' element type.
+template <typename F>
+void dispatch_paged(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const PagedShapes& p, double scale, F&& f) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    dispatch_cache_type(k_cache.scalar_type(), [&](auto cache_tag) {
+      using C = decltype(cache_tag);
+      f(PagedCall<scalar_t, C>{q.data_ptr<scalar_t>(), q.stride(0), out.data_ptr<scalar_t>(),
+                               static_cast<const C*>(k_cache.data_ptr()), static_cast<const C*>(v_cache.data_ptr()),
+                               p, static_cast<float>(scale)});
+    });
+  });
+}
+
+}  // namespace
+
 // One query token per sequence over its paged context, read in place (no
 // gather). q [B, H, D] (rows may be strided), caches [NB, BS, KVH, D] (int8:
 // [NB, BS, KVH, D + 4], each row's scale after its codes),
@@ -302,13 +356,44 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
                             const at::Tensor& context_lens, double scale) {
   const PagedShapes p = check_paged(out, q, k_cache, v_cache, block_tables, context_lens);
   TORCH_CHECK(context_lens.numel() == q.size(0), "one query token per sequence");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    dispatch_cache_type(k_cache.scalar_type(), [&](auto cache_tag) {
-      using C = decltype(cache_tag);
-      decode_attention_impl(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), q.stride(0),
-                            static_cast<const C*>(k_cache.data_ptr()), static_cast<const C*>(v_cache.data_ptr()),
-                            p.tables, p.lens, q.size(0), p.heads, p.kv_heads, p.head_dim, p.block_size,
-                            p.max_blocks, static_cast<float>(scale));
+  dispatch_paged(out, q, k_cache, v_cache, p, scale, [&](const auto& call) {
+    kvserve::parallel_chunks(q.size(0) * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t b = item / p.kv_heads, h = item % p.kv_heads;
+        attend_token(call, b, h, p.tables + b * p.max_blocks, p.lens[b]);
+      }
+    });
+  });
+}
+
+// q [T, H, D] (rows may be strided) holds the query tokens of S sequences,
+// sequence i's at rows query_start[i]..query_start[i+1]-1, the last of its
+// context_lens[i] positions (their K/V already in the caches); caches as
+// paged_decode_attention's; out [T, H, D]. Each query token attends to the
+// keys up to its own position, through attend_token as a decode would. One
+// work item per (token, KV head), claimed one at a time, the last tokens of
+// each sequence (which see the most keys) first.
+void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& block_tables,
+                             const at::Tensor& context_lens, const at::Tensor& query_start, double scale) {
+  const PagedShapes p = check_paged(out, q, k_cache, v_cache, block_tables, context_lens);
+  const int64_t seqs = context_lens.numel();
+  TORCH_CHECK(query_start.is_contiguous() && query_start.scalar_type() == at::kLong && query_start.numel() == seqs + 1,
+              "query_start: int64, one more than the sequences");
+  const int64_t* starts = query_start.data_ptr<int64_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[seqs] == q.size(0), "query_start must run from 0 to the number of tokens");
+  for (int64_t i = 0; i < seqs; ++i) {
+    const int64_t qlen = starts[i + 1] - starts[i];
+    TORCH_CHECK(qlen >= 1 && qlen <= p.lens[i], "sequence ", i, ": ", qlen, " query tokens, context length ", p.lens[i]);
+  }
+  dispatch_paged(out, q, k_cache, v_cache, p, scale, [&](const auto& call) {
+    kvserve::parallel_chunks(q.size(0) * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t token = item / p.kv_heads, h = item % p.kv_heads;
+        const int64_t i = std::upper_bound(starts, starts + seqs + 1, token) - starts - 1;
+        const int64_t row = starts[i + 1] - 1 - (token - starts[i]);  // last tokens first
+        attend_token(call, row, h, p.tables + i * p.max_blocks, p.lens[i] - (starts[i + 1] - 1 - row));
+      }
     });
   });
 }

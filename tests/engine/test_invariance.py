@@ -1,0 +1,213 @@
+"""Same request, same answer: logprobs bit for bit however a request was computed.
+
+For each path ``--dtype auto`` / ``--quantization auto`` can pick (float32 or
+bfloat16 activations; w4a8, int4 or no quantization; float32, float16,
+bfloat16 or int8 KV caches), a table of prompts runs cold (alone, in one
+prefill) and then: again after a prefix cache hit (of every prompt, and of
+one block of a longer one), in chunks of 16 and of 48 tokens, inside a batch
+of 16 requests arriving over time (prompts beside decodes), and through a KV
+cache so small that requests are preempted and recomputed. Every generated
+token's logprob must be equal, bit for bit, to the cold run's, and so must the
+tokens and texts. Nothing is compared with a tolerance: an optimisation never
+changes a result.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_runner import kv_bytes_per_block
+from engine.sampling_params import SamplingParams
+from models import ops
+from models.loader import load_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 384
+MAX_TOKENS = 5
+PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+
+LONG_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
+    "metal type, oil-based ink and a wooden screw press adapted from wine making. Before his workshop in Mainz, "
+    "books were copied by hand in monasteries, which made them rare and expensive. Within fifty years presses had "
+    "spread to more than two hundred cities across Europe, and millions of books were printed. Historians often "
+    "say that this change helped the Reformation, the scientific revolution and the growth of literacy. Printers "
+    "became publishers, editors and booksellers at once; they chose which texts were worth the cost of paper, "
+    "standardised spelling to sell across regions, and added title pages, page numbers and indexes so that readers "
+    "could find their way. Pamphlets carried news and arguments faster than any preacher could travel, and "
+    "governments soon learned to license presses, censor books and print their own proclamations. Scholars could "
+    "compare identical copies of a text for the first time, which made errors easier to correct and discoveries "
+    "easier to build on. Maps, musical scores and "
+    "diagrams could be reproduced without the slow drift of hand copying, so sailors, musicians and engineers "
+    "shared the same references across borders. Local languages gained printed grammars and dictionaries, while "
+    "Latin slowly lost its place as the only language of learning. Cheap almanacs taught farmers about weather "
+    "and planting, and school primers put the alphabet into the hands of children whose parents had never owned "
+    "a book. Within two centuries the "
+    "newspaper, the scientific journal and the public library had all grown from the same small machine. In one "
+    "sentence, the main effect of the press was"
+)
+FILLERS = ["Hello", "The capital of France is", "1, 2, 3, 4,", "Once upon a time", "Water boils at",
+           "The opposite of hot is", "My favourite colour is", "def add(a, b):", "The sun rises in the",
+           "Q: What is 7 times 8?\nA:", "Roses are red,", "A recipe for soup:"]
+
+# (dtype, quantization, KV cache dtype): the loaded model is shared by the modes of one (dtype, quantization).
+MODES = [
+    ("float32", "w4a8", "float16"),
+    ("float32", "w4a8", "float16", "amx"),  # the integer dots on AMX tiles from 16 rows, VNNI below
+    ("float32", "w4a8", "bfloat16"),
+    ("float32", "w4a8", "int8"),
+    ("float32", "int4", "float16"),
+    ("float32", "none", "float32"),
+    ("float32", "none", "float16"),
+    ("bfloat16", "w4a8", "bfloat16"),
+    ("bfloat16", "int4", "bfloat16"),
+    ("bfloat16", "none", "bfloat16"),
+]
+
+
+@dataclass
+class Generated:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    num_cached_tokens: int = 0
+
+
+_loaded: dict[tuple[str, str], object] = {}
+
+
+def loaded_model(dtype: str, quantization: str):
+    """One loaded model at a time (each is a few hundred MB)."""
+    key = (dtype, quantization)
+    if key not in _loaded:
+        _loaded.clear()
+        gc.collect()
+        _loaded[key] = load_model("smollm2", dtype=dtype, device="cpu", max_positions=MAX_MODEL_LEN,
+                                  quantization=quantization)
+    return _loaded[key]
+
+
+def make_engine(mode, num_blocks: int = 128, **overrides) -> LLMEngine:
+    dtype, quantization, kv_dtype = mode[:3]
+    loaded = loaded_model(dtype, quantization)
+    import torch
+
+    budget = num_blocks * kv_bytes_per_block(loaded.config, getattr(torch, kv_dtype), BLOCK_SIZE)
+    settings = dict(dtype=dtype, device="cpu", kv_cache_memory=budget, block_size=BLOCK_SIZE,
+                    max_model_len=MAX_MODEL_LEN, kv_cache_dtype=kv_dtype, quantization=quantization,
+                    max_num_batched_tokens=MAX_MODEL_LEN)
+    settings.update(overrides)
+    engine = LLMEngine(EngineConfig(**settings), loaded=loaded)
+    assert engine.num_blocks == num_blocks
+    return engine
+
+
+def run(engine: LLMEngine, prompts: dict[str, list[int]], arrivals: dict[str, int] | None = None
+        ) -> dict[str, Generated]:
+    """Run ``prompts`` to the end; ``arrivals`` delays a request's arrival by that many steps."""
+    arrivals = arrivals or {}
+    results = {rid: Generated() for rid in prompts}
+    step = 0
+    pending = dict(prompts)
+    while pending or engine.has_unfinished_requests():
+        for rid in [r for r in pending if arrivals.get(r, 0) <= step]:
+            engine.add_request(rid, pending.pop(rid), PARAMS)
+        for out in engine.step():
+            assert out.error is None
+            got = results[out.request_id]
+            got.num_cached_tokens = out.num_cached_tokens
+            for o in out.outputs:
+                got.token_ids += o.token_ids
+                got.logprobs += [lp.logprob for lp in o.logprobs or []]
+                got.text += o.text
+        step += 1
+    assert engine.kv_cache.stats.num_blocks_used == 0 or engine.config.enable_prefix_caching
+    return results
+
+
+def table(tokenizer) -> dict[str, list[int]]:
+    """Short, crossing block boundaries, a chat template, and over 300 tokens."""
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Say hello."}])
+    prompts = {
+        "short": tokenizer.encode("The capital of France is"),
+        "blocks": tokenizer.encode(LONG_TEXT)[:47],
+        "chat": tokenizer.encode(chat, add_special_tokens=False),
+        "long": tokenizer.encode(LONG_TEXT),
+    }
+    assert len(prompts["short"]) < BLOCK_SIZE and len(prompts["long"]) > 300
+    return prompts
+
+
+def assert_same(got: dict[str, Generated], cold: dict[str, Generated], what: str) -> None:
+    for rid, ref in cold.items():
+        g = got[rid]
+        assert g.token_ids == ref.token_ids, f"{what}: {rid} generated other tokens"
+        # Exact: logprobs bit for bit, not within a tolerance.
+        assert g.logprobs == ref.logprobs, f"{what}: {rid} logprobs {g.logprobs} != cold {ref.logprobs}"
+        assert g.text == ref.text
+        assert len(g.logprobs) == MAX_TOKENS
+
+
+@pytest.fixture
+def amx(request):
+    """AMX on for the modes that name it (where the CPU has it), off otherwise."""
+    wanted = "amx" in request.node.callspec.params["mode"]
+    if wanted and not ops.amx_usable():
+        pytest.skip("this CPU has no usable AMX-INT8 (its w4a8 runs on VNNI, tested above)")
+    yield wanted
+    ops.set_amx_enabled(False)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=["-".join(m) for m in MODES])
+def test_logprobs_do_not_depend_on_how_a_request_was_computed(mode, amx):
+    tokenizer = loaded_model(*mode[:2]).tokenizer
+    ops.set_amx_enabled(amx)  # after the load, which sets it to the path's own choice
+    assert ops.amx_enabled() == amx
+    prompts = table(tokenizer)
+    # (a) cold: each prompt alone, in one prefill, nothing cached.
+    alone = make_engine(mode, enable_prefix_caching=False)
+    cold = {}
+    for rid, ids in prompts.items():
+        cold.update(run(alone, {rid: ids}))
+
+    # (b) a prefix cache hit: each prompt again after itself (all its full blocks
+    # cached), and the long one after a one-block prefix of it.
+    cached = make_engine(mode)
+    run(cached, {"warm": prompts["long"][:BLOCK_SIZE + 3]})
+    again = run(cached, {"long": prompts["long"]})
+    assert again["long"].num_cached_tokens == BLOCK_SIZE
+    assert_same(again, {"long": cold["long"]}, "after a one-block prefix")
+    for rid, ids in prompts.items():
+        run(cached, {f"first-{rid}": ids})
+        again = run(cached, {rid: ids})
+        assert again[rid].num_cached_tokens >= (len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE
+        assert_same(again, {rid: cold[rid]}, "prefix cache hit")
+
+    # (c) chunked prefill, 16 and 48 tokens a step (each prompt alone).
+    for budget in (16, 48):
+        chunked = make_engine(mode, enable_prefix_caching=False, max_num_batched_tokens=budget)
+        got = {}
+        for rid, ids in prompts.items():
+            got.update(run(chunked, {rid: ids}))
+        assert_same(got, cold, f"chunks of {budget}")
+
+    # (d) in a batch of 16: fillers first, the table's prompts arriving while
+    # they decode, so prompts run beside decodes and beside each other.
+    batch = {f"filler-{i}": tokenizer.encode(t) for i, t in enumerate(FILLERS)} | prompts
+    arrivals = {rid: 2 + i for i, rid in enumerate(prompts)}
+    got = run(make_engine(mode, enable_prefix_caching=False), batch, arrivals)
+    assert_same(got, cold, "in a batch of 16")
+
+    # (e) a KV cache one block short of the whole batch: requests are preempted and recomputed.
+    need = sum(-(-(len(ids) + MAX_TOKENS) // BLOCK_SIZE) for ids in prompts.values())
+    small = make_engine(mode, num_blocks=need - 1, enable_prefix_caching=False)
+    got = run(small, prompts)
+    assert small.scheduler.num_preemptions_total > 0
+    assert_same(got, cold, "after preemption")
