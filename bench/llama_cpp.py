@@ -1,4 +1,4 @@
-"""llama.cpp's ``llama-server`` and ``llama-bench``, built reproducibly, as a peer to measure.
+"""llama.cpp's ``llama-server``, ``llama-bench`` and ``llama-perplexity``, built reproducibly, as a peer to measure.
 
 The source is the llama.cpp that the ``llama-cpp-python`` sdist vendors (a pinned
 version, fetched with pip from PyPI, so no git or release download is needed).
@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 LLAMA_CPP_PYTHON = "0.3.36"
-TARGETS = ("llama-server", "llama-bench")
+# llama-perplexity and llama-quantize: bench.quality's figures (and its F32 copy of the GGUF).
+TARGETS = ("llama-server", "llama-bench", "llama-perplexity", "llama-quantize")
 DEFAULT_CACHE = Path("~/.cache/kvserve-bench").expanduser()
 # NOTE: option names checked against vendor/llama.cpp/CMakeLists.txt of 0.3.36:
 # LLAMA_CURL is deprecated there (a warning, it no longer exists), and the
@@ -129,7 +130,7 @@ def _extract(sdist: Path, cache: Path) -> Path:
 
 
 def ensure_built(cache: Path = DEFAULT_CACHE, jobs: int = 2) -> dict[str, Path]:
-    """Build ``llama-server`` and ``llama-bench`` into ``cache`` unless they are there."""
+    """Build the ``TARGETS`` into ``cache`` unless they are there."""
     bins = binaries(cache)
     if all(p.exists() for p in bins.values()):
         return bins
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     p.add_argument("--jobs", type=int, default=2)
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("build", help="build llama-server and llama-bench (skipped when present)")
+    sub.add_parser("build", help="build the llama.cpp tools (skipped when present)")
     serve = sub.add_parser("serve", help="serve the default model's GGUF with the bench settings")
     serve.add_argument("--port", type=int, default=8080)
     args = p.parse_args(argv)
