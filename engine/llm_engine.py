@@ -16,8 +16,9 @@ from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.request import EngineRequest, Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.stats import FinishedRequestStats, StatLogger, StepStats
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.stats import FinishedRequestStats, StatLogger, StepStats, StructuredRequestStats
+from engine.structured import BitmaskFiller, GrammarCompiler
 from engine.validation import RequestLimits, check_request
 from models.kv_cache import cdiv, default_dtype
 from models.loader import LoadedModel, load_model
@@ -95,6 +96,8 @@ class LLMEngine:
         self.limits = RequestLimits(vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         self.sampler = Sampler(self.vocab_size)
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.vocab_size, sorted(self.eos_token_ids))
+        self._masks = BitmaskFiller(self.vocab_size)
         self.stat_loggers: list[StatLogger] = []
         self._requests: dict[str, _ApiRequest] = {}
         self._seq_to_api: dict[str, _ApiRequest] = {}
@@ -102,6 +105,7 @@ class LLMEngine:
         self._last_kv_hits = 0
         self._last_preemptions = 0
         self._pending_finished: list[FinishedRequestStats] = []
+        self._pending_structured: list[StructuredRequestStats] = []
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s", num_blocks, config.block_size,
                     num_blocks * config.block_size, str(kv_dtype).removeprefix("torch."))
 
@@ -113,13 +117,16 @@ class LLMEngine:
 
         ``group`` (default: the request alone) names the requests that take
         turns together with other groups for admission, e.g. the prompts of one
-        API request. Raises ``InvalidRequestError`` if the request can never
-        run. Reads only what is fixed at construction, so any thread may call it.
+        API request. A structured output is compiled here, on the caller's
+        thread. Raises ``InvalidRequestError`` if the request can never run (or
+        its grammar cannot be enforced). Reads only what is fixed at
+        construction, so any thread may call it.
         """
         max_tokens = check_request(prompt_token_ids, params, self.limits)
+        grammar = self.grammars.compile(params.structured) if params.structured is not None else None
         return EngineRequest(request_id, list(prompt_token_ids), params, max_tokens,
                              time.monotonic() if arrival_time is None else arrival_time,
-                             group or request_id)
+                             group or request_id, grammar)
 
     def add(self, request: EngineRequest) -> None:
         """Queue a prepared request (its ``params.n`` samples); ``ValueError`` if its id is in use."""
@@ -130,11 +137,15 @@ class LLMEngine:
             Request(request_id=f"{request_id}#{i}" if params.n > 1 else request_id,
                     prompt_token_ids=list(request.prompt_token_ids), sampling_params=params,
                     max_tokens=request.max_tokens, eos_token_ids=self.eos_token_ids,
-                    group=request.group, sample_index=i, arrival_time=request.arrival_time)
+                    group=request.group, sample_index=i, arrival_time=request.arrival_time,
+                    grammar=self.grammars.grammar(request.grammar) if request.grammar is not None else None)
             for i in range(params.n)
         ]
         for seq in seqs:
             self.scheduler.add_request(seq)
+        if request.grammar is not None:
+            self._pending_structured.append(StructuredRequestStats(request.grammar.kind,
+                                                                   request.grammar.compile_seconds))
         api = _ApiRequest(request_id, list(request.prompt_token_ids), params, seqs,
                           [IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
                            for _ in seqs])
@@ -181,8 +192,8 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         if sched.scheduled:
             sampling = [s.request for s in sched.scheduled if s.sample]
-            logits = self.runner.execute(sched)
-            sampled = self.sampler(logits, sampling) if sampling else None
+            logits, masks = self._forward(sched, sampling)
+            sampled = self.sampler(logits, sampling, masks) if sampling else None
             prev_times = {r.request_id: r.last_token_time for r in sampling}
             tokens = dict(zip((r.request_id for r in sampling), sampled.token_ids)) if sampled else {}
             logprobs = dict(zip((r.request_id for r in sampling), sampled.logprobs)) if sampled else {}
@@ -192,6 +203,19 @@ class LLMEngine:
         for stat_logger in self.stat_loggers:
             stat_logger.record(stats)
         return outputs
+
+    def _forward(self, sched: SchedulerOutput, sampling: list[Request]
+                 ) -> tuple[torch.Tensor, tuple[list[int], torch.Tensor] | None]:
+        """Run the model; the constrained rows' token bitmasks are filled meanwhile, on another thread."""
+        rows = [i for i, r in enumerate(sampling) if r.grammar is not None]
+        if not rows:
+            return self.runner.execute(sched), None
+        self._masks.start([sampling[i].grammar for i in rows])
+        try:
+            logits = self.runner.execute(sched)
+        finally:
+            masks = self._masks.result()
+        return logits, (rows, masks)
 
     def _process(self, updated: list[Request], logprobs: dict[str, TokenLogprob | None],
                  prev_times: dict[str, float | None], stats: StepStats) -> list[RequestOutput]:
@@ -271,6 +295,8 @@ class LLMEngine:
         self._last_preemptions = preemptions
         stats.finished.extend(self._pending_finished)
         self._pending_finished.clear()
+        stats.structured.extend(self._pending_structured)
+        self._pending_structured.clear()
 
     # -- offline ----------------------------------------------------------
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured import CompiledGrammar, Grammar
 
 
 class RequestStatus(enum.Enum):
@@ -46,6 +50,7 @@ class EngineRequest:
     max_tokens: int  # resolved: never None
     arrival_time: float
     group: str  # admission takes turns between groups (engine/waiting_queue.py)
+    grammar: CompiledGrammar | None = None  # params.structured, compiled (engine/structured.py)
 
 
 @dataclass
@@ -74,6 +79,8 @@ class Request:
     num_preemptions: int = 0
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
+    # The sample's structured-output matcher, fed every appended token.
+    grammar: Grammar | None = None
     # Timestamps (time.monotonic) for latency metrics.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -113,12 +120,14 @@ class Request:
         """Record one sampled token and its timestamp."""
         now = time.monotonic() if now is None else now
         self.output_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.advance(token_id)
         if self.first_token_time is None:
             self.first_token_time = now
         self.last_token_time = now
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
-        """Token-level stop after the last append: EOS, stop ids, length.
+        """Token-level stop after the last append: EOS, stop ids, a finished grammar, length.
 
         Stop *strings* are found by the detokenizer, not here.
         """
@@ -131,6 +140,10 @@ class Request:
             if last in params.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
+        if self.grammar is not None and self.grammar.finished:
+            # The grammar accepts nothing more: the structured output is complete.
+            self.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -2,6 +2,9 @@
 
 Per step, in vLLM's order:
 
+0. structured outputs: tokens a request's grammar does not allow next are
+   set to -inf (``engine.structured.apply_bitmask``; the engine computed the
+   masks while the forward ran);
 1. logits processors (``apply_logits_processors``): logit bias, min_tokens
    masking of EOS and stop token ids, repetition penalty, presence and
    frequency penalties;
@@ -24,6 +27,7 @@ import torch
 from engine.outputs import TokenLogprob
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.structured import apply_bitmask
 from models import ops
 
 # NOTE: as in vLLM, temperatures this small are treated as greedy: dividing by
@@ -51,17 +55,24 @@ class Sampler:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.vocab_size = vocab_size
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, requests: list[Request],
+                 grammar_masks: tuple[list[int], torch.Tensor] | None = None) -> SamplerOutput:
         """Sample the next token of every row; ``logits`` is not modified.
 
         logits: float32 ``[S, vocab]`` (row i belongs to ``requests[i]``; vocab
-        may be >= ``vocab_size``). Logprobs are the log-softmax of the logits
-        after logit bias, min_tokens masking and penalties, but before
-        temperature, top-k, top-p and min-p.
+        may be >= ``vocab_size``). ``grammar_masks``: the constrained rows and
+        their allowed-token bitmasks (``engine.structured``). Logprobs are the
+        log-softmax of the logits after the grammar's mask, logit bias,
+        min_tokens masking and penalties, but before temperature, top-k,
+        top-p and min-p.
         """
         assert logits.dim() == 2 and logits.shape[0] == len(requests), (logits.shape, len(requests))
         assert logits.shape[1] >= self.vocab_size, (logits.shape, self.vocab_size)
         logits = logits[:, : self.vocab_size].float()
+        if grammar_masks is not None:
+            # First, so that every later fallback (a row all -inf) stays inside the grammar.
+            logits = logits.clone()
+            apply_bitmask(logits, *grammar_masks)
         params = [r.sampling_params for r in requests]
         greedy = [_is_greedy(p) for p in params]
         needs_processing = any(_needs_processing(r) for r in requests)

@@ -2,14 +2,69 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 # Limits that keep one request from monopolising the engine; the server maps
 # violations to HTTP 400.
 MAX_N = 16
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
+
+# Structured outputs (what engine/structured.py can enforce).
+STRUCTURED_KINDS = ("json_object", "json", "regex", "choice", "grammar")
+# A request's grammar source (schema JSON, regex, choices, Lark text) at most this long.
+MAX_GRAMMAR_BYTES = 64 * 1024
+MAX_CHOICES = 256
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must match.
+
+    ``kind`` is one of ``STRUCTURED_KINDS``: ``json_object`` (any JSON object, ``value``
+    None), ``json`` (a JSON Schema: a dict, or its JSON text), ``regex`` (a
+    regular expression the whole output matches), ``choice`` (a list of
+    strings, the output is one of them), ``grammar`` (a Lark grammar, as
+    llguidance reads it, with a ``start`` rule).
+    """
+
+    kind: str
+    value: Any = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, "
+                             f"got {self.kind!r}")
+        if self.kind == "json":
+            if isinstance(self.value, str):
+                try:
+                    schema = json.loads(self.value)
+                except ValueError as exc:
+                    raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+                object.__setattr__(self, "value", schema)
+            if not isinstance(self.value, (dict, bool)):
+                raise ValueError("a JSON schema must be an object")
+        elif self.kind in ("regex", "grammar"):
+            if not isinstance(self.value, str) or not self.value:
+                raise ValueError(f"a {self.kind} must be a non-empty string")
+        elif self.kind == "choice":
+            if (not isinstance(self.value, (list, tuple)) or not self.value
+                    or not all(isinstance(c, str) and c for c in self.value)):
+                raise ValueError("choice must be a non-empty list of non-empty strings")
+            if len(self.value) > MAX_CHOICES:
+                raise ValueError(f"at most {MAX_CHOICES} choices are allowed, got {len(self.value)}")
+            object.__setattr__(self, "value", tuple(self.value))
+        if len(self.source_text()) > MAX_GRAMMAR_BYTES:
+            raise ValueError(f"the {self.kind} is longer than {MAX_GRAMMAR_BYTES} bytes")
+
+    def source_text(self) -> str:
+        """The request's grammar source as text (what the size limit counts)."""
+        if self.kind in ("regex", "grammar"):
+            return self.value
+        return json.dumps(self.value) if self.value is not None else ""
 
 
 @dataclass
@@ -40,6 +95,8 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per token; 0 = only the sampled one
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
+    # What the output must match (engine/structured.py enforces it); None: free text.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

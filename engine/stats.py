@@ -22,6 +22,14 @@ class FinishedRequestStats:
 
 
 @dataclass
+class StructuredRequestStats:
+    """One engine request (a prompt) with a structured output, reported when it enters the engine."""
+
+    kind: str  # engine.sampling_params.STRUCTURED_KINDS
+    compile_seconds: float  # checking and compiling its grammar
+
+
+@dataclass
 class StepStats:
     """What happened in one engine step, plus the engine's state after it.
 
@@ -47,6 +55,7 @@ class StepStats:
     time_to_first_token: list[float] = field(default_factory=list)
     inter_token_latency: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    structured: list[StructuredRequestStats] = field(default_factory=list)
 
 
 class StatLogger(Protocol):

@@ -65,6 +65,10 @@ class Tokenizer:
         """Number of token ids, added tokens included (the embedding rows the model needs)."""
         return self._vocab_size
 
+    def to_json(self) -> str:
+        """The whole tokenizer as ``tokenizers`` JSON (for grammar libraries that read it)."""
+        return self._backend.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; BOS is prepended only if the model says so.
 

@@ -14,6 +14,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from engine.sampling_params import STRUCTURED_KINDS
 from engine.stats import StepStats
 
 __all__ = ["CONTENT_TYPE_LATEST", "PrometheusStatLogger"]
@@ -26,6 +27,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2
                     0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0,
                     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 3600.0)
+_COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -88,6 +90,12 @@ class PrometheusStatLogger:
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens run through the model per engine step.",
             _TOKEN_BUCKETS)
+        self._structured = Counter("kvserve_structured_requests", "Requests with a structured output, by kind.",
+                                   ["model_name", "kind"], registry=r)
+        self.structured_requests = {kind: self._structured.labels(m, kind) for kind in STRUCTURED_KINDS}
+        self.structured_compile_time = histogram(
+            "structured_compile_seconds", "Time to check and compile a structured output's grammar.",
+            _COMPILE_BUCKETS)
 
     def record(self, stats: StepStats) -> None:
         """Apply one engine step's stats."""
@@ -114,6 +122,10 @@ class PrometheusStatLogger:
             child.inc()
             self.e2e_request_latency.observe(fin.e2e_latency)
             self.request_queue_time.observe(fin.queue_time)
+
+        for st in stats.structured:
+            self.structured_requests[st.kind].inc()
+            self.structured_compile_time.observe(st.compile_seconds)
 
     def render(self) -> bytes:
         """The registry in Prometheus text format."""

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutput
 from server.errors import APIError, bad_request
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -30,6 +30,53 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+
+
+class _Exact(BaseModel):
+    # Structured-output options: an option kvserve does not know is a 400, never ignored.
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+
+class JsonSchemaFormat(_Exact):
+    """``response_format.json_schema`` (OpenAI): the schema the answer must match."""
+
+    name: str
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # kvserve always enforces the schema
+    description: str | None = None
+
+
+class ResponseFormat(_Exact):
+    """``response_format``: ``text``, ``json_object`` (any JSON object) or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only with it")
+        return self
+
+
+class StructuredOutputs(_Exact):
+    """vLLM's ``structured_outputs``: exactly one of its fields."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def spec(self) -> StructuredOutput:
+        given = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                 "json_object": True if self.json_object else None}
+        kinds = [k for k, v in given.items() if v is not None]
+        if len(kinds) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(given)}, got "
+                             f"{', '.join(kinds) or 'none'}")
+        kind = kinds[0]
+        return StructuredOutput(kind, None if kind == "json_object" else given[kind])
 
 
 class _SamplingRequest(_Strict):
@@ -56,6 +103,9 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> "_SamplingRequest":
@@ -78,6 +128,23 @@ class _SamplingRequest(_Strict):
                                   "logit_bias") from None
         return out
 
+    def structured_output(self) -> StructuredOutput | None:
+        """What the answer must match, from ``response_format`` or ``structured_outputs`` (a 400 if both)."""
+        fmt, so = self.response_format, self.structured_outputs
+        wants_format = fmt is not None and fmt.type != "text"
+        if wants_format and so is not None:
+            raise bad_request("send response_format or structured_outputs, not both", "structured_outputs")
+        try:
+            if so is not None:
+                return so.spec()
+            if not wants_format:
+                return None
+            if fmt.type == "json_object":
+                return StructuredOutput("json_object")
+            return StructuredOutput("json", fmt.json_schema.schema_)
+        except ValueError as e:
+            raise bad_request(str(e), "structured_outputs" if so is not None else "response_format") from None
+
     def to_sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Build the engine's params; an invalid value becomes a 400 naming the field."""
         given: dict[str, Any] = {
@@ -95,7 +162,8 @@ class _SamplingRequest(_Strict):
         kwargs = {k: v for k, v in given.items() if v is not None}
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
-                                  logit_bias=self.logit_bias_ids(), **kwargs)
+                                  logit_bias=self.logit_bias_ids(), structured=self.structured_output(),
+                                  **kwargs)
         except ValueError as e:
             raise sampling_error(e) from None
 
@@ -195,7 +263,6 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool | None = True  # vLLM extension
 
     @field_validator("tools")
@@ -211,13 +278,6 @@ class ChatCompletionRequest(_SamplingRequest):
         if choice not in (None, "none", "auto"):
             raise ValueError("tool_choice is not supported")
         return choice
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, fmt: dict[str, Any] | None) -> dict[str, Any] | None:
-        if fmt and fmt.get("type") not in (None, "text"):
-            raise ValueError("only response_format {'type': 'text'} is supported")
-        return fmt
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> "ChatCompletionRequest":

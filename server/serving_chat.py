@@ -62,7 +62,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     prompt = render_prompt(tok, body)
     request_id = new_request_id("chatcmpl")
     choices = Choices([len(prompt)], params.n)
-    merged = launch(state, request_id, [prompt], params, "messages")
+    merged = await launch(state, request_id, [prompt], params, "messages")
     want_logprobs = params.logprobs is not None
 
     if not body.stream:

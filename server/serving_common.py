@@ -7,6 +7,8 @@ endpoint's chunk renderer with the error-event and ``[DONE]`` protocol.
 
 from __future__ import annotations
 
+import asyncio
+
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
@@ -79,8 +81,8 @@ class Choices:
                         sum(self.cached))
 
 
-def launch(state: ServerState, request_id: str, prompts: list[list[int]],
-           params: SamplingParams, prompt_param: str) -> AdmittedStream:
+async def launch(state: ServerState, request_id: str, prompts: list[list[int]],
+                 params: SamplingParams, prompt_param: str) -> AdmittedStream:
     """One engine request per prompt, their streams merged; then admission.
 
     Every prompt is checked by the engine first (a 400 names ``prompt_param``
@@ -88,10 +90,16 @@ def launch(state: ServerState, request_id: str, prompts: list[list[int]],
     entered the engine yet when either is raised: a stream starts on first
     iteration. The prompts form one group, which takes turns with other
     requests for the engine's admission. The caller must close the result.
+    A structured output's grammar is compiled in that check, on a worker
+    thread: it may take milliseconds (seconds at its limit), which the event
+    loop does not wait for.
     """
-    gens = [start_generation(state.engine, request_id if len(prompts) == 1 else f"{request_id}-{i}",
-                             ids, params, prompt_param, group=request_id)
-            for i, ids in enumerate(prompts)]
+    def start_all() -> list:
+        return [start_generation(state.engine, request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                                 ids, params, prompt_param, group=request_id)
+                for i, ids in enumerate(prompts)]
+
+    gens = await asyncio.to_thread(start_all) if params.structured is not None else start_all()
     return AdmittedStream(merge_outputs(gens), state.admit(request_id))
 
 

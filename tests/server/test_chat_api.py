@@ -118,3 +118,26 @@ async def test_stream_equals_non_stream(client: httpx.AsyncClient) -> None:
     plain = (await chat(client, max_tokens=12)).json()["choices"][0]["message"]["content"]
     chunks = sse_events((await chat(client, max_tokens=12, stream=True)).text)[:-1]
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == plain
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("body, kind, value", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "A", "schema": SCHEMA, "strict": True}}},
+     "json", SCHEMA),
+    ({"response_format": {"type": "json_object"}}, "json_object", None),
+    ({"response_format": {"type": "text"}}, None, None),
+    ({"structured_outputs": {"json": SCHEMA}}, "json", SCHEMA),
+    ({"structured_outputs": {"regex": "[ab]+"}}, "regex", "[ab]+"),
+    ({"structured_outputs": {"choice": ["x", "y"]}}, "choice", ("x", "y")),
+    ({"structured_outputs": {"grammar": "start: \"a\""}}, "grammar", "start: \"a\""),
+    ({"structured_outputs": {"json_object": True}}, "json_object", None),
+])
+async def test_structured_output_reaches_the_engine(client: httpx.AsyncClient, engine: FakeEngine,
+                                                    body: dict, kind: str | None, value) -> None:
+    for route, extra in (("/v1/chat/completions", {"messages": HELLO}), ("/v1/completions", {"prompt": "hi"})):
+        r = await client.post(route, json={"model": MODEL, "max_tokens": 2, **extra, **body})
+        assert r.status_code == 200, r.text
+        structured = engine.requests[-1].params.structured
+        assert (structured.kind, structured.value) == (kind, value) if kind else structured is None

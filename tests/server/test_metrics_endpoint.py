@@ -8,6 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from api_helpers import MODEL, sse_events
 from engine.sampling_params import SamplingParams
+from engine.stats import StepStats, StructuredRequestStats
 from fake_engine import FakeEngine
 from server.metrics import PrometheusStatLogger
 
@@ -89,3 +90,16 @@ async def test_aborted_requests_are_counted(engine: FakeEngine) -> None:
     m = samples(logger.render().decode())
     assert value(m, "request_success_total", finished_reason="abort") == 2
     assert value(m, "generation_tokens_total") == 2
+
+
+def test_structured_requests_are_counted_by_kind_with_their_compile_time() -> None:
+    logger = PrometheusStatLogger(MODEL)
+    logger.record(StepStats(structured=[StructuredRequestStats("json", 0.002), StructuredRequestStats("json", 0.03),
+                                        StructuredRequestStats("choice", 0.0004)]))
+    m = samples(logger.render().decode())
+    assert value(m, "structured_requests_total", kind="json") == 2
+    assert value(m, "structured_requests_total", kind="choice") == 1
+    assert value(m, "structured_requests_total", kind="regex") == 0  # every kind exported from the start
+    assert value(m, "structured_compile_seconds_count") == 3
+    assert value(m, "structured_compile_seconds_sum") == pytest.approx(0.0324)
+    assert value(m, "structured_compile_seconds_bucket", le="0.0005") == 1

@@ -1,0 +1,158 @@
+"""Structured outputs in the engine, on the real default model: what the grammar accepts comes back.
+
+Every constrained answer is parsed (``json`` + ``jsonschema``, ``re.fullmatch``)
+against what was asked; a grammar llguidance cannot enforce is refused when
+the request is checked, naming the problem; the matcher follows a request
+through preemption, ``n > 1`` and the length limit.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_runner import kv_bytes_per_block
+from engine.sampling_params import SamplingParams, StructuredOutput
+from engine.validation import InvalidRequestError
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+
+BLOCK_SIZE = 16
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "email": {"type": "string", "pattern": "^[a-z]{1,8}@[a-z]{1,8}\\.(com|org)$"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "minItems": 1, "maxItems": 3},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                    "required": ["city"], "additionalProperties": False},
+        "score": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 10}, {"type": "null"}]},
+    },
+    "required": ["name", "age", "role", "email", "tags", "address", "score"],
+    "additionalProperties": False,
+}
+LARK = """
+start: "The answer is " answer "."
+answer: "yes" | "no" | NUMBER
+NUMBER: /[0-9]{1,3}/
+"""
+
+
+def make_engine(loaded, num_blocks: int = 64, **overrides) -> LLMEngine:
+    budget = num_blocks * kv_bytes_per_block(loaded.config, loaded.dtype, BLOCK_SIZE)
+    settings = dict(dtype="float32", device="cpu", kv_cache_memory=budget, block_size=BLOCK_SIZE,
+                    max_model_len=256, kv_cache_dtype="float32")
+    settings.update(overrides)
+    return LLMEngine(EngineConfig(**settings), loaded=loaded)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_loaded) -> LLMEngine:
+    return make_engine(smollm2_loaded)
+
+
+def chat(engine: LLMEngine, text: str) -> list[int]:
+    tok = engine.tokenizer
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
+
+
+def generate(engine: LLMEngine, prompt: list[int], spec: StructuredOutput, **params):
+    settings = dict(temperature=0, max_tokens=120) | params
+    return engine.generate([prompt], SamplingParams(structured=spec, **settings), use_tqdm=False)[0]
+
+
+def test_json_schema_answers_validate_against_the_schema(engine):
+    for text in ("Describe a person as JSON.", "Make up a user record for Ada, a mathematician.",
+                 "Give me a JSON profile of a guest who lives in Paris."):
+        (out,) = generate(engine, chat(engine, text), StructuredOutput("json", PERSON))
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), PERSON)
+
+
+def test_json_object_answers_are_json_objects(engine):
+    (out,) = generate(engine, chat(engine, "Reply with a tiny JSON object."),
+                      StructuredOutput("json", {"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                                "required": ["ok"], "additionalProperties": False}))
+    assert isinstance(json.loads(out.text), dict)
+    # Any object: the grammar closes it; the answer parses as one even when cut short is not the case.
+    (out,) = generate(engine, chat(engine, "Say hi in JSON."), StructuredOutput("json_object"), max_tokens=200)
+    if out.finish_reason == "stop":
+        assert isinstance(json.loads(out.text), dict)
+    else:
+        assert out.finish_reason == "length" and out.text.lstrip().startswith("{")
+
+
+def test_regex_choice_and_grammar(engine):
+    prompt = chat(engine, "Is the sky blue? Answer.")
+    (out,) = generate(engine, prompt, StructuredOutput("regex", r"(yes|no), [a-z ]{1,20}\."))
+    assert re.fullmatch(r"(yes|no), [a-z ]{1,20}\.", out.text) and out.finish_reason == "stop"
+    (out,) = generate(engine, prompt, StructuredOutput("choice", ["Yes, it is", "No", "Maybe (sometimes)"]))
+    assert out.text in ("Yes, it is", "No", "Maybe (sometimes)") and out.finish_reason == "stop"
+    (out,) = generate(engine, prompt, StructuredOutput("grammar", LARK))
+    assert re.fullmatch(r"The answer is (yes|no|[0-9]{1,3})\.", out.text), out.text
+
+
+def test_what_cannot_be_enforced_is_refused_naming_it(engine):
+    prompt = chat(engine, "Hi")
+    cases = [
+        (StructuredOutput("json", {"type": "string", "not": {"const": "a"}}), "not"),
+        (StructuredOutput("json", {"type": "strin"}), "strin"),
+        (StructuredOutput("regex", "(unclosed"), "regex"),
+        (StructuredOutput("grammar", "start: missing_rule"), "missing_rule"),
+    ]
+    for spec, named in cases:
+        with pytest.raises(InvalidRequestError, match=re.escape(named)):
+            engine.prepare("refused", prompt, SamplingParams(structured=spec))
+    with pytest.raises(ValueError, match="not valid JSON"):
+        StructuredOutput("json", "{not json")
+    assert not engine.has_unfinished_requests()
+
+
+def test_a_cut_off_answer_ends_with_length(engine):
+    (out,) = generate(engine, chat(engine, "Describe a person as JSON."), StructuredOutput("json", PERSON),
+                      max_tokens=5)
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+
+
+def test_the_grammar_ends_the_answer_even_with_ignore_eos(engine):
+    (out,) = generate(engine, chat(engine, "Yes or no?"), StructuredOutput("choice", ["yes", "no"]),
+                      ignore_eos=True, max_tokens=50)
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
+
+
+def test_every_sample_of_n_follows_its_own_grammar(engine):
+    outs = generate(engine, chat(engine, "Describe a person as JSON."), StructuredOutput("json", PERSON),
+                    n=3, temperature=1.0, seed=7)
+    assert len(outs) == 3
+    for out in outs:
+        if out.finish_reason == "stop":
+            jsonschema.validate(json.loads(out.text), PERSON)
+        else:
+            assert out.finish_reason == "length"
+    assert len({o.text for o in outs}) > 1, "three seeded samples should differ"
+
+
+def test_constrained_answers_survive_preemption_and_do_not_depend_on_the_batch(smollm2_loaded, engine):
+    prompts = [chat(engine, t) for t in ("Describe a person as JSON.", "A user record for Bob, please.",
+                                          "JSON for a guest named Eve.", "Profile of an admin in Rome.")]
+    spec = StructuredOutput("json", PERSON)
+    alone = [generate(engine, p, spec)[0] for p in prompts]
+    # 16 blocks (one max_model_len sequence) for four answers of 5-7 blocks each: some are
+    # preempted and recomputed.
+    small = make_engine(smollm2_loaded, num_blocks=16)
+    together = small.generate(prompts, SamplingParams(temperature=0, max_tokens=120, structured=spec),
+                              use_tqdm=False)
+    assert small.scheduler.num_preemptions_total > 0
+    for a, (t,) in zip(alone, together):
+        assert t.token_ids == a.token_ids
+        jsonschema.validate(json.loads(t.text), PERSON)
+    assert small.kv_cache.stats.num_blocks_used == 0 or small.config.enable_prefix_caching
+    assert not small.has_unfinished_requests()
