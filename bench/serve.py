@@ -17,6 +17,11 @@ output token after the first (TPOT), inter-token latency (ITL, the gaps
 between streamed chunks) and end-to-end latency, in ms. Output tokens are the
 ``usage`` the server reports at the end of the stream
 (``stream_options.include_usage``), else the number of chunks with text.
+
+``--structured json`` sends every request with ``response_format`` set to a
+fixed JSON Schema (``BENCH_SCHEMA``: nested objects, enums, an array of at
+least 12 objects), so each answer is constrained for all its tokens and runs
+to ``--output-len`` like an unconstrained one with ``--ignore-eos``.
 """
 
 from __future__ import annotations
@@ -54,6 +59,29 @@ air teacher force education river stone bridge garden window light music paper
 """.split())
 
 
+# --structured json: a record long enough that no answer ends before 128 tokens.
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 40},
+        "status": {"enum": ["draft", "review", "done"]},
+        "owner": {"type": "object",
+                  "properties": {"name": {"type": "string", "maxLength": 20}, "team": {"enum": ["core", "infra", "ml"]}},
+                  "required": ["name", "team"], "additionalProperties": False},
+        "items": {"type": "array", "minItems": 12, "maxItems": 24,
+                  "items": {"type": "object",
+                            "properties": {"id": {"type": "integer", "minimum": 0},
+                                           "label": {"type": "string", "maxLength": 16},
+                                           "priority": {"enum": ["low", "medium", "high"]},
+                                           "done": {"type": "boolean"}},
+                            "required": ["id", "label", "priority", "done"], "additionalProperties": False}},
+    },
+    "required": ["title", "status", "owner", "items"],
+    "additionalProperties": False,
+}
+STRUCTURED = ("json",)
+
+
 @dataclass
 class BenchConfig:
     """What one benchmark run sends (everything but the concurrency levels)."""
@@ -71,12 +99,15 @@ class BenchConfig:
     warmup: int = 1                   # unmeasured requests before the first level
     words_per_token: float = 0.75     # prompt sizing when the server has no /tokenize
     progress: bool = True
+    structured: str | None = None     # "json": every request constrained to BENCH_SCHEMA
     run_id: str = field(default_factory=lambda: secrets.token_hex(8))
 
     def __post_init__(self) -> None:
         for name in ("input_len", "output_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.structured not in (None, *STRUCTURED):
+            raise ValueError(f"structured must be one of {', '.join(STRUCTURED)}, got {self.structured!r}")
         if self.request_timeout <= 0 or self.max_duration <= 0:
             raise ValueError("request_timeout and max_duration must be positive")
         check_loopback(self.url)
@@ -224,6 +255,9 @@ async def send_request(client: httpx.AsyncClient, cfg: BenchConfig, model: str, 
             "stream_options": {"include_usage": True}}
     if cfg.ignore_eos:
         body["ignore_eos"] = True
+    if cfg.structured == "json":
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "bench_record", "schema": BENCH_SCHEMA}}
     result = RequestResult(ok=False, prompt_tokens=prompt_tokens)
     try:
         await asyncio.wait_for(_stream(client, cfg, body, result), timeout)
@@ -320,7 +354,8 @@ def report_text(report: dict) -> str:
     c = report["config"]
     head = (f"{report['url']}  model {report['model']}  {c['input_len']} input tokens "
             f"(tokenizer: {report['tokenizer']}) -> {c['output_len']} output tokens"
-            f"{' (ignore_eos)' if c['ignore_eos'] else ''}, temperature {c['temperature']}")
+            f"{' (ignore_eos)' if c['ignore_eos'] else ''}, temperature {c['temperature']}"
+            f"{', structured: ' + c['structured'] if c.get('structured') else ''}")
     return head + "\n\n" + format_table(report["levels"])
 
 
@@ -346,6 +381,8 @@ def build_parser(prog: str = "python -m bench.serve") -> argparse.ArgumentParser
     p.add_argument("--max-duration", type=float, default=d["max_duration"].default,
                    help="seconds per level; requests not sent by then count as failed")
     p.add_argument("--warmup", type=int, default=d["warmup"].default)
+    p.add_argument("--structured", choices=STRUCTURED, default=None,
+                   help="constrain every answer: json = response_format with a fixed JSON Schema")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the report here")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -363,7 +400,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.serve") -> 
                           output_len=args.output_len, seed=args.seed, ignore_eos=args.ignore_eos,
                           temperature=args.temperature, api_key=args.api_key,
                           request_timeout=args.request_timeout, max_duration=args.max_duration,
-                          warmup=args.warmup, progress=not args.no_progress)
+                          warmup=args.warmup, progress=not args.no_progress, structured=args.structured)
     except ValueError as e:
         parser.error(str(e))
     try:

@@ -164,3 +164,20 @@ def test_cli_rejects_a_remote_url(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["--url", "http://192.0.2.1:8000"])
     assert "loopback" in capsys.readouterr().err
+
+
+def test_structured_json_sends_the_fixed_schema_which_forces_long_answers() -> None:
+    import jsonschema
+
+    from bench.serve import BENCH_SCHEMA
+
+    s = FakeSettings()
+    report = bench(s, [2], num_prompts=3, structured="json")
+    assert report["levels"][0]["completed"] == 3 and report["config"]["structured"] == "json"
+    for body in s.bodies:
+        assert body["response_format"] == {"type": "json_schema",
+                                           "json_schema": {"name": "bench_record", "schema": BENCH_SCHEMA}}
+    jsonschema.Draft202012Validator.check_schema(BENCH_SCHEMA)
+    assert BENCH_SCHEMA["properties"]["items"]["minItems"] >= 12  # answers run to --output-len
+    with pytest.raises(ValueError, match="structured"):
+        BenchConfig(structured="xml")
