@@ -3,8 +3,8 @@
 Per step, in vLLM's order:
 
 0. structured outputs: tokens a request's grammar does not allow next are
-   set to -inf (``engine.structured.apply_bitmask``; the engine computed the
-   masks while the forward ran);
+   set to -inf (``ops.apply_token_bitmask``, in place: the engine computed
+   the masks while the forward ran);
 1. logits processors (``apply_logits_processors``): logit bias, min_tokens
    masking of EOS and stop token ids, repetition penalty, presence and
    frequency penalties;
@@ -27,7 +27,6 @@ import torch
 from engine.outputs import TokenLogprob
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.structured import apply_bitmask
 from models import ops
 
 # NOTE: as in vLLM, temperatures this small are treated as greedy: dividing by
@@ -57,7 +56,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request],
                  grammar_masks: tuple[list[int], torch.Tensor] | None = None) -> SamplerOutput:
-        """Sample the next token of every row; ``logits`` is not modified.
+        """Sample the next token of every row; ``logits`` is not modified, except that
+        the constrained rows' forbidden tokens are set to -inf in place.
 
         logits: float32 ``[S, vocab]`` (row i belongs to ``requests[i]``; vocab
         may be >= ``vocab_size``). ``grammar_masks``: the constrained rows and
@@ -71,8 +71,7 @@ class Sampler:
         logits = logits[:, : self.vocab_size].float()
         if grammar_masks is not None:
             # First, so that every later fallback (a row all -inf) stays inside the grammar.
-            logits = logits.clone()
-            apply_bitmask(logits, *grammar_masks)
+            ops.apply_token_bitmask(logits, *grammar_masks)
         params = [r.sampling_params for r in requests]
         greedy = [_is_greedy(p) for p in params]
         needs_processing = any(_needs_processing(r) for r in requests)

@@ -9,9 +9,9 @@ grammar the library cannot enforce is a ``InvalidRequestError`` (HTTP 400)
 that names the problem, never a silently unconstrained answer and never a
 stalled engine. Each sample then gets its own ``Grammar`` (an ``LLMatcher``),
 owned by its ``Request``: the engine fills every constrained row's allowed-
-token bitmask while the model's forward runs (``fill_bitmasks``, llguidance
+token bitmask while the model's forward runs (``BitmaskFiller``, llguidance
 releases the GIL), the sampler removes the other tokens
-(``apply_bitmask``), and the sampled token is fed back (``Grammar.advance``).
+(``ops.apply_token_bitmask``), and the sampled token is fed back (``Grammar.advance``).
 A matcher's state depends only on the sample's output tokens, so it survives
 chunked prefill, preemption and recompute unchanged.
 
@@ -24,6 +24,7 @@ keywords it cannot enforce instead of ignoring them.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -176,55 +177,50 @@ def _short(message: str, limit: int = 400) -> str:
 class BitmaskFiller:
     """Fills the allowed-token bitmasks of a step's constrained rows on a helper thread.
 
-    ``start`` returns at once (llguidance releases the GIL while it computes),
-    so the masks are ready when the forward that runs meanwhile has finished;
-    ``result`` waits for them.
+    ``start`` hands the rows to a long-lived worker thread and returns at once
+    (llguidance releases the GIL while it computes each mask), so the masks are ready
+    when the forward that runs meanwhile has finished; ``result`` waits for
+    them. One step at a time: ``result`` before the next ``start``.
     """
 
     def __init__(self, vocab_size: int) -> None:
         self.words = (vocab_size + 31) // 32
-        self._executor: Any = None
-        self._thread: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = threading.Event()
+        self._worker: threading.Thread | None = None
         self._mask: torch.Tensor | None = None
         self._error: BaseException | None = None
 
     def start(self, grammars: list[Grammar]) -> None:
-        from llguidance import LLExecutor
+        assert self._mask is None, "the previous step's masks were not collected"
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._run, name="kvserve-masks", daemon=True)
+            self._worker.start()
+        self._mask = torch.empty((len(grammars), self.words), dtype=torch.int32)
+        self._error = None
+        self._done.clear()
+        self._jobs.put([(g.matcher, i) for i, g in enumerate(grammars)])
 
-        assert self._thread is None, "the previous step's masks were not collected"
-        if self._executor is None:
-            self._executor = LLExecutor(num_threads=1)
-        mask = torch.empty((len(grammars), self.words), dtype=torch.int32)
-        pairs = [(g.matcher, i) for i, g in enumerate(grammars)]
-
-        def fill() -> None:
+    def _run(self) -> None:
+        # NOTE: one matcher after the other on this thread, not llguidance's
+        # LLExecutor: its worker pool kept spinning after each step's masks,
+        # taking a core from the forward (64 constrained rows: 8.8 ms more
+        # per step with it, 6.3 ms more without; both with the bitmask kernel).
+        while True:
+            pairs = self._jobs.get()
             try:
-                self._executor.unsafe_compute_mask_ptr(pairs, mask.data_ptr(), self.words * 4, len(grammars))
+                row_bytes = self.words * 4
+                for matcher, i in pairs:
+                    matcher.unsafe_compute_mask_ptr(self._mask.data_ptr() + i * row_bytes, row_bytes)
             except BaseException as exc:  # handed to result()
                 self._error = exc
-
-        self._mask, self._error = mask, None
-        self._thread = threading.Thread(target=fill, name="kvserve-masks", daemon=True)
-        self._thread.start()
+            self._done.set()
 
     def result(self) -> torch.Tensor:
         """The ``[rows, ceil(V/32)]`` int32 bitmasks (bit ``t % 32`` of word ``t // 32``: token t allowed)."""
-        assert self._thread is not None and self._mask is not None, "start() first"
-        self._thread.join()
-        self._thread = None
+        assert self._mask is not None, "start() first"
+        self._done.wait()
+        mask, self._mask = self._mask, None
         if self._error is not None:
             raise self._error
-        return self._mask
-
-
-_BITS = torch.arange(32, dtype=torch.int32)
-
-
-def apply_bitmask(logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> None:
-    """Set ``logits[rows[i], t] = -inf`` wherever bit t of ``masks[i]`` is 0, in place."""
-    if not rows:
-        return
-    vocab = logits.shape[1]
-    allowed = ((masks.unsqueeze(-1) >> _BITS) & 1).view(len(rows), -1)[:, :vocab].bool()
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+        return mask

@@ -379,6 +379,24 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> None:
+    """Set ``logits[rows[i], t] = -inf`` (in place) wherever bit ``t % 32`` of ``masks[i, t // 32]`` is 0.
+
+    ``logits [S, V]`` float32; ``masks [len(rows), >= ceil(V/32)]`` int32 (a grammar's allowed tokens).
+    """
+    if not rows:
+        return
+    ext = _kernels_for(logits)
+    if ext is not None and logits.dtype == torch.float32 and logits.stride(1) == 1:
+        ext.apply_token_bitmask(logits, torch.tensor(rows, dtype=torch.long), masks.contiguous())
+        return
+    vocab = logits.shape[1]
+    bits = torch.arange(32, dtype=torch.int32, device=masks.device)
+    allowed = ((masks.unsqueeze(-1) >> bits) & 1).view(len(rows), -1)[:, :vocab].bool()
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, block_tables: torch.Tensor, query_lens: list[int],
                       context_lens: list[int], scale: float) -> torch.Tensor:

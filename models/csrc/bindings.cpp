@@ -26,6 +26,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &kvserve::argmax_rows, "index of each row's largest value (first on ties, NaN largest)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("apply_token_bitmask", &kvserve::apply_token_bitmask,
+        "set the logits of tokens a row's bitmask forbids to -inf, in place");
   m.def("paged_prefill_attention", &kvserve::paged_prefill_attention,
         "causal attention of prompt chunks over paged caches", py::call_guard<py::gil_scoped_release>());
 }

@@ -42,6 +42,9 @@ void dense_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w);
 // argmax.cpp
 void argmax_rows(at::Tensor& out, const at::Tensor& x);
 
+// token_bitmask.cpp: a structured output's allowed tokens, the others set to -inf in place.
+void apply_token_bitmask(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& masks);
+
 // fused_layer.cpp
 std::vector<at::Tensor> fused_layer(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& input_norm,

@@ -156,3 +156,16 @@ def test_constrained_answers_survive_preemption_and_do_not_depend_on_the_batch(s
         jsonschema.validate(json.loads(t.text), PERSON)
     assert small.kv_cache.stats.num_blocks_used == 0 or small.config.enable_prefix_caching
     assert not small.has_unfinished_requests()
+
+
+def test_compilation_has_a_time_and_a_size_limit(engine):
+    from engine.structured import GrammarCompiler
+
+    hurried = GrammarCompiler(engine.tokenizer.to_json(), engine.vocab_size, sorted(engine.eos_token_ids),
+                              timeout_s=0.0)
+    with pytest.raises(InvalidRequestError, match="longer than 0 s to compile") as err:
+        hurried.compile(StructuredOutput("json", PERSON), "response_format")
+    assert err.value.param == "response_format"
+    huge = {"enum": [f"value-{i}" for i in range(8000)]}
+    with pytest.raises(ValueError, match="longer than 65536 bytes"):
+        StructuredOutput("json", huge)

@@ -275,3 +275,28 @@ def test_argmax_takes_the_first_largest_value_as_torch_does(width: int) -> None:
 
     assert fused.dtype == torch.long
     assert torch.equal(fused, plain), (fused, plain)
+
+
+@pytest.mark.parametrize("width", [1, 31, 32, 33, 100, 49152])
+def test_token_bitmask_forbids_exactly_the_cleared_bits(width: int) -> None:
+    gen = torch.Generator().manual_seed(width)
+    words = (width + 31) // 32
+    masks = torch.randint(-2**31, 2**31 - 1, (3, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    masks[0] = -1  # everything allowed: the row is untouched
+    masks[1, 0] = 0  # a forbidden word
+    logits = randn(5, width + 7)[:, :width]  # rows strided, as the sampler's slice
+
+    def masked():
+        out = logits.clone()
+        ops.apply_token_bitmask(out, [4, 0, 2], masks)
+        return out
+
+    fused, plain = both(masked)
+
+    assert torch.equal(fused, plain)
+    bits = ((masks.to(torch.int64).unsqueeze(-1) >> torch.arange(32)) & 1).view(3, -1)[:, :width].bool()
+    for i, row in enumerate([4, 0, 2]):
+        assert torch.equal(torch.isinf(fused[row]), ~bits[i])
+        assert torch.equal(fused[row][bits[i]], logits[row][bits[i]])
+    for row in (1, 3):  # rows without a mask
+        assert torch.equal(fused[row], logits[row])
