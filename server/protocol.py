@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from engine.sampling_params import SamplingParams, StructuredOutput
 from server.errors import APIError, bad_request
+from server.tools import FunctionSpec, call_grammar, history_content, tools_block
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -237,12 +238,58 @@ class ContentPart(_Strict):
         return self
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallIn(_Strict):
+    """An earlier assistant turn's tool call, as the client sends it back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class FunctionDef(_Exact):
+    """A tool's function: its name, what it does, and the JSON Schema of its arguments."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # kvserve always enforces the parameters
+
+
+class ToolDef(_Exact):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Strict):
     """One chat message; content is text or a list of text parts."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool results
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -261,23 +308,40 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = True  # vLLM extension
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, tools: list[Any] | None) -> list[Any] | None:
-        if tools:
-            raise ValueError("tools are not supported")
-        return tools
+    @model_validator(mode="after")
+    def _check_tools(self) -> "ChatCompletionRequest":
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tool names must be unique")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+        if choice == "required" and not names:
+            raise ValueError("tool_choice required needs tools")
+        return self
 
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, choice: Any) -> Any:
-        if choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice is not supported")
-        return choice
+    def tool_choice_name(self) -> str:
+        """``none``, ``auto``, ``required`` or the named function; ``none`` without tools."""
+        if not self.tools:
+            return "none"
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return choice.function.name
+        return choice or "auto"
+
+    def tool_specs(self) -> list[FunctionSpec]:
+        return [FunctionSpec(t.function.name, t.function.description,
+                             t.function.parameters if t.function.parameters is not None else {"type": "object"})
+                for t in self.tools or []]
+
+    @property
+    def parallel_calls(self) -> bool:
+        return self.parallel_tool_calls is not False
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> "ChatCompletionRequest":
@@ -289,7 +353,18 @@ class ChatCompletionRequest(_SamplingRequest):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.to_sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+        params = self.to_sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+        choice = self.tool_choice_name()
+        if choice == "none":
+            return params
+        if params.structured is not None:
+            raise bad_request("tools (with a tool_choice other than none) and a structured output "
+                              "cannot be combined", "tool_choice")
+        try:
+            structured = call_grammar(self.tool_specs(), choice, self.parallel_calls)
+            return dataclasses.replace(params, structured=structured)
+        except ValueError as e:
+            raise bad_request(str(e), "tools") from None
 
 
 class TokenizeRequest(_Strict):
@@ -317,12 +392,24 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the plain dicts a chat template expects."""
+def template_messages(messages: list[ChatMessage], tools: list[FunctionSpec] | None = None,
+                      parallel: bool = True) -> list[dict[str, str]]:
+    """Messages as the plain dicts a chat template expects, in kvserve's tool format
+    (``server.tools``): the tools listed in the system message, earlier calls as their JSON."""
     out = []
     for m in messages:
-        d = {"role": m.role, "content": m.text()}
+        text = m.text()
+        if m.tool_calls:
+            calls = history_content([c.model_dump() for c in m.tool_calls], parallel)
+            text = f"{text}\n{calls}" if text else calls
+        d = {"role": m.role, "content": text}
         if m.name is not None:
             d["name"] = m.name
         out.append(d)
+    if tools:
+        block = tools_block(tools, parallel)
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{block}"}
+        else:
+            out.insert(0, {"role": "system", "content": block})
     return out

@@ -14,10 +14,12 @@ from server.errors import bad_request
 from server.protocol import ChatCompletionRequest, template_messages
 from server.protocol_responses import (AssistantMessage, ChatChoice, ChatChunkChoice,
                                        ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
-                                       ChatTokenLogprob, DeltaMessage, TopLogprob, now, sse)
+                                       ChatTokenLogprob, DeltaMessage, FunctionCall, ToolCall, TopLogprob,
+                                       now, sse)
 from server.serving_common import (Choices, first_output, launch, run_to_completion,
                                    stream_response)
 from server.state import ServerState, new_request_id
+from server.tools import CallStream, new_call_id, parse_calls
 
 
 def _token(tokenizer: TokenizerLike, token_id: int, logprob: float) -> TopLogprob:
@@ -48,7 +50,8 @@ def apply_template(tokenizer: TokenizerLike, messages: list[dict[str, str]],
 def render_prompt(tokenizer: TokenizerLike, body: ChatCompletionRequest) -> list[int]:
     """Chat template then tokens. The template already holds any BOS, so the
     tokenizer must not add special tokens a second time."""
-    text = apply_template(tokenizer, template_messages(body.messages),
+    tools = body.tool_specs() if body.tools else None
+    text = apply_template(tokenizer, template_messages(body.messages, tools, body.parallel_calls),
                           body.add_generation_prompt is not False)
     return tokenizer.encode(text, add_special_tokens=False)
 
@@ -64,15 +67,24 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     choices = Choices([len(prompt)], params.n)
     merged = await launch(state, request_id, [prompt], params, "messages")
     want_logprobs = params.logprobs is not None
+    calling = body.tool_choice_name() != "none"
+
+    def message(text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
+        calls = parse_calls(text) if calling else None
+        if calls is None:
+            return AssistantMessage(content=text), finish_reason
+        return AssistantMessage(content=None, tool_calls=[
+            ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+            for c in calls]), "tool_calls" if finish_reason == "stop" else finish_reason
 
     if not body.stream:
         await run_to_completion(request, merged, choices)
+        answers = [message("".join(st.text), st.finish_reason) for st in choices.states]
         result = ChatCompletionResponse(id=request_id, model=state.model_name,
                                         usage=choices.usage(), choices=[
-            ChatChoice(index=idx, message=AssistantMessage(content="".join(st.text)),
-                       finish_reason=st.finish_reason,
+            ChatChoice(index=idx, message=msg, finish_reason=reason,
                        logprobs=chat_logprobs(tok, st.logprobs) if want_logprobs else None)
-            for idx, st in enumerate(choices.states)])
+            for idx, (st, (msg, reason)) in enumerate(zip(choices.states, answers))])
         return JSONResponse(result.model_dump(mode="json"))
 
     first = await first_output(request, merged)
@@ -91,15 +103,25 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
             yield chunk(ChatChunkChoice(index=idx,
                                         delta=DeltaMessage(role="assistant", content="")))
 
+    streams = [CallStream() for _ in choices.states] if calling else None
+
     def render(prompt_index: int, ro: RequestOutput) -> Iterator[str]:
         for idx, out, finished in choices.update(prompt_index, ro):
-            if out.text or out.logprobs:
+            text, calls = streams[idx].feed(out.text) if streams else (out.text, [])
+            if text or calls or out.logprobs:
                 lps = chat_logprobs(tok, out.logprobs or []) if want_logprobs else None
-                yield chunk(ChatChunkChoice(index=idx, delta=DeltaMessage(content=out.text),
+                yield chunk(ChatChunkChoice(index=idx, delta=DeltaMessage(content=text if text or not calls else None,
+                                                                          tool_calls=calls or None),
                                             logprobs=lps))
             if finished:
-                yield chunk(ChatChunkChoice(index=idx, delta=DeltaMessage(),
-                                            finish_reason=choices.states[idx].finish_reason))
+                reason = choices.states[idx].finish_reason
+                if streams:
+                    rest, were_calls = streams[idx].finish()
+                    if rest:
+                        yield chunk(ChatChunkChoice(index=idx, delta=DeltaMessage(content=rest)))
+                    if were_calls and reason == "stop":
+                        reason = "tool_calls"
+                yield chunk(ChatChunkChoice(index=idx, delta=DeltaMessage(), finish_reason=reason))
 
     def epilogue() -> Iterator[str]:
         if include_usage:

@@ -80,6 +80,9 @@ async def test_completion_400s(client: httpx.AsyncClient, body: dict, param: str
     assert_error(r, 400, param=param)
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
 @pytest.mark.parametrize("body, param", [
     ({}, "messages"),
     ({"messages": []}, "messages"),
@@ -94,6 +97,16 @@ async def test_completion_400s(client: httpx.AsyncClient, body: dict, param: str
     ({"messages": MSGS, "top_logprobs": 2}, None),
     ({"messages": MSGS, "logprobs": 1}, "logprobs"),
     ({"messages": MSGS, "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": MSGS, "tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+    ({"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f", "colour": "red"}}]}, "tools"),
+    ({"messages": MSGS, "tools": [TOOL, TOOL]}, None),
+    ({"messages": MSGS, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, None),
+    ({"messages": MSGS, "tool_choice": "required"}, None),
+    ({"messages": MSGS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"messages": MSGS, "tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice"),
+    ({"messages": [{"role": "tool", "content": "42"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, "messages"),
     ({"messages": MSGS, "response_format": {"type": "xml"}}, "response_format"),
     ({"messages": MSGS, "response_format": {"type": "json_schema"}}, "response_format"),
     ({"messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},

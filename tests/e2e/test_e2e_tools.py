@@ -1,0 +1,119 @@
+"""Tool calling through the real server and the official ``openai`` SDK, unmodified."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from e2e_helpers import MODEL
+
+pytestmark = pytest.mark.slow
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {"type": "object",
+                       "properties": {"city": {"type": "string", "maxLength": 30},
+                                      "unit": {"enum": ["celsius", "fahrenheit"]}},
+                       "required": ["city", "unit"], "additionalProperties": False},
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The local time in a timezone.",
+        "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 30}},
+                       "required": ["timezone"], "additionalProperties": False},
+    },
+}
+TOOLS = [WEATHER, TIME]
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+def check_calls(calls) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
+                         ids=["required", "named"])
+def test_forced_tool_calls_validate(client: openai.OpenAI, choice) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
+                                       max_tokens=80, temperature=0)
+    choice_out = r.choices[0]
+    assert choice_out.finish_reason == "tool_calls"
+    assert choice_out.message.content is None
+    check_calls(choice_out.message.tool_calls)
+    if isinstance(choice, dict):
+        assert {c.function.name for c in choice_out.message.tool_calls} == {"get_time"}
+
+
+def test_streamed_tool_calls_arrive_in_pieces_and_equal_the_whole_answer(client: openai.OpenAI) -> None:
+    body = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=80, temperature=0,
+                parallel_tool_calls=False)
+    whole = client.chat.completions.create(**body).choices[0]
+    calls: dict[int, dict] = {}
+    pieces, finish = 0, None
+    for chunk in client.chat.completions.create(stream=True, **body):
+        for c in chunk.choices:
+            assert not c.delta.content
+            for d in c.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+                if d.id:
+                    call["id"], call["name"] = d.id, d.function.name
+                if d.function and d.function.arguments:
+                    call["arguments"] += d.function.arguments
+                    pieces += 1
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and pieces > 1
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+        [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+
+
+def test_auto_and_none_and_a_two_turn_conversation(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=60, temperature=0)
+    choice = r.choices[0]
+    if choice.message.tool_calls:  # auto: a call that validates, or a text answer
+        check_calls(choice.message.tool_calls)
+        assert choice.finish_reason == "tool_calls"
+    else:
+        assert choice.message.content and choice.message.content.lstrip()[0] not in "{["
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none",
+                                       max_tokens=20, temperature=0)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
+
+    first = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=60, temperature=0)
+    call = first.choices[0].message.tool_calls[0]
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function",
+             "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "sky": "clear"})},
+    ]
+    second = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none",
+                                            max_tokens=30, temperature=0)
+    assert second.choices[0].message.content and second.choices[0].message.tool_calls is None
+
+
+def test_bad_tools_are_400s(client: openai.OpenAI) -> None:
+    cases = [
+        dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
+        dict(tools=[WEATHER, WEATHER]),
+        dict(tools=[{"type": "function", "function": {"name": "x", "parameters": {"type": "string",
+                                                                                  "not": {"const": "a"}}}}],
+             tool_choice="required"),
+        dict(tool_choice="required"),
+    ]
+    for extra in cases:
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, **extra)
