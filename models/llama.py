@@ -157,8 +157,7 @@ class LlamaForCausalLM(nn.Module):
         # With int4-packed projections each layer runs as one kernel call (decodes
         # and prompt chunks alike): no per-op Python dispatch.
         first = self.model.layers[0]
-        fused = (x.dtype == torch.float32 and ops.kernels_enabled(x.device) and first.packed_int4()
-                 and first.self_attn.qkv_proj.uses_kernel(x.shape[0]))
+        fused = x.dtype == torch.float32 and ops.kernels_enabled(x.device) and first.packed_int4()
         if fused:
             d = meta.num_decodes
             starts = meta.query_start_loc[d:] - meta.query_start_loc[d] if d < meta.num_seqs else None

@@ -161,12 +161,8 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("qweight", q, persistent=False)
             self.register_buffer("scales", s, persistent=False)
 
-    def uses_kernel(self, rows: int) -> bool:
-        """Whether a batch of ``rows`` runs kvserve's grouped kernel (not the dense weight or torch's)."""
-        return self.fused
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.uses_kernel(x.shape[0]):
+        if self.fused:  # kvserve's grouped kernel, every batch
             y = ops.grouped_linear(x.float(), self.codes, self.group_scales, self.out_features,
                                    self.int8_activations).to(x.dtype)
             return y if self.bias is None else y + self.bias
@@ -213,13 +209,17 @@ def prepare_projections(model: nn.Module, quantization: str) -> nn.Module:
     """Put a CPU model's projections in the form its run path multiplies them in, in place.
 
     ``none``: ``dense.pack_model`` (the batch-invariant dense GEMM) where
-    kvserve's kernels run and the dtype is float32 or bfloat16, else
-    column-major weights for torch's GEMM. ``int4`` / ``w4a8``: ``quantize_model``.
+    kvserve's kernels run and the dtype is float32 or bfloat16. ``int4`` /
+    ``w4a8``: ``quantize_model``. Wherever torch's GEMM still runs on a dense
+    weight (no kernels: ``none``, and the large batches of torch's quantised
+    path), the weights are made column-major for it first.
     """
-    if quantization != "none":
-        return quantize_model(model, quantization)
-    dtype = model.lm_head.weight.dtype
-    if ops.kernels_enabled(model.lm_head.weight.device) and dtype in DTYPES:
-        return pack_model(model)
-    model.use_column_major_weights()
-    return model
+    kernels = ops.kernels_enabled(model.lm_head.weight.device)
+    if quantization == "none":
+        if kernels and model.lm_head.weight.dtype in DTYPES:
+            return pack_model(model)
+        model.use_column_major_weights()
+        return model
+    if not kernels:  # torch's quantised path keeps the dense weights for large batches
+        model.use_column_major_weights()
+    return quantize_model(model, quantization)

@@ -161,7 +161,7 @@ def test_w4a8_layers_run_the_kernel_for_every_batch_and_keep_no_dense_weight(row
     quant = QuantizedLinear(dense, "int4", int8_activations=True)
     x = torch.randn(rows, dense.in_features)
 
-    assert quant.weight is None and quant.uses_kernel(rows)
+    assert quant.weight is None and quant.fused  # the grouped kernel, for every batch
     torch.testing.assert_close(quant(x).double(), int8_activation_product(x, dense.weight.detach(), "int4"),
                                atol=1e-5 * dense(x).abs().max().item(), rtol=0)
 
@@ -172,7 +172,7 @@ def test_large_batches_use_the_dense_weight_exactly_only_without_kvserve_kernels
     x = torch.randn(SMALL_BATCH_ROWS + 1, dense.in_features)
 
     if fused:  # the kernel for every batch: a row's result does not depend on the batch
-        assert quant.weight is None and quant.uses_kernel(x.shape[0])
+        assert quant.weight is None and quant.fused
         assert torch.equal(quant(x)[3:4], quant(x[3:4]))
     else:
         assert torch.equal(quant(x), dense(x))
