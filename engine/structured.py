@@ -42,6 +42,11 @@ from engine.validation import InvalidRequestError
 COMPILE_TIMEOUT_S = 5.0
 
 
+def bitmask_words(vocab_size: int) -> int:
+    """32-bit words in one row's allowed-token bitmask."""
+    return (vocab_size + 31) // 32
+
+
 def _regex_literal(text: str) -> str:
     special = set("\\.^$|?*+()[]{}/")
     return "".join("\\" + c if c in special else c for c in text)
@@ -130,8 +135,9 @@ class GrammarCompiler:
                                               eos_token=self._eos or None)
             return self._tokenizer
 
-    def compile(self, spec: StructuredOutput, param: str = "response_format") -> CompiledGrammar:
-        """Check and build ``spec``'s grammar; ``InvalidRequestError`` naming what is wrong."""
+    def compile(self, spec: StructuredOutput, param: str = "structured") -> CompiledGrammar:
+        """Check and build ``spec``'s grammar; ``InvalidRequestError`` naming what is wrong
+        (its ``param`` is the ``SamplingParams`` field, ``structured``)."""
         from llguidance import LLMatcher
 
         t0 = time.perf_counter()
@@ -145,7 +151,7 @@ class GrammarCompiler:
             matcher = LLMatcher(tokenizer, grammar, log_level=0)
             if not matcher.is_error():
                 # The first mask does the lexer's up-front work: count it in the compile.
-                mask = torch.empty((self.vocab_size + 31) // 32, dtype=torch.int32)
+                mask = torch.empty(bitmask_words(self.vocab_size), dtype=torch.int32)
                 matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
             return matcher
 
@@ -184,7 +190,7 @@ class BitmaskFiller:
     """
 
     def __init__(self, vocab_size: int) -> None:
-        self.words = (vocab_size + 31) // 32
+        self.words = bitmask_words(vocab_size)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._done = threading.Event()
         self._worker: threading.Thread | None = None
@@ -199,7 +205,7 @@ class BitmaskFiller:
         self._mask = torch.empty((len(grammars), self.words), dtype=torch.int32)
         self._error = None
         self._done.clear()
-        self._jobs.put([(g.matcher, i) for i, g in enumerate(grammars)])
+        self._jobs.put([g.matcher for g in grammars])
 
     def _run(self) -> None:
         # NOTE: one matcher after the other on this thread, not llguidance's
@@ -207,10 +213,10 @@ class BitmaskFiller:
         # taking a core from the forward (64 constrained rows: 8.8 ms more
         # per step with it, 6.3 ms more without; both with the bitmask kernel).
         while True:
-            pairs = self._jobs.get()
+            matchers = self._jobs.get()
             try:
                 row_bytes = self.words * 4
-                for matcher, i in pairs:
+                for i, matcher in enumerate(matchers):
                     matcher.unsafe_compute_mask_ptr(self._mask.data_ptr() + i * row_bytes, row_bytes)
             except BaseException as exc:  # handed to result()
                 self._error = exc

@@ -129,6 +129,11 @@ class _SamplingRequest(_Strict):
                                   "logit_bias") from None
         return out
 
+    @property
+    def structured_param(self) -> str:
+        """The body field a structured output comes from, for errors about it."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+
     def structured_output(self) -> StructuredOutput | None:
         """What the answer must match, from ``response_format`` or ``structured_outputs`` (a 400 if both)."""
         fmt, so = self.response_format, self.structured_outputs
@@ -144,7 +149,7 @@ class _SamplingRequest(_Strict):
                 return StructuredOutput("json_object")
             return StructuredOutput("json", fmt.json_schema.schema_)
         except ValueError as e:
-            raise bad_request(str(e), "structured_outputs" if so is not None else "response_format") from None
+            raise bad_request(str(e), self.structured_param) from None
 
     def to_sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Build the engine's params; an invalid value becomes a 400 naming the field."""
@@ -342,6 +347,10 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def parallel_calls(self) -> bool:
         return self.parallel_tool_calls is not False
+
+    @property
+    def structured_param(self) -> str:
+        return "tools" if self.tool_choice_name() != "none" else super().structured_param
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> "ChatCompletionRequest":

@@ -65,7 +65,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     prompt = render_prompt(tok, body)
     request_id = new_request_id("chatcmpl")
     choices = Choices([len(prompt)], params.n)
-    merged = await launch(state, request_id, [prompt], params, "messages")
+    merged = await launch(state, request_id, [prompt], params,
+                          {"prompt": "messages", "structured": body.structured_param})
     want_logprobs = params.logprobs is not None
     calling = body.tool_choice_name() != "none"
 

@@ -8,9 +8,8 @@ endpoint's chunk renderer with the error-event and ``[DONE]`` protocol.
 from __future__ import annotations
 
 import asyncio
-
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from starlette.requests import ClientDisconnect, Request
@@ -82,11 +81,12 @@ class Choices:
 
 
 async def launch(state: ServerState, request_id: str, prompts: list[list[int]],
-                 params: SamplingParams, prompt_param: str) -> AdmittedStream:
+                 params: SamplingParams, body_fields: Mapping[str, str]) -> AdmittedStream:
     """One engine request per prompt, their streams merged; then admission.
 
-    Every prompt is checked by the engine first (a 400 names ``prompt_param``
-    or the parameter at fault), then the queue bound (503). Nothing has
+    Every prompt is checked by the engine first (a 400 names the parameter at
+    fault, as its body field in ``body_fields``: ``start_generation``), then
+    the queue bound (503). Nothing has
     entered the engine yet when either is raised: a stream starts on first
     iteration. The prompts form one group, which takes turns with other
     requests for the engine's admission. The caller must close the result.
@@ -96,7 +96,7 @@ async def launch(state: ServerState, request_id: str, prompts: list[list[int]],
     """
     def start_all() -> list:
         return [start_generation(state.engine, request_id if len(prompts) == 1 else f"{request_id}-{i}",
-                                 ids, params, prompt_param, group=request_id)
+                                 ids, params, body_fields, group=request_id)
                 for i, ids in enumerate(prompts)]
 
     gens = await asyncio.to_thread(start_all) if params.structured is not None else start_all()

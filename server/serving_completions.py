@@ -41,7 +41,8 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     tok = state.engine.tokenizer
     prompts = [tok.encode(p) if isinstance(p, str) else p for p in body.prompts()]
     request_id = new_request_id("cmpl")
-    merged = await launch(state, request_id, prompts, params, "prompt")
+    merged = await launch(state, request_id, prompts, params,
+                          {"prompt": "prompt", "structured": body.structured_param})
     # NOTE: echo of a token-id prompt returns its decoded text.
     echoes = [(p if isinstance(p, str) else tok.decode(p)) if body.echo else ""
               for p in body.prompts()]

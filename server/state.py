@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 
 from engine.outputs import RequestOutput
@@ -95,15 +95,17 @@ def new_request_id(prefix: str) -> str:
 
 
 def start_generation(engine: EngineClient, request_id: str, prompt_ids: list[int],
-                     params: SamplingParams, prompt_param: str,
+                     params: SamplingParams, body_fields: Mapping[str, str],
                      group: str) -> AsyncIterator[RequestOutput]:
     """``engine.generate``, with the engine's refusal as OpenAI's 400.
 
-    ``prompt_param`` is the body field the prompt came from (``prompt`` or
-    ``messages``), named in the error when the prompt itself is at fault;
-    ``group`` is the API request the prompt belongs to.
+    ``body_fields`` names the body field behind an engine parameter where the
+    two differ: the prompt's (``prompt`` or ``messages``) and the structured
+    output's (``response_format``, ``structured_outputs`` or ``tools``), named
+    in the error when that parameter is at fault; ``group`` is the API request
+    the prompt belongs to.
     """
     try:
         return engine.generate(request_id, prompt_ids, params, group=group)
     except InvalidRequestError as e:
-        raise bad_request(str(e), prompt_param if e.param == "prompt" else e.param) from None
+        raise bad_request(str(e), body_fields.get(e.param, e.param)) from None

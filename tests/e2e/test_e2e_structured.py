@@ -71,3 +71,7 @@ def test_completions_choice_and_a_refused_schema(client: openai.OpenAI) -> None:
             response_format={"type": "json_schema",
                              "json_schema": {"name": "x", "schema": {"type": "string", "not": {"const": "a"}}}})
     assert err.value.body["param"] == "response_format" and "not" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=5,
+                                  extra_body={"structured_outputs": {"json": {"type": "string", "not": {"const": "a"}}}})
+    assert err.value.body["param"] == "structured_outputs" and "not" in err.value.body["message"]
