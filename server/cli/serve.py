@@ -75,8 +75,12 @@ def serve_app(engine: EngineClient, server: DrainingServer) -> int:
         while http.is_alive():
             http.join(0.2)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        # The drain is over, but the process is not gone yet (interpreter
+        # teardown with torch takes a moment, longer on a busy machine): a
+        # supervisor's repeated SIGTERM then must not kill it with status -15.
+        # SIGINT gets its old handler back, so a second Ctrl-C still stops it.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, previous[signal.SIGINT])
     # uvicorn returns normally after a signal-driven graceful shutdown; a failed
     # start-up (port in use, lifespan error) leaves ``started`` false.
     return 0 if server.started else 1
