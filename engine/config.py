@@ -47,6 +47,8 @@ class EngineConfig:
     # (as llama.cpp's default f16 cache: twice the tokens, half the bytes decode
     # attention reads, logits within about 0.02), else the model's dtype.
     kv_cache_dtype: str = "auto"
+    # A Jinja2 chat template file used instead of the model's own (--chat-template).
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

@@ -20,6 +20,7 @@ from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.stats import FinishedRequestStats, StatLogger, StepStats, StructuredRequestStats
 from engine.structured import BitmaskFiller, GrammarCompiler
 from engine.validation import RequestLimits, check_request
+from models.chat_template import read_chat_template
 from models.kv_cache import cdiv, default_dtype
 from models.loader import LoadedModel, load_model
 
@@ -64,10 +65,12 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        # Read first: a bad --chat-template fails before the model loads.
+        template = read_chat_template(config.chat_template) if config.chat_template else None
         if loaded is None:
             loaded = load_model(config.model, config.dtype, config.device, max_positions=config.max_model_len,
                                 quantization=config.quantization)
-        self.tokenizer = loaded.tokenizer
+        self.tokenizer = loaded.tokenizer if template is None else loaded.tokenizer.with_chat_template(template)
         self.model_config = loaded.config
         self.model_name = config.served_model_name or config.model
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,

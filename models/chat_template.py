@@ -18,6 +18,7 @@ from functools import lru_cache
 from typing import Any
 
 import jinja2
+from jinja2 import meta
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -117,6 +118,42 @@ def render_chat_template(
     # TypeError comes from templates doing e.g. str + list on an unexpected message shape.
     except (jinja2.TemplateError, TypeError) as exc:
         raise ValueError(f"chat template failed to render: {exc}") from exc
+
+
+@lru_cache(maxsize=16)
+def template_tool_syntax(template: str | None) -> str | None:
+    """How a chat template writes tool calls, when it renders ``tools`` itself:
+    ``"hermes"`` (``<tool_call>`` JSON ``</tool_call>``, as Qwen2.5 and Hermes
+    templates), ``"unknown"`` for a syntax kvserve does not read, None when the
+    template knows nothing of tools.
+
+    Raises:
+        ValueError: the template is not valid Jinja2.
+    """
+    if template is None:
+        return None
+    try:
+        names = meta.find_undeclared_variables(_environment().parse(template))
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"chat template is not valid Jinja2: {exc}") from exc
+    if "tools" not in names:
+        return None
+    return "hermes" if "<tool_call>" in template else "unknown"
+
+
+def read_chat_template(path: str) -> str:
+    """A chat template from a file (``--chat-template``), checked to compile.
+
+    Raises:
+        ValueError: the file cannot be read or is not valid Jinja2.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            template = f.read()
+    except OSError as exc:
+        raise ValueError(f"cannot read the chat template {path}: {exc.strerror}") from None
+    _compile(template)
+    return template
 
 
 @lru_cache(maxsize=16)

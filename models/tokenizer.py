@@ -17,6 +17,8 @@ model asks for it" for both sources.
 
 from __future__ import annotations
 
+import copy
+
 import json
 from collections.abc import Sequence
 from functools import lru_cache
@@ -29,7 +31,7 @@ from gguf import TokenType
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
-from models.chat_template import render_chat_template
+from models.chat_template import render_chat_template, template_tool_syntax
 
 
 class Tokenizer:
@@ -95,16 +97,31 @@ class Tokenizer:
         """The vocabulary entry of ``token_id`` (byte-level spelling, e.g. ``Ġthe``), or None."""
         return self._backend.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` with the model's template (ChatML if it has none).
+    def with_chat_template(self, template: str) -> "Tokenizer":
+        """This tokenizer with another chat template (a copy: this one is unchanged)."""
+        other = copy.copy(self)
+        other.chat_template = template
+        return other
+
+    @property
+    def tool_call_syntax(self) -> str | None:
+        """How the chat template writes tool calls (``chat_template.template_tool_syntax``)."""
+        return template_tool_syntax(self.chat_template)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render ``messages`` with the model's template (ChatML if it has none);
+        ``tools`` (OpenAI's tool objects) go to a template that renders them.
 
         Raises:
             ValueError: malformed messages or a template that fails to render.
         """
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else None
         eos = self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
+        extra = {"tools": tools} if tools else {}
         return render_chat_template(
-            self.chat_template, messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+            self.chat_template, messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos,
+            **extra,
         )
 
     @classmethod

@@ -8,6 +8,7 @@ argument.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -29,6 +30,9 @@ from server.serving_chat import apply_template, create_chat_completion
 from server.serving_common import client_disconnected
 from server.serving_completions import create_completion
 from server.state import ServerState
+from server.tools import tool_format_for
+
+logger = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
 
@@ -42,7 +46,7 @@ def _version() -> str:
 
 def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: int | None = None,
               max_body_size: int = 4 * MiB, served_model_name: str | None = None,
-              metrics_require_key: bool = False) -> FastAPI:
+              metrics_require_key: bool = False, tool_call_parser: str = "auto") -> FastAPI:
     """Build the HTTP app around ``engine``.
 
     The app's lifespan binds the engine to its event loop (``engine.start``; the loop
@@ -50,7 +54,8 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
     (if set) is required on every route except ``/health``, ``/ready`` and
     ``/metrics`` (that one too with ``metrics_require_key``); ``max_queue``
     (if set) bounds the generation requests in flight before new ones get 503;
-    ``served_model_name`` defaults to ``engine.model_name``. Call
+    ``served_model_name`` defaults to ``engine.model_name``; ``tool_call_parser``
+    picks the tool-call format (``server.tools.tool_format_for``). Call
     ``app.state.kvserve.begin_drain(timeout)`` to start a graceful shutdown.
     """
     if metrics_require_key and not api_key:
@@ -59,7 +64,11 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
     metrics = PrometheusStatLogger(model_name)
     engine.add_stat_logger(metrics)
     state = ServerState(engine=engine, model_name=model_name, metrics=metrics,
-                        api_key=api_key, max_queue=max_queue)
+                        api_key=api_key, max_queue=max_queue,
+                        tool_format=tool_format_for(tool_call_parser, engine.tokenizer.tool_call_syntax))
+    if engine.tokenizer.tool_call_syntax == "unknown" and tool_call_parser == "auto":
+        logger.warning("the chat template renders tools in a syntax kvserve does not read; "
+                       "tool calls use kvserve's generic format")
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -129,7 +138,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         state.check_model(body.model)
         tok = engine.tokenizer
         if body.messages is not None:
-            text = apply_template(tok, template_messages(body.messages),
+            text = apply_template(tok, template_messages(body.messages, tool_format=state.tool_format),
                                   body.add_generation_prompt is not False)
             ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
         else:

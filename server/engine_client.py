@@ -25,8 +25,12 @@ class TokenizerLike(Protocol):
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict],
-                            add_generation_prompt: bool = True) -> str: ...
+    # "hermes" where the chat template renders tools that way, "unknown" for
+    # another syntax, None when it knows nothing of tools.
+    tool_call_syntax: str | None
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str: ...
 
 
 class EngineClient(Protocol):

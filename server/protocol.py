@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from engine.sampling_params import SamplingParams, StructuredOutput
 from server.errors import APIError, bad_request
-from server.tools import FunctionSpec, call_grammar, history_content, tools_block
+from server.tools import FORMATS, FunctionSpec, ToolFormat, history_content, template_tool_calls, tools_block
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -358,7 +358,8 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, tool_format: ToolFormat = FORMATS["generic"]) -> SamplingParams:
+        """The engine's parameters; with tools, a grammar for ``tool_format``'s calls."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -370,7 +371,7 @@ class ChatCompletionRequest(_SamplingRequest):
             raise bad_request("tools (with a tool_choice other than none) and a structured output "
                               "cannot be combined", "tool_choice")
         try:
-            structured = call_grammar(self.tool_specs(), choice, self.parallel_calls)
+            structured = tool_format.grammar(self.tool_specs(), choice, self.parallel_calls)
             return dataclasses.replace(params, structured=structured)
         except ValueError as e:
             raise bad_request(str(e), "tools") from None
@@ -402,20 +403,27 @@ class DetokenizeRequest(_Strict):
 
 
 def template_messages(messages: list[ChatMessage], tools: list[FunctionSpec] | None = None,
-                      parallel: bool = True) -> list[dict[str, str]]:
-    """Messages as the plain dicts a chat template expects, in kvserve's tool format
-    (``server.tools``): the tools listed in the system message, earlier calls as their JSON."""
+                      parallel: bool = True, tool_format: ToolFormat = FORMATS["generic"]) -> list[dict[str, Any]]:
+    """Messages as the plain dicts a chat template expects. With a native
+    ``tool_format`` the template renders tools itself: assistant turns keep their
+    ``tool_calls`` and tool results their ``tool_call_id``. Otherwise the generic
+    format (``server.tools``): the tools listed in the system message, earlier
+    calls as their JSON."""
     out = []
     for m in messages:
         text = m.text()
-        if m.tool_calls:
+        d: dict[str, Any] = {"role": m.role, "content": text}
+        if m.tool_calls and tool_format.native:
+            d["tool_calls"] = template_tool_calls([c.model_dump() for c in m.tool_calls])
+        elif m.tool_calls:
             calls = history_content([c.model_dump() for c in m.tool_calls], parallel)
-            text = f"{text}\n{calls}" if text else calls
-        d = {"role": m.role, "content": text}
+            d["content"] = f"{text}\n{calls}" if text else calls
+        if m.tool_call_id is not None and tool_format.native:
+            d["tool_call_id"] = m.tool_call_id
         if m.name is not None:
             d["name"] = m.name
         out.append(d)
-    if tools:
+    if tools and not tool_format.native:
         block = tools_block(tools, parallel)
         if out and out[0]["role"] in ("system", "developer"):
             out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{block}"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -19,7 +20,7 @@ from server.protocol_responses import (AssistantMessage, ChatChoice, ChatChunkCh
 from server.serving_common import (Choices, first_output, launch, run_to_completion,
                                    stream_response)
 from server.state import ServerState, new_request_id
-from server.tools import CallStream, new_call_id, parse_calls
+from server.tools import CallStream, ToolFormat, new_call_id
 
 
 def _token(tokenizer: TokenizerLike, token_id: int, logprob: float) -> TopLogprob:
@@ -38,21 +39,26 @@ def chat_logprobs(tokenizer: TokenizerLike, lps: list[TokenLogprob]) -> ChatLogp
     return ChatLogprobs(content=content)
 
 
-def apply_template(tokenizer: TokenizerLike, messages: list[dict[str, str]],
-                   add_generation_prompt: bool) -> str:
+def apply_template(tokenizer: TokenizerLike, messages: list[dict[str, Any]],
+                   add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None) -> str:
     """Render messages with the model's chat template; a template error is a 400."""
     try:
+        if tools:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 tools=tools)
         return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     except ValueError as e:
         raise bad_request(f"Invalid messages: {e}", "messages") from None
 
 
-def render_prompt(tokenizer: TokenizerLike, body: ChatCompletionRequest) -> list[int]:
+def render_prompt(tokenizer: TokenizerLike, body: ChatCompletionRequest, fmt: ToolFormat) -> list[int]:
     """Chat template then tokens. The template already holds any BOS, so the
-    tokenizer must not add special tokens a second time."""
+    tokenizer must not add special tokens a second time. A native tool format
+    hands the tools to the template; the generic one lists them in the messages."""
     tools = body.tool_specs() if body.tools else None
-    text = apply_template(tokenizer, template_messages(body.messages, tools, body.parallel_calls),
-                          body.add_generation_prompt is not False)
+    messages = template_messages(body.messages, tools, body.parallel_calls, fmt)
+    text = apply_template(tokenizer, messages, body.add_generation_prompt is not False,
+                          [t.openai() for t in tools] if tools and fmt.native else None)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -60,9 +66,10 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     """Validate, run and render one chat completions request."""
     body = await read_model(request, ChatCompletionRequest)
     state.check_model(body.model)
-    params = body.sampling_params()
+    fmt = state.tool_format
+    params = body.sampling_params(fmt)
     tok = state.engine.tokenizer
-    prompt = render_prompt(tok, body)
+    prompt = render_prompt(tok, body, fmt)
     request_id = new_request_id("chatcmpl")
     choices = Choices([len(prompt)], params.n)
     merged = await launch(state, request_id, [prompt], params,
@@ -71,7 +78,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     calling = body.tool_choice_name() != "none"
 
     def message(text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
-        calls = parse_calls(text) if calling else None
+        calls = fmt.parse(text) if calling else None
         if calls is None:
             return AssistantMessage(content=text), finish_reason
         return AssistantMessage(content=None, tool_calls=[
@@ -104,7 +111,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
             yield chunk(ChatChunkChoice(index=idx,
                                         delta=DeltaMessage(role="assistant", content="")))
 
-    streams = [CallStream() for _ in choices.states] if calling else None
+    streams = [CallStream(fmt) for _ in choices.states] if calling else None
 
     def render(prompt_index: int, ro: RequestOutput) -> Iterator[str]:
         for idx, out, finished in choices.update(prompt_index, ro):

@@ -15,6 +15,7 @@ from engine.validation import InvalidRequestError
 from server.engine_client import EngineClient
 from server.errors import bad_request, model_not_found, unavailable
 from server.metrics import PrometheusStatLogger
+from server.tools import FORMATS, ToolFormat
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ class ServerState:
     metrics: PrometheusStatLogger
     api_key: str | None = None
     max_queue: int | None = None
+    tool_format: ToolFormat = FORMATS["generic"]
     draining: bool = False
     started: bool = False
     loop: asyncio.AbstractEventLoop | None = None  # set by the app's lifespan

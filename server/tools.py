@@ -1,22 +1,29 @@
-"""Tool calling for chat completions: the prompt's tool block, the call grammar, and the answer's calls.
+"""Tool calling for chat completions: the prompt's tools, the call grammar, and the answer's calls.
 
-kvserve's generic format (the default model's chat template knows nothing of
-tools): the tools are listed in the system message (``tools_block``), and a
-call is the answer's whole text, one JSON object ``{"name": ..., "arguments":
-{...}}`` or, with ``parallel_tool_calls`` (the default), a JSON array of them,
-at most as many as there are tools to choose from. The answer is
-generated under a grammar (``call_grammar``), so a call always names a given
-tool and its arguments validate against the tool's ``parameters``:
+A ``ToolFormat`` is one way of writing calls; the server picks one per model
+(``tool_format_for``):
 
-* ``tool_choice: "required"``: one of the calls' JSON, nothing else;
+* ``hermes`` where the model's chat template renders ``tools`` itself and
+  writes calls as ``<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>``
+  (Qwen2.5, Qwen3, Hermes and the templates that copy them). The template gets
+  ``tools`` and the messages' own ``tool_calls`` and ``tool_call_id``.
+* ``generic``, kvserve's own, for every other template (the default model's
+  knows nothing of tools): the tools are listed in the system message
+  (``tools_block``), and a call is the answer's whole text, one JSON object
+  ``{"name": ..., "arguments": {...}}`` or, with ``parallel_tool_calls`` (the
+  default), a JSON array of them. Earlier turns are rendered the same way: an
+  assistant message's ``tool_calls`` become its content in that JSON, and a
+  ``tool`` message's result is a message of role ``tool``.
+
+Either way the answer is generated under a grammar (``ToolFormat.grammar``), so
+a call always names a given tool, its arguments validate against the tool's
+``parameters``, and there are at most as many calls as tools:
+
+* ``tool_choice: "required"``: calls, nothing else;
 * a named function: a call of that function;
 * ``"auto"`` (the default with tools): either a text answer that does not
-  start with ``{`` or ``[``, or the calls' JSON;
+  start the way calls do, or calls;
 * ``"none"``: a text answer (the tools stay in the prompt, as OpenAI's do).
-
-Earlier turns are rendered the same way: an assistant message's
-``tool_calls`` become its content in that JSON, and a ``tool`` message's
-result is a message of role ``tool``.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.sampling_params import StructuredOutput
+from engine.structured import JSON_OPTIONS
 from server.protocol_responses import DeltaFunction, DeltaToolCall
 
 MAX_PARALLEL_CALLS = 8
@@ -47,16 +55,19 @@ class FunctionSpec:
     description: str | None
     parameters: dict[str, Any]
 
+    def openai(self) -> dict[str, Any]:
+        """The tool as OpenAI's request gives it (what chat templates iterate over)."""
+        fn: dict[str, Any] = {"name": self.name}
+        if self.description:
+            fn["description"] = self.description
+        fn["parameters"] = self.parameters
+        return {"type": "function", "function": fn}
+
 
 def tools_block(tools: list[FunctionSpec], parallel: bool) -> str:
-    """The system text that lists ``tools`` and says how to call them."""
+    """The system text that lists ``tools`` and says how to call them (the generic format)."""
     lines = [TOOLS_PREAMBLE + (PARALLEL_NOTE if parallel else "") + ". Tools:"]
-    for t in tools:
-        entry: dict[str, Any] = {"name": t.name}
-        if t.description:
-            entry["description"] = t.description
-        entry["parameters"] = t.parameters
-        lines.append(json.dumps(entry, ensure_ascii=False))
+    lines += [json.dumps(t.openai()["function"], ensure_ascii=False) for t in tools]
     return "\n".join(lines)
 
 
@@ -67,31 +78,34 @@ def _call_schema(tools: list[FunctionSpec]) -> dict[str, Any]:
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
+def max_calls(tools: list[FunctionSpec], parallel: bool) -> int:
+    # At most as many calls as tools: unbounded, the default model repeated its
+    # first call until max_tokens.
+    return min(MAX_PARALLEL_CALLS, len(tools)) if parallel else 1
+
+
 def calls_schema(tools: list[FunctionSpec], parallel: bool) -> dict[str, Any]:
-    """The JSON Schema of an answer that calls ``tools`` (one call, or an array of calls)."""
+    """The JSON Schema of a generic-format answer that calls ``tools`` (one call, or an array)."""
     one = _call_schema(tools)
     if not parallel:
         return one
-    # At most as many calls as tools: unbounded, the default model repeated its
-    # first call until max_tokens.
-    return {"type": "array", "items": one, "minItems": 1, "maxItems": min(MAX_PARALLEL_CALLS, len(tools))}
+    return {"type": "array", "items": one, "minItems": 1, "maxItems": max_calls(tools, parallel)}
 
 
-def call_grammar(tools: list[FunctionSpec], choice: str, parallel: bool) -> StructuredOutput | None:
-    """The structured output that enforces ``choice`` ("none", "auto", "required" or a tool's name)."""
+def _lark_json(schema: dict[str, Any]) -> str:
+    # %json inside a Lark grammar takes no defaults: the schema carries them (one
+    # line, ", " and ": "), as structured outputs' JSON does.
+    return json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+
+
+def _chosen(tools: list[FunctionSpec], choice: str) -> list[FunctionSpec] | None:
     if choice == "none":
         return None
-    if choice not in ("auto", "required"):
-        tools = [t for t in tools if t.name == choice]
-        assert tools, "the server checks that a named tool exists"
-    schema = calls_schema(tools, parallel)
-    if choice != "auto":
-        return StructuredOutput("json", schema)
-    # Lark (llguidance's dialect): a text answer, or the calls' JSON.
-    grammar = ("start: TEXT | calls\n"
-               "TEXT: /[^\\[{][\\s\\S]*/\n"
-               f"calls: %json {json.dumps(schema)}\n")
-    return StructuredOutput("grammar", grammar)
+    if choice in ("auto", "required"):
+        return tools
+    named = [t for t in tools if t.name == choice]
+    assert named, "the server checks that a named tool exists"
+    return named
 
 
 @dataclass
@@ -134,73 +148,211 @@ def _value_end(text: str, start: int) -> int | None:
     return None
 
 
-def scan_calls(text: str) -> list[ParsedCall] | None:
-    """The calls in an answer so far (kvserve's format), or None when the answer is not calls."""
-    body = text.lstrip()
-    if not body.startswith(("{", "[")):
-        return None
-    pos = 1 if body.startswith("[") else 0
-    calls: list[ParsedCall] = []
-    while True:
-        m = _NAME.match(body, pos)
-        if m is None:  # the next call's name has not all arrived
-            break
-        name = json.loads(f'"{m.group(1)}"')
-        end = _value_end(body, m.end())
-        if end is None:
-            calls.append(ParsedCall(name, body[m.end():], False))
-            break
-        calls.append(ParsedCall(name, body[m.end():end], True))
-        close = body.find("}", end)
-        if close < 0 or not body.startswith("["):
-            break
-        pos = close + 1
-        while pos < len(body) and body[pos] in " ,\n":
-            pos += 1
-    return calls
+def _scan_call(text: str, pos: int) -> tuple[ParsedCall | None, int | None]:
+    """The call object starting at ``pos`` so far, and where it closes (None: not yet)."""
+    m = _NAME.match(text, pos)
+    if m is None:  # the call's name has not all arrived
+        return None, None
+    name = json.loads(f'"{m.group(1)}"')
+    end = _value_end(text, m.end())
+    if end is None:
+        return ParsedCall(name, text[m.end():], False), None
+    close = text.find("}", end)
+    return ParsedCall(name, text[m.end():end], True), (close + 1 if close >= 0 else None)
 
 
-def parse_calls(text: str) -> list[ParsedCall] | None:
-    """A finished answer's calls, or None when it is text or a call cut off by max_tokens."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    calls = scan_calls(text)
-    items = value if isinstance(value, list) else [value]
-    if not calls or len(calls) != len(items) or not all(c.complete for c in calls):
-        return None
-    return calls
+class ToolFormat:
+    """One way of writing tool calls: the prompt, the grammar, reading the answer."""
+
+    name: str
+    native: bool  # the chat template renders the tools and earlier calls itself
+
+    def grammar(self, tools: list[FunctionSpec], choice: str, parallel: bool) -> StructuredOutput | None:
+        """The structured output that enforces ``choice`` ("none", "auto", "required" or a tool's name)."""
+        raise NotImplementedError
+
+    def opens(self, head: str) -> bool | None:
+        """Whether an answer starting with ``head`` (no leading blanks) is calls; None: too soon to say."""
+        raise NotImplementedError
+
+    def scan(self, text: str) -> list[ParsedCall] | None:
+        """The calls in an answer so far, or None when the answer is not calls."""
+        raise NotImplementedError
+
+    def parse(self, text: str) -> list[ParsedCall] | None:
+        """A finished answer's calls, or None when it is text or calls cut off by max_tokens."""
+        raise NotImplementedError
+
+
+class GenericFormat(ToolFormat):
+    """kvserve's format: the answer is the calls' JSON (an object, or an array with parallel calls)."""
+
+    name = "generic"
+    native = False
+
+    def grammar(self, tools: list[FunctionSpec], choice: str, parallel: bool) -> StructuredOutput | None:
+        chosen = _chosen(tools, choice)
+        if chosen is None:
+            return None
+        schema = calls_schema(chosen, parallel)
+        if choice != "auto":
+            return StructuredOutput("json", schema)
+        # Lark (llguidance's dialect): a text answer, or the calls' JSON.
+        return StructuredOutput("grammar", "start: TEXT | calls\n"
+                                           "TEXT: /[^\\[{][\\s\\S]*/\n"
+                                           f"calls: %json {_lark_json(schema)}\n")
+
+    def opens(self, head: str) -> bool | None:
+        return head[0] in "{["
+
+    def scan(self, text: str) -> list[ParsedCall] | None:
+        body = text.lstrip()
+        if not body.startswith(("{", "[")):
+            return None
+        array = body.startswith("[")
+        pos, calls = (1 if array else 0), []
+        while True:
+            call, close = _scan_call(body, pos)
+            if call is not None:
+                calls.append(call)
+            if close is None or not array:
+                return calls
+            pos = close
+            while pos < len(body) and body[pos] in " ,\n":
+                pos += 1
+
+    def parse(self, text: str) -> list[ParsedCall] | None:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        calls = self.scan(text)
+        items = value if isinstance(value, list) else [value]
+        if not calls or len(calls) != len(items) or not all(c.complete for c in calls):
+            return None
+        return calls
+
+
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+
+
+class HermesFormat(ToolFormat):
+    """Calls as ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, one per line
+    (Qwen2.5/Qwen3 and Hermes templates); the template renders tools and history."""
+
+    name = "hermes"
+    native = True
+
+    def grammar(self, tools: list[FunctionSpec], choice: str, parallel: bool) -> StructuredOutput | None:
+        chosen = _chosen(tools, choice)
+        if chosen is None:
+            return None
+        more = max_calls(chosen, parallel) - 1
+        calls = (f'calls: call ("\\n" call){{0,{more}}}\n' if more else "calls: call\n")
+        rules = (calls + f'call: "{HERMES_OPEN}\\n" body "\\n{HERMES_CLOSE}"\n'
+                 f"body: %json {_lark_json(_call_schema(chosen))}\n")
+        if choice != "auto":
+            return StructuredOutput("grammar", "start: calls\n" + rules)
+        # A text answer may not start with "<", which keeps it from opening a call.
+        return StructuredOutput("grammar", "start: TEXT | calls\nTEXT: /[^<][\\s\\S]*/\n" + rules)
+
+    def opens(self, head: str) -> bool | None:
+        if head.startswith(HERMES_OPEN):
+            return True
+        return None if HERMES_OPEN.startswith(head) else False
+
+    def _walk(self, body: str) -> tuple[list[ParsedCall], int]:
+        """The calls in ``body`` so far, and where the last closed ``</tool_call>`` ends."""
+        calls: list[ParsedCall] = []
+        pos = done = 0
+        while body.startswith(HERMES_OPEN, pos):
+            call, close = _scan_call(body, pos + len(HERMES_OPEN))
+            if call is not None:
+                calls.append(call)
+            tag = _HERMES_END.match(body, close) if close is not None else None
+            if tag is None:
+                break
+            done = tag.end()
+            pos = _BLANKS.match(body, done).end()
+        return calls, done
+
+    def scan(self, text: str) -> list[ParsedCall] | None:
+        body = text.lstrip()
+        if not body or not (body.startswith(HERMES_OPEN) or HERMES_OPEN.startswith(body)):
+            return None
+        return self._walk(body)[0]
+
+    def parse(self, text: str) -> list[ParsedCall] | None:
+        body = text.strip()
+        calls, done = self._walk(body)
+        if not calls or done != len(body) or not all(c.complete for c in calls):
+            return None
+        try:
+            for c in calls:
+                json.loads(c.arguments)
+        except ValueError:
+            return None
+        return calls
+
+
+_HERMES_END = re.compile(r"\s*" + re.escape(HERMES_CLOSE))
+_BLANKS = re.compile(r"\s*")
+
+
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (GenericFormat(), HermesFormat())}
+TOOL_PARSERS = ("auto", *FORMATS)
+
+
+def tool_format_for(parser: str, template_syntax: str | None) -> ToolFormat:
+    """The format for ``--tool-call-parser`` ``parser``: ``auto`` takes the chat
+    template's own syntax (``template_syntax``, e.g. "hermes") where kvserve reads
+    it, else the generic format."""
+    if parser not in TOOL_PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got {parser!r}")
+    if parser != "auto":
+        return FORMATS[parser]
+    return FORMATS.get(template_syntax or "generic", FORMATS["generic"])
 
 
 def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
+def _arguments_value(arguments: Any) -> Any:
+    # OpenAI sends arguments as a JSON string; templates want the object.
+    try:
+        return json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        return arguments
+
+
 def history_content(tool_calls: list[dict[str, Any]], parallel: bool) -> str:
-    """An earlier assistant turn's ``tool_calls`` as the text kvserve's format gives them."""
-    calls = []
-    for call in tool_calls:
-        fn = call["function"]
-        try:
-            arguments = json.loads(fn["arguments"]) if isinstance(fn["arguments"], str) else fn["arguments"]
-        except ValueError:
-            arguments = fn["arguments"]
-        calls.append({"name": fn["name"], "arguments": arguments})
+    """An earlier assistant turn's ``tool_calls`` as the text the generic format gives them."""
+    calls = [{"name": c["function"]["name"], "arguments": _arguments_value(c["function"]["arguments"])}
+             for c in tool_calls]
     value: Any = calls if parallel or len(calls) > 1 else calls[0]
     return json.dumps(value, ensure_ascii=False)
+
+
+def template_tool_calls(tool_calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An earlier assistant turn's ``tool_calls`` as chat templates read them (arguments as objects)."""
+    return [{"id": c.get("id"), "type": "function",
+             "function": {"name": c["function"]["name"],
+                          "arguments": _arguments_value(c["function"]["arguments"])}}
+            for c in tool_calls]
 
 
 class CallStream:
     """One streamed choice's text, turned into content or into OpenAI's ``delta.tool_calls``.
 
-    Until the first non-blank character it holds the text back; an answer that
-    opens with ``{`` or ``[`` is calls (each call's id, type and name once the
-    name has arrived, then its arguments in pieces as they are generated),
-    anything else is content.
+    Until the answer shows whether it is calls (``ToolFormat.opens``) it holds
+    the text back; calls are sent as each call's id, type and name once the name
+    has arrived, then its arguments in pieces as they are generated; anything
+    else is content.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, fmt: ToolFormat) -> None:
+        self.format = fmt
         self.buffer = ""
         self.mode: str | None = None  # None (undecided), "text" or "calls"
         self._sent: list[list] = []  # per call: [id, length of the arguments sent]
@@ -212,13 +364,16 @@ class CallStream:
             head = self.buffer.lstrip()
             if not head:
                 return "", []
-            self.mode = "calls" if head[0] in "{[" else "text"
+            opens = self.format.opens(head)
+            if opens is None:
+                return "", []
+            self.mode = "calls" if opens else "text"
             if self.mode == "text":
                 return self.buffer, []
         if self.mode == "text":
             return text, []
         deltas = []
-        for i, call in enumerate(scan_calls(self.buffer) or []):
+        for i, call in enumerate(self.format.scan(self.buffer) or []):
             if i == len(self._sent):
                 self._sent.append([new_call_id(), 0])
                 deltas.append(DeltaToolCall(index=i, id=self._sent[i][0], type="function",
@@ -230,7 +385,7 @@ class CallStream:
         return "", deltas
 
     def finish(self) -> tuple[str, bool]:
-        """At the end: content still held back (an all-blank answer), and whether the answer was calls."""
-        if self.mode is None:
-            return self.buffer, False
-        return "", self.mode == "calls" and parse_calls(self.buffer) is not None
+        """At the end: content still held back, and whether the answer was calls."""
+        if self.mode != "calls":
+            return ("" if self.mode == "text" else self.buffer), False
+        return "", self.format.parse(self.buffer) is not None

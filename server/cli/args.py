@@ -7,6 +7,7 @@ import os
 import re
 
 from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from server.tools import TOOL_PARSERS
 
 _UNITS = {"": 1, "b": 1,
           "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -90,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds in-flight requests may run after SIGTERM; the rest are "
                             "aborted (an error event, or a 503)")
     serve.add_argument("--log-level", default="info")
+    serve.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a Jinja2 chat template file to use instead of the model's own")
+    serve.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSERS,
+                       help="how tool calls are prompted and read: hermes (<tool_call> JSON "
+                            "</tool_call>, the chat template renders the tools), generic (kvserve's "
+                            "JSON format, tools listed in the system message); auto (default): "
+                            "hermes where the chat template renders tools that way, else generic")
 
     gen = sub.add_parser("generate", help="generate offline for one prompt")
     _add_engine_args(gen)
@@ -123,6 +131,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
             served_model_name=getattr(args, "served_model_name", None),
-            quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+            quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+            chat_template=getattr(args, "chat_template", None))
     except ValueError as e:
         raise SystemExit(f"kvserve: error: {e}") from None

@@ -98,11 +98,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvserve: error: {e}") from None
     app = build_app(engine, api_key=args.api_key, max_queue=args.max_queue,
                     max_body_size=args.max_body_size, served_model_name=args.served_model_name,
-                    metrics_require_key=args.metrics_require_key)
+                    metrics_require_key=args.metrics_require_key, tool_call_parser=args.tool_call_parser)
     state = app.state.kvserve
     logger.info("kvserve listening on http://%s:%d (model %s, max_model_len %d, auth %s)",
                 args.host, args.port, state.model_name, engine.max_model_len,
                 "on" if args.api_key else "off")
+    logger.info("tool calls: %s format (%s)", state.tool_format.name,
+                "the chat template renders tools" if state.tool_format.native
+                else "tools listed in the system message")
     logger.info("KV cache: %d blocks x %d tokens = %d tokens", engine.num_kv_blocks,
                 engine.block_size, engine.num_kv_blocks * engine.block_size)
 

@@ -1,14 +1,19 @@
-"""Tool calling through the real server and the official ``openai`` SDK, unmodified."""
+"""Tool calling through the real server and the official ``openai`` SDK, unmodified: in
+kvserve's generic format (the default model's own template knows nothing of tools), and in
+the hermes format, with a chat template that renders tools (``--chat-template``)."""
 
 from __future__ import annotations
 
 import json
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
 
-from e2e_helpers import MODEL
+from e2e_helpers import MODEL, KVServe, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -37,6 +42,30 @@ PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 
+HERMES_TEMPLATE = Path(__file__).parents[1] / "data" / "hermes_chat_template.jinja"
+
+
+@pytest.fixture(scope="module")
+def hermes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    """A second server whose chat template renders tools the hermes way."""
+    srv = KVServe(free_port(), tmp_path_factory.mktemp("hermes") / "server.log",
+                  api_key="e2e-" + secrets.token_hex(8), shutdown_timeout=10.0,
+                  extra=["--chat-template", str(HERMES_TEMPLATE)])
+    try:
+        srv.wait_http_ok(f"{srv.url}/health", 120.0)
+        assert "tool calls: hermes format" in srv.log(tail=10**6), srv.describe()
+        yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key=srv.api_key, max_retries=0, timeout=120.0)
+    finally:
+        rc = srv.stop(30.0)
+    assert rc == 0, srv.describe()
+
+
+@pytest.fixture(params=["generic", "hermes"])
+def tool_client(request: pytest.FixtureRequest) -> openai.OpenAI:
+    """The client of the default server (generic format) or of the hermes one."""
+    return request.getfixturevalue("client" if request.param == "generic" else "hermes")
+
+
 def check_calls(calls) -> None:
     assert calls
     for call in calls:
@@ -46,8 +75,8 @@ def check_calls(calls) -> None:
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
                          ids=["required", "named"])
-def test_forced_tool_calls_validate(client: openai.OpenAI, choice) -> None:
-    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
+def test_forced_tool_calls_validate(tool_client: openai.OpenAI, choice) -> None:
+    r = tool_client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
                                        max_tokens=80, temperature=0)
     choice_out = r.choices[0]
     assert choice_out.finish_reason == "tool_calls"
@@ -57,7 +86,8 @@ def test_forced_tool_calls_validate(client: openai.OpenAI, choice) -> None:
         assert {c.function.name for c in choice_out.message.tool_calls} == {"get_time"}
 
 
-def test_streamed_tool_calls_arrive_in_pieces_and_equal_the_whole_answer(client: openai.OpenAI) -> None:
+def test_streamed_tool_calls_arrive_in_pieces_and_equal_the_whole_answer(tool_client: openai.OpenAI) -> None:
+    client = tool_client
     body = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=80, temperature=0,
                 parallel_tool_calls=False)
     whole = client.chat.completions.create(**body).choices[0]
@@ -79,14 +109,15 @@ def test_streamed_tool_calls_arrive_in_pieces_and_equal_the_whole_answer(client:
         [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
 
 
-def test_auto_and_none_and_a_two_turn_conversation(client: openai.OpenAI) -> None:
+def test_auto_and_none_and_a_two_turn_conversation(tool_client: openai.OpenAI) -> None:
+    client = tool_client
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=60, temperature=0)
     choice = r.choices[0]
     if choice.message.tool_calls:  # auto: a call that validates, or a text answer
         check_calls(choice.message.tool_calls)
         assert choice.finish_reason == "tool_calls"
     else:
-        assert choice.message.content and choice.message.content.lstrip()[0] not in "{["
+        assert choice.message.content and choice.message.content.lstrip()[0] not in "{[<"
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none",
                                        max_tokens=20, temperature=0)
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")

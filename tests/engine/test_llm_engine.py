@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -427,3 +428,13 @@ def test_int8_kv_cache_holds_about_twice_the_tokens_of_float16_and_generates(smo
     # Logits move by up to about 1 (test_ops): the first tokens still agree.
     assert int8.token_ids[:4] == fp32.token_ids[:4]
     assert_engine_idle(engine)
+
+
+def test_a_chat_template_file_replaces_the_models_own(smollm2_loaded):
+    path = Path(__file__).parents[1] / "data" / "hermes_chat_template.jinja"
+    engine = make_engine(smollm2_loaded, num_blocks=MAX_MODEL_LEN // BLOCK_SIZE, chat_template=str(path))
+    assert engine.tokenizer.chat_template == path.read_text()
+    assert engine.tokenizer.tool_call_syntax == "hermes"
+    assert smollm2_loaded.tokenizer.tool_call_syntax is None  # the shared weights' tokenizer is untouched
+    with pytest.raises(ValueError, match="cannot read the chat template"):
+        make_engine(smollm2_loaded, chat_template=str(path) + ".missing")

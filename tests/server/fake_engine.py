@@ -57,7 +57,11 @@ class FakeTokenizer:
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    tool_call_syntax = None
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        assert tools is None, "the fake's template knows nothing of tools"
         parts = []
         for m in messages:
             if m.get("role") not in self.ROLES or not isinstance(m.get("content"), str):

@@ -1,13 +1,19 @@
-"""server.tools: kvserve's tool-call format, its grammar, and the streamed calls."""
+"""server.tools: the generic and hermes tool-call formats, their grammars, and the streamed calls."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from server.protocol import ChatMessage, template_messages
-from server.tools import CallStream, FunctionSpec, call_grammar, calls_schema, parse_calls, scan_calls
+from models.chat_template import read_chat_template, render_chat_template, template_tool_syntax
+from server.tools import FORMATS, CallStream, FunctionSpec, calls_schema, tool_format_for
+
+GENERIC, HERMES = FORMATS["generic"], FORMATS["hermes"]
+parse_calls, scan_calls = GENERIC.parse, GENERIC.scan
+HERMES_TEMPLATE = Path(__file__).parents[1] / "data" / "hermes_chat_template.jinja"
 
 WEATHER = FunctionSpec("get_weather", "Weather in a city.",
                        {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
@@ -38,7 +44,7 @@ def test_scanning_a_growing_answer_never_goes_back():
 
 
 def test_the_stream_sends_name_first_then_arguments_in_pieces():
-    stream = CallStream()
+    stream = CallStream(GENERIC)
     deltas = []
     for i in range(0, len(ONE), 4):
         text, calls = stream.feed(ONE[i:i + 4])
@@ -53,7 +59,7 @@ def test_the_stream_sends_name_first_then_arguments_in_pieces():
 
 
 def test_a_text_answer_streams_as_content():
-    stream = CallStream()
+    stream = CallStream(GENERIC)
     assert stream.feed("  ") == ("", [])
     assert stream.feed("Hi") == ("  Hi", [])
     assert stream.feed(" there") == (" there", [])
@@ -61,28 +67,112 @@ def test_a_text_answer_streams_as_content():
 
 
 def test_grammars_for_each_tool_choice():
-    assert call_grammar([WEATHER, TIME], "none", True) is None
-    required = call_grammar([WEATHER, TIME], "required", False)
+    assert GENERIC.grammar([WEATHER, TIME], "none", True) is None
+    required = GENERIC.grammar([WEATHER, TIME], "required", False)
     assert required.kind == "json" and len(required.value["anyOf"]) == 2
-    named = call_grammar([WEATHER, TIME], "get_time", True)
+    named = GENERIC.grammar([WEATHER, TIME], "get_time", True)
     assert named.value["items"]["properties"]["name"] == {"const": "get_time"}
     assert named.value["maxItems"] == 1
-    auto = call_grammar([WEATHER], "auto", False)
+    auto = GENERIC.grammar([WEATHER], "auto", False)
     assert auto.kind == "grammar" and "%json" in auto.value and "TEXT" in auto.value
     assert calls_schema([WEATHER, TIME], True)["maxItems"] == 2
 
 
-def test_the_prompt_lists_the_tools_and_earlier_calls():
-    messages = [
+def history() -> list[ChatMessage]:
+    """A question, the assistant's call, and the tool's result."""
+    return [
         ChatMessage(role="user", content="Weather in Rome?"),
         ChatMessage(role="assistant", tool_calls=[{"id": "call_1", "type": "function",
                                                    "function": {"name": "get_weather",
                                                                 "arguments": '{"city": "Rome"}'}}]),
         ChatMessage(role="tool", tool_call_id="call_1", content='{"temp": 20}'),
     ]
+
+
+def test_the_prompt_lists_the_tools_and_earlier_calls():
+    messages = history()
     out = template_messages(messages, [WEATHER], parallel=False)
     assert out[0]["role"] == "system" and "get_weather" in out[0]["content"]
     assert json.loads(out[2]["content"]) == {"name": "get_weather", "arguments": {"city": "Rome"}}
     assert out[3] == {"role": "tool", "content": '{"temp": 20}'}
     with pytest.raises(ValueError, match="tool_call_id"):
         ChatMessage(role="tool", content="x")
+
+
+HERMES_ONE = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris</tool_call>"}}\n</tool_call>'
+HERMES_TWO = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+
+
+def test_hermes_answers_parse_into_their_calls():
+    [call] = HERMES.parse(HERMES_ONE)
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": 'Pa"ris</tool_call>'}
+    assert [(c.name, c.arguments) for c in HERMES.parse(HERMES_TWO)] == [
+        ("get_weather", '{"city": "Rome"}'), ("get_time", "{}")]
+    assert HERMES.parse("It is sunny.") is None
+    assert HERMES.parse(HERMES_TWO[:-3]) is None  # cut off by max_tokens
+    assert HERMES.parse(ONE) is None  # the generic format's JSON is not a hermes call
+
+
+def test_a_hermes_stream_holds_back_until_the_tag_decides():
+    stream = CallStream(HERMES)
+    assert stream.feed("<tool") == ("", [])
+    deltas = []
+    for i in range(5, len(HERMES_TWO), 3):
+        text, calls = stream.feed(HERMES_TWO[i:i + 3])
+        assert text == ""
+        deltas += calls
+    assert stream.finish() == ("", True)
+    heads = [d for d in deltas if d.id]
+    assert [(d.index, d.function.name) for d in heads] == [(0, "get_weather"), (1, "get_time")]
+    for index, call in enumerate(HERMES.parse(HERMES_TWO)):
+        assert "".join(d.function.arguments or "" for d in deltas if d.index == index) == call.arguments
+    text_stream = CallStream(HERMES)
+    assert text_stream.feed("<b>") == ("<b>", [])  # not a call's tag: content from then on
+    assert text_stream.finish() == ("", False)
+
+
+def test_hermes_grammars_bound_the_calls_and_wrap_them_in_tags():
+    auto = HERMES.grammar([WEATHER, TIME], "auto", True)
+    assert auto.kind == "grammar" and "TEXT" in auto.value and "{0,1}" in auto.value
+    assert "<tool_call>" in auto.value and '"whitespace_flexible": false' in auto.value
+    named = HERMES.grammar([WEATHER, TIME], "get_time", True)
+    assert "TEXT" not in named.value and "get_weather" not in named.value and "{0," not in named.value
+    assert HERMES.grammar([WEATHER], "none", True) is None
+
+
+def test_the_hermes_grammar_accepts_its_calls_and_nothing_else():
+    from llguidance import LLMatcher, LLTokenizer  # noqa: F401 (the engine's grammar library)
+
+    from engine.structured import llguidance_grammar
+
+    grammar = llguidance_grammar(HERMES.grammar([WEATHER, TIME], "required", True))
+    assert LLMatcher.validate_grammar(grammar) == ""
+
+
+def test_the_template_decides_the_format():
+    template = read_chat_template(str(HERMES_TEMPLATE))
+    assert template_tool_syntax(template) == "hermes"
+    assert template_tool_syntax("{{ messages[0].content }}") is None
+    assert template_tool_syntax("{% for t in tools %}[{{ t | tojson }}]{% endfor %}") == "unknown"
+    assert tool_format_for("auto", "hermes") is HERMES
+    assert tool_format_for("auto", "unknown") is GENERIC and tool_format_for("auto", None) is GENERIC
+    assert tool_format_for("generic", "hermes") is GENERIC and tool_format_for("hermes", None) is HERMES
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        tool_format_for("mistral", None)
+    with pytest.raises(ValueError, match="cannot read"):
+        read_chat_template(str(HERMES_TEMPLATE) + ".missing")
+
+
+def test_hermes_history_goes_to_the_template_as_objects():
+    messages = history()
+    out = template_messages(messages, [WEATHER], parallel=True, tool_format=HERMES)
+    assert [m["role"] for m in out] == ["user", "assistant", "tool"]  # no tools block: the template has them
+    assert out[1]["tool_calls"] == [{"id": "call_1", "type": "function",
+                                     "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]
+    assert out[2]["tool_call_id"] == "call_1"
+    text = render_chat_template(read_chat_template(str(HERMES_TEMPLATE)), out,
+                                tools=[WEATHER.openai()])
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>' in text
+    assert '"name": "get_weather", "description": "Weather in a city."' in text
+    assert "<tool_response>\n{\"temp\": 20}\n</tool_response>" in text
