@@ -260,6 +260,14 @@ def _logprobs(logits: torch.Tensor, token_ids: list[int],
 # --------------------------------------------------------------------------- helpers
 
 
+def picks_argmax(params: SamplingParams) -> bool:
+    """Whether a row's token is the argmax of its processed logits and nothing else is
+    read from them (greedy, no logprobs). Masking such a row's disallowed tokens
+    first changes nothing when its unmasked pick is allowed, so the engine masks
+    it only when the pick is not (``LLMEngine._sample``)."""
+    return _is_greedy(params) and params.logprobs is None
+
+
 def _is_greedy(params: SamplingParams) -> bool:
     return params.greedy or params.temperature < _MIN_TEMPERATURE
 

@@ -101,6 +101,19 @@ class Grammar:
         assert ok, f"grammar rejected a token its own mask allowed: {self.matcher.get_error()}"
 
     @property
+    def forced(self) -> bool:
+        """The grammar forces the next bytes (a key, a separator, a literal). Its mask then
+        allows only the forced text's canonical tokens, not every token that fits."""
+        return bool(self.matcher.compute_ff_bytes())
+
+    def allows(self, token_id: int) -> bool:
+        """Whether the mask would allow ``token_id`` next, without computing the mask;
+        only where the next bytes are not ``forced`` (there the two agree: checked on
+        every token of the vocabulary in tests/engine/test_structured.py)."""
+        assert not self.forced, "a forced grammar's mask is narrower than validate_tokens"
+        return self.matcher.validate_tokens([token_id]) == 1
+
+    @property
     def finished(self) -> bool:
         """The grammar accepts no more text: the output is complete."""
         return self.matcher.is_stopped()

@@ -13,6 +13,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -169,3 +170,52 @@ def test_compilation_has_a_time_and_a_size_limit(engine):
     huge = {"enum": [f"value-{i}" for i in range(8000)]}
     with pytest.raises(ValueError, match="longer than 65536 bytes"):
         StructuredOutput("json", huge)
+
+
+def test_greedy_rows_masked_only_where_the_pick_is_refused_give_the_masked_answer(
+        smollm2_loaded, engine, monkeypatch):
+    import engine.llm_engine as llm_engine
+    from engine.structured import BitmaskFiller
+
+    prompts = [chat(engine, t) for t in ("Describe a person as JSON.", "JSON for a guest named Eve.")]
+    spec = StructuredOutput("json", PERSON)
+    settings = [dict(), dict(repetition_penalty=1.3, logit_bias={90: 5.0}), dict(min_tokens=60)]
+    masked_rows = []
+    start = BitmaskFiller.start
+    monkeypatch.setattr(BitmaskFiller, "start", lambda self, g: (masked_rows.append(len(g)), start(self, g))[1])
+
+    def run() -> list[list[int]]:
+        return [o.token_ids for extra in settings for (o,) in
+                engine.generate(prompts, SamplingParams(temperature=0, max_tokens=80, structured=spec, **extra),
+                                use_tqdm=False)]
+
+    checked = run()
+    lazy_masks = sum(masked_rows)
+    monkeypatch.setattr(llm_engine, "picks_argmax", lambda params: False)  # every row masked first
+    masked_rows.clear()
+    assert run() == checked
+    tokens = sum(len(t) for t in checked)
+    assert sum(masked_rows) == tokens  # masked first: one mask per token
+    assert 0 < lazy_masks < tokens, (lazy_masks, tokens)  # checked: fewer masks
+
+
+def test_where_the_grammar_leaves_a_choice_its_mask_is_what_validation_allows(engine):
+    from engine.structured import bitmask_words
+
+    text = ('{"name": "Ada", "age": 36, "role": "admin", "email": "ada@math.org", "tags": ["x", "y"], '
+            '"address": {"city": "London"}, "score": null}')
+    grammar = engine.grammars.grammar(engine.grammars.compile(StructuredOutput("json", PERSON)))
+    mask = torch.empty(bitmask_words(engine.vocab_size), dtype=torch.int32)
+    free = forced = 0
+    for token in engine.tokenizer.encode(text, add_special_tokens=False):
+        grammar.matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
+        words = mask.tolist()
+        if grammar.forced:
+            forced += 1
+        else:
+            free += 1
+            refused = [t for t in range(engine.vocab_size)
+                       if bool((words[t // 32] >> (t % 32)) & 1) != grammar.allows(t)]
+            assert not refused, (engine.tokenizer.decode(refused[:5]), free)
+        grammar.advance(token)
+    assert free > 5 and forced > 5
