@@ -22,6 +22,12 @@ between streamed chunks) and end-to-end latency, in ms. Output tokens are the
 fixed JSON Schema (``BENCH_SCHEMA``: nested objects, enums, an array of at
 least 12 objects), so each answer is constrained for all its tokens and runs
 to ``--output-len`` like an unconstrained one with ``--ignore-eos``.
+
+``--load quote`` (where prompt lookup pays): each prompt asks for a paragraph
+to be rewritten with its typos fixed; the paragraph is a slice of
+bench/data/quality_text.txt with a few letters swapped, so a good answer
+quotes most of the prompt. ``--load random`` (the default) is the random-tag
+load above.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import httpx
 from tqdm import tqdm
@@ -80,6 +87,10 @@ BENCH_SCHEMA = {
     "additionalProperties": False,
 }
 STRUCTURED = ("json",)
+LOADS = ("random", "quote")
+QUOTE_SOURCE = Path(__file__).parent / "data" / "quality_text.txt"
+QUOTE_ASK = "Rewrite the following paragraph, fixing its typos. Change nothing else.\n\nParagraph: "
+QUOTE_ANSWER = "\n\nRewritten paragraph: "
 
 
 @dataclass
@@ -100,6 +111,7 @@ class BenchConfig:
     words_per_token: float = 0.75     # prompt sizing when the server has no /tokenize
     progress: bool = True
     structured: str | None = None     # "json": every request constrained to BENCH_SCHEMA
+    load: str = "random"              # LOADS: random-tag prompts, or paragraphs to quote
     run_id: str = field(default_factory=lambda: secrets.token_hex(8))
 
     def __post_init__(self) -> None:
@@ -108,6 +120,8 @@ class BenchConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.structured not in (None, *STRUCTURED):
             raise ValueError(f"structured must be one of {', '.join(STRUCTURED)}, got {self.structured!r}")
+        if self.load not in LOADS:
+            raise ValueError(f"load must be one of {', '.join(LOADS)}, got {self.load!r}")
         if self.request_timeout <= 0 or self.max_duration <= 0:
             raise ValueError("request_timeout and max_duration must be positive")
         check_loopback(self.url)
@@ -149,6 +163,22 @@ def draft_prompt(seed: int, run_id: str, level: int, index: int, num_words: int)
         rng.choice(WORDS) for _ in range(num_words))
 
 
+def _typo(word: str, rng: random.Random) -> str:
+    i = rng.randrange(1, len(word) - 2)
+    return word[:i] + word[i + 1] + word[i] + word[i + 2:]
+
+
+def quote_prompt(seed: int, run_id: str, level: int, index: int, num_words: int) -> str:
+    """The tag, then the request to rewrite ``num_words`` words of the quote source
+    (from a place drawn from the seed) in which one word in eight has two letters swapped."""
+    rng = random.Random(f"quote:{seed}:{level}:{index}")
+    words = QUOTE_SOURCE.read_text(encoding="utf-8").split()
+    start = rng.randrange(0, len(words) - num_words)
+    para = [_typo(w, rng) if len(w) > 4 and w.isalpha() and rng.random() < 0.125 else w
+            for w in words[start:start + num_words]]
+    return prompt_tag(seed, run_id, level, index) + "\n" + QUOTE_ASK + " ".join(para) + QUOTE_ANSWER
+
+
 class PromptMaker:
     """Builds prompts of about ``input_len`` tokens, using the server's tokenizer when it
     has one: vLLM/kvserve ``{"prompt"} -> {"tokens"}`` or llama-server
@@ -187,6 +217,8 @@ class PromptMaker:
     async def make(self, level: int, index: int) -> tuple[str, int]:
         """``(prompt, token count)``; the count is estimated without a tokenizer."""
         cfg = self.cfg
+        if cfg.load == "quote":
+            return await self._quote(level, index)
         if await self.detect() != "none":
             text = draft_prompt(cfg.seed, cfg.run_id, level, index, 2 * cfg.input_len)
             tokens = await self._tokenize(text, self.dialect)
@@ -201,6 +233,22 @@ class PromptMaker:
         tag_tokens = len(prompt_tag(cfg.seed, cfg.run_id, level, index)) // 2
         words = max(1, round((cfg.input_len - tag_tokens) * cfg.words_per_token))
         return draft_prompt(cfg.seed, cfg.run_id, level, index, words), cfg.input_len
+
+
+    async def _quote(self, level: int, index: int) -> tuple[str, int]:
+        # The paragraph is sized to fill --input-len (the question and the answer's
+        # lead-in are kept whole): one measured guess, then a proportional fit.
+        cfg = self.cfg
+        words = max(8, round(cfg.input_len * 0.6))
+        for _ in range(3):
+            text = quote_prompt(cfg.seed, cfg.run_id, level, index, words)
+            tokens = (await self._tokenize(text, self.dialect)
+                      if await self.detect() != "none" else None)
+            count = len(tokens) if tokens is not None else round(len(text.split()) / cfg.words_per_token)
+            if count <= cfg.input_len:
+                return text, count
+            words = max(8, int(words * cfg.input_len / count) - 1)
+        return text, count
 
 
 async def _stream(client: httpx.AsyncClient, cfg: BenchConfig, body: dict,
@@ -355,7 +403,8 @@ def report_text(report: dict) -> str:
     head = (f"{report['url']}  model {report['model']}  {c['input_len']} input tokens "
             f"(tokenizer: {report['tokenizer']}) -> {c['output_len']} output tokens"
             f"{' (ignore_eos)' if c['ignore_eos'] else ''}, temperature {c['temperature']}"
-            f"{', structured: ' + c['structured'] if c.get('structured') else ''}")
+            f"{', structured: ' + c['structured'] if c.get('structured') else ''}"
+            f"{', load: ' + c['load'] if c.get('load', 'random') != 'random' else ''}")
     return head + "\n\n" + format_table(report["levels"])
 
 
@@ -383,6 +432,9 @@ def build_parser(prog: str = "python -m bench.serve") -> argparse.ArgumentParser
     p.add_argument("--warmup", type=int, default=d["warmup"].default)
     p.add_argument("--structured", choices=STRUCTURED, default=None,
                    help="constrain every answer: json = response_format with a fixed JSON Schema")
+    p.add_argument("--load", choices=LOADS, default="random",
+                   help="random: random-tag prompts; quote: paragraphs the answer must rewrite "
+                        "(where speculative prompt lookup pays)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the report here")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -400,7 +452,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.serve") -> 
                           output_len=args.output_len, seed=args.seed, ignore_eos=args.ignore_eos,
                           temperature=args.temperature, api_key=args.api_key,
                           request_timeout=args.request_timeout, max_duration=args.max_duration,
-                          warmup=args.warmup, progress=not args.no_progress, structured=args.structured)
+                          warmup=args.warmup, progress=not args.no_progress, structured=args.structured,
+                          load=args.load)
     except ValueError as e:
         parser.error(str(e))
     try:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.speculative import SpeculativeConfig
 
 MiB = 1024 * 1024
 
@@ -49,6 +53,17 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # A Jinja2 chat template file used instead of the model's own (--chat-template).
     chat_template: str | None = None
+    # Speculative decoding (engine/speculative.py): None (off) or "ngram" (prompt
+    # lookup); proposals of up to num_speculative_tokens from the last
+    # ngram_max..ngram_min tokens; only in steps with at most
+    # speculative_max_batch decodes, and paused for a request whose acceptance
+    # rate falls below speculative_min_acceptance.
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    speculative_max_batch: int = 4
+    speculative_min_acceptance: float = 0.25
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -63,5 +78,15 @@ class EngineConfig:
             raise ValueError(f"quantization must be {_one_of(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be {_one_of(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.speculative is not None:
+            self.speculative_config()  # raises ValueError for a bad setting, before any loading
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def speculative_config(self) -> SpeculativeConfig:
+        """The speculative decoding settings (``speculative`` must be set)."""
+        from engine.speculative import SpeculativeConfig
+
+        assert self.speculative is not None
+        return SpeculativeConfig(self.speculative, self.num_speculative_tokens, self.ngram_min, self.ngram_max,
+                                 self.speculative_max_batch, self.speculative_min_acceptance)

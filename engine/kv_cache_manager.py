@@ -94,8 +94,10 @@ class KVCacheManager:
         return block_ids, len(block_ids) * bs
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[int] | None = None) -> bool:
-        """Grow the request's table to cover its computed tokens plus ``num_new_tokens``.
+                       computed_blocks: list[int] | None = None, num_lookahead: int = 0) -> bool:
+        """Grow the request's table to cover its computed tokens plus ``num_new_tokens``,
+        plus ``num_lookahead`` slots for proposed tokens (speculative decoding) that
+        are not known tokens: they are never registered in the prefix cache.
 
         ``computed_blocks`` (from :meth:`get_computed_blocks`, only when the
         request holds no blocks yet) are shared: they take a ref and count as
@@ -116,7 +118,7 @@ class KVCacheManager:
         num_total = num_computed + num_new_tokens
         assert num_total <= request.num_tokens, "cannot schedule tokens that are not known yet"
         num_held = len(computed) if admitting else len(table)
-        num_needed = max(cdiv(num_total, self.block_size) - num_held, 0)
+        num_needed = max(cdiv(num_total + num_lookahead, self.block_size) - num_held, 0)
         # Cache hits sitting in the free queue stop being free once touched.
         num_hits_free = sum(1 for b in computed if self.pool.ref_count(b) == 0)
         if num_needed + num_hits_free > self.pool.num_free_blocks:
@@ -134,6 +136,17 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self._register_full_blocks(request, num_total)
         return True
+
+    def trim(self, request: Request) -> None:
+        """Give back the blocks past the request's known tokens (the slots of rejected
+        proposals); none of them is in the prefix cache."""
+        table = self._tables[request.request_id]
+        keep = cdiv(request.num_tokens, self.block_size)
+        assert self._num_hashed[request.request_id] <= keep, "a registered block holds unknown tokens"
+        if len(table) > keep:
+            extra = table[keep:]
+            del table[keep:]
+            self.pool.free(reversed(extra))
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks. Safe to call again or for an unknown id.

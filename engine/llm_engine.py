@@ -16,11 +16,13 @@ from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.request import EngineRequest, Request, RequestStatus
 from engine.sampler import Sampler, SamplerOutput, picks_argmax
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.speculative import Speculator
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.stats import FinishedRequestStats, StatLogger, StepStats, StructuredRequestStats
 from engine.structured import BitmaskFiller, GrammarCompiler
 from engine.validation import RequestLimits, check_request
 from models.chat_template import read_chat_template
+from models import ops
 from models.kv_cache import cdiv, default_dtype
 from models.loader import LoadedModel, load_model
 
@@ -101,6 +103,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.vocab_size, sorted(self.eos_token_ids))
         self._masks = BitmaskFiller(self.vocab_size)
+        self.speculator = Speculator(config.speculative_config(), self.max_model_len) if config.speculative else None
         self.stat_loggers: list[StatLogger] = []
         self._requests: dict[str, _ApiRequest] = {}
         self._seq_to_api: dict[str, _ApiRequest] = {}
@@ -190,16 +193,25 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, detokenize; return this step's deltas."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         stats = StepStats(num_batched_tokens=sched.num_batched_tokens)
         outputs: list[RequestOutput] = []
         if sched.scheduled:
-            sampling = [s.request for s in sched.scheduled if s.sample]
+            items = [s for s in sched.scheduled if s.sample]
+            sampling = [s.request for s in items]
             logits, masks, unmasked = self._forward(sched, sampling)
-            sampled = self._sample(logits, sampling, masks, unmasked) if sampling else None
+            tokens: dict[str, list[int]] = {}
+            logprobs: dict[str, TokenLogprob | None] = {}
+            if sampling:
+                logits, proposals = self._split_proposals(logits, items)
+                sampled = self._sample(logits, sampling, masks, unmasked)
+                for item, token, lp in zip(items, sampled.token_ids, sampled.logprobs):
+                    rid = item.request.request_id
+                    tokens[rid] = self._verify(item, token, proposals.get(rid), stats)
+                    logprobs[rid] = lp
             prev_times = {r.request_id: r.last_token_time for r in sampling}
-            tokens = dict(zip((r.request_id for r in sampling), sampled.token_ids)) if sampled else {}
-            logprobs = dict(zip((r.request_id for r in sampling), sampled.logprobs)) if sampled else {}
             updated = self.scheduler.update_from_output(sched, tokens)
             outputs = self._process(updated, logprobs, prev_times, stats)
         self._fill_gauges(stats)
@@ -247,12 +259,51 @@ class LLMEngine:
                 out.token_ids[i] = again.token_ids[j]
         return out
 
-    def _process(self, updated: list[Request], logprobs: dict[str, TokenLogprob | None],
+    def _split_proposals(self, logits: torch.Tensor, items: list[ScheduledRequest]
+                         ) -> tuple[torch.Tensor, dict[str, list[int]]]:
+        """The rows the sampler gets (each request's last known token) and, for
+        requests with proposals, the model's argmax after each proposal."""
+        if not any(item.spec_token_ids for item in items):
+            return logits, {}
+        main: list[int] = []
+        proposals: dict[str, list[int]] = {}
+        row = 0
+        for item in items:
+            main.append(row)
+            k = len(item.spec_token_ids)
+            if k:
+                # Greedy rows without processors (speculation_exact): the sampler's argmax.
+                picks = ops.argmax(logits[row + 1:row + 1 + k, :self.vocab_size].float())
+                proposals[item.request.request_id] = picks.tolist()
+            row += 1 + k
+        return logits[main], proposals
+
+    def _verify(self, item: ScheduledRequest, token: int, after: list[int] | None,
+                stats: StepStats) -> list[int]:
+        """The tokens a request keeps: the sampled one and, while each proposal equals
+        the model's own pick, the pick after it."""
+        spec = item.spec_token_ids
+        if not spec:
+            return [token]
+        assert after is not None and len(after) == len(spec)
+        picks = [token] + after
+        accepted = 0
+        while accepted < len(spec) and spec[accepted] == picks[accepted]:
+            accepted += 1
+        stats.spec_drafts += 1
+        stats.spec_draft_tokens += len(spec)
+        stats.spec_accepted_tokens += accepted
+        for position in range(accepted):
+            stats.spec_accepted_per_position[position] = stats.spec_accepted_per_position.get(position, 0) + 1
+        assert self.speculator is not None
+        self.speculator.record(item.request, len(spec), accepted)
+        return picks[:accepted + 1]
+
+    def _process(self, updated: list[tuple[Request, int]], logprobs: dict[str, TokenLogprob | None],
                  prev_times: dict[str, float | None], stats: StepStats) -> list[RequestOutput]:
         by_api: dict[str, list[CompletionOutput]] = {}
-        for seq in updated:
+        for seq, count in updated:
             api = self._seq_to_api[seq.request_id]
-            stats.num_generation_tokens += 1
             prev = prev_times[seq.request_id]
             if prev is None:
                 stats.time_to_first_token.append(seq.first_token_time - seq.arrival_time)
@@ -262,11 +313,20 @@ class LLMEngine:
                 api.counted_prompt = True
                 stats.num_prompt_tokens += len(api.prompt_token_ids)
             detok = api.detoks[seq.sample_index]
-            last = seq.output_token_ids[-1]
-            # A stop token (EOS or stop_token_ids) ends the text without being part of it.
-            stopped_by_token = seq.status is RequestStatus.FINISHED_STOPPED and (
-                last in self.eos_token_ids or last in seq.sampling_params.stop_token_ids)
-            text = "" if stopped_by_token else detok.update([last])
+            new = seq.output_token_ids[-count:]
+            text = ""
+            for i, token in enumerate(new):
+                # A stop token (EOS or stop_token_ids) ends the text without being part of it.
+                if i == len(new) - 1 and seq.status is RequestStatus.FINISHED_STOPPED and (
+                        token in self.eos_token_ids or token in seq.sampling_params.stop_token_ids):
+                    break
+                text += detok.update([token])
+                if detok.finished:
+                    # Accepted proposals past the stop string were never generated.
+                    del seq.output_token_ids[len(seq.output_token_ids) - len(new) + i + 1:]
+                    new = new[:i + 1]
+                    break
+            stats.num_generation_tokens += len(new)
             if detok.finished:
                 # A stop string ended it (even on the step that hit the length limit).
                 seq.stop_reason = detok.stop_reason
@@ -275,7 +335,7 @@ class LLMEngine:
                 text += detok.flush()
             lp = logprobs.get(seq.request_id)
             by_api.setdefault(api.request_id, []).append(CompletionOutput(
-                index=seq.sample_index, text=text, token_ids=[last],
+                index=seq.sample_index, text=text, token_ids=new,
                 logprobs=[lp] if lp is not None else None,
                 finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason))
         results = []
@@ -296,6 +356,8 @@ class LLMEngine:
         del self._requests[api.request_id]
         for seq in api.seqs:
             self._seq_to_api.pop(seq.request_id, None)
+            if self.speculator is not None:
+                self.speculator.forget(seq.request_id)
         return [self._finished_stats(seq) for seq in api.seqs]
 
     @staticmethod

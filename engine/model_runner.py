@@ -46,7 +46,9 @@ class ModelRunner:
                                            self.kv_dtype, self.device)
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run every scheduled token; logits ``[S, V]`` for the ``sample`` entries, in scheduled order."""
+        """Run every scheduled token; logits for the ``sample`` entries, in scheduled order:
+        one row each, or ``1 + len(spec_token_ids)`` rows for an entry with proposals
+        (its last known token's, then each proposal's)."""
         # Decodes (one token) go first: attention batches them in one call.
         order = sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i].num_new_tokens != 1)
         input_ids: list[int] = []
@@ -60,7 +62,8 @@ class ModelRunner:
             positions.extend(range(s.start_pos, end))
             specs.append(SeqSpec(s.num_new_tokens, end, s.block_ids))
             last_row[i] = len(input_ids) - 1
-        sample_rows = [last_row[i] for i, s in enumerate(out.scheduled) if s.sample]
+        sample_rows = [row for i, s in enumerate(out.scheduled) if s.sample
+                       for row in range(last_row[i] - len(s.spec_token_ids), last_row[i] + 1)]
         dev = self.device
         meta = build_attention_metadata(specs, self.block_size, dev)
         logits = self.model(

@@ -81,6 +81,9 @@ class Request:
     generator: torch.Generator | None = None
     # The sample's structured-output matcher, fed every appended token.
     grammar: Grammar | None = None
+    # Proposed next tokens for the coming step (engine.speculative); the scheduler
+    # runs them after the last known token and the engine keeps what the model confirms.
+    spec_token_ids: list[int] = field(default_factory=list)
     # Timestamps (time.monotonic) for latency metrics.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

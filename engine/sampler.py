@@ -268,6 +268,13 @@ def picks_argmax(params: SamplingParams) -> bool:
     return _is_greedy(params) and params.logprobs is None
 
 
+def speculation_exact(request: Request) -> bool:
+    """Whether verifying proposals for ``request`` is exact with a plain argmax per
+    position (``engine.speculative``): greedy, no logprobs, no grammar and no
+    logits processors, whose state would change along the proposed tokens."""
+    return picks_argmax(request.sampling_params) and request.grammar is None and not _needs_processing(request)
+
+
 def _is_greedy(params: SamplingParams) -> bool:
     return params.greedy or params.temperature < _MIN_TEMPERATURE
 

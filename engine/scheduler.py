@@ -52,11 +52,15 @@ class ScheduledRequest:
     num_new_tokens: int  # all_token_ids[start_pos:start_pos + num_new_tokens] run this step
     block_ids: list[int]  # the request's whole block table after allocation
     sample: bool  # the step reaches the last known token: sample the next one
+    # Proposed tokens run after the last known one (the last of num_new_tokens);
+    # each of their positions is sampled too, to verify them.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
         """The tokens this request runs this step."""
-        return self.request.all_token_ids[self.start_pos:self.start_pos + self.num_new_tokens]
+        known = self.num_new_tokens - len(self.spec_token_ids)
+        return self.request.all_token_ids[self.start_pos:self.start_pos + known] + self.spec_token_ids
 
 
 @dataclass
@@ -123,10 +127,16 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
-            if not self._allocate_or_preempt(request, num_new, preempted):
+            # Proposals ride along while they fit the budget and the free blocks;
+            # they never preempt anyone.
+            spec = request.spec_token_ids[:budget - num_new] if request.num_tokens - request.num_computed_tokens == 1 else []
+            if spec and not self.kv_cache.allocate_slots(request, num_new, num_lookahead=len(spec)):
+                spec = []
+            if not spec and not self._allocate_or_preempt(request, num_new, preempted):
                 break  # it preempted itself: it was the newest
-            scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
+            request.spec_token_ids = spec
+            scheduled.append(self._scheduled(request, num_new, spec))
+            budget -= num_new + len(spec)
             i += 1
 
         # Admissions in the waiting queue's fair order (preempted requests first).
@@ -159,31 +169,47 @@ class Scheduler:
             admitted=admitted,
         )
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput,
+                           sampled: dict[str, list[int]]) -> list[tuple[Request, int]]:
         """Apply a finished step: advance progress, append sampled tokens, retire finished requests.
 
-        ``sampled`` maps request id -> token for every scheduled request with
-        ``sample=True``. Returns the requests that received a token (finished or not).
+        ``sampled`` maps request id -> the tokens to append for every scheduled
+        request with ``sample=True``: one, or after proposals the accepted ones
+        (a prefix of ``spec_token_ids``) and the model's next token. Tokens are
+        appended one at a time, stopping at the first that ends the request.
+        Returns the requests that received tokens (finished or not) with how many.
         """
         now = time.monotonic()
-        received: list[Request] = []
+        received: list[tuple[Request, int]] = []
         finished: set[str] = set()
         for item in output.scheduled:
             request = item.request
             if request.is_finished:  # finished from outside since schedule()
                 continue
             assert request.num_computed_tokens == item.start_pos, "steps applied out of order"
-            request.num_computed_tokens += item.num_new_tokens
+            spec = item.spec_token_ids
+            request.num_computed_tokens += item.num_new_tokens - len(spec)
+            request.spec_token_ids = []
             if not item.sample:
                 continue
-            token = sampled.get(request.request_id)
-            assert token is not None, f"no sampled token for {request.request_id}"
-            request.append_token(token, now)
-            received.append(request)
-            status = request.check_stop(self.config.max_model_len)
+            tokens = sampled.get(request.request_id)
+            assert tokens, f"no sampled token for {request.request_id}"
+            accepted = len(tokens) - 1
+            assert tokens[:accepted] == spec[:accepted], "only confirmed proposals are kept"
+            # The accepted proposals' K/V were written by this step's forward.
+            request.num_computed_tokens += accepted
+            status = None
+            for count, token in enumerate(tokens, 1):
+                request.append_token(token, now)
+                status = request.check_stop(self.config.max_model_len)
+                if status is not None:
+                    break
+            received.append((request, count))
             if status is not None:
                 self._finish(request, status, now)
                 finished.add(request.request_id)
+            elif spec:
+                self.kv_cache.trim(request)  # the rejected proposals' slots
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]
         return received
@@ -231,20 +257,23 @@ class Scheduler:
                 return False
         return True
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(self, request: Request, num_new: int, spec: list[int] | None = None) -> ScheduledRequest:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
         start = request.num_computed_tokens
+        spec = spec or []
         return ScheduledRequest(
             request=request,
             start_pos=start,
-            num_new_tokens=num_new,
+            num_new_tokens=num_new + len(spec),
             block_ids=self.kv_cache.get_block_ids(request.request_id),
             sample=start + num_new == request.num_tokens,
+            spec_token_ids=spec,
         )
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.request_id)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

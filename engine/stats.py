@@ -56,6 +56,12 @@ class StepStats:
     inter_token_latency: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
     structured: list[StructuredRequestStats] = field(default_factory=list)
+    # Speculative decoding: requests that ran proposals, the proposed tokens,
+    # the accepted ones, and accepted counts by position (0 = first proposal).
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: dict[int, int] = field(default_factory=dict)
 
 
 class StatLogger(Protocol):

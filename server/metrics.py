@@ -96,6 +96,16 @@ class PrometheusStatLogger:
         self.structured_compile_time = histogram(
             "structured_compile_seconds", "Time to check and compile a structured output's grammar.",
             _COMPILE_BUCKETS)
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts", "Speculative decoding: requests' steps that ran proposals.")
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Speculative decoding: proposed tokens.")
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted.")
+        self._accepted_per_pos = Counter(
+            "kvserve_spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: accepted tokens by position in the proposal (0 = first).",
+            ["model_name", "position"], registry=r)
 
     def record(self, stats: StepStats) -> None:
         """Apply one engine step's stats."""
@@ -123,6 +133,12 @@ class PrometheusStatLogger:
             self.e2e_request_latency.observe(fin.e2e_latency)
             self.request_queue_time.observe(fin.queue_time)
 
+        if stats.spec_drafts:
+            self.spec_decode_num_drafts.inc(stats.spec_drafts)
+            self.spec_decode_num_draft_tokens.inc(stats.spec_draft_tokens)
+            self.spec_decode_num_accepted_tokens.inc(stats.spec_accepted_tokens)
+            for position, count in stats.spec_accepted_per_position.items():
+                self._accepted_per_pos.labels(self._model_name, str(position)).inc(count)
         for st in stats.structured:
             self.structured_requests[st.kind].inc()
             self.structured_compile_time.observe(st.compile_seconds)

@@ -7,6 +7,7 @@ import os
 import re
 
 from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from engine.speculative import SPECULATIVE_METHODS
 from server.tools import TOOL_PARSERS
 
 _UNITS = {"": 1, "b": 1,
@@ -61,6 +62,21 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--speculative", default=None, choices=SPECULATIVE_METHODS,
+                   help="speculative decoding: ngram = prompt lookup (proposals from the request's "
+                        "own prompt and output, verified in the same step; greedy requests only)")
+    p.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
+                   help="most tokens proposed per step (default %(default)s)")
+    p.add_argument("--ngram-min", type=int, default=d.ngram_min,
+                   help="shortest n-gram looked up (default %(default)s)")
+    p.add_argument("--ngram-max", type=int, default=d.ngram_max,
+                   help="longest n-gram looked up (default %(default)s)")
+    p.add_argument("--speculative-max-batch", type=int, default=d.speculative_max_batch,
+                   help="speculate only in steps with at most this many decoding requests "
+                        "(default %(default)s: above it a CPU step is compute-bound)")
+    p.add_argument("--speculative-min-acceptance", type=float, default=d.speculative_min_acceptance,
+                   help="pause speculating for a request whose last proposals' acceptance "
+                        "rate fell below this (default %(default)s)")
     p.add_argument("--quantization", default=d.quantization, choices=QUANTIZATIONS,
                    help="int4: int4 projections, float activations, for small decode batches (CPU); "
                         "w4a8: int4 weights and int8 activations on AVX512-VNNI, every batch; "
@@ -132,6 +148,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
             served_model_name=getattr(args, "served_model_name", None),
             quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-            chat_template=getattr(args, "chat_template", None))
+            chat_template=getattr(args, "chat_template", None), speculative=args.speculative,
+            num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
+            ngram_max=args.ngram_max, speculative_max_batch=args.speculative_max_batch,
+            speculative_min_acceptance=args.speculative_min_acceptance)
     except ValueError as e:
         raise SystemExit(f"kvserve: error: {e}") from None

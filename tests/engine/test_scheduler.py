@@ -44,7 +44,7 @@ class FakeModel:
     def _slot(self, block_ids: list[int], pos: int) -> int:
         return block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def step(self, out: SchedulerOutput) -> dict[str, int]:
+    def step(self, out: SchedulerOutput) -> dict[str, list[int]]:
         # Write the whole batch first, as each layer does, then read.
         for item in out.scheduled:
             for j, tok in enumerate(item.token_ids):
@@ -54,7 +54,7 @@ class FakeModel:
             if item.sample:
                 end = item.start_pos + item.num_new_tokens
                 context = [self.slots[self._slot(item.block_ids, p)] for p in range(end)]
-                sampled[item.request.request_id] = next_token(context)
+                sampled[item.request.request_id] = [next_token(context)]
         return sampled
 
 
@@ -136,7 +136,7 @@ def test_long_prompt_is_chunked_while_decodes_get_a_token_every_step(assert_sche
         s = by_id["long"]
         chunks.append((s.start_pos, s.num_new_tokens, s.sample))
         received = scheduler.update_from_output(out, model.step(out))
-        assert (long in received) == s.sample
+        assert (long in [r for r, _ in received]) == s.sample
     assert chunks == [(0, 30, False), (30, 30, False), (60, 30, False), (90, 10, True)]
     run(scheduler, model)
     assert long.output_token_ids == reference_output(long.prompt_token_ids, 5)
@@ -355,3 +355,42 @@ def test_without_chunked_prefill_the_budget_must_hold_a_whole_request(assert_sch
     scheduler.update_from_output(out, model.step(out))
     run(scheduler, model)
     assert_scheduler_empty(scheduler)
+
+
+def test_proposals_run_as_extra_positions_and_rejected_slots_are_given_back():
+    scheduler = make_scheduler(num_blocks=16, block_size=2, max_num_batched_tokens=6)
+    model = FakeModel(scheduler.kv_cache)
+    req = make_request("r", prompt(1, 5), max_tokens=20)
+    scheduler.add_request(req)
+    scheduler.update_from_output(out := scheduler.schedule(), model.step(out))  # the prompt: 3 blocks
+    truth = reference_output(req.prompt_token_ids, 20)
+    assert req.output_token_ids == truth[:1]
+    # Two right guesses, then wrong ones; the budget (6) cuts the proposals to 5.
+    req.spec_token_ids = truth[1:3] + [999, 998, 997, 996]
+    out = scheduler.schedule()
+    [item] = out.scheduled
+    assert item.spec_token_ids == truth[1:3] + [999, 998, 997] and item.num_new_tokens == 6
+    assert item.token_ids == truth[:3] + [999, 998, 997]
+    assert len(item.block_ids) == 6  # positions 5..10
+    model.step(out)
+    # The engine keeps the two confirmed proposals and the model's next token.
+    scheduler.update_from_output(out, {"r": truth[1:4]})
+    assert req.output_token_ids == truth[:4] and req.num_computed_tokens == 8
+    assert len(scheduler.kv_cache.get_block_ids("r")) == 5  # 9 tokens: the sixth block went back
+    assert scheduler.kv_cache.num_free_blocks == 11
+    run(scheduler, model)
+    assert req.output_token_ids == truth  # the confirmed proposals' K/V were right
+
+
+def test_proposals_never_preempt_and_stay_out_of_admissions():
+    scheduler = make_scheduler(num_blocks=3, block_size=4)
+    req = make_request("r", prompt(2, 5), max_tokens=4)
+    scheduler.add_request(req)
+    model = FakeModel(scheduler.kv_cache)
+    scheduler.update_from_output(out := scheduler.schedule(), model.step(out))
+    other = make_request("o", prompt(3, 3), max_tokens=2)
+    scheduler.add_request(other)
+    scheduler.update_from_output(out := scheduler.schedule(), model.step(out))  # both hold blocks now
+    req.spec_token_ids = [1, 2, 3, 4, 5, 6, 7, 8]  # would need blocks that are not free
+    out = scheduler.schedule()
+    assert all(not s.spec_token_ids for s in out.scheduled) and not out.preempted

@@ -1,0 +1,138 @@
+"""Speculative decoding by prompt lookup (n-gram): proposals, and when to make them.
+
+A decode step reads every weight for one token per sequence, so on a CPU a
+step is bound by memory bandwidth and verifying a few more tokens of the same
+sequence costs little more than decoding one. ``NgramProposer`` guesses the
+next tokens of a sequence from its own history: when its last ``n`` tokens
+(``ngram_max`` down to ``ngram_min``) occurred before, the tokens that
+followed that occurrence are proposed. The scheduler runs them as extra
+positions of the request (``ScheduledRequest.spec_token_ids``); the engine
+keeps the longest prefix the model itself would have produced, plus the
+model's next token, so the output is the same as without speculation.
+
+``Speculator`` decides per step and per request: not when the step's batch
+holds more than ``max_batch`` decodes (then the step is compute-bound and the
+extra positions cost as much as they save), and not for a request whose
+recent proposals were mostly rejected (``min_acceptance``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import Request
+from engine.sampler import speculation_exact
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``--speculative ngram`` and its settings (vLLM's names where it has them)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    # Speculate only in steps with at most this many decoding requests.
+    max_batch: int = 4
+    # A request whose last proposals had an acceptance rate below this pauses
+    # speculating for ``PAUSE_STEPS`` steps.
+    min_acceptance: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+        if self.max_batch < 1:
+            raise ValueError(f"speculative max_batch must be >= 1, got {self.max_batch}")
+        if not 0.0 <= self.min_acceptance <= 1.0:
+            raise ValueError(f"speculative min_acceptance must be in [0, 1], got {self.min_acceptance}")
+
+
+class NgramProposer:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the
+    sequence's last n tokens, for the longest n in [ngram_min, ngram_max] that occurs."""
+
+    # Look back at most this many tokens: the search is a Python scan per step.
+    WINDOW = 4096
+
+    def __init__(self, ngram_min: int, ngram_max: int, num_tokens: int) -> None:
+        self.ngram_min, self.ngram_max, self.num_tokens = ngram_min, ngram_max, num_tokens
+
+    def propose(self, tokens: list[int], limit: int) -> list[int]:
+        """Up to ``min(limit, num_tokens)`` proposed continuations of ``tokens``."""
+        k = min(limit, self.num_tokens)
+        if k <= 0:
+            return []
+        history = tokens[-self.WINDOW:]
+        size = len(history)
+        for n in range(min(self.ngram_max, size - 1), self.ngram_min - 1, -1):
+            tail = history[size - n:]
+            # The latest occurrence before the tail itself that has a continuation.
+            for start in range(size - n - 1, -1, -1):
+                if history[start:start + n] == tail:
+                    return history[start + n:start + n + k]
+        return []
+
+
+@dataclass
+class _Acceptance:
+    proposed: int = 0
+    accepted: int = 0
+    paused_until: int = 0
+
+
+@dataclass
+class Speculator:
+    """Sets each running request's ``spec_token_ids`` before a step, and learns
+    from what was accepted."""
+
+    config: SpeculativeConfig
+    max_model_len: int
+    _proposer: NgramProposer = field(init=False)
+    _acceptance: dict[str, _Acceptance] = field(default_factory=dict)
+    _step: int = 0
+
+    # Judge a request's acceptance over windows of this many proposed tokens.
+    WINDOW_TOKENS = 16
+    PAUSE_STEPS = 32
+
+    def __post_init__(self) -> None:
+        c = self.config
+        self._proposer = NgramProposer(c.ngram_min, c.ngram_max, c.num_speculative_tokens)
+
+    def propose(self, running: list[Request]) -> None:
+        """Give every running request its proposals for the next step (or none)."""
+        self._step += 1
+        decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
+        for r in running:
+            r.spec_token_ids = []
+        if len(decoding) > self.config.max_batch:
+            return
+        for r in decoding:
+            if not speculation_exact(r):
+                continue
+            state = self._acceptance.setdefault(r.request_id, _Acceptance())
+            if state.paused_until > self._step:
+                continue
+            # Never past max_tokens or the context: those tokens could not be kept.
+            limit = min(r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens)
+            r.spec_token_ids = self._proposer.propose(r.all_token_ids, limit)
+
+    def record(self, request: Request, proposed: int, accepted: int) -> None:
+        """``accepted`` of the request's ``proposed`` tokens were kept this step."""
+        state = self._acceptance.setdefault(request.request_id, _Acceptance())
+        state.proposed += proposed
+        state.accepted += accepted
+        if state.proposed >= self.WINDOW_TOKENS:
+            if state.accepted < self.config.min_acceptance * state.proposed:
+                state.paused_until = self._step + self.PAUSE_STEPS
+            state.proposed = state.accepted = 0
+
+    def forget(self, request_id: str) -> None:
+        """The request finished: drop its acceptance record."""
+        self._acceptance.pop(request_id, None)

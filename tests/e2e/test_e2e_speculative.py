@@ -1,0 +1,59 @@
+"""``kvserve serve --speculative ngram`` over HTTP: the same answers as the plain server,
+streamed or not, with the proposals counted on ``/metrics``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from e2e_helpers import MODEL, KVServe, free_port, metric
+
+pytestmark = pytest.mark.slow
+
+PARAGRAPH = ("The lighthouse stood above him on the crest of the island, white and plain, with a red "
+             "band painted around its middle like a ribbon on a parcel. He had imagined it would be taller.")
+PROMPTS = [f"Repeat this paragraph word for word.\n\nParagraph: {PARAGRAPH}\n\nRepeated: The lighthouse",
+           "Count: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"]
+
+
+@pytest.fixture(scope="module")
+def speculating(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVServe]:
+    srv = KVServe(free_port(), tmp_path_factory.mktemp("spec") / "server.log", api_key=None,
+                  shutdown_timeout=10.0, extra=["--speculative", "ngram", "--num-speculative-tokens", "5"])
+    try:
+        srv.wait_http_ok(f"{srv.url}/health", 120.0)
+        yield srv
+    finally:
+        rc = srv.stop(30.0)
+    assert rc == 0, srv.describe()
+
+
+def test_answers_equal_the_plain_servers_streamed_or_not(client: openai.OpenAI, speculating: KVServe) -> None:
+    spec = openai.OpenAI(base_url=f"{speculating.url}/v1", api_key="none", max_retries=0, timeout=120.0)
+    body = dict(model=MODEL, max_tokens=60, temperature=0)
+    for prompt in PROMPTS:
+        plain = client.completions.create(prompt=prompt, **body).choices[0]
+        whole = spec.completions.create(prompt=prompt, **body).choices[0]
+        streamed = "".join(c.choices[0].text for c in spec.completions.create(prompt=prompt, stream=True, **body)
+                           if c.choices)
+        assert whole.text == plain.text == streamed and whole.finish_reason == plain.finish_reason
+    # A chat with a stop string, n=2 and seeded sampling beside it.
+    messages = [{"role": "user", "content": f"Quote this: {PARAGRAPH}"}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=50, temperature=0,
+                                           stop=["ribbon"], n=2)
+    same = spec.chat.completions.create(model=MODEL, messages=messages, max_tokens=50, temperature=0,
+                                        stop=["ribbon"], n=2)
+    assert [c.message.content for c in same.choices] == [c.message.content for c in plain.choices]
+    assert same.usage.completion_tokens == plain.usage.completion_tokens
+    m = speculating.metrics()
+    drafts = metric(m, "spec_decode_num_draft_tokens_total")
+    kept = metric(m, "spec_decode_num_accepted_tokens_total")
+    assert drafts > 0 and 0 < kept <= drafts
+    assert metric(m, "spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
+    assert metric(m, "spec_decode_num_drafts_total") > 0
+    assert metric(m, "generation_tokens_total") >= kept
+    r = httpx.get(f"{speculating.url}/metrics", timeout=10.0)
+    assert "kvserve_spec_decode_num_accepted_tokens_per_pos_total" in r.text
