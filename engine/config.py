@@ -62,7 +62,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     ngram_min: int = 2
     ngram_max: int = 4
-    speculative_max_batch: int = 4
+    speculative_max_batch: int = 16
     speculative_min_acceptance: float = 0.25
 
     def __post_init__(self) -> None:

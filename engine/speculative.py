@@ -35,7 +35,7 @@ class SpeculativeConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     # Speculate only in steps with at most this many decoding requests.
-    max_batch: int = 4
+    max_batch: int = 16
     # A request whose last proposals had an acceptance rate below this pauses
     # speculating for ``PAUSE_STEPS`` steps.
     min_acceptance: float = 0.25

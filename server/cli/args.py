@@ -73,7 +73,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="longest n-gram looked up (default %(default)s)")
     p.add_argument("--speculative-max-batch", type=int, default=d.speculative_max_batch,
                    help="speculate only in steps with at most this many decoding requests "
-                        "(default %(default)s: above it a CPU step is compute-bound)")
+                        "(default %(default)s: past it a CPU step is compute-bound)")
     p.add_argument("--speculative-min-acceptance", type=float, default=d.speculative_min_acceptance,
                    help="pause speculating for a request whose last proposals' acceptance "
                         "rate fell below this (default %(default)s)")
