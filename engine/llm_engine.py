@@ -47,6 +47,16 @@ class GenerationResult:
 
 
 @dataclass
+class _Proposed:
+    """What the model picked after each of a request's proposals, and its generator's
+    state before those picks (None: not seeded)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+    generator_state: torch.Tensor | None
+
+
+@dataclass
 class _ApiRequest:
     """An API request: its ``n`` sequences and their detokenizers."""
 
@@ -203,14 +213,15 @@ class LLMEngine:
             sampling = [s.request for s in items]
             logits, masks, unmasked = self._forward(sched, sampling)
             tokens: dict[str, list[int]] = {}
-            logprobs: dict[str, TokenLogprob | None] = {}
+            logprobs: dict[str, list[TokenLogprob | None]] = {}
             if sampling:
-                logits, proposals = self._split_proposals(logits, items)
-                sampled = self._sample(logits, sampling, masks, unmasked)
+                main, extra = self._proposal_rows(items)
+                sampled = self._sample(logits[main] if extra else logits, sampling, masks, unmasked)
+                # After the rows of the last known tokens: each request's noise comes in order.
+                proposals = self._sample_proposals(logits, items, extra)
                 for item, token, lp in zip(items, sampled.token_ids, sampled.logprobs):
                     rid = item.request.request_id
-                    tokens[rid] = self._verify(item, token, proposals.get(rid), stats)
-                    logprobs[rid] = lp
+                    tokens[rid], logprobs[rid] = self._verify(item, token, lp, proposals.get(rid), stats)
             prev_times = {r.request_id: r.last_token_time for r in sampling}
             updated = self.scheduler.update_from_output(sched, tokens)
             outputs = self._process(updated, logprobs, prev_times, stats)
@@ -259,47 +270,76 @@ class LLMEngine:
                 out.token_ids[i] = again.token_ids[j]
         return out
 
-    def _split_proposals(self, logits: torch.Tensor, items: list[ScheduledRequest]
-                         ) -> tuple[torch.Tensor, dict[str, list[int]]]:
-        """The rows the sampler gets (each request's last known token) and, for
-        requests with proposals, the model's argmax after each proposal."""
-        if not any(item.spec_token_ids for item in items):
-            return logits, {}
+    @staticmethod
+    def _proposal_rows(items: list[ScheduledRequest]) -> tuple[list[int], dict[str, list[int]]]:
+        """The logits rows of each request's last known token, and of each request's proposals."""
         main: list[int] = []
-        proposals: dict[str, list[int]] = {}
+        extra: dict[str, list[int]] = {}
         row = 0
         for item in items:
             main.append(row)
             k = len(item.spec_token_ids)
             if k:
-                # Greedy rows without processors (speculation_exact): the sampler's argmax.
-                picks = ops.argmax(logits[row + 1:row + 1 + k, :self.vocab_size].float())
-                proposals[item.request.request_id] = picks.tolist()
+                extra[item.request.request_id] = list(range(row + 1, row + 1 + k))
             row += 1 + k
-        return logits[main], proposals
+        return main, extra
 
-    def _verify(self, item: ScheduledRequest, token: int, after: list[int] | None,
-                stats: StepStats) -> list[int]:
-        """The tokens a request keeps: the sampled one and, while each proposal equals
-        the model's own pick, the pick after it."""
+    def _sample_proposals(self, logits: torch.Tensor, items: list[ScheduledRequest],
+                          extra: dict[str, list[int]]) -> dict[str, _Proposed]:
+        """Sample the row after each proposal as the request's next steps would: its own
+        sampling settings, and for a seeded request the next draws of its generator (whose
+        state is kept, to be wound back to what the kept tokens used)."""
+        if not extra:
+            return {}
+        rows: list[int] = []
+        requests: list[Request] = []
+        states: dict[str, torch.Tensor | None] = {}
+        for item in items:
+            rid = item.request.request_id
+            if rid in extra:
+                rows += extra[rid]
+                requests += [item.request] * len(extra[rid])
+                states[rid] = item.request.generator.get_state() if item.request.generator is not None else None
+        out = self.sampler(logits[rows], requests)
+        proposed: dict[str, _Proposed] = {}
+        start = 0
+        for rid, state in states.items():
+            k = len(extra[rid])
+            proposed[rid] = _Proposed(out.token_ids[start:start + k], out.logprobs[start:start + k], state)
+            start += k
+        return proposed
+
+    def _verify(self, item: ScheduledRequest, token: int, logprob: TokenLogprob | None,
+                proposed: _Proposed | None, stats: StepStats) -> tuple[list[int], list[TokenLogprob | None]]:
+        """The tokens a request keeps and their logprobs: the sampled one and, while each
+        proposal equals the model's own pick at its position, the pick after it.
+
+        Exact in distribution (and token for token for a seeded request): each kept
+        token is what sampling that position alone would give. For a proposal this
+        accepts it with the model's probability of it and otherwise samples from the
+        rest, as rejection sampling against a one-token draft does."""
         spec = item.spec_token_ids
         if not spec:
-            return [token]
-        assert after is not None and len(after) == len(spec)
-        picks = [token] + after
+            return [token], [logprob]
+        assert proposed is not None and len(proposed.token_ids) == len(spec)
+        picks = [token] + proposed.token_ids
         accepted = 0
         while accepted < len(spec) and spec[accepted] == picks[accepted]:
             accepted += 1
+        request = item.request
+        if proposed.generator_state is not None and accepted < len(spec):
+            # The rows past the last kept token drew noise that was never used.
+            self.sampler.replay_noise(request, proposed.generator_state, accepted)
         stats.spec_drafts += 1
         stats.spec_draft_tokens += len(spec)
         stats.spec_accepted_tokens += accepted
         for position in range(accepted):
             stats.spec_accepted_per_position[position] = stats.spec_accepted_per_position.get(position, 0) + 1
         assert self.speculator is not None
-        self.speculator.record(item.request, len(spec), accepted)
-        return picks[:accepted + 1]
+        self.speculator.record(request, len(spec), accepted)
+        return picks[:accepted + 1], ([logprob] + proposed.logprobs)[:accepted + 1]
 
-    def _process(self, updated: list[tuple[Request, int]], logprobs: dict[str, TokenLogprob | None],
+    def _process(self, updated: list[tuple[Request, int]], logprobs: dict[str, list[TokenLogprob | None]],
                  prev_times: dict[str, float | None], stats: StepStats) -> list[RequestOutput]:
         by_api: dict[str, list[CompletionOutput]] = {}
         for seq, count in updated:
@@ -326,6 +366,7 @@ class LLMEngine:
                     del seq.output_token_ids[len(seq.output_token_ids) - len(new) + i + 1:]
                     new = new[:i + 1]
                     break
+            lps = logprobs.get(seq.request_id, [])[:len(new)]
             stats.num_generation_tokens += len(new)
             if detok.finished:
                 # A stop string ended it (even on the step that hit the length limit).
@@ -333,10 +374,9 @@ class LLMEngine:
                 self.scheduler.stop_on_string(seq)
             elif seq.is_finished:
                 text += detok.flush()
-            lp = logprobs.get(seq.request_id)
             by_api.setdefault(api.request_id, []).append(CompletionOutput(
                 index=seq.sample_index, text=text, token_ids=new,
-                logprobs=[lp] if lp is not None else None,
+                logprobs=lps if lps and lps[0] is not None else None,
                 finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason))
         results = []
         for rid, outs in by_api.items():

@@ -54,6 +54,15 @@ class Sampler:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.vocab_size = vocab_size
 
+    def replay_noise(self, request: Request, state: torch.Tensor, num_rows: int) -> None:
+        """Set ``request``'s generator back to ``state``, then draw what sampling
+        ``num_rows`` of its rows draws (nothing for a greedy request)."""
+        assert request.generator is not None
+        request.generator.set_state(state)
+        if not _is_greedy(request.sampling_params):
+            for _ in range(num_rows):
+                torch.empty(self.vocab_size).exponential_(generator=request.generator)
+
     def __call__(self, logits: torch.Tensor, requests: list[Request],
                  grammar_masks: tuple[list[int], torch.Tensor] | None = None) -> SamplerOutput:
         """Sample the next token of every row; ``logits`` is not modified, except that
@@ -268,11 +277,12 @@ def picks_argmax(params: SamplingParams) -> bool:
     return _is_greedy(params) and params.logprobs is None
 
 
-def speculation_exact(request: Request) -> bool:
-    """Whether verifying proposals for ``request`` is exact with a plain argmax per
-    position (``engine.speculative``): greedy, no logprobs, no grammar and no
-    logits processors, whose state would change along the proposed tokens."""
-    return picks_argmax(request.sampling_params) and request.grammar is None and not _needs_processing(request)
+def can_speculate(request: Request) -> bool:
+    """Whether ``request``'s proposals can be verified by sampling each proposed
+    position as its own step (``engine.speculative``): any sampling settings and
+    logprobs, but no grammar and no logits processors, whose state would have to
+    follow the proposed tokens."""
+    return request.grammar is None and not _needs_processing(request)
 
 
 def _is_greedy(params: SamplingParams) -> bool:

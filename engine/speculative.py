@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.request import Request
-from engine.sampler import speculation_exact
+from engine.sampler import can_speculate
 
 SPECULATIVE_METHODS = ("ngram",)
 
@@ -114,7 +114,7 @@ class Speculator:
         if len(decoding) > self.config.max_batch:
             return
         for r in decoding:
-            if not speculation_exact(r):
+            if not can_speculate(r):
                 continue
             state = self._acceptance.setdefault(r.request_id, _Acceptance())
             if state.paused_until > self._step:

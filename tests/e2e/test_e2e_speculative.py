@@ -40,7 +40,12 @@ def test_answers_equal_the_plain_servers_streamed_or_not(client: openai.OpenAI, 
         streamed = "".join(c.choices[0].text for c in spec.completions.create(prompt=prompt, stream=True, **body)
                            if c.choices)
         assert whole.text == plain.text == streamed and whole.finish_reason == plain.finish_reason
-    # A chat with a stop string, n=2 and seeded sampling beside it.
+    # Seeded sampling with logprobs gives the same tokens and logprobs.
+    sampled = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=40, temperature=0.8, seed=4, logprobs=2)
+    a = client.completions.create(**sampled).choices[0]
+    b = spec.completions.create(**sampled).choices[0]
+    assert b.text == a.text and b.logprobs.token_logprobs == a.logprobs.token_logprobs
+    # A chat with a stop string and n=2.
     messages = [{"role": "user", "content": f"Quote this: {PARAGRAPH}"}]
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=50, temperature=0,
                                            stop=["ribbon"], n=2)

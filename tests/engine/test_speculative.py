@@ -94,7 +94,7 @@ def test_greedy_output_is_the_same_with_speculation(smollm2_loaded, prompts):
     greedy = SamplingParams(temperature=0, max_tokens=60)
     mixed = [greedy, SamplingParams(temperature=0, max_tokens=40, stop=["fish"]),
              SamplingParams(temperature=0, max_tokens=33, ignore_eos=True),
-             # Not speculated (seeded sampling, logprobs), but batched beside those that are.
+             # Sampled with a seed, and with logprobs: verified by sampling each position.
              SamplingParams(temperature=0.8, seed=7, max_tokens=30),
              SamplingParams(temperature=0, max_tokens=20, logprobs=2)]
     batch = [prompts[0], prompts[1], prompts[2], prompts[2], prompts[0]]
@@ -108,6 +108,35 @@ def test_greedy_output_is_the_same_with_speculation(smollm2_loaded, prompts):
     alone = make_engine(smollm2_loaded, speculative="ngram", speculative_max_batch=1)
     assert [run(alone, [p], [sp])[0] for p, sp in zip(batch, mixed)] == plain
     assert accepted(alone)[1] > 0
+
+
+def test_seeded_sampling_and_logprobs_are_the_same_with_speculation(smollm2_loaded, prompts):
+    settings = [SamplingParams(temperature=0.7, seed=11, max_tokens=60),
+                SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=5, max_tokens=60, n=2),
+                SamplingParams(temperature=0.5, seed=3, max_tokens=50, logprobs=3),
+                SamplingParams(temperature=0, max_tokens=50, logprobs=1)]
+    batch = [prompts[0], prompts[1], prompts[0], prompts[2]]
+
+    def outputs(engine: LLMEngine) -> list:
+        for i, (p, sp) in enumerate(zip(batch, settings)):
+            engine.add_request(f"s{i}", p, sp)
+        got: dict = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                for o in out.outputs:
+                    g = got.setdefault((out.request_id, o.index), [[], "", []])
+                    g[0] += o.token_ids
+                    g[1] += o.text
+                    g[2] += [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs or []]
+        assert engine.kv_cache.stats.num_blocks_used == 0
+        return [got[k] for k in sorted(got)]
+
+    plain = outputs(make_engine(smollm2_loaded))
+    engine = make_engine(smollm2_loaded, speculative="ngram", speculative_max_batch=8)
+    assert outputs(engine) == plain
+    draft, kept = accepted(engine)
+    # Some proposals kept, some rejected (so seeded generators were wound back).
+    assert 0 < kept < draft, (kept, draft)
 
 
 def test_rejected_proposals_never_reach_the_prefix_cache(smollm2_loaded, prompts):
