@@ -211,14 +211,14 @@ class LLMEngine:
         if sched.scheduled:
             items = [s for s in sched.scheduled if s.sample]
             sampling = [s.request for s in items]
-            logits, masks, unmasked = self._forward(sched, sampling)
+            logits, masks, unmasked, proposal_masks = self._forward(sched, sampling)
             tokens: dict[str, list[int]] = {}
             logprobs: dict[str, list[TokenLogprob | None]] = {}
             if sampling:
                 main, extra = self._proposal_rows(items)
                 sampled = self._sample(logits[main] if extra else logits, sampling, masks, unmasked)
                 # After the rows of the last known tokens: each request's noise comes in order.
-                proposals = self._sample_proposals(logits, items, extra)
+                proposals = self._sample_proposals(logits, items, extra, proposal_masks)
                 for item, token, lp in zip(items, sampled.token_ids, sampled.logprobs):
                     rid = item.request.request_id
                     tokens[rid], logprobs[rid] = self._verify(item, token, lp, proposals.get(rid), stats)
@@ -231,23 +231,36 @@ class LLMEngine:
         return outputs
 
     def _forward(self, sched: SchedulerOutput, sampling: list[Request]
-                 ) -> tuple[torch.Tensor, tuple[list[int], torch.Tensor] | None, list[int]]:
+                 ) -> tuple[torch.Tensor, tuple[list[int], torch.Tensor] | None, list[int],
+                            dict[str, torch.Tensor]]:
         """Run the model; the constrained rows' token bitmasks are filled meanwhile, on
         another thread, except for rows that pick their logits' argmax (``picks_argmax``)
-        where the grammar leaves a choice (not ``forced``): those are checked after
-        sampling (returned third) and masked only if need be."""
+        where the grammar leaves a choice (not ``forced``) and have no proposals: those
+        are checked after sampling (returned third) and masked only if need be. A
+        constrained request with proposals also gets the mask after each proposal
+        (returned fourth, by request id)."""
         rows = [i for i, r in enumerate(sampling) if r.grammar is not None]
-        unmasked = [i for i in rows
-                    if picks_argmax(sampling[i].sampling_params) and not sampling[i].grammar.forced]
+        unmasked = [i for i in rows if not sampling[i].spec_token_ids
+                    and picks_argmax(sampling[i].sampling_params) and not sampling[i].grammar.forced]
         rows = [i for i in rows if i not in unmasked]  # a handful of rows: a list will do
         if not rows:
-            return self.runner.execute(sched), None, unmasked
-        self._masks.start([sampling[i].grammar for i in rows])
+            return self.runner.execute(sched), None, unmasked, {}
+        specs = [sampling[i].spec_token_ids for i in rows]
+        self._masks.start([sampling[i].grammar for i in rows], specs)
         try:
             logits = self.runner.execute(sched)
         finally:
             masks = self._masks.result()
-        return logits, (rows, masks), unmasked
+        if not any(specs):
+            return logits, (rows, masks), unmasked, {}
+        # Each request's rows: the mask now, then one after each proposal.
+        firsts, extra, row = [], {}, 0
+        for i, spec in zip(rows, specs):
+            firsts.append(row)
+            if spec:
+                extra[sampling[i].request_id] = masks[row + 1:row + 1 + len(spec)]
+            row += 1 + len(spec)
+        return logits, (rows, masks[firsts]), unmasked, extra
 
     def _sample(self, logits: torch.Tensor, sampling: list[Request],
                 masks: tuple[list[int], torch.Tensor] | None, unmasked: list[int]) -> SamplerOutput:
@@ -285,22 +298,29 @@ class LLMEngine:
         return main, extra
 
     def _sample_proposals(self, logits: torch.Tensor, items: list[ScheduledRequest],
-                          extra: dict[str, list[int]]) -> dict[str, _Proposed]:
+                          extra: dict[str, list[int]], masks: dict[str, torch.Tensor]) -> dict[str, _Proposed]:
         """Sample the row after each proposal as the request's next steps would: its own
-        sampling settings, and for a seeded request the next draws of its generator (whose
-        state is kept, to be wound back to what the kept tokens used)."""
+        sampling settings, its grammar's mask after the proposals before it (``masks``),
+        and for a seeded request the next draws of its generator (whose state is kept,
+        to be wound back to what the kept tokens used)."""
         if not extra:
             return {}
         rows: list[int] = []
         requests: list[Request] = []
         states: dict[str, torch.Tensor | None] = {}
+        masked_rows: list[int] = []
         for item in items:
             rid = item.request.request_id
             if rid in extra:
+                if rid in masks:
+                    masked_rows += range(len(rows), len(rows) + len(extra[rid]))
                 rows += extra[rid]
                 requests += [item.request] * len(extra[rid])
                 states[rid] = item.request.generator.get_state() if item.request.generator is not None else None
-        out = self.sampler(logits[rows], requests)
+        grammar_masks = None
+        if masked_rows:
+            grammar_masks = (masked_rows, torch.cat([masks[rid] for rid in states if rid in masks]))
+        out = self.sampler(logits[rows], requests, grammar_masks)
         proposed: dict[str, _Proposed] = {}
         start = 0
         for rid, state in states.items():

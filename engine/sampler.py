@@ -279,10 +279,10 @@ def picks_argmax(params: SamplingParams) -> bool:
 
 def can_speculate(request: Request) -> bool:
     """Whether ``request``'s proposals can be verified by sampling each proposed
-    position as its own step (``engine.speculative``): any sampling settings and
-    logprobs, but no grammar and no logits processors, whose state would have to
-    follow the proposed tokens."""
-    return request.grammar is None and not _needs_processing(request)
+    position as its own step (``engine.speculative``): any sampling settings,
+    logprobs and grammars (masked position by position), but no logits
+    processors, whose state would have to follow the proposed tokens."""
+    return not _needs_processing(request)
 
 
 def _is_greedy(params: SamplingParams) -> bool:

@@ -121,7 +121,11 @@ class Speculator:
                 continue
             # Never past max_tokens or the context: those tokens could not be kept.
             limit = min(r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens)
-            r.spec_token_ids = self._proposer.propose(r.all_token_ids, limit)
+            spec = self._proposer.propose(r.all_token_ids, limit)
+            if spec and r.grammar is not None:
+                # Only what the grammar could accept: the masks follow the proposals.
+                spec = spec[:r.grammar.valid_prefix(spec)]
+            r.spec_token_ids = spec
 
     def record(self, request: Request, proposed: int, accepted: int) -> None:
         """``accepted`` of the request's ``proposed`` tokens were kept this step."""

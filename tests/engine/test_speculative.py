@@ -139,6 +139,31 @@ def test_seeded_sampling_and_logprobs_are_the_same_with_speculation(smollm2_load
     assert 0 < kept < draft, (kept, draft)
 
 
+def test_structured_outputs_are_the_same_with_speculation(smollm2_loaded):
+    from engine.sampling_params import StructuredOutput
+
+    tok = smollm2_loaded.tokenizer
+    ask = tok.apply_chat_template([{"role": "user", "content": f"Put this text in a JSON object as 'text': {PARAGRAPH}"}])
+    prompt = tok.encode(ask, add_special_tokens=False)
+    schema = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 300},
+                                               "words": {"type": "integer"}},
+              "required": ["text", "words"], "additionalProperties": False}
+    settings = [SamplingParams(temperature=0, max_tokens=80, structured=StructuredOutput("json", schema)),
+                SamplingParams(temperature=0.6, seed=2, max_tokens=80, structured=StructuredOutput("json", schema)),
+                SamplingParams(temperature=0, max_tokens=40,
+                               structured=StructuredOutput("regex", r"The (quick|slow) brown fox jumps over the lazy (dog|cat)\. [a-z ]{1,40}"))]
+    batch = [prompt, prompt, prompts_of(tok, QUOTES[0])]
+    plain = run(make_engine(smollm2_loaded), batch, settings)
+    engine = make_engine(smollm2_loaded, speculative="ngram", speculative_max_batch=8)
+    assert run(engine, batch, settings) == plain
+    draft, kept = accepted(engine)
+    assert kept > 0, (kept, draft)
+
+
+def prompts_of(tok, text: str) -> list[int]:
+    return tok.encode(text)
+
+
 def test_rejected_proposals_never_reach_the_prefix_cache(smollm2_loaded, prompts):
     params = [SamplingParams(temperature=0, max_tokens=70, ignore_eos=True)] * 3
     engine = make_engine(smollm2_loaded, speculative="ngram", num_speculative_tokens=8)

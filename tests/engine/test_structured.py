@@ -182,7 +182,8 @@ def test_greedy_rows_masked_only_where_the_pick_is_refused_give_the_masked_answe
     settings = [dict(), dict(repetition_penalty=1.3, logit_bias={90: 5.0}), dict(min_tokens=60)]
     masked_rows = []
     start = BitmaskFiller.start
-    monkeypatch.setattr(BitmaskFiller, "start", lambda self, g: (masked_rows.append(len(g)), start(self, g))[1])
+    monkeypatch.setattr(BitmaskFiller, "start",
+                        lambda self, g, p=None: (masked_rows.append(len(g)), start(self, g, p))[1])
 
     def run() -> list[list[int]]:
         return [o.token_ids for extra in settings for (o,) in
