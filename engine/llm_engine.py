@@ -22,7 +22,6 @@ from engine.stats import FinishedRequestStats, StatLogger, StepStats, Structured
 from engine.structured import BitmaskFiller, GrammarCompiler
 from engine.validation import RequestLimits, check_request
 from models.chat_template import read_chat_template
-from models import ops
 from models.kv_cache import cdiv, default_dtype
 from models.loader import LoadedModel, load_model
 

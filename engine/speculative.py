@@ -7,13 +7,16 @@ next tokens of a sequence from its own history: when its last ``n`` tokens
 (``ngram_max`` down to ``ngram_min``) occurred before, the tokens that
 followed that occurrence are proposed. The scheduler runs them as extra
 positions of the request (``ScheduledRequest.spec_token_ids``); the engine
-keeps the longest prefix the model itself would have produced, plus the
-model's next token, so the output is the same as without speculation.
+samples each of those positions as its own step would (``LLMEngine._verify``)
+and keeps the proposals that equal what it sampled, plus the token after the
+last one kept, so the output is the same as without speculation (in
+distribution, and token for token when greedy or seeded).
 
 ``Speculator`` decides per step and per request: not when the step's batch
-holds more than ``max_batch`` decodes (then the step is compute-bound and the
-extra positions cost as much as they save), and not for a request whose
-recent proposals were mostly rejected (``min_acceptance``).
+holds more than ``max_batch`` decodes (past that the step is compute-bound on
+a small CPU and a rejected proposal costs real work; docs/performance.md has
+the measurements), and not for a request whose recent proposals were mostly
+rejected (``min_acceptance``).
 """
 
 from __future__ import annotations
