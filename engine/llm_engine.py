@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -299,7 +300,8 @@ class LLMEngine:
     def _sample_proposals(self, logits: torch.Tensor, items: list[ScheduledRequest],
                           extra: dict[str, list[int]], masks: dict[str, torch.Tensor]) -> dict[str, _Proposed]:
         """Sample the row after each proposal as the request's next steps would: its own
-        sampling settings, its grammar's mask after the proposals before it (``masks``),
+        sampling settings and logits processors with the proposals before it as output,
+        its grammar's mask after them (``masks``),
         and for a seeded request the next draws of its generator (whose state is kept,
         to be wound back to what the kept tokens used)."""
         if not extra:
@@ -314,7 +316,11 @@ class LLMEngine:
                 if rid in masks:
                     masked_rows += range(len(rows), len(rows) + len(extra[rid]))
                 rows += extra[rid]
-                requests += [item.request] * len(extra[rid])
+                # The logits processors (penalties, min_tokens) see the proposals before
+                # each position as output, as that position's own step would.
+                spec = item.spec_token_ids
+                requests += [dataclasses.replace(item.request, output_token_ids=item.request.output_token_ids + spec[:j])
+                             for j in range(1, len(spec) + 1)]
                 states[rid] = item.request.generator.get_state() if item.request.generator is not None else None
         grammar_masks = None
         if masked_rows:

@@ -277,14 +277,6 @@ def picks_argmax(params: SamplingParams) -> bool:
     return _is_greedy(params) and params.logprobs is None
 
 
-def can_speculate(request: Request) -> bool:
-    """Whether ``request``'s proposals can be verified by sampling each proposed
-    position as its own step (``engine.speculative``): any sampling settings,
-    logprobs and grammars (masked position by position), but no logits
-    processors, whose state would have to follow the proposed tokens."""
-    return not _needs_processing(request)
-
-
 def _is_greedy(params: SamplingParams) -> bool:
     return params.greedy or params.temperature < _MIN_TEMPERATURE
 

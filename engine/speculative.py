@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.request import Request
-from engine.sampler import can_speculate
 
 SPECULATIVE_METHODS = ("ngram",)
 
@@ -117,8 +116,6 @@ class Speculator:
         if len(decoding) > self.config.max_batch:
             return
         for r in decoding:
-            if not can_speculate(r):
-                continue
             state = self._acceptance.setdefault(r.request_id, _Acceptance())
             if state.paused_until > self._step:
                 continue

@@ -110,12 +110,16 @@ def test_greedy_output_is_the_same_with_speculation(smollm2_loaded, prompts):
     assert accepted(alone)[1] > 0
 
 
-def test_seeded_sampling_and_logprobs_are_the_same_with_speculation(smollm2_loaded, prompts):
-    settings = [SamplingParams(temperature=0.7, seed=11, max_tokens=60),
+def test_sampling_logprobs_and_processors_are_the_same_with_speculation(smollm2_loaded, prompts):
+    settings = [SamplingParams(temperature=0.7, seed=11, max_tokens=60, repetition_penalty=1.1),
                 SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=5, max_tokens=60, n=2),
                 SamplingParams(temperature=0.5, seed=3, max_tokens=50, logprobs=3),
-                SamplingParams(temperature=0, max_tokens=50, logprobs=1)]
-    batch = [prompts[0], prompts[1], prompts[0], prompts[2]]
+                SamplingParams(temperature=0, max_tokens=50, logprobs=1),
+                # Logits processors: each proposed position sees the proposals before it.
+                SamplingParams(temperature=0, max_tokens=50, presence_penalty=0.5, frequency_penalty=0.3,
+                               logit_bias={13: -2.0}),
+                SamplingParams(temperature=0, max_tokens=40, min_tokens=30, repetition_penalty=1.2)]
+    batch = [prompts[0], prompts[1], prompts[0], prompts[2], prompts[0], prompts[2]]
 
     def outputs(engine: LLMEngine) -> list:
         for i, (p, sp) in enumerate(zip(batch, settings)):
@@ -208,3 +212,27 @@ def test_speculation_stays_off_in_large_batches(smollm2_loaded, prompts):
         if s.num_running > 2 and s.spec_drafts:  # num_running is after the step: at most what ran
             raise AssertionError(f"speculated in a step with {s.num_running} running")
     assert accepted(engine)[0] > 0  # it did speculate once the batch had shrunk
+
+
+def test_each_proposed_position_is_processed_with_the_proposals_before_it(smollm2_loaded, prompts):
+    # Penalties and min_tokens read a request's output so far: at the j-th proposed
+    # position that output must include the j proposals before it.
+    engine = make_engine(smollm2_loaded, speculative="ngram")
+    seen: list[list[tuple[int, int]]] = []  # per call: (output length, last output token) per row
+    sample = engine.sampler.__class__.__call__
+
+    def spy(sampler, logits, requests, masks=None):
+        if len({r.request_id for r in requests}) == 1 and len(requests) > 1:  # one request's proposals
+            seen.append([(r.num_output_tokens, r.output_token_ids[-1]) for r in requests])
+        return sample(sampler, logits, requests, masks)
+
+    engine.sampler.__class__.__call__ = spy
+    try:
+        run(engine, [prompts[2]], [SamplingParams(temperature=0, max_tokens=40, repetition_penalty=1.1,
+                                                  min_tokens=20)])
+    finally:
+        engine.sampler.__class__.__call__ = sample
+    assert seen
+    for rows in seen:
+        counts = [n for n, _ in rows]
+        assert counts == list(range(counts[0], counts[0] + len(rows)))
