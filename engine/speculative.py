@@ -57,10 +57,11 @@ class SpeculativeConfig:
 
 class NgramProposer:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the
-    sequence's last n tokens, for the longest n in [ngram_min, ngram_max] that occurs."""
+    sequence's last n tokens, for the longest n in [ngram_min, ngram_max] that occurs.
 
-    # Look back at most this many tokens: the search is a Python scan per step.
-    WINDOW = 4096
+    A scan of the whole sequence per call: the definition, which ``NgramIndex``
+    (what the engine uses) must agree with.
+    """
 
     def __init__(self, ngram_min: int, ngram_max: int, num_tokens: int) -> None:
         self.ngram_min, self.ngram_max, self.num_tokens = ngram_min, ngram_max, num_tokens
@@ -70,14 +71,40 @@ class NgramProposer:
         k = min(limit, self.num_tokens)
         if k <= 0:
             return []
-        history = tokens[-self.WINDOW:]
-        size = len(history)
+        size = len(tokens)
         for n in range(min(self.ngram_max, size - 1), self.ngram_min - 1, -1):
-            tail = history[size - n:]
+            tail = tokens[size - n:]
             # The latest occurrence before the tail itself that has a continuation.
             for start in range(size - n - 1, -1, -1):
-                if history[start:start + n] == tail:
-                    return history[start + n:start + n + k]
+                if tokens[start:start + n] == tail:
+                    return tokens[start + n:start + n + k]
+        return []
+
+
+class NgramIndex(NgramProposer):
+    """``NgramProposer`` for one growing sequence, in time independent of its length:
+    every n-gram maps to where its latest occurrence's continuation starts, updated
+    with the tokens appended since the last call (a sequence only grows)."""
+
+    def __init__(self, ngram_min: int, ngram_max: int, num_tokens: int) -> None:
+        super().__init__(ngram_min, ngram_max, num_tokens)
+        self._next: dict[tuple[int, ...], int] = {}
+        self._indexed = 0  # continuation starts [0, _indexed) are in _next
+
+    def propose(self, tokens: list[int], limit: int) -> list[int]:
+        size = len(tokens)
+        # Index the n-grams whose continuation start is now known: starts < size.
+        for cont in range(max(self._indexed, 1), size):
+            for n in range(self.ngram_min, min(self.ngram_max, cont) + 1):
+                self._next[tuple(tokens[cont - n:cont])] = cont
+        self._indexed = max(self._indexed, size)
+        k = min(limit, self.num_tokens)
+        if k <= 0:
+            return []
+        for n in range(min(self.ngram_max, size - 1), self.ngram_min - 1, -1):
+            cont = self._next.get(tuple(tokens[size - n:]))
+            if cont is not None:
+                return tokens[cont:cont + k]
         return []
 
 
@@ -95,17 +122,13 @@ class Speculator:
 
     config: SpeculativeConfig
     max_model_len: int
-    _proposer: NgramProposer = field(init=False)
+    _indexes: dict[str, NgramIndex] = field(default_factory=dict)
     _acceptance: dict[str, _Acceptance] = field(default_factory=dict)
     _step: int = 0
 
     # Judge a request's acceptance over windows of this many proposed tokens.
     WINDOW_TOKENS = 16
     PAUSE_STEPS = 32
-
-    def __post_init__(self) -> None:
-        c = self.config
-        self._proposer = NgramProposer(c.ngram_min, c.ngram_max, c.num_speculative_tokens)
 
     def propose(self, running: list[Request]) -> None:
         """Give every running request its proposals for the next step (or none)."""
@@ -121,7 +144,12 @@ class Speculator:
                 continue
             # Never past max_tokens or the context: those tokens could not be kept.
             limit = min(r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens)
-            spec = self._proposer.propose(r.all_token_ids, limit)
+            index = self._indexes.get(r.request_id)
+            if index is None:
+                c = self.config
+                index = self._indexes[r.request_id] = NgramIndex(c.ngram_min, c.ngram_max,
+                                                                 c.num_speculative_tokens)
+            spec = index.propose(r.all_token_ids, limit)
             if spec and r.grammar is not None:
                 # Only what the grammar could accept: the masks follow the proposals.
                 spec = spec[:r.grammar.valid_prefix(spec)]
@@ -140,3 +168,4 @@ class Speculator:
     def forget(self, request_id: str) -> None:
         """The request finished: drop its acceptance record."""
         self._acceptance.pop(request_id, None)
+        self._indexes.pop(request_id, None)

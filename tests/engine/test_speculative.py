@@ -9,13 +9,15 @@ the model quote itself (so proposals are made and many are accepted).
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import kv_bytes_per_block
 from engine.sampling_params import SamplingParams
-from engine.speculative import NgramProposer, SpeculativeConfig
+from engine.speculative import NgramIndex, NgramProposer, SpeculativeConfig
 from engine.stats import StepStats
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
@@ -39,6 +41,14 @@ def test_the_proposer_takes_the_longest_latest_match():
     assert p.propose([1, 2, 3, 4], limit=8) == []  # nothing repeats
     assert p.propose([1, 2, 1, 2, 1, 2], limit=2) == [1, 2]  # capped by the limit
     assert p.propose([1, 2, 1, 2], limit=0) == []
+    # The engine's incremental index proposes what the scan does, step by step.
+    rng = random.Random(0)
+    for trial in range(20):
+        index, scan = NgramIndex(1, 3, 4), NgramProposer(1, 3, 4)
+        tokens = [rng.randrange(6) for _ in range(rng.randrange(1, 5))]
+        for _ in range(120):
+            assert index.propose(tokens, 5) == scan.propose(tokens, 5), (trial, tokens)
+            tokens += [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
     with pytest.raises(ValueError, match="ngram_min"):
         SpeculativeConfig(ngram_min=3, ngram_max=2)
     with pytest.raises(ValueError, match="speculative must be"):
