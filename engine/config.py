@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from engine.speculative import SpeculativeConfig
 
 MiB = 1024 * 1024
 
@@ -17,6 +13,38 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 
 def _one_of(values: tuple[str, ...]) -> str:
     return ", ".join(values[:-1]) + " or " + values[-1]
+
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``--speculative ngram`` and its settings (vLLM's names where it has them):
+    proposals of up to ``num_speculative_tokens`` from the last ``ngram_max`` down to
+    ``ngram_min`` tokens."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    # Speculate only in steps with at most this many decoding requests.
+    max_batch: int = 16
+    # A request whose last proposals had an acceptance rate below this pauses
+    # speculating for a while (``Speculator.PAUSE_STEPS``).
+    min_acceptance: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+        if self.max_batch < 1:
+            raise ValueError(f"speculative max_batch must be >= 1, got {self.max_batch}")
+        if not 0.0 <= self.min_acceptance <= 1.0:
+            raise ValueError(f"speculative min_acceptance must be in [0, 1], got {self.min_acceptance}")
 
 
 @dataclass
@@ -53,17 +81,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # A Jinja2 chat template file used instead of the model's own (--chat-template).
     chat_template: str | None = None
-    # Speculative decoding (engine/speculative.py): None (off) or "ngram" (prompt
-    # lookup); proposals of up to num_speculative_tokens from the last
-    # ngram_max..ngram_min tokens; only in steps with at most
-    # speculative_max_batch decodes, and paused for a request whose acceptance
-    # rate falls below speculative_min_acceptance.
-    speculative: str | None = None
-    num_speculative_tokens: int = 4
-    ngram_min: int = 2
-    ngram_max: int = 4
-    speculative_max_batch: int = 16
-    speculative_min_acceptance: float = 0.25
+    # Speculative decoding (engine/speculative.py, --speculative): None is off.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -78,15 +97,6 @@ class EngineConfig:
             raise ValueError(f"quantization must be {_one_of(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be {_one_of(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
-        if self.speculative is not None:
-            self.speculative_config()  # raises ValueError for a bad setting, before any loading
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
-    def speculative_config(self) -> SpeculativeConfig:
-        """The speculative decoding settings (``speculative`` must be set)."""
-        from engine.speculative import SpeculativeConfig
-
-        assert self.speculative is not None
-        return SpeculativeConfig(self.speculative, self.num_speculative_tokens, self.ngram_min, self.ngram_max,
-                                 self.speculative_max_batch, self.speculative_min_acceptance)

@@ -113,7 +113,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.vocab_size, sorted(self.eos_token_ids))
         self._masks = BitmaskFiller(self.vocab_size)
-        self.speculator = Speculator(config.speculative_config(), self.max_model_len) if config.speculative else None
+        self.speculator = Speculator(config.speculative, self.max_model_len) if config.speculative else None
         self.stat_loggers: list[StatLogger] = []
         self._requests: dict[str, _ApiRequest] = {}
         self._seq_to_api: dict[str, _ApiRequest] = {}

@@ -61,7 +61,7 @@ class Sampler:
         request.generator.set_state(state)
         if not _is_greedy(request.sampling_params):
             for _ in range(num_rows):
-                torch.empty(self.vocab_size).exponential_(generator=request.generator)
+                _seeded_noise(request.generator, self.vocab_size)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request],
                  grammar_masks: tuple[list[int], torch.Tensor] | None = None) -> SamplerOutput:
@@ -243,9 +243,14 @@ def _exponential_noise(requests: list[Request], vocab: int, device: torch.device
         noise.exponential_()
     # The loop over rows is unavoidable: each seeded request owns a generator.
     for i in seeded:
-        noise[i] = torch.empty(vocab).exponential_(generator=requests[i].generator).to(device)
+        noise[i] = _seeded_noise(requests[i].generator, vocab).to(device)
     # Exp(1) can return exactly 0, and p / 0 would pick a masked token (0 / 0 = nan).
     return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+
+
+def _seeded_noise(generator: torch.Generator, vocab: int) -> torch.Tensor:
+    """One row's Exp(1) noise from a request's own generator (what ``replay_noise`` redraws)."""
+    return torch.empty(vocab).exponential_(generator=generator)
 
 
 def _logprobs(logits: torch.Tensor, token_ids: list[int],

@@ -23,37 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.config import SpeculativeConfig
 from engine.request import Request
-
-SPECULATIVE_METHODS = ("ngram",)
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """``--speculative ngram`` and its settings (vLLM's names where it has them)."""
-
-    method: str = "ngram"
-    num_speculative_tokens: int = 4
-    ngram_min: int = 2
-    ngram_max: int = 4
-    # Speculate only in steps with at most this many decoding requests.
-    max_batch: int = 16
-    # A request whose last proposals had an acceptance rate below this pauses
-    # speculating for ``PAUSE_STEPS`` steps.
-    min_acceptance: float = 0.25
-
-    def __post_init__(self) -> None:
-        if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
-        if not 1 <= self.num_speculative_tokens <= 16:
-            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
-        if self.max_batch < 1:
-            raise ValueError(f"speculative max_batch must be >= 1, got {self.max_batch}")
-        if not 0.0 <= self.min_acceptance <= 1.0:
-            raise ValueError(f"speculative min_acceptance must be in [0, 1], got {self.min_acceptance}")
-
 
 class NgramProposer:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the

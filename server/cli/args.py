@@ -6,8 +6,7 @@ import argparse
 import os
 import re
 
-from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
-from engine.speculative import SPECULATIVE_METHODS
+from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS, EngineConfig, SpeculativeConfig
 from server.tools import TOOL_PARSERS
 
 _UNITS = {"": 1, "b": 1,
@@ -42,7 +41,7 @@ def _size_arg(text: str) -> int:
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    d = EngineConfig()
+    d, sd = EngineConfig(), SpeculativeConfig()
     p.add_argument("--model", default=d.model,
                    help="model name (smollm2), checkpoint directory or .gguf file")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
@@ -65,16 +64,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", default=None, choices=SPECULATIVE_METHODS,
                    help="speculative decoding: ngram = prompt lookup (proposals from the request's "
                         "own prompt and output, verified in the same step; greedy requests only)")
-    p.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
+    p.add_argument("--num-speculative-tokens", type=int, default=sd.num_speculative_tokens,
                    help="most tokens proposed per step (default %(default)s)")
-    p.add_argument("--ngram-min", type=int, default=d.ngram_min,
+    p.add_argument("--ngram-min", type=int, default=sd.ngram_min,
                    help="shortest n-gram looked up (default %(default)s)")
-    p.add_argument("--ngram-max", type=int, default=d.ngram_max,
+    p.add_argument("--ngram-max", type=int, default=sd.ngram_max,
                    help="longest n-gram looked up (default %(default)s)")
-    p.add_argument("--speculative-max-batch", type=int, default=d.speculative_max_batch,
+    p.add_argument("--speculative-max-batch", type=int, default=sd.max_batch,
                    help="speculate only in steps with at most this many decoding requests "
                         "(default %(default)s: past it a CPU step is compute-bound)")
-    p.add_argument("--speculative-min-acceptance", type=float, default=d.speculative_min_acceptance,
+    p.add_argument("--speculative-min-acceptance", type=float, default=sd.min_acceptance,
                    help="pause speculating for a request whose last proposals' acceptance "
                         "rate fell below this (default %(default)s)")
     p.add_argument("--quantization", default=d.quantization, choices=QUANTIZATIONS,
@@ -148,9 +147,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
             served_model_name=getattr(args, "served_model_name", None),
             quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-            chat_template=getattr(args, "chat_template", None), speculative=args.speculative,
-            num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
-            ngram_max=args.ngram_max, speculative_max_batch=args.speculative_max_batch,
-            speculative_min_acceptance=args.speculative_min_acceptance)
+            chat_template=getattr(args, "chat_template", None),
+            speculative=SpeculativeConfig(
+                args.speculative, args.num_speculative_tokens, args.ngram_min, args.ngram_max,
+                args.speculative_max_batch, args.speculative_min_acceptance) if args.speculative else None)
     except ValueError as e:
         raise SystemExit(f"kvserve: error: {e}") from None

@@ -13,11 +13,11 @@ import random
 
 import pytest
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpeculativeConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import kv_bytes_per_block
 from engine.sampling_params import SamplingParams
-from engine.speculative import NgramIndex, NgramProposer, SpeculativeConfig
+from engine.speculative import NgramIndex, NgramProposer
 from engine.stats import StepStats
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
@@ -109,13 +109,12 @@ def test_greedy_output_is_the_same_with_speculation(smollm2_loaded, prompts):
              SamplingParams(temperature=0, max_tokens=20, logprobs=2)]
     batch = [prompts[0], prompts[1], prompts[2], prompts[2], prompts[0]]
     plain = run(make_engine(smollm2_loaded), batch, mixed)
-    engine = make_engine(smollm2_loaded, speculative="ngram", num_speculative_tokens=4,
-                         speculative_max_batch=8)
+    engine = make_engine(smollm2_loaded, speculative=SpeculativeConfig(num_speculative_tokens=4, max_batch=8))
     assert run(engine, batch, mixed) == plain
     draft, kept = accepted(engine)
     assert draft > 0 and kept > draft // 4, (draft, kept)  # quoting: many proposals kept
     # One at a time, each speculating alone.
-    alone = make_engine(smollm2_loaded, speculative="ngram", speculative_max_batch=1)
+    alone = make_engine(smollm2_loaded, speculative=SpeculativeConfig(max_batch=1))
     assert [run(alone, [p], [sp])[0] for p, sp in zip(batch, mixed)] == plain
     assert accepted(alone)[1] > 0
 
@@ -146,7 +145,7 @@ def test_sampling_logprobs_and_processors_are_the_same_with_speculation(smollm2_
         return [got[k] for k in sorted(got)]
 
     plain = outputs(make_engine(smollm2_loaded))
-    engine = make_engine(smollm2_loaded, speculative="ngram", speculative_max_batch=8)
+    engine = make_engine(smollm2_loaded, speculative=SpeculativeConfig(max_batch=8))
     assert outputs(engine) == plain
     draft, kept = accepted(engine)
     # Some proposals kept, some rejected (so seeded generators were wound back).
@@ -168,7 +167,7 @@ def test_structured_outputs_are_the_same_with_speculation(smollm2_loaded):
                                structured=StructuredOutput("regex", r"The (quick|slow) brown fox jumps over the lazy (dog|cat)\. [a-z ]{1,40}"))]
     batch = [prompt, prompt, prompts_of(tok, QUOTES[0])]
     plain = run(make_engine(smollm2_loaded), batch, settings)
-    engine = make_engine(smollm2_loaded, speculative="ngram", speculative_max_batch=8)
+    engine = make_engine(smollm2_loaded, speculative=SpeculativeConfig(max_batch=8))
     assert run(engine, batch, settings) == plain
     draft, kept = accepted(engine)
     assert kept > 0, (kept, draft)
@@ -180,7 +179,7 @@ def prompts_of(tok, text: str) -> list[int]:
 
 def test_rejected_proposals_never_reach_the_prefix_cache(smollm2_loaded, prompts):
     params = [SamplingParams(temperature=0, max_tokens=70, ignore_eos=True)] * 3
-    engine = make_engine(smollm2_loaded, speculative="ngram", num_speculative_tokens=8)
+    engine = make_engine(smollm2_loaded, speculative=SpeculativeConfig(num_speculative_tokens=8))
     first = run(engine, prompts, params)
     draft, kept = accepted(engine)
     assert kept < draft, "some proposals must have been rejected for this test to mean anything"
@@ -197,11 +196,11 @@ def test_preemption_and_aborts_with_speculation(smollm2_loaded, prompts):
     params = [SamplingParams(temperature=0, max_tokens=90, ignore_eos=True)] * 3
     plain = run(make_engine(smollm2_loaded), prompts, params)
     # Three requests of 7-9 blocks in 16 blocks: some are preempted and recomputed.
-    small = make_engine(smollm2_loaded, num_blocks=16, max_model_len=256, speculative="ngram")
+    small = make_engine(smollm2_loaded, num_blocks=16, max_model_len=256, speculative=SpeculativeConfig())
     assert run(small, prompts, params) == plain
     assert small.scheduler.num_preemptions_total > 0 and accepted(small)[1] > 0
     # Aborted mid-way, proposals in flight: every block comes back.
-    engine = make_engine(smollm2_loaded, speculative="ngram")
+    engine = make_engine(smollm2_loaded, speculative=SpeculativeConfig())
     for i, p in enumerate(prompts):
         engine.add_request(f"a{i}", p, params[0])
     for _ in range(12):
@@ -215,7 +214,7 @@ def test_preemption_and_aborts_with_speculation(smollm2_loaded, prompts):
 
 def test_speculation_stays_off_in_large_batches(smollm2_loaded, prompts):
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 10, 12, 14, 40, 60)]
-    engine = make_engine(smollm2_loaded, speculative="ngram", speculative_max_batch=2)
+    engine = make_engine(smollm2_loaded, speculative=SpeculativeConfig(max_batch=2))
     batch = [prompts[i % 3] for i in range(6)]
     run(engine, batch, params)
     for s in engine.recorder.steps:
@@ -227,7 +226,7 @@ def test_speculation_stays_off_in_large_batches(smollm2_loaded, prompts):
 def test_each_proposed_position_is_processed_with_the_proposals_before_it(smollm2_loaded, prompts):
     # Penalties and min_tokens read a request's output so far: at the j-th proposed
     # position that output must include the j proposals before it.
-    engine = make_engine(smollm2_loaded, speculative="ngram")
+    engine = make_engine(smollm2_loaded, speculative=SpeculativeConfig())
     seen: list[list[tuple[int, int]]] = []  # per call: (output length, last output token) per row
     sample = engine.sampler.__class__.__call__
 
