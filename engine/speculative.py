@@ -80,7 +80,10 @@ class NgramIndex(NgramProposer):
 
 
 @dataclass
-class _Acceptance:
+class _Tracked:
+    """One request's proposer and its recent acceptance."""
+
+    index: NgramIndex
     proposed: int = 0
     accepted: int = 0
     paused_until: int = 0
@@ -93,13 +96,20 @@ class Speculator:
 
     config: SpeculativeConfig
     max_model_len: int
-    _indexes: dict[str, NgramIndex] = field(default_factory=dict)
-    _acceptance: dict[str, _Acceptance] = field(default_factory=dict)
+    _tracked: dict[str, _Tracked] = field(default_factory=dict)
     _step: int = 0
 
     # Judge a request's acceptance over windows of this many proposed tokens.
     WINDOW_TOKENS = 16
     PAUSE_STEPS = 32
+
+    def _state(self, request_id: str) -> _Tracked:
+        state = self._tracked.get(request_id)
+        if state is None:
+            c = self.config
+            state = self._tracked[request_id] = _Tracked(NgramIndex(c.ngram_min, c.ngram_max,
+                                                                    c.num_speculative_tokens))
+        return state
 
     def propose(self, running: list[Request]) -> None:
         """Give every running request its proposals for the next step (or none)."""
@@ -110,17 +120,12 @@ class Speculator:
         if len(decoding) > self.config.max_batch:
             return
         for r in decoding:
-            state = self._acceptance.setdefault(r.request_id, _Acceptance())
+            state = self._state(r.request_id)
             if state.paused_until > self._step:
                 continue
             # Never past max_tokens or the context: those tokens could not be kept.
             limit = min(r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens)
-            index = self._indexes.get(r.request_id)
-            if index is None:
-                c = self.config
-                index = self._indexes[r.request_id] = NgramIndex(c.ngram_min, c.ngram_max,
-                                                                 c.num_speculative_tokens)
-            spec = index.propose(r.all_token_ids, limit)
+            spec = state.index.propose(r.all_token_ids, limit)
             if spec and r.grammar is not None:
                 # Only what the grammar could accept: the masks follow the proposals.
                 spec = spec[:r.grammar.valid_prefix(spec)]
@@ -128,7 +133,7 @@ class Speculator:
 
     def record(self, request: Request, proposed: int, accepted: int) -> None:
         """``accepted`` of the request's ``proposed`` tokens were kept this step."""
-        state = self._acceptance.setdefault(request.request_id, _Acceptance())
+        state = self._state(request.request_id)
         state.proposed += proposed
         state.accepted += accepted
         if state.proposed >= self.WINDOW_TOKENS:
@@ -137,6 +142,5 @@ class Speculator:
             state.proposed = state.accepted = 0
 
     def forget(self, request_id: str) -> None:
-        """The request finished: drop its acceptance record."""
-        self._acceptance.pop(request_id, None)
-        self._indexes.pop(request_id, None)
+        """The request finished: drop its proposer and acceptance record."""
+        self._tracked.pop(request_id, None)
