@@ -142,7 +142,7 @@ def markdown(meta: dict, kv: dict, peers: dict[str, dict], offline: dict | None)
     lines = [
         f"Measured by `make bench` (`python -m bench.peers{' --quick' if meta['quick'] else ''}`) "
         f"on {meta['date']}: {meta['cpu']}, {meta['cores']} cores (CPU flags: "
-        f"{meta.get('cpu_flags') or 'none of avx512_vnni, avx512_bf16, amx'}), kvserve commit "
+        f"{meta.get('cpu_flags') or 'none of avx2, avx512f, avx512_vnni, avx512_bf16, amx'}), kvserve commit "
         f"{meta['commit']} (torch {meta['torch']}). All serve the default model "
         f"(`{meta['gguf']}`), one server alone on the machine at a time: `kvserve serve` with its "
         f"defaults; {described}.",
@@ -192,7 +192,7 @@ def cpu_flags() -> str:
         words = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return ""
-    wanted = ("avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16")
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16")
     return " ".join(f for f in wanted if f in words)
 
 

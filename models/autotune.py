@@ -78,7 +78,7 @@ def candidates(dtype: str, quantization: str, four_bit: bool) -> list[RunPath]:
     if quantization != "auto":
         quants = [quantization]
     elif four_bit:
-        quants = (["w4a8"] if ops.kernels_enabled(torch.device("cpu")) and ops.has_vnni() else [])
+        quants = (["w4a8"] if ops.kernels_enabled(torch.device("cpu")) and ops.has_int8_dots() else [])
         quants += ["int4", "none"]
     else:
         quants = ["none"]

@@ -13,6 +13,12 @@ extension builder (g++ and the Python headers; about a minute, cached under
 and torch install) and runs on CPU tensors only. Where it cannot be built, or
 with ``KVSERVE_KERNELS=0``, every function here falls back to its plain-torch
 twin, which the tests compare it against.
+
+The kernels compute in 16-lane vectors (``csrc/vec16.h``): AVX-512 where the
+CPU has it, else AVX2, with the same arithmetic on both, so the two builds
+give the same results bit for bit. ``KVSERVE_CPU_ISA=avx2`` builds the AVX2
+kernels on an AVX-512 CPU (the tests compare the two); the default,
+``native``, builds for the CPU it runs on.
 """
 
 from __future__ import annotations
@@ -38,6 +44,19 @@ _tried = False
 _enabled = os.environ.get("KVSERVE_KERNELS", "1") != "0"
 _amx_usable = False  # set by _check_amx
 
+# KVSERVE_CPU_ISA -> the compiler's target: `native` is this CPU; `avx2` leaves
+# AVX-512 out (x86-64-v3: AVX2, FMA, F16C), so an AVX-512 machine can run the
+# kernels an AVX2-only one would.
+_ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3", "-mtune=native"]}
+
+
+def requested_isa() -> str:
+    """``KVSERVE_CPU_ISA`` (``native`` unless set): what the kernels are built for."""
+    isa = os.environ.get("KVSERVE_CPU_ISA", "native")
+    if isa not in _ISA_FLAGS:
+        raise ValueError(f"KVSERVE_CPU_ISA={isa!r}: expected one of {', '.join(_ISA_FLAGS)}")
+    return isa
+
 
 # A build lock older than this is left by a process killed mid-build (a build
 # takes under a minute); torch would wait on it forever.
@@ -55,6 +74,8 @@ def _build_tag() -> str:
     except (OSError, StopIteration):
         flags = platform.processor()
     key = "\n".join([flags, torch.__version__, str(Path(torch.__file__).resolve().parent)])
+    if requested_isa() != "native":  # the native build keeps the tag it always had
+        key += "\n" + requested_isa()
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
@@ -99,7 +120,7 @@ def _load() -> ModuleType | None:
         _ext = load(
             name=name,
             sources=[str(p) for p in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"],
+            extra_cflags=["-O3", *_ISA_FLAGS[requested_isa()], "-fopenmp", "-fno-trapping-math", "-fno-math-errno"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(_build_directory(name)),
             verbose=False,
@@ -109,7 +130,7 @@ def _load() -> ModuleType | None:
         _ext = None
     elapsed = time.perf_counter() - t0
     if _ext is not None and elapsed > 2:  # a cached build loads in well under a second
-        logger.info("built the fused CPU kernels in %.0fs (cached for later runs)", elapsed)
+        logger.info("built the fused CPU kernels (%s) in %.0fs (cached for later runs)", _ext.vector_isa(), elapsed)
     if _ext is not None:
         _check_amx(_ext)
     return _ext
@@ -267,7 +288,7 @@ def grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, o
     """``x [M, K] @ W^T`` (float32) for a weight packed by ``quant.pack_int4`` or ``quant.pack_int8``.
 
     ``int8_activations`` rounds every 16 inputs of ``x`` to 8 bits and runs
-    integer dot products (AVX512-VNNI, see ``has_vnni``); ``plain`` takes
+    integer dot products (see ``has_int8_dots``); ``plain`` takes
     the portable C++ instead of the vector code (for tests).
     """
     if _load() is None:
@@ -310,9 +331,16 @@ def set_amx_enabled(enabled: bool) -> None:
         _ext.set_amx_enabled(enabled and _amx_usable)
 
 
-def has_vnni() -> bool:
-    """Whether the kernels were built with AVX512-VNNI, so int8 activations run as integer dot products."""
-    return _load() is not None and _ext.has_vnni()
+def vector_isa() -> str | None:
+    """The vectors the kernels run on: ``avx512``, ``avx2``, ``scalar`` (plain
+    C++), or None where the kernels are not built."""
+    return _ext.vector_isa() if _load() is not None else None
+
+
+def has_int8_dots() -> bool:
+    """Whether int8 activations run as vector integer dot products: AVX512-VNNI,
+    else AVX512-BW's or AVX2's multiply-adds (the same sums, slower)."""
+    return _load() is not None and _ext.has_int8_dots()
 
 
 def apply_rotary(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
@@ -475,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a model name, directory or .gguf file (e.g. smollm2)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print("fused CPU kernels:", "ready" if kernels_available() else "unavailable, plain torch ops will run")
+    print("fused CPU kernels:", f"ready ({vector_isa()})" if kernels_available()
+          else "unavailable, plain torch ops will run")
     if args.choose_path:
         from models import autotune
         from models.loader import read_config

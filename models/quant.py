@@ -191,8 +191,8 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; supported: {', '.join(METHODS)}")
     int8_acts = method == "w4a8"
-    if int8_acts and not ops.has_vnni():
-        raise ValueError("w4a8 needs kvserve's CPU kernels built with AVX512-VNNI; use int4")
+    if int8_acts and not ops.has_int8_dots():
+        raise ValueError("w4a8 needs kvserve's CPU kernels with vector integer dots (AVX2 or AVX-512); use int4")
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = QuantizedLinear(attn.qkv_proj, "int4", int8_acts)

@@ -5,13 +5,29 @@
 #include "grouped_gemm.h"
 #include "grouped_gemm_amx.h"
 #include "kernels.h"
+#include "vec16.h"
+
+#include <string>
+
+namespace {
+
+std::string vector_isa() {
+#if defined(KVSERVE_V16)
+  return kvserve::kV16Isa;
+#else
+  return "scalar";
+#endif
+}
+
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("vector_isa", &vector_isa, "the vectors the kernels were built for: avx512, avx2 or scalar");
   m.def("grouped_linear", &grouped_linear, "out = x @ W^T, W packed in 4- or 8-bit groups of 32 (float scales)",
         py::call_guard<py::gil_scoped_release>());
   m.def("dense_linear", &kvserve::dense_linear, "out = x @ W^T, W float32 or bfloat16 packed in 16-row tiles",
         py::call_guard<py::gil_scoped_release>());
-  m.def("has_vnni", &has_vnni, "whether the int8-activation GEMMs run on AVX512-VNNI");
+  m.def("has_int8_dots", &has_int8_dots, "whether the int8-activation GEMMs run as vector integer dots");
   m.def("amx_available", &kvserve::amx_available, "whether the CPU and the OS let the GEMMs use AMX-INT8");
   m.def("amx_enabled", &kvserve::amx_enabled, "whether the int8-activation GEMMs use AMX now");
   m.def("set_amx_enabled", &kvserve::set_amx_enabled, "let the int8-activation GEMMs use AMX, or not");

@@ -8,9 +8,7 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec16.h"
 
 namespace kvserve {
 
@@ -52,26 +50,19 @@ inline float row_scale(const C* row, int64_t head_dim) {
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(KVSERVE_V16)
 // 16 cache values as float32 (the compiler does not vectorise c10::Half's or
 // BFloat16's conversion; the hardware does, 16 values at a time).
 template <typename C>
-inline __m512 load16(const C* p);
+inline V16 load16(const C* p);
 template <>
-inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+inline V16 load16<float>(const float* p) { return v16_load(p); }
 template <>
-inline __m512 load16<at::Half>(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+inline V16 load16<at::Half>(const at::Half* p) { return v16_load_half(p); }
 template <>
-inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {
-  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
+inline V16 load16<at::BFloat16>(const at::BFloat16* p) { return v16_load_bf16(p); }
 template <>
-inline __m512 load16<int8_t>(const int8_t* p) {  // the codes; the caller applies the row's scale
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
+inline V16 load16<int8_t>(const int8_t* p) { return v16_load_int8(p); }  // the codes; the caller applies the row's scale
 #endif
 
 }  // namespace kvserve

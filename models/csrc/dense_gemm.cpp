@@ -21,42 +21,43 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace kvserve {
 namespace {
 
 constexpr int64_t kTile = 16;      // outputs per vector
-constexpr int kRows = 6;           // rows of x per pass: 2 tiles x 6 rows = 12 FMA chains in flight
+// Rows of x per pass: 2 tiles x 6 rows = 12 FMA chains in flight in AVX-512's
+// 32 registers; AVX2's 16 registers of half the width hold 2 x 3. Each output's
+// chain is the same whatever the rows beside it.
+#if defined(KVSERVE_V16_AVX2)
+constexpr int kRows = 3;
+#else
+constexpr int kRows = 6;
+#endif
 constexpr int64_t kRowBlock = 48;  // rows a work item takes through its tiles (their floats stay in L1/L2)
 constexpr int64_t kTileGrain = 4;  // tiles per work item
 
 template <typename W>
 inline float weight_at(const W* w) { return static_cast<float>(*w); }
 
-#if defined(__AVX512F__)
+#if defined(KVSERVE_V16)
 
 // R rows of x (float32, stride xs) against NT consecutive tiles: acc = fma(x[k], w[k], acc), k in order.
 template <typename W, int R, int NT>
 inline void tiles_rows(float* y, int64_t ys, const float* x, int64_t xs, const W* w, int64_t k_len,
                        const int64_t* valid) {
-  __m512 acc[NT][R];
+  V16 acc[NT][R];
   for (int t = 0; t < NT; ++t)
-    for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[t][r] = v16_zero();
   for (int64_t k = 0; k < k_len; ++k) {
-    __m512 wv[NT];
+    V16 wv[NT];
     for (int t = 0; t < NT; ++t) wv[t] = load16(w + (t * k_len + k) * kTile);  // 16 weights as float32 (cache_rows.h)
     for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[r * xs + k]);
-      for (int t = 0; t < NT; ++t) acc[t][r] = _mm512_fmadd_ps(xv, wv[t], acc[t][r]);
+      const V16 xv = v16_set1(x[r * xs + k]);
+      for (int t = 0; t < NT; ++t) acc[t][r] = v16_fmadd(xv, wv[t], acc[t][r]);
     }
   }
-  for (int t = 0; t < NT; ++t) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << valid[t]) - 1);
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ys + t * kTile, mask, acc[t][r]);
-  }
+  for (int t = 0; t < NT; ++t)
+    for (int r = 0; r < R; ++r) v16_store_n(y + r * ys + t * kTile, acc[t][r], static_cast<int>(valid[t]));
 }
 
 template <typename W, int NT, int R = kRows>
@@ -104,7 +105,7 @@ void dense_linear_impl(at::Tensor& out, const at::Tensor& x, const W* w, int64_t
           float* y = yp + r * ys + t * kTile;
           const float* xr = xp + r * xs;
           const W* wt = w + t * k_len * kTile;
-#if defined(__AVX512F__)
+#if defined(KVSERVE_V16)
           if (t + 1 < t1) {
             tiles_rows_n<W, 2>(nr, y, ys, xr, xs, wt, k_len, valid);
             t += 2;

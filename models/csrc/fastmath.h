@@ -1,14 +1,12 @@
 // Float arithmetic the kernels share: storage values as float32, and exp(x)
-// written so that it vectorises (scalar, and on 16 AVX-512 lanes).
+// written so that it vectorises (scalar, and on 16 lanes: vec16.h).
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec16.h"
 
 namespace kvserve {
 
@@ -34,17 +32,17 @@ inline float exp_approx(float x) {
   return p * __builtin_bit_cast(float, bits);
 }
 
-#if defined(__AVX512F__)
+#if defined(KVSERVE_V16)
 // exp_approx on 16 lanes: the same clamp, split and polynomial (kExp2Poly).
-inline __m512 exp_approx16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 fi = _mm512_roundscale_ps(_mm512_add_ps(t, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, fi);
-  __m512 p = _mm512_set1_ps(kExp2Poly[0]);
-  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fi), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+inline V16 exp_approx16(V16 x) {
+  x = v16_min(v16_max(x, v16_set1(-87.0f)), v16_set1(88.0f));
+  const V16 t = x * v16_set1(1.4426950408889634f);
+  const V16 fi = v16_floor(t + v16_set1(0.5f));
+  const V16 f = t - fi;
+  V16 p = v16_set1(kExp2Poly[0]);
+  for (int i = 1; i < 7; ++i) p = v16_fmadd(p, f, v16_set1(kExp2Poly[i]));
+  const V16i bits = v16i_slli32(v16i_add(v16_round_to_int(fi), v16i_set1(127)), 23);
+  return p * v16_as_float(bits);
 }
 #endif
 

@@ -27,7 +27,7 @@
 #include "grouped_gemm.h"
 #include "grouped_gemm_amx.h"
 #include "parallel.h"
-#include "simd.h"
+#include "vec16.h"
 
 #include <algorithm>
 #include <cmath>
@@ -36,19 +36,22 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
 constexpr int64_t kTile = 16;   // output rows per vector
 constexpr int64_t kGroup = 32;  // inputs per scale
 // Rows of x per pass over a tile. The int8 path keeps one accumulator per row
 // in registers and gains about 5% going from 8 to 16 rows; the float path keeps
-// two per row and slows down at 16 (measured).
+// two per row and slows down at 16 (measured with AVX-512's 32 registers;
+// AVX2 has 16 of half the width). A row's arithmetic does not depend on the
+// rows beside it.
+#if defined(KVSERVE_V16_AVX2)
+constexpr int kRowsFloat = 4;
+constexpr int kRowsInt8 = 8;
+#else
 constexpr int kRowsFloat = 8;
 constexpr int kRowsInt8 = 16;
+#endif
 
 // Rows of x rounded to 8 bits per half group (16 inputs), for codes of
 // centre c (8 for 4 bits, 128 for 8 bits), stored group-major so that a pass
@@ -88,40 +91,38 @@ inline void quantize_row(QuantizedRows& qr, const float* x, int64_t r, int64_t g
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(KVSERVE_V16)
 // The same rounding, 16 half groups at a time: their maxima, sums and code
 // sums each come out of one reduce16 tree as one vector (lane i: half group
 // i), where a horizontal reduction per half group costs about 3x the
 // instructions. The conversion rounds to nearest even, as nearbyint does.
-inline void quantize_row_avx512(QuantizedRows& qr, const float* x, int64_t r, int64_t groups, float centre) {
+inline void quantize_row_v16(QuantizedRows& qr, const float* x, int64_t r, int64_t groups, float centre) {
+  using namespace kvserve;
   const int64_t halves = 2 * groups;
   for (int64_t h0 = 0; h0 < halves; h0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, halves - h0));
-    __m512 v[16], a[16];
+    V16 v[16], a[16];
     for (int i = 0; i < 16; ++i) {
-      v[i] = i < n ? _mm512_loadu_ps(x + (h0 + i) * 16) : _mm512_setzero_ps();
-      a[i] = _mm512_abs_ps(v[i]);
+      v[i] = i < n ? v16_load(x + (h0 + i) * 16) : v16_zero();
+      a[i] = v16_abs(v[i]);
     }
-    const __m512 amax = kvserve::max16(a);
-    const __m512 sums = kvserve::sum16(v);
-    const __mmask16 nonzero = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ);
+    const V16 amax = max16(a);
     alignas(64) float inv[16], d[16], sum[16], qsum[16];
-    _mm512_store_ps(inv, _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(127.0f), amax));
-    _mm512_store_ps(d, _mm512_div_ps(amax, _mm512_set1_ps(127.0f)));
-    _mm512_store_ps(sum, sums);
-    __m512 qf[16];
+    v16_store(inv, v16_div_where_positive(127.0f, amax));
+    v16_store(d, v16_div(amax, v16_set1(127.0f)));
+    v16_store(sum, sum16(v));
+    V16 qf[16];
     for (int i = 0; i < 16; ++i) {
       if (i >= n) {
-        qf[i] = _mm512_setzero_ps();
+        qf[i] = v16_zero();
         continue;
       }
       const int64_t hg = h0 + i, gr = (hg / 2) * qr.rows + r;
-      const __m512i qv = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(inv[i])));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qr.q.data() + gr * kGroup + (hg % 2) * 16),
-                       _mm512_cvtsepi32_epi8(qv));
-      qf[i] = _mm512_cvtepi32_ps(qv);  // |sum| <= 16 * 127: exact in float
+      const V16i qv = v16_round_to_int(v[i] * v16_set1(inv[i]));
+      v16i_store_int8(qr.q.data() + gr * kGroup + (hg % 2) * 16, qv);
+      qf[i] = v16_from_int(qv);  // |sum| <= 16 * 127: exact in float
     }
-    _mm512_store_ps(qsum, kvserve::sum16(qf));
+    v16_store(qsum, sum16(qf));
     for (int i = 0; i < n; i += 2) {  // h0 and n are even: whole groups
       const int64_t gr = ((h0 + i) / 2) * qr.rows + r;
       qr.d[2 * gr] = d[i];
@@ -143,8 +144,8 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t xs, int64_t gr
                    std::vector<float>(n), stride_rows};
   kvserve::parallel_chunks(rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-#if defined(__AVX512F__)
-      quantize_row_avx512(qr, x + r * xs, r, groups, centre);
+#if defined(KVSERVE_V16)
+      quantize_row_v16(qr, x + r * xs, r, groups, centre);
 #else
       quantize_row(qr, x + r * xs, r, groups, centre);
 #endif
@@ -164,20 +165,24 @@ inline int code_at(const uint8_t* group, int i, int k) {
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(KVSERVE_V16)
+using kvserve::V16;
+using kvserve::V16i;
+
 // The group's codes as bytes, inputs 0..15 in w[0..3] and 16..31 in w[4..7],
 // 4 inputs per 32-bit lane.
 template <int kBits>
-inline void load_codes(const uint8_t* group, __m512i* w) {
+inline void load_codes(const uint8_t* group, V16i* w) {
+  using namespace kvserve;
   if constexpr (kBits == 4) {
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const V16i low4 = v16i_set1(0x0F0F0F0F);
     for (int j = 0; j < 4; ++j) {
-      const __m512i packed = _mm512_loadu_si512(group + j * 64);
-      w[j] = _mm512_and_si512(packed, low4);
-      w[4 + j] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+      const V16i packed = v16i_load(group + j * 64);
+      w[j] = packed & low4;
+      w[4 + j] = v16i_srli16(packed, 4) & low4;
     }
   } else {
-    for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(group + j * 64);
+    for (int j = 0; j < 8; ++j) w[j] = v16i_load(group + j * 64);
   }
 }
 
@@ -186,31 +191,31 @@ inline void load_codes(const uint8_t* group, __m512i* w) {
 template <int kBits, int R>
 inline void tile_rows(float* y, int64_t y_stride, const float* x, int64_t x_stride, const float* xsum,
                       int64_t groups, const uint8_t* codes, const float* scales, int64_t valid) {
+  using namespace kvserve;
   constexpr int64_t kGroupBytes = kTile * kGroup * kBits / 8;  // one group of a 16-row tile
-  __m512 acc[R], accq[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i byte = _mm512_set1_epi32(0xFF);
+  V16 acc[R], accq[R];
+  for (int r = 0; r < R; ++r) acc[r] = v16_zero();
+  const V16i byte = v16i_set1(0xFF);
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i w[8];
+    V16i w[8];
     load_codes<kBits>(codes + g * kGroupBytes, w);
     const float* xg = x + g * kGroup;
-    for (int r = 0; r < R; ++r) accq[r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) accq[r] = v16_zero();
     for (int j = 0; j < 8; ++j) {
       const int k0 = j < 4 ? 4 * j : 16 + 4 * (j - 4);
       for (int b = 0; b < 4; ++b) {
-        const __m512 u = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w[j], 8 * b), byte));
-        for (int r = 0; r < R; ++r) accq[r] = _mm512_fmadd_ps(_mm512_set1_ps(xg[r * x_stride + k0 + b]), u, accq[r]);
+        const V16 u = v16_from_int(v16i_srli32(w[j], 8 * b) & byte);
+        for (int r = 0; r < R; ++r) accq[r] = v16_fmadd(v16_set1(xg[r * x_stride + k0 + b]), u, accq[r]);
       }
     }
-    const __m512 d = _mm512_loadu_ps(scales + g * 32);
-    const __m512 m = _mm512_loadu_ps(scales + g * 32 + 16);
+    const V16 d = v16_load(scales + g * 32);
+    const V16 m = v16_load(scales + g * 32 + 16);
     for (int r = 0; r < R; ++r) {
-      acc[r] = _mm512_fmadd_ps(d, accq[r], acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * groups + g]), acc[r]);
+      acc[r] = v16_fmadd(d, accq[r], acc[r]);
+      acc[r] = v16_fmadd(m, v16_set1(xsum[r * groups + g]), acc[r]);
     }
   }
-  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * y_stride, mask, acc[r]);
+  for (int r = 0; r < R; ++r) v16_store_n(y + r * y_stride, acc[r], static_cast<int>(valid));
 }
 
 // Calls f(std::integral_constant<int, rows>{}) for 1 <= rows <= R, so the
@@ -224,15 +229,56 @@ inline void with_rows(int rows, F&& f) {
 }
 #endif
 
+#if defined(KVSERVE_V16_INT8)
 #if defined(__AVX512VNNI__)
 // s += dot(u, qx[p..p+4)) per 32-bit lane, with the 4 bytes at p broadcast from memory by
 // vpdpbusd itself (GCC emits a separate vpbroadcastd for _mm512_set1_epi32).
-inline void dpbusd_bcast(__m512i& s, __m512i u, const int8_t* p) {
-  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(s) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(p)));
+inline void dpbusd_bcast(V16i& s, V16i u, const int8_t* p) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(s.v) : "v"(u.v), "m"(*reinterpret_cast<const int32_t*>(p)));
+}
+#endif
+
+// s0, s1 = the integer dots of each tile row's codes with the two halves of
+// one row's group of int8 x (inputs 0-15 and 16-31). Exact on every path, so
+// VNNI, AVX512-BW and AVX2 give the same sums (and AMX too).
+template <int kBits>
+inline void group_dots(V16i& s0, V16i& s1, const V16i* w, const int8_t* qx) {
+  using namespace kvserve;
+#if defined(__AVX512VNNI__)
+  s0 = v16i_zero();
+  s1 = v16i_zero();
+  for (int j = 0; j < 4; ++j) {
+    dpbusd_bcast(s0, w[j], qx + 4 * j);
+    dpbusd_bcast(s1, w[4 + j], qx + 16 + 4 * j);
+  }
+#else
+  // Without VNNI: pairs of byte products summed to int16 (vpmaddubsw), four
+  // such sums added in int16 before widening. With codes of at most 15 and
+  // |qx| <= 127 a sum stays within 4 * 2 * 15 * 127 = 15240: nothing saturates,
+  // and the dots are VNNI's exactly. 8-bit codes go as their two nibbles.
+  const auto dots = [](const V16i* u, const int8_t* x) {
+    V16i p = v16i_maddubs(u[0], v16i_bcast4(x));
+    for (int j = 1; j < 4; ++j) p = v16i_add16(p, v16i_maddubs(u[j], v16i_bcast4(x + 4 * j)));
+    return v16i_widen_pairs(p);
+  };
+  if constexpr (kBits == 4) {
+    s0 = dots(w, qx);
+    s1 = dots(w + 4, qx + 16);
+  } else {  // u = lo + 16 hi
+    const V16i low4 = v16i_set1(0x0F0F0F0F);
+    V16i lo[8], hi[8];
+    for (int j = 0; j < 8; ++j) {
+      lo[j] = w[j] & low4;
+      hi[j] = v16i_srli16(w[j], 4) & low4;
+    }
+    s0 = v16i_add(dots(lo, qx), v16i_slli32(dots(hi, qx), 4));
+    s1 = v16i_add(dots(lo + 4, qx + 16), v16i_slli32(dots(hi + 4, qx + 16), 4));
+  }
+#endif
 }
 
 // Up to R rows of int8 x against one 16-row tile. The codes u are the
-// unsigned operand of vpdpbusd, x's codes the signed one; s0 and s1 are the
+// unsigned operand of the dots, x's codes the signed one; s0 and s1 are the
 // dots of the two halves of the group, each half with its own dx. With
 // centre c and w = d (u - c) + (m + c d), per group:
 //   y += d * (dx0 s0 + dx1 s1 + shift) + m * sum(x),
@@ -243,14 +289,15 @@ inline void dpbusd_bcast(__m512i& s, __m512i u, const int8_t* p) {
 template <int kBits, int R>
 inline void tile_rows_a8(float* y, int64_t y_stride, const QuantizedRows& xq, int64_t r0, int64_t groups,
                          const uint8_t* codes, const float* scales, int64_t valid) {
+  using namespace kvserve;
   constexpr int64_t kGroupBytes = kTile * kGroup * kBits / 8;  // one group of a 16-row tile
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  V16 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = v16_zero();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i w[8];
+    V16i w[8];
     load_codes<kBits>(codes + g * kGroupBytes, w);
-    const __m512 d = _mm512_loadu_ps(scales + g * 32);
-    const __m512 m = _mm512_loadu_ps(scales + g * 32 + 16);
+    const V16 d = v16_load(scales + g * 32);
+    const V16 m = v16_load(scales + g * 32 + 16);
     const int64_t first = g * xq.rows + r0;  // this chunk's rows of group g
     const int8_t* qx = xq.q.data() + first * kGroup;
     const float* dx = xq.d.data() + first * 2;
@@ -258,24 +305,20 @@ inline void tile_rows_a8(float* y, int64_t y_stride, const QuantizedRows& xq, in
     const float* sum = xq.sum.data() + first;
 #pragma GCC unroll 16  // keep acc[] in registers (GCC left this loop rolled, acc[] on the stack)
     for (int r = 0; r < R; ++r) {
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-      for (int j = 0; j < 4; ++j) {
-        dpbusd_bcast(s0, w[j], qx + r * kGroup + 4 * j);
-        dpbusd_bcast(s1, w[4 + j], qx + r * kGroup + 16 + 4 * j);
-      }
-      __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_set1_ps(dx[2 * r + 1]), _mm512_set1_ps(shift[r]));
-      t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_set1_ps(dx[2 * r]), t);
-      acc[r] = _mm512_fmadd_ps(d, t, acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sum[r]), acc[r]);
+      V16i s0, s1;
+      group_dots<kBits>(s0, s1, w, qx + r * kGroup);
+      V16 t = v16_fmadd(v16_from_int(s1), v16_set1(dx[2 * r + 1]), v16_set1(shift[r]));
+      t = v16_fmadd(v16_from_int(s0), v16_set1(dx[2 * r]), t);
+      acc[r] = v16_fmadd(d, t, acc[r]);
+      acc[r] = v16_fmadd(m, v16_set1(sum[r]), acc[r]);
     }
   }
-  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * y_stride, mask, acc[r]);
+  for (int r = 0; r < R; ++r) v16_store_n(y + r * y_stride, acc[r], static_cast<int>(valid));
 }
 #endif
 
-// Plain C++ for CPUs without AVX-512 (or VNNI): the same arithmetic, one
-// output at a time. The tests run them on every machine (`plain=true`).
+// Plain C++ for CPUs without AVX2 (or without its integer dots): the same
+// arithmetic, one output at a time. The tests run them on every machine (`plain=true`).
 // float activations: y = sum_g (d sum_k x u + m sum_k x)
 template <int kBits>
 void tile_rows_plain(int rows, float* y, int64_t ys, const float* x, int64_t xs, int64_t groups,
@@ -384,10 +427,10 @@ void grouped_linear_impl(at::Tensor& out, const at::Tensor& x, const uint8_t* cp
   const float* xp = x.data_ptr<float>();
   float* yp = out.data_ptr<float>();
   const int64_t xs = x.stride(0), ys = out.stride(0);
-#if !defined(__AVX512F__)
+#if !defined(KVSERVE_V16)
   plain = true;
 #endif
-#if !defined(__AVX512VNNI__)
+#if !defined(KVSERVE_V16_INT8)
   plain = plain || int8_acts;
 #endif
   const float centre = static_cast<float>(1 << (kBits - 1));
@@ -421,8 +464,8 @@ void grouped_linear_impl(at::Tensor& out, const at::Tensor& x, const uint8_t* cp
       else tile_rows_plain<kBits>(r, y, ys, xp + r0 * xs, xs, groups, c, s, valid);
       return;
     }
-#if defined(__AVX512F__)
-#if defined(__AVX512VNNI__)
+#if defined(KVSERVE_V16)
+#if defined(KVSERVE_V16_INT8)
     if (int8_acts) {
       return with_rows<kRowsInt8>(r, [&](auto n) {
         tile_rows_a8<kBits, decltype(n)::value>(y, ys, xq, r0, groups, c, s, valid);
@@ -440,7 +483,7 @@ void grouped_linear_impl(at::Tensor& out, const at::Tensor& x, const uint8_t* cp
 
 // x [M, K] float32 (rows contiguous), codes [N/16, K/32, 4 or 8, 64] uint8
 // (4 or 8 bits), scales [N/16, K/32, 2, 16] float32 -> out [M, N] float32.
-// int8_activations: the VNNI arithmetic above; plain: the portable C++.
+// int8_activations: the integer-dot arithmetic above; plain: the portable C++.
 void grouped_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                     bool int8_activations, bool plain) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
@@ -461,9 +504,10 @@ void grouped_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& code
   else grouped_linear_impl<8>(out, x, cp, sp, tiles, groups, int8_activations, plain);
 }
 
-// Whether the int8-activation path runs on VNNI here (else on the plain C++).
-bool has_vnni() {
-#if defined(__AVX512VNNI__)
+// Whether the int8-activation path runs as vector integer dots here (AVX512-VNNI,
+// AVX512-BW or AVX2), else on the plain C++.
+bool has_int8_dots() {
+#if defined(KVSERVE_V16_INT8)
   return true;
 #else
   return false;

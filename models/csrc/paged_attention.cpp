@@ -16,30 +16,26 @@
 #include "fastmath.h"
 #include "kernels.h"
 #include "parallel.h"
-#include "simd.h"
+#include "vec16.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace kvserve {
 namespace {
 
 // max(s[0..n)), n >= 1. GCC keeps a float max reduction scalar (a chain of
-// dependent vmaxss), so the AVX-512 build spells out the vector loop.
+// dependent vmaxss), so the vector build spells out the vector loop.
 inline float row_max(const float* s, int64_t n) {
   float mx = s[0];
   int64_t t = 1;
-#if defined(__AVX512F__)
+#if defined(KVSERVE_V16)
   if (n >= 16) {
-    __m512 m = _mm512_loadu_ps(s);
-    for (t = 16; t + 16 <= n; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + t));
-    mx = _mm512_reduce_max_ps(m);
+    V16 m = v16_load(s);
+    for (t = 16; t + 16 <= n; t += 16) m = v16_max(m, v16_load(s + t));
+    mx = v16_reduce_max(m);
   }
 #endif
   for (; t < n; ++t) mx = std::max(mx, s[t]);
@@ -53,22 +49,22 @@ inline void softmax_rows(float* s, int64_t rows, int64_t n) {
     const float mx = row_max(s, n);
     float sum = 0.0f;
     int64_t t = 0;
-#if defined(__AVX512F__)
-    const __m512 m = _mm512_set1_ps(mx);
-    __m512 acc = _mm512_setzero_ps();
+#if defined(KVSERVE_V16)
+    const V16 m = v16_set1(mx);
+    V16 acc = v16_zero();
     for (; t + 16 <= n; t += 16) {
-      const __m512 e = exp_approx16(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
-      _mm512_storeu_ps(s + t, e);
-      acc = _mm512_add_ps(acc, e);
+      const V16 e = exp_approx16(v16_load(s + t) - m);
+      v16_store(s + t, e);
+      acc = acc + e;
     }
     if (t < n) {
-      const __mmask16 mask = static_cast<__mmask16>((1u << (n - t)) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(mask, exp_approx16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t), m)));
-      _mm512_mask_storeu_ps(s + t, mask, e);
-      acc = _mm512_add_ps(acc, e);
+      const int rest = static_cast<int>(n - t);
+      const V16 e = v16_first_n(exp_approx16(v16_load_n(s + t, rest) - m), rest);
+      v16_store_n(s + t, e, rest);
+      acc = acc + e;
       t = n;
     }
-    sum = _mm512_reduce_add_ps(acc);
+    sum = v16_reduce_add(acc);
 #endif
     for (; t < n; ++t) {
       s[t] = exp_approx(s[t] - mx);
@@ -82,11 +78,11 @@ inline void softmax_rows(float* s, int64_t rows, int64_t n) {
 // Rows of a length divisible by 16 go 16 values at a time through load16.
 template <typename T>
 inline float dot_row(const float* q, const T* k, int64_t n) {
-#if defined(__AVX512F__)
+#if defined(KVSERVE_V16)
   if (n % 16 == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < n; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
-    return _mm512_reduce_add_ps(acc);
+    V16 acc = v16_zero();
+    for (int64_t d = 0; d < n; d += 16) acc = v16_fmadd(v16_load(q + d), load16(k + d), acc);
+    return v16_reduce_add(acc);
   }
 #endif
   float dot = 0.0f;  // in order: a vectorised reduction's order could depend on alignment
@@ -96,12 +92,10 @@ inline float dot_row(const float* q, const T* k, int64_t n) {
 
 template <typename T>
 inline void axpy_row(float* acc, float p, const T* v, int64_t n) {
-#if defined(__AVX512F__)
+#if defined(KVSERVE_V16)
   if (n % 16 == 0) {
-    const __m512 pv = _mm512_set1_ps(p);
-    for (int64_t d = 0; d < n; d += 16) {
-      _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(acc + d)));
-    }
+    const V16 pv = v16_set1(p);
+    for (int64_t d = 0; d < n; d += 16) v16_store(acc + d, v16_fmadd(pv, load16(v + d), v16_load(acc + d)));
     return;
   }
 #endif
@@ -140,38 +134,38 @@ inline void for_each_token(const C* cache, int64_t row_bytes, const PagedView& p
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(KVSERVE_V16)
 // The G query heads of one KV head, scores over ``ctx`` tokens: each key row
 // is loaded (and converted) once for all G heads, the queries held in
 // registers. Each token's G products wait, unreduced, until 16 tokens are in;
 // sum16 then reduces them together.
 template <typename C, int HD, int G>
-inline void scores_avx512(float* s, const float* q, const C* kc, const PagedView& pv, int64_t head_offset,
-                          int64_t ctx) {
+inline void scores_v16(float* s, const float* q, const C* kc, const PagedView& pv, int64_t head_offset,
+                       int64_t ctx) {
   constexpr int kVecs = HD / 16;
-  __m512 qv[G][kVecs];
+  V16 qv[G][kVecs];
   for (int g = 0; g < G; ++g)
-    for (int i = 0; i < kVecs; ++i) qv[g][i] = _mm512_loadu_ps(q + g * HD + 16 * i);
+    for (int i = 0; i < kVecs; ++i) qv[g][i] = v16_load(q + g * HD + 16 * i);
   alignas(64) float parts[G][16][16];
   alignas(64) float scales[16];  // the key rows' int8 scales
   const auto flush = [&](int64_t first, int n) {
     for (int g = 0; g < G; ++g) {
-      __m512 v[16];
-      for (int j = 0; j < 16; ++j) v[j] = j < n ? _mm512_load_ps(parts[g][j]) : _mm512_setzero_ps();
-      __m512 sums = sum16(v);
-      if constexpr (kRowExtra<C> > 0) sums = _mm512_mul_ps(sums, _mm512_load_ps(scales));
-      _mm512_mask_storeu_ps(s + g * ctx + first, static_cast<__mmask16>((1u << n) - 1), sums);
+      V16 v[16];
+      for (int j = 0; j < 16; ++j) v[j] = j < n ? v16_load(parts[g][j]) : v16_zero();
+      V16 sums = sum16(v);
+      if constexpr (kRowExtra<C> > 0) sums = sums * v16_load(scales);
+      v16_store_n(s + g * ctx + first, sums, n);
     }
   };
   for_each_token(kc, (HD + kRowExtra<C>) * sizeof(C), pv, head_offset, ctx, [&](int64_t t, int64_t off) {
-    __m512 k[kVecs];
+    V16 k[kVecs];
     for (int i = 0; i < kVecs; ++i) k[i] = load16(kc + off + 16 * i);
     const int j = static_cast<int>(t % 16);
     if constexpr (kRowExtra<C> > 0) scales[j] = row_scale(kc + off, HD);
     for (int g = 0; g < G; ++g) {
-      __m512 acc = _mm512_mul_ps(qv[g][0], k[0]);
-      for (int i = 1; i < kVecs; ++i) acc = _mm512_fmadd_ps(qv[g][i], k[i], acc);
-      _mm512_store_ps(parts[g][j], acc);
+      V16 acc = qv[g][0] * k[0];
+      for (int i = 1; i < kVecs; ++i) acc = v16_fmadd(qv[g][i], k[i], acc);
+      v16_store(parts[g][j], acc);
     }
     if (j == 15) flush(t - 15, 16);
   });
@@ -182,29 +176,36 @@ inline void scores_avx512(float* s, const float* q, const C* kc, const PagedView
 // the accumulators held in registers (through memory, each token's add would
 // wait for the previous store).
 template <typename C, int HD, int G>
-inline void values_avx512(float* out, const float* p, const C* vc, const PagedView& pv, int64_t head_offset,
-                          int64_t ctx) {
+inline void values_v16(float* out, const float* p, const C* vc, const PagedView& pv, int64_t head_offset,
+                       int64_t ctx) {
   constexpr int kVecs = HD / 16;
-  __m512 acc[G][kVecs];
+  V16 acc[G][kVecs];
   for (int g = 0; g < G; ++g)
-    for (int i = 0; i < kVecs; ++i) acc[g][i] = _mm512_setzero_ps();
+    for (int i = 0; i < kVecs; ++i) acc[g][i] = v16_zero();
   for_each_token(vc, (HD + kRowExtra<C>) * sizeof(C), pv, head_offset, ctx, [&](int64_t t, int64_t off) {
-    __m512 v[kVecs];
+    V16 v[kVecs];
     for (int i = 0; i < kVecs; ++i) v[i] = load16(vc + off + 16 * i);
     const float vs = row_scale(vc + off, HD);
     for (int g = 0; g < G; ++g) {
-      const __m512 pt = _mm512_set1_ps(p[g * ctx + t] * vs);
-      for (int i = 0; i < kVecs; ++i) acc[g][i] = _mm512_fmadd_ps(pt, v[i], acc[g][i]);
+      const V16 pt = v16_set1(p[g * ctx + t] * vs);
+      for (int i = 0; i < kVecs; ++i) acc[g][i] = v16_fmadd(pt, v[i], acc[g][i]);
     }
   });
   for (int g = 0; g < G; ++g)
-    for (int i = 0; i < kVecs; ++i) _mm512_storeu_ps(out + g * HD + 16 * i, acc[g][i]);
+    for (int i = 0; i < kVecs; ++i) v16_store(out + g * HD + 16 * i, acc[g][i]);
 }
 
 // Query heads per pass over the cache: registers hold G x HD/16 query (or
-// accumulator) vectors, so G <= 4 at head size 64 and G <= 2 at 128.
+// accumulator) vectors, so with AVX-512's 32 registers G <= 4 at head size 64
+// and G <= 2 at 128; AVX2 has 16 registers of half the width. A head's
+// arithmetic does not depend on the heads beside it.
+#if defined(KVSERVE_V16_AVX512)
 template <int HD>
 constexpr int kMaxGroup = HD <= 64 ? 4 : 2;
+#else
+template <int HD>
+constexpr int kMaxGroup = HD <= 64 ? 2 : 1;
+#endif
 
 // Runs f(integral_constant<G>, first_head) over the group in passes of up to kMaxGroup<HD> heads.
 template <int HD, typename F>
@@ -234,14 +235,14 @@ void attend_group(T* out, const float* qf, const C* kc, const C* vc, const Paged
   float* s = scores.data();
   acc.assign(group * hd, 0.0f);
   float* a = acc.data();
-#if defined(__AVX512F__)
+#if defined(KVSERVE_V16)
   if constexpr (HD > 0 && HD % 16 == 0) {
     for_head_passes<HD>(group, [&](auto n, int64_t g) {
-      scores_avx512<C, HD, decltype(n)::value>(s + g * ctx, qf + g * hd, kc, pv, head_offset, ctx);
+      scores_v16<C, HD, decltype(n)::value>(s + g * ctx, qf + g * hd, kc, pv, head_offset, ctx);
     });
     softmax_rows(s, group, ctx);
     for_head_passes<HD>(group, [&](auto n, int64_t g) {
-      values_avx512<C, HD, decltype(n)::value>(a + g * hd, s + g * ctx, vc, pv, head_offset, ctx);
+      values_v16<C, HD, decltype(n)::value>(a + g * hd, s + g * ctx, vc, pv, head_offset, ctx);
     });
     for (int64_t i = 0; i < group * hd; ++i) out[i] = static_cast<T>(a[i]);
     return;

@@ -30,14 +30,33 @@ inline float recip_approx(float x) {
   return y * (2.0f - x * y);
 }
 
+// sum(x[i]^2) in one fixed order: 16 lanes over the row, one tree across the
+// lanes (vec16.h), then the tail in order. An `omp simd` reduction's order
+// follows the vector width the compiler picks (and may follow alignment), so
+// the AVX2 and AVX-512 builds summed differently.
+template <typename T>
+inline float sum_of_squares(const T* x, int64_t n) {
+  float ss = 0.0f;
+  int64_t i = 0;
+#if defined(KVSERVE_V16)
+  if constexpr (!std::is_same_v<T, double>) {  // load16 reads float32, float16 and bfloat16 rows
+    if (n >= 16) {
+      V16 acc = v16_zero();
+      for (; i + 16 <= n; i += 16) {
+        const V16 v = load16(x + i);
+        acc = v16_fmadd(v, v, acc);
+      }
+      ss = v16_reduce_add(acc);
+    }
+  }
+#endif
+  for (; i < n; ++i) ss = std::fma(to_f(x[i]), to_f(x[i]), ss);
+  return ss;
+}
+
 template <typename T>
 void rms_norm_rows(T* out, const T* x, const T* w, int64_t hidden, double eps) {
-  float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < hidden; ++i) {
-    const float v = to_f(x[i]);
-    ss += v * v;
-  }
+  const float ss = sum_of_squares(x, hidden);
   const float r = 1.0f / std::sqrt(ss / static_cast<float>(hidden) + static_cast<float>(eps));
   // As the reference: normalise, round to the storage dtype (a no-op for float), then scale.
 #pragma omp simd

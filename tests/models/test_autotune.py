@@ -17,7 +17,7 @@ from models.loader import resolve_path
 TINY = ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=64,
                    intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, max_position_embeddings=2048)
-VNNI = ops.kernels_available() and ops.has_vnni()
+VNNI = ops.kernels_available() and ops.has_int8_dots()
 FOUR_BIT_QUANTS = (["w4a8"] if VNNI else []) + ["int4", "none"]
 DTYPES = ["float32"] + (["bfloat16"] if autotune.cpu_has_native_bf16() else [])
 

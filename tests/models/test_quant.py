@@ -24,7 +24,7 @@ from models import ops
 from models.gguf_loader import open_gguf, projection_type
 from models.quant import GROUP_SIZE, SMALL_BATCH_ROWS, QuantizedLinear, pack_int4, pack_int8, quantize_model
 
-needs_vnni = pytest.mark.skipif(not ops.has_vnni(), reason="w4a8 runs on AVX512-VNNI CPUs only")
+needs_vnni = pytest.mark.skipif(not ops.has_int8_dots(), reason="w4a8 runs on CPUs with AVX2 or AVX-512 only")
 
 PROMPTS = ["The capital of France is Paris. The capital of Germany is",
            "北京是中国的首都，上海是",
@@ -133,7 +133,7 @@ def int8_activation_product(x: torch.Tensor, weight: torch.Tensor, kind: str) ->
 # whole runs and a partial one) as the model's are, and 13 tiles in 4 claims per block of rows.
 @pytest.mark.parametrize("in_f, out_f", [(96, 40), (576, 200)])
 def test_vector_kernels_equal_the_plain_cpp_and_the_defined_arithmetic(kind, int8_activations, rows, in_f, out_f):
-    if int8_activations and not ops.has_vnni():
+    if int8_activations and not ops.has_int8_dots():
         pytest.skip("the vector int8-activation kernel needs AVX512-VNNI")
     dense = q4_1_like_linear(out_f=out_f, in_f=in_f) if kind == "int4" else nn.Linear(in_f, out_f, bias=False)
     codes, scales = (pack_int4 if kind == "int4" else pack_int8)(dense.weight.detach())
