@@ -15,14 +15,14 @@ def _one_of(values: tuple[str, ...]) -> str:
     return ", ".join(values[:-1]) + " or " + values[-1]
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """``--speculative ngram`` and its settings (vLLM's names where it has them):
-    proposals of up to ``num_speculative_tokens`` from the last ``ngram_max`` down to
-    ``ngram_min`` tokens."""
+    """``--speculative ngram|draft`` and its settings (vLLM's names where it has them):
+    proposals of up to ``num_speculative_tokens``, from the last ``ngram_max`` down to
+    ``ngram_min`` tokens (ngram) or from ``draft_model`` run greedily (draft)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -33,10 +33,15 @@ class SpeculativeConfig:
     # A request whose last proposals had an acceptance rate below this pauses
     # speculating for a while (``Speculator.PAUSE_STEPS``).
     min_acceptance: float = 0.25
+    # draft: a model name, directory or .gguf file with the target's vocabulary.
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError("a draft model goes with speculative 'draft', and 'draft' needs one "
+                             f"(speculative {self.method!r}, draft model {self.draft_model!r})")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpeculativeConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner, num_blocks_for_budget
@@ -17,7 +17,8 @@ from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.request import EngineRequest, Request, RequestStatus
 from engine.sampler import Sampler, SamplerOutput, picks_argmax
 from engine.sampling_params import SamplingParams
-from engine.speculative import Speculator
+from engine.draft import DraftProposer
+from engine.speculative import NgramProposals, Proposer, Speculator
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.stats import FinishedRequestStats, StatLogger, StepStats, StructuredRequestStats
 from engine.structured import BitmaskFiller, GrammarCompiler
@@ -75,7 +76,10 @@ class LLMEngine:
     Not thread-safe: one caller (the AsyncEngine's loop, or ``generate``).
     """
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 draft: LoadedModel | None = None) -> None:
+        """``loaded`` and ``draft`` (``--speculative draft``'s model): already loaded
+        models to use instead of loading ``config.model`` and the draft model."""
         self.config = config
         # Read first: a bad --chat-template fails before the model loads.
         template = read_chat_template(config.chat_template) if config.chat_template else None
@@ -113,7 +117,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.vocab_size, sorted(self.eos_token_ids))
         self._masks = BitmaskFiller(self.vocab_size)
-        self.speculator = Speculator(config.speculative, self.max_model_len) if config.speculative else None
+        self.speculator = (Speculator(config.speculative, self.max_model_len, self._proposer(config.speculative, draft))
+                           if config.speculative else None)
         self.stat_loggers: list[StatLogger] = []
         self._requests: dict[str, _ApiRequest] = {}
         self._seq_to_api: dict[str, _ApiRequest] = {}
@@ -124,6 +129,23 @@ class LLMEngine:
         self._pending_structured: list[StructuredRequestStats] = []
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s", num_blocks, config.block_size,
                     num_blocks * config.block_size, str(kv_dtype).removeprefix("torch."))
+
+    def _proposer(self, spec: SpeculativeConfig, draft: LoadedModel | None) -> Proposer:
+        """Prompt lookup, or the draft model loaded as the target was (same dtype,
+        quantization and device settings) with as many KV blocks as the target's."""
+        if spec.method == "ngram":
+            return NgramProposals(spec)
+        c = self.config
+        if draft is None:
+            draft = load_model(spec.draft_model, c.dtype, c.device, max_positions=self.max_model_len,
+                               quantization=c.quantization)
+        if not draft.tokenizer.same_vocabulary(self.tokenizer):
+            raise ValueError(f"the draft model {spec.draft_model!r} has another vocabulary than "
+                             f"{c.model!r}: its proposals would be other tokens")
+        kv_dtype = resolve_kv_cache_dtype(c.kv_cache_dtype, draft.dtype)
+        logger.info("speculative: draft model %s, %d KV blocks of its own", spec.draft_model, self.num_blocks)
+        return DraftProposer(draft, self.num_blocks, self.block_size, kv_dtype, spec.num_speculative_tokens,
+                             self.vocab_size)
 
     # -- requests ---------------------------------------------------------
 

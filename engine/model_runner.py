@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -24,6 +25,18 @@ def kv_bytes_per_block(config: ModelConfig, dtype: torch.dtype, block_size: int)
 def num_blocks_for_budget(config: ModelConfig, dtype: torch.dtype, block_size: int, budget: int) -> int:
     """How many blocks fit in ``budget`` bytes."""
     return budget // kv_bytes_per_block(config, dtype, block_size)
+
+
+@dataclass
+class Chunk:
+    """One sequence's tokens in a forward: ``token_ids`` at positions
+    ``start_pos..``, their K/V written to ``block_ids``; the logits of the last
+    ``num_sampled`` of them are returned."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    num_sampled: int
 
 
 class ModelRunner:
@@ -49,21 +62,27 @@ class ModelRunner:
         """Run every scheduled token; logits for the ``sample`` entries, in scheduled order:
         one row each, or ``1 + len(spec_token_ids)`` rows for an entry with proposals
         (its last known token's, then each proposal's)."""
+        return self.run([Chunk(s.token_ids, s.start_pos, s.block_ids,
+                               1 + len(s.spec_token_ids) if s.sample else 0) for s in out.scheduled])
+
+    def run(self, chunks: list[Chunk]) -> torch.Tensor:
+        """One forward over every chunk; float32 logits of each chunk's last
+        ``num_sampled`` tokens, chunk after chunk in the given order."""
         # Decodes (one token) go first: attention batches them in one call.
-        order = sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i].num_new_tokens != 1)
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
         input_ids: list[int] = []
         positions: list[int] = []
         specs: list[SeqSpec] = []
         last_row: dict[int, int] = {}
         for i in order:
-            s = out.scheduled[i]
-            end = s.start_pos + s.num_new_tokens
-            input_ids.extend(s.token_ids)
-            positions.extend(range(s.start_pos, end))
-            specs.append(SeqSpec(s.num_new_tokens, end, s.block_ids))
+            c = chunks[i]
+            end = c.start_pos + len(c.token_ids)
+            input_ids.extend(c.token_ids)
+            positions.extend(range(c.start_pos, end))
+            specs.append(SeqSpec(len(c.token_ids), end, c.block_ids))
             last_row[i] = len(input_ids) - 1
-        sample_rows = [row for i, s in enumerate(out.scheduled) if s.sample
-                       for row in range(last_row[i] - len(s.spec_token_ids), last_row[i] + 1)]
+        sample_rows = [row for i, c in enumerate(chunks)
+                       for row in range(last_row[i] + 1 - c.num_sampled, last_row[i] + 1)]
         dev = self.device
         meta = build_attention_metadata(specs, self.block_size, dev)
         logits = self.model(

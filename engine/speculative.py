@@ -1,11 +1,12 @@
-"""Speculative decoding by prompt lookup (n-gram): proposals, and when to make them.
+"""Speculative decoding: proposals, and when to make them.
 
 A decode step reads every weight for one token per sequence, so on a CPU a
 step is bound by memory bandwidth and verifying a few more tokens of the same
-sequence costs little more than decoding one. ``NgramProposer`` guesses the
-next tokens of a sequence from its own history: when its last ``n`` tokens
-(``ngram_max`` down to ``ngram_min``) occurred before, the tokens that
-followed that occurrence are proposed. The scheduler runs them as extra
+sequence costs little more than decoding one. Two proposers guess the next
+tokens of a sequence: ``NgramProposer`` from its own history (prompt lookup:
+when its last ``n`` tokens, ``ngram_max`` down to ``ngram_min``, occurred
+before, the tokens that followed that occurrence), and
+``engine.draft.DraftProposer`` from a smaller model. The scheduler runs them as extra
 positions of the request (``ScheduledRequest.spec_token_ids``); the engine
 samples each of those positions as its own step would (``LLMEngine._verify``)
 and keeps the proposals that equal what it sampled, plus the token after the
@@ -22,9 +23,11 @@ rejected (``min_acceptance``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.config import SpeculativeConfig
 from engine.request import Request
+
 
 class NgramProposer:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the
@@ -79,11 +82,41 @@ class NgramIndex(NgramProposer):
         return []
 
 
+class Proposer(Protocol):
+    """Where proposals come from: many requests at once, each forgotten when it ends."""
+
+    def propose(self, requests: list[tuple[str, list[int], int]]) -> list[list[int]]:
+        """For each ``(request id, its tokens so far, limit)``: at most ``limit`` proposed next tokens."""
+
+    def forget(self, request_id: str) -> None:
+        """Drop what is kept for a request that ended."""
+
+
+class NgramProposals:
+    """Prompt lookup for every request: one ``NgramIndex`` each."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self._indexes: dict[str, NgramIndex] = {}
+
+    def propose(self, requests: list[tuple[str, list[int], int]]) -> list[list[int]]:
+        out = []
+        for request_id, tokens, limit in requests:
+            index = self._indexes.get(request_id)
+            if index is None:
+                c = self.config
+                index = self._indexes[request_id] = NgramIndex(c.ngram_min, c.ngram_max, c.num_speculative_tokens)
+            out.append(index.propose(tokens, limit))
+        return out
+
+    def forget(self, request_id: str) -> None:
+        self._indexes.pop(request_id, None)
+
+
 @dataclass
 class _Tracked:
-    """One request's proposer and its recent acceptance."""
+    """One request's recent acceptance."""
 
-    index: NgramIndex
     proposed: int = 0
     accepted: int = 0
     paused_until: int = 0
@@ -91,11 +124,12 @@ class _Tracked:
 
 @dataclass
 class Speculator:
-    """Sets each running request's ``spec_token_ids`` before a step, and learns
-    from what was accepted."""
+    """Sets each running request's ``spec_token_ids`` before a step (from ``proposer``),
+    and learns from what was accepted."""
 
     config: SpeculativeConfig
     max_model_len: int
+    proposer: Proposer
     _tracked: dict[str, _Tracked] = field(default_factory=dict)
     _step: int = 0
 
@@ -106,9 +140,7 @@ class Speculator:
     def _state(self, request_id: str) -> _Tracked:
         state = self._tracked.get(request_id)
         if state is None:
-            c = self.config
-            state = self._tracked[request_id] = _Tracked(NgramIndex(c.ngram_min, c.ngram_max,
-                                                                    c.num_speculative_tokens))
+            state = self._tracked[request_id] = _Tracked()
         return state
 
     def propose(self, running: list[Request]) -> None:
@@ -119,13 +151,14 @@ class Speculator:
             r.spec_token_ids = []
         if len(decoding) > self.config.max_batch:
             return
+        asked: list[tuple[Request, int]] = []
         for r in decoding:
-            state = self._state(r.request_id)
-            if state.paused_until > self._step:
-                continue
             # Never past max_tokens or the context: those tokens could not be kept.
             limit = min(r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens)
-            spec = state.index.propose(r.all_token_ids, limit)
+            if limit > 0 and self._state(r.request_id).paused_until <= self._step:
+                asked.append((r, limit))
+        proposals = self.proposer.propose([(r.request_id, r.all_token_ids, limit) for r, limit in asked])
+        for (r, _), spec in zip(asked, proposals):
             if spec and r.grammar is not None:
                 # Only what the grammar could accept: the masks follow the proposals.
                 spec = spec[:r.grammar.valid_prefix(spec)]
@@ -142,5 +175,6 @@ class Speculator:
             state.proposed = state.accepted = 0
 
     def forget(self, request_id: str) -> None:
-        """The request finished: drop its proposer and acceptance record."""
+        """The request finished: drop its proposer state and acceptance record."""
         self._tracked.pop(request_id, None)
+        self.proposer.forget(request_id)

@@ -97,6 +97,11 @@ class Tokenizer:
         """The vocabulary entry of ``token_id`` (byte-level spelling, e.g. ``Ġthe``), or None."""
         return self._backend.id_to_token(token_id)
 
+    def same_vocabulary(self, other: "Tokenizer") -> bool:
+        """Whether ``other`` has this tokenizer's tokens under the same ids."""
+        return self.vocab_size == other.vocab_size and all(
+            self.id_to_token(i) == other.id_to_token(i) for i in range(self.vocab_size))
+
     def with_chat_template(self, template: str) -> "Tokenizer":
         """This tokenizer with another chat template (a copy: this one is unchanged)."""
         other = copy.copy(self)

@@ -63,7 +63,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--speculative", default=None, choices=SPECULATIVE_METHODS,
                    help="speculative decoding: ngram = prompt lookup (proposals from the request's "
-                        "own prompt and output, verified in the same step; greedy requests only)")
+                        "own prompt and output), draft = proposals from --draft-model; verified in "
+                        "the same step, the same answers as without")
+    p.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="with --speculative draft: a smaller model with the same vocabulary "
+                        "(a name, directory or .gguf file)")
     p.add_argument("--num-speculative-tokens", type=int, default=sd.num_speculative_tokens,
                    help="most tokens proposed per step (default %(default)s)")
     p.add_argument("--ngram-min", type=int, default=sd.ngram_min,
@@ -78,7 +82,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "rate fell below this (default %(default)s)")
     p.add_argument("--quantization", default=d.quantization, choices=QUANTIZATIONS,
                    help="int4: int4 projections, float activations, for small decode batches (CPU); "
-                        "w4a8: int4 weights and int8 activations on AVX512-VNNI, every batch; "
+                        "w4a8: int4 weights and int8 activations (integer dots: AVX512-VNNI or AVX2), every batch; "
                         "auto (default): for a 4-bit GGUF on CPU the fastest of w4a8, int4 and none, "
                         "measured once and cached; else none")
 
@@ -140,6 +144,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The ``EngineConfig`` for parsed ``serve``/``generate`` arguments; a bad
     setting exits with its message rather than a traceback."""
     try:
+        if args.draft_model is not None and args.speculative is None:
+            raise ValueError("--draft-model goes with --speculative draft")
         return EngineConfig(
             model=args.model, dtype=args.dtype, device=args.device,
             kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
@@ -149,7 +155,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
             chat_template=getattr(args, "chat_template", None),
             speculative=SpeculativeConfig(
-                args.speculative, args.num_speculative_tokens, args.ngram_min, args.ngram_max,
-                args.speculative_max_batch, args.speculative_min_acceptance) if args.speculative else None)
+                method=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                ngram_min=args.ngram_min, ngram_max=args.ngram_max, max_batch=args.speculative_max_batch,
+                min_acceptance=args.speculative_min_acceptance,
+                draft_model=args.draft_model) if args.speculative else None)
     except ValueError as e:
         raise SystemExit(f"kvserve: error: {e}") from None

@@ -1,5 +1,6 @@
-"""``kvserve serve --speculative ngram`` over HTTP: the same answers as the plain server,
-streamed or not, with the proposals counted on ``/metrics``."""
+"""``kvserve serve --speculative ngram`` and ``--speculative draft --draft-model`` over
+HTTP: the same answers as the plain server, streamed or not, with the proposals counted
+on ``/metrics``."""
 
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ PROMPTS = [f"Repeat this paragraph word for word.\n\nParagraph: {PARAGRAPH}\n\nR
            "Count: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"]
 
 
-@pytest.fixture(scope="module")
-def speculating(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVServe]:
+# The draft is the default model itself: every greedy proposal is then accepted.
+@pytest.fixture(scope="module", params=[["ngram"], ["draft", "--draft-model", MODEL]], ids=["ngram", "draft"])
+def speculating(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVServe]:
     srv = KVServe(free_port(), tmp_path_factory.mktemp("spec") / "server.log", api_key=None,
-                  shutdown_timeout=10.0, extra=["--speculative", "ngram", "--num-speculative-tokens", "5"])
+                  shutdown_timeout=10.0, extra=["--speculative", *request.param, "--num-speculative-tokens", "5"])
     try:
         srv.wait_http_ok(f"{srv.url}/health", 120.0)
         yield srv

@@ -63,11 +63,11 @@ class Recorder:
         self.steps.append(stats)
 
 
-def make_engine(loaded, num_blocks: int = 64, **overrides) -> LLMEngine:
+def make_engine(loaded, num_blocks: int = 64, draft=None, **overrides) -> LLMEngine:
     budget = num_blocks * kv_bytes_per_block(loaded.config, loaded.dtype, BLOCK_SIZE)
     settings = dict(dtype="float32", device="cpu", kv_cache_memory=budget, block_size=BLOCK_SIZE,
                     max_model_len=512, kv_cache_dtype="float32") | overrides
-    engine = LLMEngine(EngineConfig(**settings), loaded=loaded)
+    engine = LLMEngine(EngineConfig(**settings), loaded=loaded, draft=draft)
     engine.stat_loggers.append(recorder := Recorder())
     engine.recorder = recorder
     return engine
