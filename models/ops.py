@@ -17,8 +17,9 @@ twin, which the tests compare it against.
 The kernels compute in 16-lane vectors (``csrc/vec16.h``): AVX-512 where the
 CPU has it, else AVX2, with the same arithmetic on both, so the two builds
 give the same results bit for bit. ``KVSERVE_CPU_ISA=avx2`` builds the AVX2
-kernels on an AVX-512 CPU (the tests compare the two); the default,
-``native``, builds for the CPU it runs on.
+kernels on an AVX-512 CPU, ``avx512bw`` the AVX-512 ones without VNNI (the
+tests compare them with the native build); the default, ``native``, builds for
+the CPU it runs on.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ _enabled = os.environ.get("KVSERVE_KERNELS", "1") != "0"
 _amx_usable = False  # set by _check_amx
 
 # KVSERVE_CPU_ISA -> the compiler's target: `native` is this CPU; `avx2` leaves
-# AVX-512 out (x86-64-v3: AVX2, FMA, F16C), so an AVX-512 machine can run the
-# kernels an AVX2-only one would.
-_ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3", "-mtune=native"]}
+# AVX-512 out (x86-64-v3: AVX2, FMA, F16C) and `avx512bw` VNNI (Skylake-SP's
+# AVX-512), so an AVX-512 VNNI machine can run the kernels those CPUs would.
+_ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3", "-mtune=native"],
+              "avx512bw": ["-march=skylake-avx512", "-mtune=native"]}
 
 
 def requested_isa() -> str:
@@ -337,10 +339,16 @@ def vector_isa() -> str | None:
     return _ext.vector_isa() if _load() is not None else None
 
 
+def int8_dots() -> str | None:
+    """What ``w4a8``'s integer dot products run on: ``avx512-vnni``, else the
+    multiply-adds of ``avx512-bw`` or ``avx2`` (the same sums, slower); None
+    where they would run on the plain C++ (or the kernels are not built)."""
+    return (_ext.int8_dots() or None) if _load() is not None else None
+
+
 def has_int8_dots() -> bool:
-    """Whether int8 activations run as vector integer dot products: AVX512-VNNI,
-    else AVX512-BW's or AVX2's multiply-adds (the same sums, slower)."""
-    return _load() is not None and _ext.has_int8_dots()
+    """Whether int8 activations run as vector integer dot products (``int8_dots``)."""
+    return int8_dots() is not None
 
 
 def apply_rotary(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("dense_linear", &kvserve::dense_linear, "out = x @ W^T, W float32 or bfloat16 packed in 16-row tiles",
         py::call_guard<py::gil_scoped_release>());
-  m.def("has_int8_dots", &has_int8_dots, "whether the int8-activation GEMMs run as vector integer dots");
+  m.def("int8_dots", &int8_dots, "what the int8-activation GEMMs' dots run on: avx512-vnni, avx512-bw, avx2 or ''");
   m.def("amx_available", &kvserve::amx_available, "whether the CPU and the OS let the GEMMs use AMX-INT8");
   m.def("amx_enabled", &kvserve::amx_enabled, "whether the int8-activation GEMMs use AMX now");
   m.def("set_amx_enabled", &kvserve::set_amx_enabled, "let the int8-activation GEMMs use AMX, or not");

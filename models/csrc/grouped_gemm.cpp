@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -504,12 +505,16 @@ void grouped_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& code
   else grouped_linear_impl<8>(out, x, cp, sp, tiles, groups, int8_activations, plain);
 }
 
-// Whether the int8-activation path runs as vector integer dots here (AVX512-VNNI,
-// AVX512-BW or AVX2), else on the plain C++.
-bool has_int8_dots() {
-#if defined(KVSERVE_V16_INT8)
-  return true;
+// What the int8-activation path's integer dots run on: "avx512-vnni" (vpdpbusd),
+// "avx512-bw" or "avx2" (vpmaddubsw + vpmaddwd), or "" (the plain C++).
+std::string int8_dots() {
+#if defined(__AVX512VNNI__)
+  return "avx512-vnni";
+#elif defined(KVSERVE_V16_INT8) && defined(KVSERVE_V16_AVX512)
+  return "avx512-bw";
+#elif defined(KVSERVE_V16_INT8)
+  return "avx2";
 #else
-  return false;
+  return "";
 #endif
 }

@@ -101,5 +101,5 @@ if __name__ == "__main__":
     results = kernel_outputs()
     if "--model" in sys.argv[2:]:
         results.update(model_outputs())
-    results["isa"] = torch.tensor([ord(c) for c in ops.vector_isa()])
+    results["isa"] = torch.tensor(list(f"{ops.vector_isa()} {ops.int8_dots()}".encode()))
     torch.save(results, sys.argv[1])

@@ -1,12 +1,15 @@
-"""The AVX2 kernels compute what the AVX-512 kernels compute, bit for bit.
+"""The AVX2 kernels, and AVX-512's without VNNI, compute what this CPU's AVX-512 kernels
+compute, bit for bit.
 
 The kernels are written once on 16-lane vectors (models/csrc/vec16.h), so a
-CPU without AVX-512 runs the same arithmetic at half the width. This test
-builds the AVX2 kernels (``KVSERVE_CPU_ISA=avx2``) in a second process, runs
-every vector kernel and SmolLM2 on each path the kernels serve there, and
-compares with this process's AVX-512 build: equal, with no tolerance. It
-needs an AVX-512 CPU to have two builds to compare; on an AVX2-only CPU the
-native build is the AVX2 one, which the rest of the suite tests.
+CPU without AVX-512 runs the same arithmetic at half the width, and one
+without VNNI gets the same integer dots from byte multiply-adds. This test
+builds the other kernels (``KVSERVE_CPU_ISA=avx2``: x86-64-v3;
+``avx512bw``: Skylake-SP's AVX-512) in a second process, runs every vector
+kernel there (and SmolLM2 on each path the kernels serve, for AVX2), and
+compares with this process's build: equal, with no tolerance. It needs an
+AVX-512 VNNI CPU to have builds to compare; elsewhere the native build is one
+of those, which the rest of the suite tests.
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ from tests.models import isa_outputs
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(not ops.kernels_available(), reason="kvserve's CPU kernels are not built here")
-needs_avx512 = pytest.mark.skipif(
-    ops.vector_isa() != "avx512",
-    reason="comparing with AVX-512 needs an AVX-512 CPU (this one runs the AVX2 build natively)")
+needs_vnni = pytest.mark.skipif(
+    ops.int8_dots() != "avx512-vnni",
+    reason="comparing with AVX-512 VNNI needs such a CPU (this one runs one of the other builds natively)")
 
 
 def cpu_flags() -> set[str]:
@@ -35,52 +38,60 @@ def cpu_flags() -> set[str]:
 
 
 def test_the_build_uses_the_widest_vectors_the_cpu_has() -> None:
-    flags = cpu_flags()
-    if ops.requested_isa() == "avx2":
-        expected = "avx2"
+    flags, isa = cpu_flags(), ops.requested_isa()
+    if isa == "avx2" or (isa == "native" and "avx512f" not in flags and {"avx2", "fma", "f16c"} <= flags):
+        expected = ("avx2", "avx2")
+    elif isa == "avx512bw" or (isa == "native" and "avx512f" in flags and "avx512_vnni" not in flags):
+        expected = ("avx512", "avx512-bw")
     elif "avx512f" in flags:
-        expected = "avx512"
-    elif {"avx2", "fma", "f16c"} <= flags:
-        expected = "avx2"
+        expected = ("avx512", "avx512-vnni")
     else:
-        expected = "scalar"
-    assert ops.vector_isa() == expected
-    assert ops.has_int8_dots() == (expected != "scalar")
+        expected = ("scalar", None)
+    assert (ops.vector_isa(), ops.int8_dots()) == expected
+    assert ops.has_int8_dots() == (expected[1] is not None)
 
 
 def test_an_unknown_isa_is_refused(monkeypatch) -> None:
     monkeypatch.setenv("KVSERVE_CPU_ISA", "avx3")
-    with pytest.raises(ValueError, match="KVSERVE_CPU_ISA='avx3': expected one of native, avx2"):
+    with pytest.raises(ValueError, match="KVSERVE_CPU_ISA='avx3': expected one of native, avx2, avx512bw"):
         ops.requested_isa()
+
+
+def outputs_of(isa: str, with_model: bool, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """isa_outputs run in a process whose kernels are built for ``isa``."""
+    path = tmp_path_factory.mktemp("isa") / f"{isa}.pt"
+    env = {**os.environ, "KVSERVE_CPU_ISA": isa}
+    argv = [sys.executable, "-m", "tests.models.isa_outputs", str(path)] + (["--model"] if with_model else [])
+    subprocess.run(argv, cwd=ROOT, env=env, check=True, timeout=900)
+    return torch.load(path, weights_only=True)
 
 
 @pytest.fixture(scope="module")
 def avx2_outputs(tmp_path_factory) -> dict[str, torch.Tensor]:
-    path = tmp_path_factory.mktemp("isa") / "avx2.pt"
-    env = {**os.environ, "KVSERVE_CPU_ISA": "avx2"}
-    subprocess.run([sys.executable, "-m", "tests.models.isa_outputs", str(path), "--model"], cwd=ROOT, env=env,
-                   check=True, timeout=900)
-    return torch.load(path, weights_only=True)
+    return outputs_of("avx2", True, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def avx512bw_outputs(tmp_path_factory) -> dict[str, torch.Tensor]:
+    # The kernels only: the model's paths are the AVX2 build's check (a build takes minutes).
+    return outputs_of("avx512bw", False, tmp_path_factory)
 
 
 @pytest.mark.slow
-@needs_avx512
-def test_the_second_build_is_avx2(avx2_outputs) -> None:
-    assert bytes(avx2_outputs["isa"].tolist()).decode() == "avx2"
-
-
-@pytest.mark.slow
-@needs_avx512
-def test_every_kernel_equals_avx512(avx2_outputs) -> None:
+@needs_vnni
+@pytest.mark.parametrize("build, reports", [("avx2_outputs", "avx2 avx2"), ("avx512bw_outputs", "avx512 avx512-bw")])
+def test_every_kernel_equals_avx512_vnni(build: str, reports: str, request) -> None:
+    theirs = request.getfixturevalue(build)
+    assert bytes(theirs["isa"].tolist()).decode() == reports
     mine = isa_outputs.kernel_outputs()
     assert len(mine) == 57
-    differ = [k for k, v in mine.items() if not torch.equal(v, avx2_outputs[k])]
-    assert not differ, f"AVX2 differs from AVX-512 on {len(differ)} of {len(mine)}: {differ[:5]}"
+    differ = [k for k, v in mine.items() if not torch.equal(v, theirs[k])]
+    assert not differ, f"{reports} differs from AVX-512 VNNI on {len(differ)} of {len(mine)}: {differ[:5]}"
 
 
 @pytest.mark.slow
-@needs_avx512
-def test_the_model_equals_avx512_on_every_path(avx2_outputs) -> None:
+@needs_vnni
+def test_the_model_equals_avx512_vnni_on_every_path(avx2_outputs) -> None:
     mine = isa_outputs.model_outputs()
     assert len(mine) == 2 * len(isa_outputs.MODEL_PATHS)
     for key, steps in mine.items():
