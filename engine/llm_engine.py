@@ -145,7 +145,7 @@ class LLMEngine:
         kv_dtype = resolve_kv_cache_dtype(c.kv_cache_dtype, draft.dtype)
         logger.info("speculative: draft model %s, %d KV blocks of its own", spec.draft_model, self.num_blocks)
         return DraftProposer(draft, self.num_blocks, self.block_size, kv_dtype, spec.num_speculative_tokens,
-                             self.vocab_size)
+                             self.vocab_size, max_catch_up=c.max_num_batched_tokens)
 
     # -- requests ---------------------------------------------------------
 

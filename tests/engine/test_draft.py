@@ -83,12 +83,12 @@ def test_the_draft_cache_after_rejections_proposes_what_a_fresh_draft_does(smoll
     its last token (the target's own pick after the proposals it kept); here it
     also parts a few tokens earlier, which only the common-prefix check handles."""
     kv_dtype = torch.float32
-    kept = DraftProposer(smollm2_loaded, 64, 16, kv_dtype, num_tokens=4, vocab_size=49152)
+    kept = DraftProposer(smollm2_loaded, 64, 16, kv_dtype, num_tokens=4, vocab_size=49152, max_catch_up=512)
     tokens = list(prompts[0])
     rng = torch.Generator().manual_seed(0)
     for step in range(12):
         proposal = kept.propose([("a", tokens, 4)])[0]
-        fresh = DraftProposer(smollm2_loaded, 64, 16, kv_dtype, num_tokens=4, vocab_size=49152)
+        fresh = DraftProposer(smollm2_loaded, 64, 16, kv_dtype, num_tokens=4, vocab_size=49152, max_catch_up=512)
         assert proposal == fresh.propose([("a", tokens, 4)])[0], step
         # The target keeps a random part of the proposal, then a token of its own.
         n = int(torch.randint(0, len(proposal) + 1, (1,), generator=rng))
@@ -97,6 +97,24 @@ def test_the_draft_cache_after_rejections_proposes_what_a_fresh_draft_does(smoll
             tokens = tokens[:-4] + torch.randint(0, 49152, (4,), generator=rng).tolist()
     kept.forget("a")
     assert kept.num_free_blocks == 64
+
+
+def test_a_long_prompt_reaches_the_draft_over_several_steps(smollm2_loaded, prompts):
+    """With a catch-up budget of 16 tokens a 100-token sequence is fed over 7 calls
+    without proposals, then proposes what an unbounded draft does; a second
+    request behind it waits for the budget."""
+    kv_dtype = torch.float32
+    tokens = (prompts[0] * 3)[:100]
+    short = prompts[1][:10]
+    bounded = DraftProposer(smollm2_loaded, 64, 16, kv_dtype, num_tokens=3, vocab_size=49152, max_catch_up=16)
+    calls = 0
+    while (got := bounded.propose([("long", tokens, 3), ("short", short, 3)]))[0] == []:
+        calls += 1
+        assert got[1] == [], calls  # the long one, first in line, takes the whole budget
+    assert calls == 6  # 6 x 16 tokens, then the last 4 and the proposals
+    free = DraftProposer(smollm2_loaded, 64, 16, kv_dtype, num_tokens=3, vocab_size=49152, max_catch_up=512)
+    assert got == free.propose([("long", tokens, 3), ("short", short, 3)])
+    assert len(got[0]) == 3 and len(got[1]) == 3
 
 
 def test_aborts_and_preemption_give_the_draft_blocks_back(smollm2_loaded, prompts):
