@@ -10,7 +10,9 @@ two arithmetics (``quantize_model``'s methods):
   dense weight is faster for prompt-sized batches, but another summation
   order: a token's logits would depend on how many rows shared its step).
 * ``w4a8``: activations rounded to int8 per 16 inputs, integer dot products
-  on AVX512-VNNI. Faster than both at every batch size, so no dense copy.
+  (AVX512-VNNI, else the same sums from AVX-512 BW's or AVX2's byte
+  multiply-adds; ``ops.int8_dots``). Faster than both at every batch size, so
+  no dense copy.
 
 Requantising a GGUF Q4_1 weight keeps its 4-bit codes: Q4_1 stores
 ``w = d*q + m`` with ``m`` the group minimum and ``d = (max - min) / 15``,
@@ -185,7 +187,7 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
     * ``"int4"``: float activations, so the model computes the quantised
       weights exactly (a 4-bit GGUF's own values), every batch in the grouped kernel.
     * ``"w4a8"``: activations rounded to int8 per 16 inputs, integer dot
-      products against the centred codes (AVX512-VNNI); about 2x the int4
+      products against the centred codes (``ops.int8_dots``); about 2x the int4
       path's GEMM speed, and no dense copies of the projections.
     """
     if method not in METHODS:

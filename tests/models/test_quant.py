@@ -134,7 +134,7 @@ def int8_activation_product(x: torch.Tensor, weight: torch.Tensor, kind: str) ->
 @pytest.mark.parametrize("in_f, out_f", [(96, 40), (576, 200)])
 def test_vector_kernels_equal_the_plain_cpp_and_the_defined_arithmetic(kind, int8_activations, rows, in_f, out_f):
     if int8_activations and not ops.has_int8_dots():
-        pytest.skip("the vector int8-activation kernel needs AVX512-VNNI")
+        pytest.skip("the vector int8-activation kernel needs AVX2 or AVX-512")
     dense = q4_1_like_linear(out_f=out_f, in_f=in_f) if kind == "int4" else nn.Linear(in_f, out_f, bias=False)
     codes, scales = (pack_int4 if kind == "int4" else pack_int8)(dense.weight.detach())
     x = torch.randn(rows, in_f)
