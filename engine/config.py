@@ -76,8 +76,9 @@ class EngineConfig:
     served_model_name: str | None = None
     # QUANTIZATIONS (CPU): int4 = int4 weights with float activations for small
     # decode batches; w4a8 = int4 weights and int8 activations (per 16 inputs),
-    # integer dots (AVX512-VNNI, else AVX-512 BW's or AVX2's), every batch. auto (with dtype auto) = the fastest path measured
-    # on this CPU (models/autotune.py): w4a8, int4 or none for a GGUF with 4-bit
+    # integer dots (AVX512-VNNI, else AVX-512 BW's or AVX2's), every batch.
+    # auto (with dtype auto) = the fastest path measured on this CPU
+    # (models/autotune.py): w4a8, int4 or none for a GGUF with 4-bit
     # projections, none otherwise.
     quantization: str = "auto"
     # KV_CACHE_DTYPES. auto: float16 for a float32 model

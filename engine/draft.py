@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.block_pool import BlockPool
 from engine.model_runner import Chunk, ModelRunner
 from models import ops
 from models.kv_cache import cdiv
@@ -65,12 +66,12 @@ class DraftProposer:
         self.vocab_size = vocab_size
         self.max_catch_up = max_catch_up
         self.max_positions = loaded.config.max_position_embeddings
-        self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: block 0 first
+        self._blocks = BlockPool(num_blocks, block_size)  # no prefix caching: nothing is shared
         self._seqs: dict[str, _DraftSeq] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self._blocks.num_free_blocks
 
     def propose(self, requests: list[tuple[str, list[int], int]]) -> list[list[int]]:
         """For each ``(request id, its tokens, limit)``: up to ``min(limit, num_tokens)``
@@ -91,9 +92,10 @@ class DraftProposer:
             del seq.tokens[kept:]
             behind = len(tokens) - kept
             fed = min(behind, budget)
-            if fed == 0 or not self._reserve(seq, len(tokens) + k - 1 if fed == behind else kept + fed):
-                if fed:
-                    self.forget(request_id)
+            if fed == 0:
+                continue  # this step's budget is spent: it catches up in a later one
+            if not self._reserve(seq, len(tokens) + k - 1 if fed == behind else kept + fed):
+                self.forget(request_id)
                 continue
             budget -= fed
             self._seqs[request_id] = seq
@@ -124,14 +126,13 @@ class DraftProposer:
     def _reserve(self, seq: _DraftSeq, positions: int) -> bool:
         """Blocks for ``positions`` tokens in ``seq``'s table, if the cache has them."""
         need = cdiv(positions, self.block_size) - len(seq.block_ids)
-        if need > len(self._free):
+        if need > self._blocks.num_free_blocks:
             return False
-        for _ in range(need):
-            seq.block_ids.append(self._free.pop())
+        seq.block_ids += self._blocks.allocate(max(need, 0))
         return True
 
     def forget(self, request_id: str) -> None:
         """The request ended (or lost its place): its blocks go back."""
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
-            self._free.extend(reversed(seq.block_ids))
+            self._blocks.free(seq.block_ids)

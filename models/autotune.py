@@ -2,8 +2,8 @@
 
 ``--dtype auto`` and ``--quantization auto`` on a CPU leave the choice to this
 module. CPU flags say what *can* run (bfloat16 at full speed needs AVX512-BF16
-or AMX, w4a8 vector integer dots: AVX2 or AVX-512); they do not say what is fastest: on a Sapphire Rapids core
-bfloat16 activations took 1.6-1.9x longer than float32 ones with the same
+or AMX, w4a8 vector integer dots: AVX2 or AVX-512); they do not say what is
+fastest: on a Sapphire Rapids core bfloat16 activations took 1.6-1.9x longer than float32 ones with the same
 4-bit weights. So each candidate runs a model with the real one's shapes
 (random weights, ``PROBE_LAYERS`` layers and the LM head) for a decode step
 of ``DECODE_SEQS`` sequences and a prompt chunk of ``PROMPT_TOKENS`` tokens;
