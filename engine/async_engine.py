@@ -64,6 +64,7 @@ class AsyncEngine:
         self.last_step_time: float | None = None
         self._bound = threading.Event()  # start() has bound the event loop
         self._loop_done = threading.Event()  # run_loop() has returned
+        engine.add_fault_listener(self._lost_rank)
 
     # -- state ------------------------------------------------------------
 
@@ -243,6 +244,12 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(stream.put_nowait, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
+
+    def _lost_rank(self, message: str) -> None:
+        # The watchdog's thread: the loop may be blocked in a collective with the lost
+        # rank, so fail the requests and turn unhealthy from here, now.
+        self._dead = EngineDeadError(message)
+        self._fail_all(f"engine fault: {message}")
 
     def _fail_all(self, message: str) -> None:
         for rid in list(self._streams):

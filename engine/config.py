@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 MiB = 1024 * 1024
@@ -52,6 +53,57 @@ class SpeculativeConfig:
             raise ValueError(f"speculative min_acceptance must be in [0, 1], got {self.min_acceptance}")
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (``engine/workers.py``): the model split ``tensor_parallel_size``
+    ways, ``tensor_parallel_size / nnodes`` ranks per host. ``node_rank`` 0 is the host of
+    rank 0 (the scheduler and the HTTP server) and of the rendezvous at
+    ``master_addr:master_port`` (0: a free port, one host only)."""
+
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"nnodes ({self.nnodes}) must divide tensor_parallel_size "
+                             f"({self.tensor_parallel_size}): each host runs the same number of ranks")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes - 1}], got {self.node_rank}")
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"master_port must be a TCP port, got {self.master_port}")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ValueError("several hosts need a fixed --master-port (and --master-addr, rank 0's host)")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+
+def torchrun_rank() -> tuple[int, int] | None:
+    """``(rank, world_size)`` when this process was started by ``torchrun``, else None."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_RANK" not in os.environ:
+        return None
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def parallel_from_torchrun(parallel: ParallelConfig) -> ParallelConfig:
+    """``parallel`` with torchrun's world, address and port, when torchrun started us."""
+    found = torchrun_rank()
+    if found is None:
+        return parallel
+    _, world = found
+    return ParallelConfig(tensor_parallel_size=world, nnodes=1, node_rank=0,
+                          master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                          master_port=int(os.environ.get("MASTER_PORT", "29500")))
+
+
 @dataclass
 class EngineConfig:
     """Everything needed to build an engine.
@@ -89,6 +141,8 @@ class EngineConfig:
     chat_template: str | None = None
     # Speculative decoding (engine/speculative.py, --speculative): None is off.
     speculative: SpeculativeConfig | None = None
+    # Tensor parallelism (--tensor-parallel-size): one rank by default.
+    parallel: ParallelConfig = ParallelConfig()
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

@@ -23,6 +23,7 @@ from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, Sched
 from engine.stats import FinishedRequestStats, StatLogger, StepStats, StructuredRequestStats
 from engine.structured import BitmaskFiller, GrammarCompiler
 from engine.validation import RequestLimits, check_request
+from engine.workers import WorkerGroup
 from models.chat_template import read_chat_template
 from models.kv_cache import cdiv, default_dtype
 from models.loader import LoadedModel, load_model
@@ -83,9 +84,26 @@ class LLMEngine:
         self.config = config
         # Read first: a bad --chat-template fails before the model loads.
         template = read_chat_template(config.chat_template) if config.chat_template else None
-        if loaded is None:
-            loaded = load_model(config.model, config.dtype, config.device, max_positions=config.max_model_len,
-                                quantization=config.quantization)
+        # Tensor parallel: this process is rank 0; the other ranks load their slices meanwhile.
+        self.workers: WorkerGroup | None = None
+        if config.parallel.tensor_parallel_size > 1:
+            if loaded is not None:
+                raise ValueError("a tensor-parallel engine loads its model on every rank: pass no model")
+            self.workers, spec, tp = WorkerGroup.start(config)
+        try:
+            if self.workers is not None:
+                loaded = load_model(config.model, spec.dtype, config.device, max_positions=config.max_model_len,
+                                    quantization=spec.quantization, tp=tp)
+            elif loaded is None:
+                loaded = load_model(config.model, config.dtype, config.device,
+                                    max_positions=config.max_model_len, quantization=config.quantization)
+            self._build(config, loaded, draft, template)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig, loaded: LoadedModel, draft: LoadedModel | None,
+               template: str | None) -> None:
         self.tokenizer = loaded.tokenizer if template is None else loaded.tokenizer.with_chat_template(template)
         self.model_config = loaded.config
         self.model_name = config.served_model_name or config.model
@@ -95,7 +113,10 @@ class LLMEngine:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length "
                              f"({loaded.config.max_position_embeddings})")
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, loaded.dtype)
-        num_blocks = num_blocks_for_budget(loaded.config, kv_dtype, config.block_size, config.kv_cache_memory)
+        tp_size = config.parallel.tensor_parallel_size
+        # NOTE: the budget is per rank (as vLLM's per GPU): N ranks cache N times the tokens.
+        num_blocks = num_blocks_for_budget(loaded.config, kv_dtype, config.block_size, config.kv_cache_memory,
+                                           tp_size)
         needed = cdiv(self.max_model_len, config.block_size)
         if num_blocks < needed:
             raise ValueError(
@@ -109,7 +130,10 @@ class LLMEngine:
             SchedulerConfig(max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens),
             self.kv_cache)
-        self.runner = ModelRunner(loaded, num_blocks, config.block_size, kv_dtype)
+        if self.workers is not None:
+            self.workers.set_num_blocks(num_blocks)
+        self.runner = ModelRunner(loaded, num_blocks, config.block_size, kv_dtype,
+                                  peers=self.workers)
         # Ids both the tokenizer and the model's rows know (see RequestLimits).
         self.vocab_size = min(self.tokenizer.vocab_size, loaded.config.vocab_size)
         self.limits = RequestLimits(vocab_size=self.vocab_size, max_model_len=self.max_model_len)
@@ -146,6 +170,19 @@ class LLMEngine:
         logger.info("speculative: draft model %s, %d KV blocks of its own", spec.draft_model, self.num_blocks)
         return DraftProposer(draft, self.num_blocks, self.block_size, kv_dtype, spec.num_speculative_tokens,
                              self.vocab_size, max_catch_up=c.max_num_batched_tokens)
+
+    # -- tensor-parallel ranks --------------------------------------------
+
+    def add_fault_listener(self, listener) -> None:
+        """Call ``listener(message)`` from another thread if a tensor-parallel rank is lost
+        (the forward in flight, if any, then fails too). Without ranks, never called."""
+        if self.workers is not None:
+            self.workers.add_fault_listener(listener)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks, if any (idempotent); the engine cannot step after."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     # -- requests ---------------------------------------------------------
 

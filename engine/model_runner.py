@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -12,19 +13,21 @@ from models import kv_cache
 from models.attention import SeqSpec, build_attention_metadata
 from models.config import ModelConfig
 from models.loader import LoadedModel
+from models.parallel import local_kv_heads
 
 logger = logging.getLogger(__name__)
 
 
-def kv_bytes_per_block(config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
-    """Bytes one block takes across all layers, keys and values."""
-    return kv_cache.bytes_per_block(config.num_hidden_layers, block_size, config.num_key_value_heads,
+def kv_bytes_per_block(config: ModelConfig, dtype: torch.dtype, block_size: int, tp_size: int = 1) -> int:
+    """Bytes one block takes across all layers, keys and values (on one of ``tp_size`` ranks)."""
+    return kv_cache.bytes_per_block(config.num_hidden_layers, block_size, local_kv_heads(config, tp_size),
                                     config.head_dim, dtype)
 
 
-def num_blocks_for_budget(config: ModelConfig, dtype: torch.dtype, block_size: int, budget: int) -> int:
-    """How many blocks fit in ``budget`` bytes."""
-    return budget // kv_bytes_per_block(config, dtype, block_size)
+def num_blocks_for_budget(config: ModelConfig, dtype: torch.dtype, block_size: int, budget: int,
+                          tp_size: int = 1) -> int:
+    """How many blocks fit in ``budget`` bytes (of each of ``tp_size`` ranks)."""
+    return budget // kv_bytes_per_block(config, dtype, block_size, tp_size)
 
 
 @dataclass
@@ -39,6 +42,16 @@ class Chunk:
     num_sampled: int
 
 
+class StepPeers(Protocol):
+    """The other ranks of a tensor-parallel model (``engine.workers.WorkerGroup``)."""
+
+    def broadcast_step(self, chunks: list[Chunk]) -> None:
+        """Send a forward's chunks to the other ranks, which run it alongside."""
+
+    def forward_failed(self, exc: RuntimeError) -> RuntimeError:
+        """The error to raise for a forward that failed in a collective (names a lost rank)."""
+
+
 class ModelRunner:
     """Owns the model, its device and dtype, and the paged KV cache tensors.
 
@@ -46,7 +59,10 @@ class ModelRunner:
     float32 logits for the requests that sample this step.
     """
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                 peers: StepPeers | None = None) -> None:
+        """``peers``: the other ranks of a tensor-parallel model (each forward is
+        sent to them first; they run it alongside)."""
         self.model = loaded.model
         self.config = loaded.config
         self.device = loaded.device
@@ -54,8 +70,11 @@ class ModelRunner:
         self.kv_dtype = kv_dtype  # resolved by the engine (``resolve_kv_cache_dtype``)
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.peers = peers
+        # A tensor-parallel rank caches its own KV heads; the block tables are every rank's.
+        self.tp_size = loaded.tp.world_size if loaded.tp is not None else 1
         self.kv_caches = kv_cache.allocate(self.config.num_hidden_layers, num_blocks, block_size,
-                                           self.config.num_key_value_heads, self.config.head_dim,
+                                           local_kv_heads(self.config, self.tp_size), self.config.head_dim,
                                            self.kv_dtype, self.device)
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -68,6 +87,15 @@ class ModelRunner:
     def run(self, chunks: list[Chunk]) -> torch.Tensor:
         """One forward over every chunk; float32 logits of each chunk's last
         ``num_sampled`` tokens, chunk after chunk in the given order."""
+        if self.peers is None:
+            return self._run(chunks)
+        try:
+            self.peers.broadcast_step(chunks)
+            return self._run(chunks)
+        except RuntimeError as exc:  # a collective with a lost rank
+            raise self.peers.forward_failed(exc) from exc
+
+    def _run(self, chunks: list[Chunk]) -> torch.Tensor:
         # Decodes (one token) go first: attention batches them in one call.
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
         input_ids: list[int] = []

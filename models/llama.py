@@ -15,6 +15,7 @@ from torch import nn
 from models import ops
 from models.attention import AttentionMetadata, paged_attention
 from models.config import ModelConfig
+from models.parallel import TensorParallel, embed
 from models.quant import QuantizedLinear
 from models.rope import RotaryEmbedding, interleave_rotary_rows
 
@@ -45,6 +46,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.tp: TensorParallel | None = None  # set by ``parallel.shard_model``
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -53,7 +55,8 @@ class Attention(nn.Module):
         q, k, v = ops.rotary_and_cache(self.qkv_proj(x), rope.rotations, positions, k_cache, v_cache,
                                        meta.slot_mapping, self.num_heads, self.num_kv_heads)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        out = self.o_proj(o.reshape(t, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
@@ -62,9 +65,11 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.tp: TensorParallel | None = None  # set by ``parallel.shard_model``
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -137,6 +142,8 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope: RotaryEmbedding | None = None
+        # This rank's place when the layers are split (``parallel.shard_model``).
+        self.tp: TensorParallel | None = None
 
     def init_rope(self, max_positions: int) -> None:
         """Build the cos/sin tables on the model's device and dtype (after weights are loaded)."""
@@ -152,12 +159,15 @@ class LlamaForCausalLM(nn.Module):
         the head is the largest matmul, so only sampled positions pay for it.
         """
         assert self.rope is not None, "call init_rope() before forward()"
-        x = self.model.embed_tokens(input_ids)
+        tp = self.tp
+        x = self.model.embed_tokens(input_ids) if tp is None else embed(self.model.embed_tokens, input_ids, tp)
         residual = None
         # With int4-packed projections each layer runs as one kernel call (decodes
-        # and prompt chunks alike): no per-op Python dispatch.
+        # and prompt chunks alike): no per-op Python dispatch. A split layer
+        # runs op by op: the kernel cannot stop for the all-reduces.
         first = self.model.layers[0]
-        fused = x.dtype == torch.float32 and ops.kernels_enabled(x.device) and first.packed_int4()
+        fused = (tp is None and x.dtype == torch.float32 and ops.kernels_enabled(x.device)
+                 and first.packed_int4())
         if fused:
             d = meta.num_decodes
             starts = meta.query_start_loc[d:] - meta.query_start_loc[d] if d < meta.num_seqs else None
@@ -169,7 +179,11 @@ class LlamaForCausalLM(nn.Module):
         if logits_indices is not None:
             x, residual = x.index_select(0, logits_indices), residual.index_select(0, logits_indices)
         x, _ = self.model.norm(x, residual)
-        return self.lm_head(x).float()
+        if tp is None:
+            return self.lm_head(x).float()
+        # Vocabulary-parallel head: rank 0 gets every rank's slice (others keep their own).
+        logits = tp.gather_rows(self.lm_head(x).float())
+        return logits[:, :self.config.vocab_size] if tp.rank == 0 else logits
 
     def use_column_major_weights(self) -> None:
         """Store each projection's weight column-major (same shape, transposed strides).

@@ -20,6 +20,7 @@ import torch
 from models import autotune, ops
 from models.config import ModelConfig
 from models.gguf_loader import config_from_gguf, iter_gguf_weights, open_gguf, projection_type
+from models.parallel import TensorParallel, check_split, shard_model
 from models.quant import prepare_projections
 from models.registry import model_class
 from models.tokenizer import Tokenizer
@@ -40,6 +41,8 @@ class LoadedModel:
     path: Path
     dtype: torch.dtype
     device: torch.device
+    # This process's slice of a tensor-parallel model (None: the whole model).
+    tp: TensorParallel | None = None
 
 
 def resolve_model_path(name: str) -> Path:
@@ -111,7 +114,8 @@ def read_config(name: str) -> tuple[ModelConfig, str | None]:
 
 
 def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
-               max_positions: int | None = None, quantization: str = "none") -> LoadedModel:
+               max_positions: int | None = None, quantization: str = "none",
+               tp: TensorParallel | None = None) -> LoadedModel:
     """Load weights, tokenizer and config; the model is in eval mode on ``device``.
 
     ``quantization`` (see ``quant.prepare_projections``): ``"int4"`` runs
@@ -119,6 +123,9 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
     activations, ``"w4a8"`` with int8 activations (both CPU only); ``"none"``
     keeps them dense (on CPU in kvserve's batch-invariant GEMM). ``"auto"``
     (and ``dtype="auto"``) leave the choice to ``resolve_path``: measured on a CPU.
+    ``tp``: keep only this rank's slices of the layers (``models.parallel``); the
+    caller has joined the process group, and every rank must resolve the same path
+    (pass them an explicit ``dtype`` and ``quantization``).
     """
     t0 = time.perf_counter()
     path = resolve_model_path(name)
@@ -133,6 +140,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
         weights = iter_gguf_weights(reader, config)
         gguf_type = projection_type(reader)
     torch_dtype, quantization = resolve_path(dtype, quantization, config, gguf_type, dev)
+    if tp is not None:
+        check_split(config, tp.world_size, quantized=quantization != "none")
     logger.info("loading %s (%s, %d layers) as %s on %s", path.name, config.architecture,
                 config.num_hidden_layers, str(torch_dtype).removeprefix("torch."), dev)
     with torch.device("meta"):
@@ -141,6 +150,12 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.load_weights(_progress(weights, config))
+    if tp is not None and tp.world_size > 1:
+        shard_model(model, tp)
+        logger.info("tensor parallel rank %d of %d: %d of %d query heads, %d of %d KV heads",
+                    tp.rank, tp.world_size, config.num_attention_heads // tp.world_size,
+                    config.num_attention_heads, config.num_key_value_heads // tp.world_size,
+                    config.num_key_value_heads)
     model.init_rope(max_positions or config.max_position_embeddings)
     if quantization != "none" and dev.type != "cpu":
         raise ValueError(f"quantization {quantization!r} uses CPU kernels; use --quantization none on {dev}")
@@ -150,7 +165,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
     if dev.type == "cpu" and ops.kernels_available():  # builds them on the very first run
         logger.info("fused CPU kernels: on")
     logger.info("loaded in %.1fs", time.perf_counter() - t0)
-    return LoadedModel(model, tokenizer, config, path, torch_dtype, dev)
+    return LoadedModel(model, tokenizer, config, path, torch_dtype, dev,
+                       tp if tp is not None and tp.world_size > 1 else None)
 
 
 def _progress(weights: Iterator[tuple[str, torch.Tensor]], config: ModelConfig

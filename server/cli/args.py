@@ -6,7 +6,8 @@ import argparse
 import os
 import re
 
-from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS, EngineConfig, SpeculativeConfig
+from engine.config import (KV_CACHE_DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS, EngineConfig, ParallelConfig,
+                           SpeculativeConfig, parallel_from_torchrun)
 from server.tools import TOOL_PARSERS
 
 _UNITS = {"": 1, "b": 1,
@@ -80,6 +81,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-min-acceptance", type=float, default=sd.min_acceptance,
                    help="pause speculating for a request whose last proposals' acceptance "
                         "rate fell below this (default %(default)s)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split each layer's heads over N ranks (processes started here; gloo on a CPU, "
+                        "NCCL on CUDA); under torchrun, its WORLD_SIZE")
     p.add_argument("--quantization", default=d.quantization, choices=QUANTIZATIONS,
                    help="int4: int4 projections, float activations, for small decode batches (CPU); "
                         "w4a8: int4 weights and int8 activations (integer dots: AVX512-VNNI or AVX2), every batch; "
@@ -109,6 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests may run after SIGTERM; the rest are "
                             "aborted (an error event, or a 503)")
+    serve.add_argument("--nnodes", type=int, default=1,
+                       help="hosts sharing --tensor-parallel-size (each runs N/nnodes ranks)")
+    serve.add_argument("--node-rank", type=int, default=0,
+                       help="this host's index; 0 runs rank 0, the scheduler and the HTTP server")
+    serve.add_argument("--master-addr", default="127.0.0.1",
+                       help="rank 0's host, where the ranks meet (its address as the others reach it)")
+    serve.add_argument("--master-port", type=int, default=0,
+                       help="the rendezvous port on --master-addr (default: a free one; fixed with --nnodes)")
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--chat-template", default=None, metavar="FILE",
                        help="a Jinja2 chat template file to use instead of the model's own")
@@ -154,6 +166,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             served_model_name=getattr(args, "served_model_name", None),
             quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
             chat_template=getattr(args, "chat_template", None),
+            parallel=parallel_from_torchrun(ParallelConfig(
+                tensor_parallel_size=args.tensor_parallel_size, nnodes=getattr(args, "nnodes", 1),
+                node_rank=getattr(args, "node_rank", 0), master_addr=getattr(args, "master_addr", "127.0.0.1"),
+                master_port=getattr(args, "master_port", 0))),
             speculative=SpeculativeConfig(
                 method=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                 ngram_min=args.ngram_min, ngram_max=args.ngram_max, max_batch=args.speculative_max_batch,

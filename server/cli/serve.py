@@ -14,6 +14,7 @@ from fastapi import FastAPI
 
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
+from engine.workers import run_node, run_torchrun_rank, torchrun_rank
 from server.app import build_app
 from server.cli.args import engine_config
 from server.engine_client import EngineClient
@@ -92,10 +93,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.metrics_require_key and not args.api_key:
         raise SystemExit("kvserve: error: --metrics-require-key needs --api-key (or $KVSERVE_API_KEY)")
     logger.info("loading model %s", config.model)
+    par = config.parallel
+    if par.node_rank > 0:  # another host's ranks: no HTTP here
+        return run_node(config)
+    found = torchrun_rank()
+    if found is not None and found[0] > 0:  # torchrun started this process as a rank
+        return run_torchrun_rank(config, found[0])
     try:
-        engine = AsyncEngine(LLMEngine(config))
+        llm = LLMEngine(config)
     except ValueError as e:  # a bad model name or setting: say it, no traceback
         raise SystemExit(f"kvserve: error: {e}") from None
+    try:
+        return _serve(args, AsyncEngine(llm))
+    finally:
+        llm.shutdown()
+
+
+def _serve(args: argparse.Namespace, engine: AsyncEngine) -> int:
     app = build_app(engine, api_key=args.api_key, max_queue=args.max_queue,
                     max_body_size=args.max_body_size, served_model_name=args.served_model_name,
                     metrics_require_key=args.metrics_require_key, tool_call_parser=args.tool_call_parser)

@@ -104,8 +104,18 @@ def test_serve_wiring_and_startup_log(monkeypatch: pytest.MonkeyPatch,
         engines.append(FakeEngine(model_name=config.served_model_name or config.model))
         return engines[-1]
 
-    # LLMEngine(config) loads the model; the fake AsyncEngine takes the config instead.
-    monkeypatch.setattr(cli_serve, "LLMEngine", lambda config: config)
+    class StubLLMEngine:
+        """LLMEngine(config) loads the model; the fake AsyncEngine takes the config instead."""
+
+        def __init__(self, config) -> None:
+            self.served_model_name, self.model = config.served_model_name, config.model
+            self.shut_down = False
+
+        def shutdown(self) -> None:  # stops tensor-parallel ranks: must follow the server's exit
+            self.shut_down = True
+
+    llms = []
+    monkeypatch.setattr(cli_serve, "LLMEngine", lambda config: llms.append(StubLLMEngine(config)) or llms[-1])
     monkeypatch.setattr(cli_serve, "AsyncEngine", async_engine)
     made = {}
 
@@ -128,6 +138,7 @@ def test_serve_wiring_and_startup_log(monkeypatch: pytest.MonkeyPatch,
         code = cli.main(["serve", "--port", "9123", "--api-key", "k", "--max-queue", "3",
                          "--shutdown-timeout", "2"])
     assert code == 0 and made["ran"] and (made["host"], made["port"]) == ("127.0.0.1", 9123)
+    assert llms[0].shut_down
     assert engines[0].loop_thread is threading.main_thread(), "the engine loop must run on the main thread"
     state = made["app"].state.kvserve
     assert (state.api_key, state.max_queue, state.draining) == ("k", 3, True)
