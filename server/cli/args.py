@@ -121,6 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="rank 0's host, where the ranks meet (its address as the others reach it)")
     serve.add_argument("--master-port", type=int, default=0,
                        help="the rendezvous port on --master-addr (default: a free one; fixed with --nnodes)")
+    serve.add_argument("--replicas", type=int, default=None, metavar="N",
+                       help="run N engine replicas on Ray Serve behind one endpoint (pip install "
+                            "'kvserve[ray]'); every other option applies to each replica")
+    serve.add_argument("--max-replicas", type=int, default=None, metavar="M",
+                       help="with --replicas N: scale between N and M replicas on requests in flight")
+    serve.add_argument("--target-ongoing-requests", type=float, default=16.0,
+                       help="with --max-replicas: requests in flight per replica that autoscaling "
+                            "aims at (default %(default)s)")
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--chat-template", default=None, metavar="FILE",
                        help="a Jinja2 chat template file to use instead of the model's own")

@@ -92,6 +92,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config(args)
     if args.metrics_require_key and not args.api_key:
         raise SystemExit("kvserve: error: --metrics-require-key needs --api-key (or $KVSERVE_API_KEY)")
+    if args.replicas is not None or args.max_replicas is not None:
+        return _serve_replicas(args)
     logger.info("loading model %s", config.model)
     par = config.parallel
     if par.node_rank > 0:  # another host's ranks: no HTTP here
@@ -107,6 +109,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return _serve(args, AsyncEngine(llm))
     finally:
         llm.shutdown()
+
+
+# Options of `serve` that belong to the Ray application, not to each replica's kvserve.
+_APP_OPTIONS = {"--replicas", "--max-replicas", "--target-ongoing-requests", "--host", "--port"}
+
+
+def replica_argv(argv: list[str]) -> list[str]:
+    """``serve``'s own arguments minus the application's (``_APP_OPTIONS``): what each replica runs."""
+    out: list[str] = []
+    args = iter(argv[argv.index("serve") + 1:] if "serve" in argv else argv)
+    for arg in args:
+        name = arg.split("=", 1)[0]
+        if name in _APP_OPTIONS:
+            if "=" not in arg:
+                next(args, None)
+            continue
+        out.append(arg)
+    return out
+
+
+def _serve_replicas(args: argparse.Namespace) -> int:
+    try:
+        from server import ray_app  # noqa: PLC0415 - an optional extra
+    except ImportError as e:
+        raise SystemExit(f"kvserve: error: --replicas needs Ray Serve: pip install 'kvserve[ray]' ({e})") from None
+    try:
+        app = ray_app.deployment(replica_argv(args.argv), args.replicas or 1, args.max_replicas,
+                                 args.target_ongoing_requests)
+    except ValueError as e:
+        raise SystemExit(f"kvserve: error: {e}") from None
+    return ray_app.run(app, args.host, args.port)
 
 
 def _serve(args: argparse.Namespace, engine: AsyncEngine) -> int:
