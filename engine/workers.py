@@ -411,8 +411,12 @@ def run_node(config: EngineConfig) -> int:
     try:
         run_rank(spec, first)
     finally:
+        # Rank 0's stop reaches every rank; give this host's others a moment to exit.
         for p in procs:
-            p.wait(10) if p.poll() is None else None
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
     return 0
 
 

@@ -224,7 +224,9 @@ def deployment(serve_args: Sequence[str], replicas: int, max_replicas: int | Non
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     if max_replicas is not None and max_replicas < replicas:
         raise ValueError(f"max_replicas ({max_replicas}) must be >= replicas ({replicas})")
-    cpus = cpus_per_replica if cpus_per_replica is not None else max(1.0, (os.cpu_count() or 1) // replicas)
+    # Sized so the most replicas fit this host's CPUs (Ray places a replica only where its CPUs are free).
+    most = max(replicas, max_replicas or replicas)
+    cpus = cpus_per_replica if cpus_per_replica is not None else max(1.0, float((os.cpu_count() or 1) // most))
     scaling: dict[str, Any] = (
         {"autoscaling_config": {"min_replicas": replicas, "max_replicas": max_replicas,
                                 "target_ongoing_requests": target_ongoing_requests}}
