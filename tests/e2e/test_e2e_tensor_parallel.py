@@ -141,14 +141,14 @@ def test_a_killed_rank_turns_health_503_and_stops_every_rank(split3):
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(smollm2, tmp_path_factory) -> Path:
-    """A 2-layer random Llama (4 query heads, 2 KV heads) with SmolLM2's tokenizer."""
+    """A 2-layer random Llama (4 query heads, 4 KV heads) with SmolLM2's tokenizer."""
     import transformers
 
     path = tmp_path_factory.mktemp("tiny_tp")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=smollm2.config.vocab_size, hidden_size=128,
                                       intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=1024,
+                                      num_key_value_heads=4, max_position_embeddings=1024,
                                       tie_word_embeddings=False)
     transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
     (path / "tokenizer.json").write_text(smollm2.tokenizer.to_json())
@@ -176,18 +176,21 @@ def test_two_ranks_of_a_tiny_checkpoint_give_one_ranks_answers(tiny_checkpoint, 
 
 
 def two_hosts(path: Path, tmp_path_factory, whole: KVServe) -> None:
-    """``--nnodes 2``: a second "host" (here, another process) runs rank 1 and no HTTP."""
+    """``-tp 4 --nnodes 2``: a second "host" (here, another process) runs ranks 2 and 3 and
+    no HTTP; SIGTERM on rank 0 stops every rank of both."""
     port = free_port()
-    multi = ["-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    multi = ["-tp", "4", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
     log = tmp_path_factory.mktemp("node1") / "node1.log"
     node1 = Process(kvserve_argv("serve", *tiny_args(path), "--dtype", "float32", *multi, "--node-rank", "1"),
                     log, "kvserve serve --node-rank 1")
     try:
         node0 = start(tmp_path_factory, "node0", [*tiny_args(path), *multi, "--node-rank", "0"])
-        assert children(node0.proc.pid) == [], "node 0 must not start node 1's rank"
+        local = children(node0.proc.pid)
+        assert len(local) == 1 and len(children(node1.proc.pid)) == 1, "each host starts its second rank"
         assert_same_answers(node0, whole)
         assert node0.stop(30) == 0, node0.describe()
         assert node1.proc.wait(30) == 0, node1.describe()  # rank 0 stopped it
+        assert not [p for p in local if alive(p)]
     finally:
         node1.kill()
 
