@@ -38,7 +38,9 @@ class PrometheusStatLogger:
     are thread-safe, and rendering happens on the event loop.
     """
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
+                 kv_blocks_total: int | None = None) -> None:
+        """``kv_blocks_total``: the pool's size, exported before the first step reports it."""
         self.registry = registry if registry is not None else CollectorRegistry()
         r, m = self.registry, model_name
 
@@ -58,6 +60,8 @@ class PrometheusStatLogger:
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV cache blocks in use (0-1).")
         self.kv_cache_blocks_total = gauge("kv_cache_blocks_total", "KV cache blocks in the pool.")
+        if kv_blocks_total is not None:  # a fresh server (or replica) is not an empty pool
+            self.kv_cache_blocks_total.set(kv_blocks_total)
         self.kv_cache_blocks_used = gauge("kv_cache_blocks_used", "KV cache blocks in use.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")

@@ -35,7 +35,7 @@ def value(metrics: dict, name: str, **labels: str) -> float:
     return metrics[(f"kvserve_{name}", tuple(sorted({"model_name": MODEL, **labels}.items())))]
 
 
-async def test_names_types_and_labels(client: httpx.AsyncClient) -> None:
+async def test_names_types_and_labels(client: httpx.AsyncClient, engine: FakeEngine) -> None:
     r = await client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(r.text)}
@@ -51,6 +51,9 @@ async def test_names_types_and_labels(client: httpx.AsyncClient) -> None:
     m = samples(r.text)
     for reason in ("stop", "length", "abort"):
         assert value(m, "request_success_total", finished_reason=reason) == 0
+    # Before any step: the pool's size, not an empty pool.
+    assert value(m, "kv_cache_blocks_total") == engine.num_kv_blocks > 0
+    assert value(m, "kv_cache_blocks_used") == 0
 
 
 async def test_counters_equal_summed_usage(client: httpx.AsyncClient, engine: FakeEngine) -> None:
