@@ -217,7 +217,8 @@ def merge_metrics(expositions: Sequence[tuple[str, str]]) -> bytes:
 
 def deployment(serve_args: Sequence[str], replicas: int, max_replicas: int | None = None,
                target_ongoing_requests: float = 16.0, max_ongoing_requests: int = 64,
-               cpus_per_replica: float | None = None) -> serve.Application:
+               cpus_per_replica: float | None = None, upscale_delay_s: float = 30.0,
+               downscale_delay_s: float = 600.0) -> serve.Application:
     """The application: ``replicas`` replicas of ``kvserve serve serve_args``, or between
     ``replicas`` and ``max_replicas`` scaled on requests in flight per replica."""
     if replicas < 1:
@@ -229,7 +230,8 @@ def deployment(serve_args: Sequence[str], replicas: int, max_replicas: int | Non
     cpus = cpus_per_replica if cpus_per_replica is not None else max(1.0, float((os.cpu_count() or 1) // most))
     scaling: dict[str, Any] = (
         {"autoscaling_config": {"min_replicas": replicas, "max_replicas": max_replicas,
-                                "target_ongoing_requests": target_ongoing_requests}}
+                                "target_ongoing_requests": target_ongoing_requests,
+                                "upscale_delay_s": upscale_delay_s, "downscale_delay_s": downscale_delay_s}}
         if max_replicas is not None and max_replicas > replicas else {"num_replicas": replicas})
     return serve.deployment(KVServeReplica, name="kvserve", max_ongoing_requests=max_ongoing_requests,
                             health_check_period_s=2.0, health_check_timeout_s=10.0,

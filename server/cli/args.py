@@ -129,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--target-ongoing-requests", type=float, default=16.0,
                        help="with --max-replicas: requests in flight per replica that autoscaling "
                             "aims at (default %(default)s)")
+    serve.add_argument("--upscale-delay", type=float, default=30.0,
+                       help="with --max-replicas: seconds of load above the target before a replica "
+                            "is added (default %(default)s)")
+    serve.add_argument("--downscale-delay", type=float, default=600.0,
+                       help="with --max-replicas: seconds of load below the target before a replica "
+                            "is removed (default %(default)s)")
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--chat-template", default=None, metavar="FILE",
                        help="a Jinja2 chat template file to use instead of the model's own")

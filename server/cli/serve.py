@@ -112,7 +112,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 # Options of `serve` that belong to the Ray application, not to each replica's kvserve.
-_APP_OPTIONS = {"--replicas", "--max-replicas", "--target-ongoing-requests", "--host", "--port"}
+_APP_OPTIONS = {"--replicas", "--max-replicas", "--target-ongoing-requests", "--upscale-delay",
+                "--downscale-delay", "--host", "--port"}
 
 
 def replica_argv(argv: list[str]) -> list[str]:
@@ -136,7 +137,8 @@ def _serve_replicas(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvserve: error: --replicas needs Ray Serve: pip install 'kvserve[ray]' ({e})") from None
     try:
         app = ray_app.deployment(replica_argv(args.argv), args.replicas or 1, args.max_replicas,
-                                 args.target_ongoing_requests)
+                                 args.target_ongoing_requests, upscale_delay_s=args.upscale_delay,
+                                 downscale_delay_s=args.downscale_delay)
     except ValueError as e:
         raise SystemExit(f"kvserve: error: {e}") from None
     return ray_app.run(app, args.host, args.port)
