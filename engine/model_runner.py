@@ -72,9 +72,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.peers = peers
         # A tensor-parallel rank caches its own KV heads; the block tables are every rank's.
-        self.tp_size = loaded.tp.world_size if loaded.tp is not None else 1
+        tp_size = loaded.tp.world_size if loaded.tp is not None else 1
         self.kv_caches = kv_cache.allocate(self.config.num_hidden_layers, num_blocks, block_size,
-                                           local_kv_heads(self.config, self.tp_size), self.config.head_dim,
+                                           local_kv_heads(self.config, tp_size), self.config.head_dim,
                                            self.kv_dtype, self.device)
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:

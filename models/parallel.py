@@ -111,11 +111,11 @@ def vocab_rows(vocab_size: int, world_size: int) -> int:
 def shard_model(model: nn.Module, tp: TensorParallel) -> None:
     """Keep this rank's slices of a loaded Llama-family model's dense weights, in place.
 
-    Call after ``load_weights`` and before ``quant.prepare_projections``.
+    Call after ``load_weights`` and before ``quant.prepare_projections``, once
+    ``check_split`` has accepted the split (``loader.load_model`` checks it).
     """
     cfg: ModelConfig = model.config
     n, r = tp.world_size, tp.rank
-    check_split(cfg, n, quantized=False)
     d = cfg.head_dim
     hq, hkv = cfg.num_attention_heads // n, cfg.num_key_value_heads // n
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
