@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -393,6 +394,16 @@ def _start_heartbeat(spec: RankSpec, rank: int) -> None:
     threading.Thread(target=beat, name="kvserve-heartbeat", daemon=True).start()
 
 
+def exit_now(status: int) -> NoReturn:
+    """Flush and leave without the interpreter's teardown: gloo's threads, destroyed
+    there while still joinable, can abort the process ("terminate called without an
+    active exception", status -6) after its work is done (seen once in a full test run)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def _die_with_parent() -> None:
     """Linux: get SIGKILL when the process that started this one dies."""
     if sys.platform.startswith("linux"):
@@ -400,7 +411,7 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
-def run_node(config: EngineConfig) -> int:
+def run_node(config: EngineConfig) -> NoReturn:
     """A host other than rank 0's (``--node-rank`` > 0): run its ranks until rank 0 stops them."""
     par = config.parallel
     first = par.node_rank * par.ranks_per_node
@@ -417,13 +428,13 @@ def run_node(config: EngineConfig) -> int:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
-    return 0
+    exit_now(0)
 
 
-def run_torchrun_rank(config: EngineConfig, rank: int) -> int:
+def run_torchrun_rank(config: EngineConfig, rank: int) -> NoReturn:
     """A rank other than 0 under ``torchrun``: this process is the rank."""
     run_rank(rank_spec(config), rank)
-    return 0
+    exit_now(0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -436,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: rank 0 stops us
     run_rank(RankSpec.from_json(args.spec), args.rank)
-    return 0
+    exit_now(0)
 
 
 if __name__ == "__main__":

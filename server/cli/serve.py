@@ -14,7 +14,7 @@ from fastapi import FastAPI
 
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
-from engine.workers import run_node, run_torchrun_rank, torchrun_rank
+from engine.workers import exit_now, run_node, run_torchrun_rank, torchrun_rank
 from server.app import build_app
 from server.cli.args import engine_config
 from server.engine_client import EngineClient
@@ -106,9 +106,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:  # a bad model name or setting: say it, no traceback
         raise SystemExit(f"kvserve: error: {e}") from None
     try:
-        return _serve(args, AsyncEngine(llm))
+        status = _serve(args, AsyncEngine(llm))
     finally:
         llm.shutdown()
+    if llm.workers is not None:  # tensor parallel: leave before gloo's teardown can abort
+        exit_now(status)
+    return status
 
 
 # Options of `serve` that belong to the Ray application, not to each replica's kvserve.

@@ -8,6 +8,7 @@ and (rank 0) saves the logits of every step to OUT. WORLD 1 is the whole model.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -47,6 +48,10 @@ def main() -> None:
         torch.save(torch.cat(logits), out)
     if world > 1:
         dist.destroy_process_group()
+    # NOTE: no interpreter teardown: gloo's threads destroyed there can abort the
+    # process after its work is done (engine.workers.exit_now).
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -110,6 +110,7 @@ def test_serve_wiring_and_startup_log(monkeypatch: pytest.MonkeyPatch,
         def __init__(self, config) -> None:
             self.served_model_name, self.model = config.served_model_name, config.model
             self.shut_down = False
+            self.workers = None  # no tensor-parallel ranks
 
         def shutdown(self) -> None:  # stops tensor-parallel ranks: must follow the server's exit
             self.shut_down = True
