@@ -8,7 +8,7 @@ and prompt attention read in place, one arithmetic for both), ``argmax.cpp``,
 ``fused_layer.cpp`` (a whole decoder layer) and ``grouped_gemm.cpp`` (the
 grouped 4-/8-bit GEMMs); ``bindings.cpp`` exports them and ``kernels.h``
 declares them. The module is compiled on first use with torch's C++
-extension builder (g++ and the Python headers; about a minute, cached under
+extension builder (g++ and the Python headers; under a minute, cached under
 ``~/.cache/kvserve/kernels`` or ``$KVSERVE_KERNEL_CACHE``, one build per CPU
 and torch install) and runs on CPU tensors only. Where it cannot be built, or
 with ``KVSERVE_KERNELS=0``, every function here falls back to its plain-torch

@@ -1,5 +1,6 @@
 // The greedy sampler's argmax over each row of the logits.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 
 #include "kernels.h"
 #include "parallel.h"

@@ -1,6 +1,6 @@
 // The Python module: every kernel of kernels.h and grouped_gemm.h, as
 // models/ops.py calls them.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "grouped_gemm.h"
 #include "grouped_gemm_amx.h"

@@ -2,7 +2,7 @@
 // of each cache dtype, an int8 row's scale, and 16 values at a time as float32.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <cstring>

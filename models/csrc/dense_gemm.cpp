@@ -10,7 +10,9 @@
 // input: w[t][k][i] = W[16t + i][k], rows padded to a multiple of 16 with
 // zeros. One input's 16 weights are one vector, multiplied by a broadcast
 // input of each row.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
 
 #include "cache_rows.h"
 #include "kernels.h"

@@ -1,5 +1,6 @@
 // One whole decoder layer in one call, from the kernels of the other files.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include "grouped_gemm.h"
 #include "kernels.h"

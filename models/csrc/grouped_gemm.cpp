@@ -21,7 +21,8 @@
 //   8 bits: codes[t][g][j][i][b] = u[16t+i][32g+4j+b]                                (j < 8)
 //   scales[t][g][0][i] = d, scales[t][g][1][i] = m
 // Rows are padded to a multiple of 16 with zeros.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include "grouped_gemm.h"

@@ -2,7 +2,7 @@
 // layout and the two kinds of arithmetic.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <string>
 

@@ -10,7 +10,7 @@
 // by the file that holds each; grouped_gemm.h declares the grouped GEMMs.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <vector>

@@ -10,7 +10,8 @@
 // buffer's alignment). A flash-attention tile over 16 query tokens shared key
 // loads between them but reduced in another order than a decode, so a
 // prefix-cache hit changed the logits (issue 14).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 
 #include "cache_rows.h"
 #include "fastmath.h"

@@ -1,6 +1,7 @@
 // Row-wise kernels: RMSNorm (with the residual add), SiLU * up, and RoPE with
 // the KV-cache write (kernels.h declares them).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 
 #include "cache_rows.h"
 #include "fastmath.h"

@@ -1,5 +1,6 @@
 // Structured outputs: a grammar's allowed-token bitmask applied to the logits.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 
 #include "kernels.h"
 

@@ -73,7 +73,7 @@ def avx2_outputs(tmp_path_factory) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def avx512bw_outputs(tmp_path_factory) -> dict[str, torch.Tensor]:
-    # The kernels only: the model's paths are the AVX2 build's check (a build takes minutes).
+    # The kernels only: the model's paths are the AVX2 build's check (each build costs tens of seconds).
     return outputs_of("avx512bw", False, tmp_path_factory)
 
 
