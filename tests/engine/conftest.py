@@ -8,7 +8,6 @@ breaks as soon as pytest loads another directory's conftest in the same run.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine.scheduler import Scheduler
 
@@ -30,17 +29,3 @@ def assert_scheduler_empty(scheduler: Scheduler) -> None:
 def assert_scheduler_empty_fixture():
     """:func:`assert_scheduler_empty`, handed to a test."""
     return assert_scheduler_empty
-
-
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    """Run a module's model steps on one intra-op thread.
-
-    NOTE: the steps here are tiny (a few tokens), so a second thread gains
-    little, while on a shared 2-core machine OpenMP threads that spin for a busy
-    core make every step several times slower.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)

@@ -22,7 +22,7 @@ from engine.sampling_params import SamplingParams
 from models.loader import load_model
 from tests.engine.test_speculative import QUOTES, accepted, make_engine, run
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = pytest.mark.slow
 
 
 def draft_spec(**overrides) -> SpeculativeConfig:

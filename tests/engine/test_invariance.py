@@ -26,7 +26,7 @@ from engine.sampling_params import SamplingParams
 from models import ops
 from models.loader import load_model
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = pytest.mark.slow
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 384

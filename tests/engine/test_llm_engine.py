@@ -22,7 +22,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import StepStats
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = pytest.mark.slow
 
 
 BLOCK_SIZE = 16

@@ -17,7 +17,7 @@ from engine.model_runner import kv_bytes_per_block
 from engine.sampling_params import SamplingParams
 from engine.stats import StepStats
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = pytest.mark.slow
 
 
 BLOCK_SIZE = 16

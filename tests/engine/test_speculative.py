@@ -20,7 +20,7 @@ from engine.sampling_params import SamplingParams
 from engine.speculative import NgramIndex, NgramProposer
 from engine.stats import StepStats
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = pytest.mark.slow
 
 BLOCK_SIZE = 16
 PARAGRAPH = ("The quick brown fox jumps over the lazy dog. The dog sleeps under the old oak tree "

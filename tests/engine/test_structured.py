@@ -21,7 +21,7 @@ from engine.model_runner import kv_bytes_per_block
 from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.validation import InvalidRequestError
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = pytest.mark.slow
 
 BLOCK_SIZE = 16
 
