@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     from models.tokenizer import Tokenizer
 
     path = resolve_model_path(args.model)
-    tok = Tokenizer.from_hf_dir(path) if path.is_dir() else Tokenizer.from_gguf_fields(open_gguf(path))
+    tok = Tokenizer.from_hf_dir(path) if path.is_dir() else Tokenizer.from_gguf_fields(open_gguf(path).fields)
     prompts = make_prompts(tok, args.num_prompts, args.input_len, args.seed)
     rows = [run_kvserve(args, prompts)]
     if not args.skip_transformers:

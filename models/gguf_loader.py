@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from models.config import ModelConfig
+from models.gguf_reader import GGUFFile, GGUFTensor, read_gguf
 
 # Quantisation types we dequantise (with the `gguf` package's reference code).
 SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
@@ -34,25 +35,20 @@ _GLOBAL_NAMES = {
 }
 
 
-def open_gguf(path: str | Path):
+def open_gguf(path: str | Path) -> GGUFFile:
     """Open a GGUF file, turning a damaged or foreign file into a ``ValueError``."""
-    from gguf import GGUFReader
-
     try:
-        return GGUFReader(str(path), "r")
-    except Exception as exc:  # the reader raises assorted errors on bad files
+        return read_gguf(path)
+    except (ValueError, OSError) as exc:
         raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from exc
 
 
-def field_value(reader, key: str, default: Any = None) -> Any:
+def field_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
     """One metadata value (scalar, string or list), or ``default`` if absent."""
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+    return reader.fields.get(key, default)
 
 
-def config_from_gguf(reader) -> ModelConfig:
+def config_from_gguf(reader: GGUFFile) -> ModelConfig:
     """Translate GGUF metadata into a ModelConfig."""
     arch = field_value(reader, "general.architecture")
     if arch not in _ARCHITECTURES:
@@ -109,7 +105,7 @@ def hf_name(gguf_name: str) -> str:
     raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a supported Llama-family model")
 
 
-def dequantize(tensor) -> np.ndarray:
+def dequantize(tensor: GGUFTensor) -> np.ndarray:
     """A GGUF tensor as float32, shaped like the HF weight (rows = output features)."""
     from gguf import GGMLQuantizationType, quants
 
@@ -139,7 +135,7 @@ def _permute_back(w: np.ndarray, n_head: int) -> np.ndarray:
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 
 
-def projection_type(reader) -> str:
+def projection_type(reader: GGUFFile) -> str:
     """The GGUF type of the first layer's FFN down projection, e.g. ``"Q4_1"``.
 
     Quantised files keep most projections at one type; this one stands for them.
@@ -152,7 +148,7 @@ def projection_type(reader) -> str:
     raise ValueError("GGUF file has no blk.0.ffn_down.weight tensor")
 
 
-def iter_gguf_weights(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(reader: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, float32 tensor)`` for every tensor of the file."""
     permute = config.architecture != "Qwen2ForCausalLM"  # llama.cpp permutes only llama-arch Q/K
     for t in reader.tensors:

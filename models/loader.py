@@ -136,7 +136,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
     else:
         reader = open_gguf(path)
         config = config_from_gguf(reader)
-        tokenizer = Tokenizer.from_gguf_fields(reader)
+        tokenizer = Tokenizer.from_gguf_fields(reader.fields)
         weights = iter_gguf_weights(reader, config)
         gguf_type = projection_type(reader)
     torch_dtype, quantization = resolve_path(dtype, quantization, config, gguf_type, dev)

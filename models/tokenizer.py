@@ -20,12 +20,11 @@ from __future__ import annotations
 import copy
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import gguf
 import tokenizers
 from gguf import TokenType
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
@@ -130,8 +129,9 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_gguf_fields(cls, reader: gguf.GGUFReader) -> "Tokenizer":
-        """Build the tokenizer a GGUF file describes in its ``tokenizer.*`` metadata.
+    def from_gguf_fields(cls, fields: Mapping[str, Any]) -> "Tokenizer":
+        """Build the tokenizer a GGUF file describes in its ``tokenizer.*`` metadata
+        (``fields``: ``models.gguf_reader.GGUFFile.fields``).
 
         Supports ``tokenizer.ggml.model`` "gpt2" (byte-level BPE, with the
         pre-tokenizer chosen by ``tokenizer.ggml.pre``) and "llama"
@@ -144,8 +144,7 @@ class Tokenizer:
         """
 
         def field(key: str, default: Any = None) -> Any:
-            found = reader.fields.get(f"tokenizer.{key}")
-            return default if found is None else found.contents()
+            return fields.get(f"tokenizer.{key}", default)
 
         tokens = field("ggml.tokens")
         if not tokens:

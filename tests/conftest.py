@@ -29,11 +29,10 @@ def reference_tokenizer(smollm2_path: Path):
 @pytest.fixture(scope="session")
 def gguf_tokenizer(smollm2_path: Path):
     """kvserve's own tokenizer for the default model, built from its GGUF metadata."""
-    import gguf
-
+    from models.gguf_loader import open_gguf
     from models.tokenizer import Tokenizer
 
-    return Tokenizer.from_gguf_fields(gguf.GGUFReader(smollm2_path))
+    return Tokenizer.from_gguf_fields(open_gguf(smollm2_path).fields)
 
 
 @pytest.fixture(scope="session")

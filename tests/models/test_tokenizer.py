@@ -16,12 +16,14 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import gguf
 import pytest
 import tokenizers
 from tokenizers import pre_tokenizers
 
+from models.gguf_reader import read_gguf
 from models.tokenizer import Tokenizer
 
 TEXTS = [
@@ -157,7 +159,8 @@ def test_from_hf_dir_without_tokenizer_json_is_rejected(tmp_path):
 BYTE_CHARS = pre_tokenizers.ByteLevel.alphabet()
 
 
-def write_gguf(path: Path, model: str, tokens: list[str], types: list[int], **fields) -> gguf.GGUFReader:
+def write_gguf(path: Path, model: str, tokens: list[str], types: list[int], **fields) -> dict[str, Any]:
+    """Write a tokenizer-only GGUF file with the gguf package; its metadata as kvserve reads it."""
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tokenizer_model(model)
     writer.add_token_list(tokens)
@@ -174,10 +177,10 @@ def write_gguf(path: Path, model: str, tokens: list[str], types: list[int], **fi
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return gguf.GGUFReader(str(path))
+    return read_gguf(path).fields
 
 
-def byte_level_gguf(path: Path, pre: str) -> tuple[gguf.GGUFReader, dict]:
+def byte_level_gguf(path: Path, pre: str) -> tuple[dict[str, Any], dict]:
     merges = ["1 2", "12 3", "4 5", "Ġ Ġ", "ĠĠ Ġ", "Ġ 1", "a b", "ab c", "Ġ a"]
     tokens = ["<|end|>", *sorted(BYTE_CHARS), *(m.replace(" ", "") for m in merges)]
     types = [3] + [1] * (len(tokens) - 1)
@@ -192,8 +195,8 @@ def test_byte_level_pre_types_match_transformers_converter(tmp_path, pre):
         convert_gguf_tokenizer,
     )
 
-    reader, fields = byte_level_gguf(tmp_path / "tiny.gguf", pre)
-    ours = Tokenizer.from_gguf_fields(reader)
+    meta, fields = byte_level_gguf(tmp_path / "tiny.gguf", pre)
+    ours = Tokenizer.from_gguf_fields(meta)
     ref, _ = convert_gguf_tokenizer("llama", fields)
     # Chosen so that each pre type gives different ids: "12345" (qwen2 splits digits), "  1" (GPT-2 regex keeps " 1").
     for text in ["12345 abc", "  123 ab\n\n  1", "abc<|end|>12", "x   45", "1234"]:
@@ -201,15 +204,15 @@ def test_byte_level_pre_types_match_transformers_converter(tmp_path, pre):
 
 
 def test_unknown_pre_tokenizer_type_is_rejected(tmp_path):
-    reader, _ = byte_level_gguf(tmp_path / "tiny.gguf", "made-up")
+    meta, _ = byte_level_gguf(tmp_path / "tiny.gguf", "made-up")
     with pytest.raises(ValueError, match="pre-tokenizer type 'made-up' is not supported"):
-        Tokenizer.from_gguf_fields(reader)
+        Tokenizer.from_gguf_fields(meta)
 
 
 def test_unknown_tokenizer_model_is_rejected(tmp_path):
-    reader = write_gguf(tmp_path / "tiny.gguf", "bert", ["[CLS]", "a"], [3, 1])
+    meta = write_gguf(tmp_path / "tiny.gguf", "bert", ["[CLS]", "a"], [3, 1])
     with pytest.raises(ValueError, match="'bert' is not supported"):
-        Tokenizer.from_gguf_fields(reader)
+        Tokenizer.from_gguf_fields(meta)
 
 
 SPM_PIECES = {"▁": -1.0, "a": -2.0, "b": -2.0, "h": -2.0, "e": -2.0, "l": -2.0, "o": -2.0, "w": -2.0, "r": -2.0,
@@ -226,9 +229,9 @@ def spm(tmp_path) -> tuple[Tokenizer, tokenizers.Tokenizer]:
     tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *SPM_PIECES]
     types = [2, 3, 3, *[6] * 256, *[1] * len(SPM_PIECES)]
     scores = [0.0] * 259 + list(SPM_PIECES.values())
-    reader = write_gguf(tmp_path / "spm.gguf", "llama", tokens, types, scores=scores, bos=1, eos=2)
+    meta = write_gguf(tmp_path / "spm.gguf", "llama", tokens, types, scores=scores, bos=1, eos=2)
     fields = {"tokenizer_type": "llama", "tokens": tokens, "scores": scores, "token_type": types, "unk_token_id": 0}
-    return Tokenizer.from_gguf_fields(reader), convert_gguf_tokenizer("llama", fields)[0]
+    return Tokenizer.from_gguf_fields(meta), convert_gguf_tokenizer("llama", fields)[0]
 
 
 def test_sentencepiece_gguf_matches_transformers_and_adds_bos(spm):
