@@ -192,7 +192,7 @@ def cpu_flags() -> str:
         words = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return ""
-    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16")
+    wanted = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16")
     return " ".join(f for f in wanted if f in words)
 
 

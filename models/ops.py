@@ -17,9 +17,10 @@ twin, which the tests compare it against.
 The kernels compute in 16-lane vectors (``csrc/vec16.h``): AVX-512 where the
 CPU has it, else AVX2, with the same arithmetic on both, so the two builds
 give the same results bit for bit. ``KVSERVE_CPU_ISA=avx2`` builds the AVX2
-kernels on an AVX-512 CPU, ``avx512bw`` the AVX-512 ones without VNNI (the
-tests compare them with the native build); the default, ``native``, builds for
-the CPU it runs on.
+kernels on an AVX-512 CPU, ``avx512bw`` the AVX-512 ones without VNNI,
+``avx2-vnni`` the AVX2 ones with AVX-VNNI's dot products (the tests compare
+them with the native build); the default, ``native``, builds for the CPU it
+runs on.
 """
 
 from __future__ import annotations
@@ -47,9 +48,39 @@ _amx_usable = False  # set by _check_amx
 
 # KVSERVE_CPU_ISA -> the compiler's target: `native` is this CPU; `avx2` leaves
 # AVX-512 out (x86-64-v3: AVX2, FMA, F16C) and `avx512bw` VNNI (Skylake-SP's
-# AVX-512), so an AVX-512 VNNI machine can run the kernels those CPUs would.
+# AVX-512), so an AVX-512 VNNI machine can run the kernels those CPUs would;
+# `avx2-vnni` is AVX2 with AVX-VNNI's 256-bit vpdpbusd (see _isa_flags).
 _ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3", "-mtune=native"],
-              "avx512bw": ["-march=skylake-avx512", "-mtune=native"]}
+              "avx512bw": ["-march=skylake-avx512", "-mtune=native"], "avx2-vnni": []}
+
+
+def _cpu_flags() -> str:
+    """The ``flags`` line of /proc/cpuinfo (the processor's name where there is none)."""
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def _isa_flags(isa: str) -> list[str]:
+    """The compiler flags of ``isa`` on this CPU.
+
+    ``avx2-vnni`` (the kernels of Alder Lake or Sierra Forest: AVX2 and AVX-VNNI,
+    no AVX-512) takes AVX-VNNI where the CPU has it; on an AVX512-VNNI CPU
+    without it (Zen 4, Ice Lake) the same 256-bit vpdpbusd in its EVEX form,
+    with the vector kernels forced onto AVX2's 16-lane code, so that such a
+    CPU can run and test them. Raises ``ValueError`` on a CPU with neither.
+    """
+    if isa != "avx2-vnni":
+        return _ISA_FLAGS[isa]
+    flags = set(_cpu_flags().split())
+    base = ["-march=x86-64-v3", "-mtune=native"]
+    if "avx_vnni" in flags:
+        return [*base, "-mavxvnni"]
+    if {"avx512_vnni", "avx512vl"} <= flags:
+        return [*base, "-mavx512f", "-mavx512vl", "-mavx512vnni", "-mprefer-vector-width=256",
+                "-DKVSERVE_FORCE_V16_AVX2"]
+    raise ValueError("KVSERVE_CPU_ISA=avx2-vnni needs a CPU with AVX-VNNI or AVX512-VNNI")
 
 
 def requested_isa() -> str:
@@ -71,11 +102,7 @@ def _build_tag() -> str:
     Keying on the install keeps two virtual environments (two checkouts) from
     rebuilding each other's kernels in turn.
     """
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    key = "\n".join([flags, torch.__version__, str(Path(torch.__file__).resolve().parent)])
+    key = "\n".join([_cpu_flags(), torch.__version__, str(Path(torch.__file__).resolve().parent)])
     if requested_isa() != "native":  # the native build keeps the tag it always had
         key += "\n" + requested_isa()
     return hashlib.sha256(key.encode()).hexdigest()[:12]
@@ -122,7 +149,7 @@ def _load() -> ModuleType | None:
         _ext = load(
             name=name,
             sources=[str(p) for p in _SOURCES],
-            extra_cflags=["-O3", *_ISA_FLAGS[requested_isa()], "-fopenmp", "-fno-trapping-math", "-fno-math-errno"],
+            extra_cflags=["-O3", *_isa_flags(requested_isa()), "-fopenmp", "-fno-trapping-math", "-fno-math-errno"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(_build_directory(name)),
             verbose=False,
@@ -340,9 +367,10 @@ def vector_isa() -> str | None:
 
 
 def int8_dots() -> str | None:
-    """What ``w4a8``'s integer dot products run on: ``avx512-vnni``, else the
-    multiply-adds of ``avx512-bw`` or ``avx2`` (the same sums, slower); None
-    where they would run on the plain C++ (or the kernels are not built)."""
+    """What ``w4a8``'s integer dot products run on: vpdpbusd on ``avx512-vnni``
+    or ``avx-vnni`` (256 bits), else the multiply-adds of ``avx512-bw`` or
+    ``avx2`` (the same sums, slower); None where they would run on the plain
+    C++ (or the kernels are not built)."""
     return (_ext.int8_dots() or None) if _load() is not None else None
 
 

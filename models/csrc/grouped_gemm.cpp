@@ -232,7 +232,7 @@ inline void with_rows(int rows, F&& f) {
 #endif
 
 #if defined(KVSERVE_V16_INT8)
-#if defined(__AVX512VNNI__)
+#if defined(KVSERVE_V16_VNNI) && defined(KVSERVE_V16_AVX512)
 // s += dot(u, qx[p..p+4)) per 32-bit lane, with the 4 bytes at p broadcast from memory by
 // vpdpbusd itself (GCC emits a separate vpbroadcastd for _mm512_set1_epi32).
 inline void dpbusd_bcast(V16i& s, V16i u, const int8_t* p) {
@@ -242,11 +242,12 @@ inline void dpbusd_bcast(V16i& s, V16i u, const int8_t* p) {
 
 // s0, s1 = the integer dots of each tile row's codes with the two halves of
 // one row's group of int8 x (inputs 0-15 and 16-31). Exact on every path, so
-// VNNI, AVX512-BW and AVX2 give the same sums (and AMX too).
-template <int kBits>
+// VNNI, AVX512-BW and AVX2 give the same sums (and AMX too). kVnni: whether
+// the AVX2 build's AVX-VNNI may run them (see kVnniRows).
+template <int kBits, bool kVnni>
 inline void group_dots(V16i& s0, V16i& s1, const V16i* w, const int8_t* qx) {
   using namespace kvserve;
-#if defined(__AVX512VNNI__)
+#if defined(KVSERVE_V16_VNNI) && defined(KVSERVE_V16_AVX512)
   s0 = v16i_zero();
   s1 = v16i_zero();
   for (int j = 0; j < 4; ++j) {
@@ -254,6 +255,17 @@ inline void group_dots(V16i& s0, V16i& s1, const V16i* w, const int8_t* qx) {
     dpbusd_bcast(s1, w[4 + j], qx + 16 + 4 * j);
   }
 #else
+#if defined(KVSERVE_V16_VNNI)  // AVX-VNNI: the same vpdpbusd on two 256-bit halves
+  if constexpr (kVnni) {
+    s0 = v16i_zero();
+    s1 = v16i_zero();
+    for (int j = 0; j < 4; ++j) {
+      s0 = v16i_dpbusd(s0, w[j], v16i_bcast4(qx + 4 * j));
+      s1 = v16i_dpbusd(s1, w[4 + j], v16i_bcast4(qx + 16 + 4 * j));
+    }
+    return;
+  }
+#endif
   // Without VNNI: pairs of byte products summed to int16 (vpmaddubsw), four
   // such sums added in int16 before widening. With codes of at most 15 and
   // |qx| <= 127 a sum stays within 4 * 2 * 15 * 127 = 15240: nothing saturates,
@@ -278,6 +290,15 @@ inline void group_dots(V16i& s0, V16i& s1, const V16i* w, const int8_t* qx) {
   }
 #endif
 }
+
+// Rows per pass from which the AVX2 build's dots run on AVX-VNNI: below, the
+// chain of four dependent vpdpbusd per half group waits on their latency and
+// the multiply-adds were faster (SmolLM2's four projections, w4a8, 2 threads:
+// 1 / 4 / 16 / 64 rows 80-103 / 200-233 / 326-476 / 1217-1427 us against
+// 65-72 / 157-178 / 539-623 / 2153-2473 us; measured on Zen 4, whose
+// AVX512-VNNI runs the same instruction on 256 bits, as no AVX-VNNI CPU was at
+// hand). Both give the same sums.
+constexpr int kVnniRows = 8;
 
 // Up to R rows of int8 x against one 16-row tile. The codes u are the
 // unsigned operand of the dots, x's codes the signed one; s0 and s1 are the
@@ -308,7 +329,7 @@ inline void tile_rows_a8(float* y, int64_t y_stride, const QuantizedRows& xq, in
 #pragma GCC unroll 16  // keep acc[] in registers (GCC left this loop rolled, acc[] on the stack)
     for (int r = 0; r < R; ++r) {
       V16i s0, s1;
-      group_dots<kBits>(s0, s1, w, qx + r * kGroup);
+      group_dots<kBits, (R >= kVnniRows)>(s0, s1, w, qx + r * kGroup);
       V16 t = v16_fmadd(v16_from_int(s1), v16_set1(dx[2 * r + 1]), v16_set1(shift[r]));
       t = v16_fmadd(v16_from_int(s0), v16_set1(dx[2 * r]), t);
       acc[r] = v16_fmadd(d, t, acc[r]);
@@ -506,11 +527,14 @@ void grouped_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& code
   else grouped_linear_impl<8>(out, x, cp, sp, tiles, groups, int8_activations, plain);
 }
 
-// What the int8-activation path's integer dots run on: "avx512-vnni" (vpdpbusd),
-// "avx512-bw" or "avx2" (vpmaddubsw + vpmaddwd), or "" (the plain C++).
+// What the int8-activation path's integer dots run on: "avx512-vnni" or
+// "avx-vnni" (vpdpbusd on 512 or 256 bits), "avx512-bw" or "avx2" (vpmaddubsw +
+// vpmaddwd), or "" (the plain C++).
 std::string int8_dots() {
-#if defined(__AVX512VNNI__)
+#if defined(KVSERVE_V16_VNNI) && defined(KVSERVE_V16_AVX512)
   return "avx512-vnni";
+#elif defined(KVSERVE_V16_VNNI)
+  return "avx-vnni";
 #elif defined(KVSERVE_V16_INT8) && defined(KVSERVE_V16_AVX512)
   return "avx512-bw";
 #elif defined(KVSERVE_V16_INT8)

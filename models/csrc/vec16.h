@@ -16,7 +16,11 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__AVX512F__)
+// KVSERVE_FORCE_V16_AVX2 builds the AVX2 kernels where AVX-512 is enabled:
+// the AVX-VNNI kernels' test build (models/ops.py, KVSERVE_CPU_ISA=avx2-vnni on
+// a CPU with AVX512-VNNI but not AVX-VNNI) needs AVX512-VL for vpdpbusd on
+// 256 bits.
+#if defined(__AVX512F__) && !defined(KVSERVE_FORCE_V16_AVX2)
 #define KVSERVE_V16 1
 #define KVSERVE_V16_AVX512 1
 #include <immintrin.h>
@@ -29,6 +33,14 @@
 // KVSERVE_V16_INT8: byte dot products exist (AVX512-VNNI, AVX512-BW or AVX2).
 #if defined(KVSERVE_V16_AVX2) || (defined(KVSERVE_V16_AVX512) && (defined(__AVX512VNNI__) || defined(__AVX512BW__)))
 #define KVSERVE_V16_INT8 1
+#endif
+
+// KVSERVE_V16_VNNI: vpdpbusd on V16i. AVX-512: AVX512-VNNI. AVX2: AVX-VNNI
+// (Alder Lake, Sierra Forest, Zen 5: the VEX form), or the EVEX form of
+// AVX512-VNNI + VL in the forced AVX2 build.
+#if (defined(KVSERVE_V16_AVX512) && defined(__AVX512VNNI__)) || \
+    (defined(KVSERVE_V16_AVX2) && (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))))
+#define KVSERVE_V16_VNNI 1
 #endif
 
 #if defined(KVSERVE_V16)
@@ -216,6 +228,16 @@ inline V16i v16i_widen_pairs(V16i a) {
   const __m256i ones = _mm256_set1_epi16(1);
   return {_mm256_madd_epi16(a.lo, ones), _mm256_madd_epi16(a.hi, ones)};
 }
+#if defined(KVSERVE_V16_VNNI)
+// s += the dot of each 32-bit lane's 4 unsigned bytes of u with 4 signed bytes of x (vpdpbusd).
+inline V16i v16i_dpbusd(V16i s, V16i u, V16i x) {
+#if defined(__AVXVNNI__)
+  return {_mm256_dpbusd_avx_epi32(s.lo, u.lo, x.lo), _mm256_dpbusd_avx_epi32(s.hi, u.hi, x.hi)};
+#else
+  return {_mm256_dpbusd_epi32(s.lo, u.lo, x.lo), _mm256_dpbusd_epi32(s.hi, u.hi, x.hi)};
+#endif
+}
+#endif
 inline V16 v16_from_int(V16i a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
 inline V16 v16_as_float(V16i a) { return {_mm256_castsi256_ps(a.lo), _mm256_castsi256_ps(a.hi)}; }
 inline V16i v16_round_to_int(V16 a) { return {_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi)}; }

@@ -5,7 +5,8 @@ The kernels are written once on 16-lane vectors (models/csrc/vec16.h), so a
 CPU without AVX-512 runs the same arithmetic at half the width, and one
 without VNNI gets the same integer dots from byte multiply-adds. This test
 builds the other kernels (``KVSERVE_CPU_ISA=avx2``: x86-64-v3;
-``avx512bw``: Skylake-SP's AVX-512) in a second process, runs every vector
+``avx2-vnni``: x86-64-v3 with 256-bit vpdpbusd, as Alder Lake and Sierra
+Forest run it; ``avx512bw``: Skylake-SP's AVX-512) in a second process, runs every vector
 kernel there (and SmolLM2 on each path the kernels serve, for AVX2), and
 compares with this process's build: equal, with no tolerance. It needs an
 AVX-512 VNNI CPU to have builds to compare; elsewhere the native build is one
@@ -39,7 +40,9 @@ def cpu_flags() -> set[str]:
 
 def test_the_build_uses_the_widest_vectors_the_cpu_has() -> None:
     flags, isa = cpu_flags(), ops.requested_isa()
-    if isa == "avx2" or (isa == "native" and "avx512f" not in flags and {"avx2", "fma", "f16c"} <= flags):
+    if isa == "avx2-vnni" or (isa == "native" and "avx512f" not in flags and "avx_vnni" in flags):
+        expected = ("avx2", "avx-vnni")
+    elif isa == "avx2" or (isa == "native" and "avx512f" not in flags and {"avx2", "fma", "f16c"} <= flags):
         expected = ("avx2", "avx2")
     elif isa == "avx512bw" or (isa == "native" and "avx512f" in flags and "avx512_vnni" not in flags):
         expected = ("avx512", "avx512-bw")
@@ -53,7 +56,7 @@ def test_the_build_uses_the_widest_vectors_the_cpu_has() -> None:
 
 def test_an_unknown_isa_is_refused(monkeypatch) -> None:
     monkeypatch.setenv("KVSERVE_CPU_ISA", "avx3")
-    with pytest.raises(ValueError, match="KVSERVE_CPU_ISA='avx3': expected one of native, avx2, avx512bw"):
+    with pytest.raises(ValueError, match="KVSERVE_CPU_ISA='avx3': expected one of native, avx2, avx512bw, avx2-vnni"):
         ops.requested_isa()
 
 
@@ -72,6 +75,12 @@ def avx2_outputs(tmp_path_factory) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
+def avx2_vnni_outputs(tmp_path_factory) -> dict[str, torch.Tensor]:
+    # AVX-VNNI's kernels; here vpdpbusd's EVEX form on 256 bits (ops._isa_flags).
+    return outputs_of("avx2-vnni", False, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
 def avx512bw_outputs(tmp_path_factory) -> dict[str, torch.Tensor]:
     # The kernels only: the model's paths are the AVX2 build's check (each build costs tens of seconds).
     return outputs_of("avx512bw", False, tmp_path_factory)
@@ -79,7 +88,8 @@ def avx512bw_outputs(tmp_path_factory) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 @needs_vnni
-@pytest.mark.parametrize("build, reports", [("avx2_outputs", "avx2 avx2"), ("avx512bw_outputs", "avx512 avx512-bw")])
+@pytest.mark.parametrize("build, reports", [("avx2_outputs", "avx2 avx2"), ("avx2_vnni_outputs", "avx2 avx-vnni"),
+                                            ("avx512bw_outputs", "avx512 avx512-bw")])
 def test_every_kernel_equals_avx512_vnni(build: str, reports: str, request) -> None:
     theirs = request.getfixturevalue(build)
     assert bytes(theirs["isa"].tolist()).decode() == reports
