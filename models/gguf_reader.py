@@ -56,7 +56,6 @@ class GGUFTensor:
 class GGUFFile:
     """A GGUF file's metadata (``key -> value``: scalars, strings, lists) and its tensors in file order."""
 
-    path: Path
     fields: dict[str, Any]
     tensors: list[GGUFTensor]
 
@@ -160,4 +159,4 @@ def _parse(path: Path, buf: mmap.mmap) -> GGUFFile:
         else:
             data = raw.reshape(*outer, row_bytes)
         tensors.append(GGUFTensor(name, int(ttype), dims, data))
-    return GGUFFile(path, fields, tensors)
+    return GGUFFile(fields, tensors)

@@ -232,40 +232,27 @@ inline void with_rows(int rows, F&& f) {
 #endif
 
 #if defined(KVSERVE_V16_INT8)
-#if defined(KVSERVE_V16_VNNI) && defined(KVSERVE_V16_AVX512)
-// s += dot(u, qx[p..p+4)) per 32-bit lane, with the 4 bytes at p broadcast from memory by
-// vpdpbusd itself (GCC emits a separate vpbroadcastd for _mm512_set1_epi32).
-inline void dpbusd_bcast(V16i& s, V16i u, const int8_t* p) {
-  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(s.v) : "v"(u.v), "m"(*reinterpret_cast<const int32_t*>(p)));
-}
-#endif
-
 // s0, s1 = the integer dots of each tile row's codes with the two halves of
 // one row's group of int8 x (inputs 0-15 and 16-31). Exact on every path, so
-// VNNI, AVX512-BW and AVX2 give the same sums (and AMX too). kVnni: whether
-// the AVX2 build's AVX-VNNI may run them (see kVnniRows).
+// VNNI, AVX512-BW and AVX2 give the same sums (and AMX too). kVnni: the pass
+// has kVnniRows rows or more, so vpdpbusd runs them where the build has it.
 template <int kBits, bool kVnni>
 inline void group_dots(V16i& s0, V16i& s1, const V16i* w, const int8_t* qx) {
   using namespace kvserve;
-#if defined(KVSERVE_V16_VNNI) && defined(KVSERVE_V16_AVX512)
-  s0 = v16i_zero();
-  s1 = v16i_zero();
-  for (int j = 0; j < 4; ++j) {
-    dpbusd_bcast(s0, w[j], qx + 4 * j);
-    dpbusd_bcast(s1, w[4 + j], qx + 16 + 4 * j);
-  }
-#else
-#if defined(KVSERVE_V16_VNNI)  // AVX-VNNI: the same vpdpbusd on two 256-bit halves
+#if defined(KVSERVE_V16_VNNI)
   if constexpr (kVnni) {
     s0 = v16i_zero();
     s1 = v16i_zero();
     for (int j = 0; j < 4; ++j) {
-      s0 = v16i_dpbusd(s0, w[j], v16i_bcast4(qx + 4 * j));
-      s1 = v16i_dpbusd(s1, w[4 + j], v16i_bcast4(qx + 16 + 4 * j));
+      v16i_dpbusd_bcast4(s0, w[j], qx + 4 * j);
+      v16i_dpbusd_bcast4(s1, w[4 + j], qx + 16 + 4 * j);
     }
     return;
   }
 #endif
+#if defined(KVSERVE_V16_VNNI) && defined(KVSERVE_V16_AVX512)
+  static_assert(kVnni, "AVX512-VNNI runs the dots at every row count (kVnniRows)");
+#else
   // Without VNNI: pairs of byte products summed to int16 (vpmaddubsw), four
   // such sums added in int16 before widening. With codes of at most 15 and
   // |qx| <= 127 a sum stays within 4 * 2 * 15 * 127 = 15240: nothing saturates,
@@ -291,14 +278,19 @@ inline void group_dots(V16i& s0, V16i& s1, const V16i* w, const int8_t* qx) {
 #endif
 }
 
-// Rows per pass from which the AVX2 build's dots run on AVX-VNNI: below, the
-// chain of four dependent vpdpbusd per half group waits on their latency and
-// the multiply-adds were faster (SmolLM2's four projections, w4a8, 2 threads:
+// Rows per pass from which the dots run on vpdpbusd: every pass on AVX-512;
+// in the AVX2 build (AVX-VNNI) from 8 rows, as below, the chain of four
+// dependent vpdpbusd per half group waits on their latency and the
+// multiply-adds were faster (SmolLM2's four projections, w4a8, 2 threads:
 // 1 / 4 / 16 / 64 rows 80-103 / 200-233 / 326-476 / 1217-1427 us against
 // 65-72 / 157-178 / 539-623 / 2153-2473 us; measured on Zen 4, whose
 // AVX512-VNNI runs the same instruction on 256 bits, as no AVX-VNNI CPU was at
 // hand). Both give the same sums.
+#if defined(KVSERVE_V16_AVX512)
+constexpr int kVnniRows = 1;
+#else
 constexpr int kVnniRows = 8;
+#endif
 
 // Up to R rows of int8 x against one 16-row tile. The codes u are the
 // unsigned operand of the dots, x's codes the signed one; s0 and s1 are the

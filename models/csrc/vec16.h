@@ -104,6 +104,14 @@ inline V16i v16i_bcast4(const int8_t* p) {
   __builtin_memcpy(&w, p, 4);
   return {_mm512_set1_epi32(w)};
 }
+#if defined(KVSERVE_V16_VNNI)
+// s += per 32-bit lane the dot of u's 4 unsigned bytes with the 4 signed bytes
+// at p (vpdpbusd), the bytes broadcast from memory by the instruction itself
+// (GCC emits a separate vpbroadcastd for _mm512_set1_epi32).
+inline void v16i_dpbusd_bcast4(V16i& s, V16i u, const int8_t* p) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(s.v) : "v"(u.v), "m"(*reinterpret_cast<const int32_t*>(p)));
+}
+#endif
 #if defined(__AVX512BW__)
 // Per 16-bit lane u0 x0 + u1 x1 of its two bytes, u's unsigned, x's signed,
 // saturated to int16 (exact where u <= 127: 2 * 127 * 128 fits).
@@ -229,12 +237,13 @@ inline V16i v16i_widen_pairs(V16i a) {
   return {_mm256_madd_epi16(a.lo, ones), _mm256_madd_epi16(a.hi, ones)};
 }
 #if defined(KVSERVE_V16_VNNI)
-// s += the dot of each 32-bit lane's 4 unsigned bytes of u with 4 signed bytes of x (vpdpbusd).
-inline V16i v16i_dpbusd(V16i s, V16i u, V16i x) {
+// s += per 32-bit lane the dot of u's 4 unsigned bytes with the 4 signed bytes at p (vpdpbusd).
+inline void v16i_dpbusd_bcast4(V16i& s, V16i u, const int8_t* p) {
+  const V16i x = v16i_bcast4(p);
 #if defined(__AVXVNNI__)
-  return {_mm256_dpbusd_avx_epi32(s.lo, u.lo, x.lo), _mm256_dpbusd_avx_epi32(s.hi, u.hi, x.hi)};
+  s = {_mm256_dpbusd_avx_epi32(s.lo, u.lo, x.lo), _mm256_dpbusd_avx_epi32(s.hi, u.hi, x.hi)};
 #else
-  return {_mm256_dpbusd_epi32(s.lo, u.lo, x.lo), _mm256_dpbusd_epi32(s.hi, u.hi, x.hi)};
+  s = {_mm256_dpbusd_epi32(s.lo, u.lo, x.lo), _mm256_dpbusd_epi32(s.hi, u.hi, x.hi)};
 #endif
 }
 #endif
