@@ -36,6 +36,11 @@ def ray_server(tmp_path_factory) -> Iterator[KVServe]:
     try:
         srv.wait_http_ok(f"{srv.url}/health", STARTUP_TIMEOUT)
         assert len(wait_until(lambda: replicas(srv), lambda r: len(r) == 2, 60)) == 2, srv.describe()
+        # A replica registers itself from its constructor, before Serve's controller marks it
+        # running and the proxy's router hears of it: until then every request goes to the
+        # other one. Wait until the router has sent a request to each.
+        served = wait_until(lambda: serve_one_each(srv), lambda s: len(s) == 2 and all(s.values()), 60)
+        assert len(served) == 2 and all(served.values()), (served, srv.describe())
         yield srv
     finally:
         rc = srv.stop(90)
@@ -55,6 +60,14 @@ def by_replica(srv: KVServe, sample: str, **labels: str) -> dict[str, float]:
         if name == sample and all(found.get(k) == v for k, v in labels.items()):
             out[found["replica"]] = out.get(found["replica"], 0.0) + value
     return out
+
+
+def serve_one_each(srv: KVServe) -> dict[str, float]:
+    """One short request through the proxy, then the requests each replica has served."""
+    r = httpx.post(f"{srv.url}/v1/completions", json={"model": "smollm2", "prompt": "Hi", "max_tokens": 1},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    return by_replica(srv, "kvserve_request_success_total")
 
 
 def stream_one(client: openai.OpenAI, i: int) -> str:
@@ -78,6 +91,7 @@ def test_32_streams_all_succeed_and_both_replicas_serve(ray_server):
         except Exception as exc:  # noqa: BLE001 - reported below
             results[i] = exc
 
+    before = by_replica(ray_server, "kvserve_request_success_total", finished_reason="length")
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(32)]
     for t in threads:
         t.start()
@@ -85,8 +99,9 @@ def test_32_streams_all_succeed_and_both_replicas_serve(ray_server):
         t.join(300)
     failed = {i: r for i, r in results.items() if not isinstance(r, str)}
     assert len(results) == 32 and not failed, failed
-    served = by_replica(ray_server, "kvserve_request_success_total", finished_reason="length")
-    assert len(served) == 2 and all(n > 0 for n in served.values()) and sum(served.values()) >= 32, served
+    after = by_replica(ray_server, "kvserve_request_success_total", finished_reason="length")
+    served = {rid: n - before.get(rid, 0.0) for rid, n in after.items()}
+    assert len(served) == 2 and all(n > 0 for n in served.values()) and sum(served.values()) == 32, served
     used = wait_until(lambda: by_replica(ray_server, "kvserve_kv_cache_blocks_used"),
                       lambda u: len(u) == 2 and not any(u.values()), 30)
     assert len(used) == 2 and not any(used.values()), used
