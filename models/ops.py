@@ -172,10 +172,12 @@ def _check_amx(ext: ModuleType) -> None:
     not 0. It stays off until chosen (``set_amx_enabled``; ``models.autotune``
     measures it against VNNI)."""
     global _amx_usable
+    _amx_usable = False
     ext.set_amx_enabled(False)
-    if not ext.amx_available():
+    emulated = ext.amx_emulated()
+    if not (emulated or ext.amx_available()):
         return
-    if os.environ.get("KVSERVE_AMX", "1") == "0":
+    if not emulated and os.environ.get("KVSERVE_AMX", "1") == "0":
         logger.info("AMX: not offered (KVSERVE_AMX=0)")
         return
     gen = torch.Generator().manual_seed(0)
@@ -194,7 +196,10 @@ def _check_amx(ext: ModuleType) -> None:
             logger.warning("AMX: not offered (its %d-bit GEMM differs from VNNI's on the self-check)", bits)
             return  # left disabled by the last pass
     _amx_usable = True
-    logger.info("AMX-INT8: usable (self-check equal to VNNI), offered to the path choice")
+    if emulated:
+        logger.info("AMX-INT8 emulated in software (tests): self-check equal to VNNI")
+    else:
+        logger.info("AMX-INT8: usable (self-check equal to VNNI), offered to the path choice")
 
 
 def kernels_available() -> bool:
@@ -359,6 +364,31 @@ def set_amx_enabled(enabled: bool) -> None:
     """Run the int8-activation GEMMs on AMX (where usable) or on VNNI; results are equal."""
     if _load() is not None:
         _ext.set_amx_enabled(enabled and _amx_usable)
+
+
+def set_amx_emulated(emulated: bool) -> bool:
+    """Tests: run the AMX GEMM with its tile instructions done in software
+    (grouped_gemm_amx.cpp's ``emu_tile_*``), so that a CPU with AVX512-VNNI but
+    no AMX runs the AMX kernel's code; ``False`` gives back the hardware's state.
+    The self-check runs again either way (``amx_usable`` says what it found);
+    AMX stays off until ``set_amx_enabled``. Returns whether the emulation is
+    on: it needs the kernels and AVX512-VNNI."""
+    if _load() is None:
+        return False
+    on = _ext.set_amx_emulated(emulated)
+    _check_amx(_ext)
+    return on
+
+
+def amx_hardware() -> bool:
+    """Whether the CPU has AMX-INT8 and the OS granted this process the tiles
+    (``amx_usable`` also needs the self-check to pass)."""
+    return _load() is not None and _ext.amx_available()
+
+
+def amx_emulated_products() -> int:
+    """Tile products (``tdpbsud``) the software tiles of ``set_amx_emulated`` have computed."""
+    return _ext.amx_emulated_products() if _load() is not None else 0
 
 
 def vector_isa() -> str | None:

@@ -4,13 +4,10 @@
 
 #include "kernels.h"
 #include "parallel.h"
+#include "vec16.h"  // KVSERVE_V16_AVX512: the AVX-512 build, not the forced AVX2 one
 
 #include <cmath>
 #include <cstdint>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace kvserve {
 namespace {
@@ -22,7 +19,7 @@ inline bool beats(float v, float m) { return v > m || (std::isnan(v) && !std::is
 inline int64_t argmax_row(const float* x, int64_t n) {
   int64_t best = 0, i = 1;
   float m = x[0];
-#if defined(__AVX512F__)
+#if defined(KVSERVE_V16_AVX512)
   if (n >= 32) {
     // Lane l follows indices l, l + 16, ...; a strict win keeps its first.
     __m512 mv = _mm512_loadu_ps(x);

@@ -31,6 +31,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_available", &kvserve::amx_available, "whether the CPU and the OS let the GEMMs use AMX-INT8");
   m.def("amx_enabled", &kvserve::amx_enabled, "whether the int8-activation GEMMs use AMX now");
   m.def("set_amx_enabled", &kvserve::set_amx_enabled, "let the int8-activation GEMMs use AMX, or not");
+  m.def("set_amx_emulated", &kvserve::set_amx_emulated, "tests: AMX's tile instructions in software");
+  m.def("amx_emulated", &kvserve::amx_emulated, "whether AMX's tile instructions run in software");
+  m.def("amx_emulated_products", &kvserve::amx_emulated_products, "tile products the software tiles computed");
   m.def("fused_layer", &kvserve::fused_layer,
         "one decoder layer for a step's decodes and prompt chunks, packed projections",
         py::call_guard<py::gil_scoped_release>());

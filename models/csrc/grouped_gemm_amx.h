@@ -23,6 +23,15 @@ bool amx_available();
 bool amx_enabled();
 void set_amx_enabled(bool enabled);
 
+// Tests: the AMX kernel with its tile instructions done in software (the same
+// code otherwise), on a CPU with AVX512-VNNI whether it has AMX or not. While
+// on, amx_enabled() needs no AMX. Returns whether it is on.
+bool set_amx_emulated(bool emulated);
+bool amx_emulated();
+// Tile products (tdpbsud) the software tiles have computed, for tests that
+// want to see the emulated kernel run.
+int64_t amx_emulated_products();
+
 // y [rows, n] (row stride ys) = the int8-activation GEMM of grouped_gemm.cpp for
 // `bits`-bit packed codes, equal bit for bit to the VNNI kernel.
 void grouped_linear_a8_amx(int bits, float* y, int64_t ys, const AmxRows& x, const uint8_t* codes,

@@ -3,14 +3,11 @@
 #include <ATen/Dispatch.h>
 
 #include "kernels.h"
+#include "vec16.h"  // KVSERVE_V16_AVX512: the AVX-512 build, not the forced AVX2 one
 
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace kvserve {
 
@@ -43,7 +40,7 @@ void apply_token_bitmask(at::Tensor& logits, const at::Tensor& rows, const at::T
       const int64_t first = w * 32, n = std::min<int64_t>(32, vocab - first);
       const uint32_t valid = n == 32 ? 0xFFFFFFFFu : ((1u << n) - 1);
       const uint32_t forbid = ~allowed & valid;
-#if defined(__AVX512F__)
+#if defined(KVSERVE_V16_AVX512)
       const __m512 v = _mm512_set1_ps(ninf);
       _mm512_mask_storeu_ps(row + first, static_cast<__mmask16>(forbid & 0xFFFF), v);
       _mm512_mask_storeu_ps(row + first + 16, static_cast<__mmask16>(forbid >> 16), v);

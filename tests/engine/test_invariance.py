@@ -157,12 +157,17 @@ def assert_same(got: dict[str, Generated], cold: dict[str, Generated], what: str
 
 @pytest.fixture
 def amx(request):
-    """AMX on for the modes that name it (where the CPU has it), off otherwise."""
+    """AMX on for the modes that name it, off otherwise. On a CPU without AMX the
+    AMX kernel runs on software tiles (``ops.set_amx_emulated``)."""
     wanted = "amx" in request.node.callspec.params["mode"]
-    if wanted and not ops.amx_usable():
-        pytest.skip("this CPU has no usable AMX-INT8 (its w4a8 runs on VNNI, tested above)")
-    yield wanted
-    ops.set_amx_enabled(False)
+    try:
+        if wanted and not ops.amx_usable() and not ops.set_amx_emulated(True):
+            pytest.skip("this CPU has neither AMX-INT8 nor AVX512-VNNI to emulate it on")
+        assert ops.amx_usable() or not wanted, "the AMX kernel differs from VNNI on the start-up self-check"
+        yield wanted
+    finally:
+        ops.set_amx_emulated(False)
+        ops.set_amx_enabled(False)
 
 
 @pytest.mark.parametrize("mode", MODES, ids=["-".join(m) for m in MODES])
@@ -170,6 +175,7 @@ def test_logprobs_do_not_depend_on_how_a_request_was_computed(mode, amx):
     tokenizer = loaded_model(*mode[:2]).tokenizer
     ops.set_amx_enabled(amx)  # after the load, which sets it to the path's own choice
     assert ops.amx_enabled() == amx
+    emulated_products = ops.amx_emulated_products()
     prompts = table(tokenizer)
     # (a) cold: each prompt alone, in one prefill, nothing cached.
     alone = make_engine(mode, enable_prefix_caching=False)
@@ -211,3 +217,5 @@ def test_logprobs_do_not_depend_on_how_a_request_was_computed(mode, amx):
     got = run(small, prompts)
     assert small.scheduler.num_preemptions_total > 0
     assert_same(got, cold, "after preemption")
+    if amx and not ops.amx_hardware():  # the emulated AMX kernel did run
+        assert ops.amx_emulated_products() > emulated_products

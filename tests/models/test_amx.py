@@ -1,11 +1,17 @@
 """The int8-activation GEMM on AMX tiles equals the VNNI kernel bit for bit.
 
-AMX is offered only where the CPU has AMX-INT8, the OS grants the tile state and
-the start-up self-check agrees with VNNI (``ops.amx_usable``); elsewhere these
-tests cannot run and say so.
+Each test runs on the hardware's tiles where the CPU has AMX-INT8, the OS
+grants the tile state and the start-up self-check agrees with VNNI
+(``ops.amx_usable``), and on software tiles (``ops.set_amx_emulated``: the same
+kernel with its tile instructions emulated as the ISA reference defines them)
+on any CPU with AVX512-VNNI, so that the AMX kernel's code (operand layouts,
+strides, which group's dots meet which scales) is tested on CPUs without AMX
+too. Where neither can run, the tests say so.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -13,13 +19,25 @@ import torch
 from models import autotune, ops
 from models.quant import pack_int4, pack_int8
 
-pytestmark = pytest.mark.skipif(not ops.amx_usable(), reason="this CPU offers no AMX-INT8")
 
-
-@pytest.fixture
-def amx_off_after():
-    yield
-    ops.set_amx_enabled(False)
+@pytest.fixture(params=["hardware", "emulated"])
+def tiles(request):
+    """AMX usable on the hardware's tiles or the software's; off and not emulated afterwards."""
+    emulated = request.param == "emulated"
+    try:
+        if ops.set_amx_emulated(emulated) != emulated:
+            pytest.skip("emulating AMX needs a CPU with AVX512-VNNI and the kernels built")
+        if not emulated and not ops.amx_hardware():
+            pytest.skip("this CPU offers no AMX-INT8")
+        if not emulated and os.environ.get("KVSERVE_AMX") == "0":
+            pytest.skip("KVSERVE_AMX=0 keeps AMX out")
+        # A kernel the self-check withdrew fails here rather than skipping.
+        assert ops.amx_usable(), "the AMX kernel differs from VNNI on the start-up self-check"
+        assert not ops.amx_enabled()
+        yield request.param
+    finally:
+        ops.set_amx_emulated(False)
+        ops.set_amx_enabled(False)
 
 
 def both(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], n: int) -> tuple[torch.Tensor, ...]:
@@ -33,17 +51,22 @@ def both(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], n: int) -> 
 
 @pytest.mark.parametrize("rows", [16, 17, 31, 48, 100, 512])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_amx_gemm_equals_vnni(rows: int, bits: int, amx_off_after) -> None:
+def test_amx_gemm_equals_vnni(rows: int, bits: int, tiles: str) -> None:
     gen = torch.Generator().manual_seed(rows * bits)
     n, k = 200, 576  # 13 tiles, the last one partial; 18 groups
     weight = torch.randn(n, k, generator=gen) * 0.05
     packed = (pack_int4 if bits == 4 else pack_int8)(weight)
     x = torch.randn(rows, k, generator=gen)
+    products = ops.amx_emulated_products()
     amx, vnni = both(x, packed, n)
     assert torch.equal(amx, vnni)
+    # The emulated kernel ran (not VNNI under another name): 2 products per group,
+    # 18 groups, per 16-row block and 16-output tile.
+    expected = 2 * 18 * -(-rows // 16) * 13 if tiles == "emulated" else 0
+    assert ops.amx_emulated_products() - products == expected
 
 
-def test_a_model_step_on_amx_equals_vnni(amx_off_after) -> None:
+def test_a_model_step_on_amx_equals_vnni(tiles: str) -> None:
     from test_autotune import TINY  # the kernels' shapes in miniature
 
     model = autotune._probe_model(TINY, autotune.RunPath("float32", "w4a8"))
@@ -55,6 +78,15 @@ def test_a_model_step_on_amx_equals_vnni(amx_off_after) -> None:
     assert torch.equal(amx, vnni)
 
 
+@pytest.mark.skipif(not ops.kernels_available(), reason="kvserve's CPU kernels are not built here")
+def test_emulation_off_gives_the_hardware_state_back() -> None:
+    hardware = ops.amx_usable()
+    ops.set_amx_emulated(True)
+    assert ops.set_amx_emulated(False) == hardware
+    assert ops.amx_usable() == hardware and not ops.amx_enabled()
+
+
+@pytest.mark.skipif(not ops.kernels_available(), reason="kvserve's CPU kernels are not built here")
 def test_the_self_check_withdraws_amx_that_disagrees(monkeypatch: pytest.MonkeyPatch,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     real = ops._ext
@@ -65,6 +97,9 @@ def test_the_self_check_withdraws_amx_that_disagrees(monkeypatch: pytest.MonkeyP
         def amx_available(self) -> bool:
             return True
 
+        def amx_emulated(self) -> bool:
+            return False
+
         def set_amx_enabled(self, on: bool) -> None:
             self.amx = on
 
@@ -73,7 +108,7 @@ def test_the_self_check_withdraws_amx_that_disagrees(monkeypatch: pytest.MonkeyP
             if self.amx:
                 out[0, 0] += 1.0  # one wrong output is enough
 
-    monkeypatch.setattr(ops, "_amx_usable", False)
+    monkeypatch.setattr(ops, "_amx_usable", True)
     fake = Disagreeing()
     ops._check_amx(fake)
     assert not ops._amx_usable and fake.amx is False
