@@ -40,7 +40,7 @@ def open_gguf(path: str | Path) -> GGUFFile:
     try:
         return read_gguf(path)
     except (ValueError, OSError) as exc:
-        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from exc
+        raise ValueError(f"not a readable GGUF file (truncated or corrupt?): {exc}") from exc  # exc names the path
 
 
 def field_value(reader: GGUFFile, key: str, default: Any = None) -> Any:

@@ -112,20 +112,22 @@ def read_gguf(path: str | Path) -> GGUFFile:
         try:
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except ValueError as exc:  # an empty file cannot be mapped
-            raise ValueError(f"{path} is empty") from exc
+            raise ValueError(f"{path}: the file is empty") from exc
     try:
-        return _parse(path, buf)
-    except (struct.error, UnicodeDecodeError, KeyError, OverflowError) as exc:
-        raise ValueError(f"{path}: {exc}") from exc
+        return _parse(buf)
+    except struct.error as exc:  # a read past the end of the buffer
+        raise ValueError(f"{path}: the file ends early ({exc})") from exc
+    except (ValueError, UnicodeDecodeError, KeyError, OverflowError) as exc:
+        raise ValueError(f"{path}: {exc}") from exc  # every message names the file once
 
 
-def _parse(path: Path, buf: mmap.mmap) -> GGUFFile:
+def _parse(buf: mmap.mmap) -> GGUFFile:
     cur = _Cursor(buf)
     if cur.scalar("<I") != _MAGIC:
-        raise ValueError(f"{path} does not start with GGUF's magic number")
+        raise ValueError("the file does not start with GGUF's magic number")
     version = cur.scalar("<I")
     if version not in (2, 3):
-        raise ValueError(f"{path}: GGUF version {version} is not supported (2 and 3 are; "
+        raise ValueError(f"GGUF version {version} is not supported (2 and 3 are; "
                          "a big-endian file also reads as another version)")
     tensor_count, kv_count = cur.scalar("<Q"), cur.scalar("<Q")
     fields: dict[str, Any] = {}

@@ -91,5 +91,6 @@ def test_damaged_files_are_refused_with_a_value_error(every_type, tmp_path):
     for what, data in cases.items():
         path = tmp_path / f"{what}.gguf"
         path.write_bytes(data)
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError) as info:
             read_gguf(path)
+        assert str(info.value).count(str(path)) == 1, (what, str(info.value))  # named once

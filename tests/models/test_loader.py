@@ -128,8 +128,9 @@ def test_truncated_gguf_is_rejected(smollm2_path, tmp_path, size):
     with smollm2_path.open("rb") as src:
         path.write_bytes(src.read(size))
 
-    with pytest.raises(ValueError, match="truncated or corrupt"):
+    with pytest.raises(ValueError, match="truncated or corrupt") as info:
         load(path)
+    assert str(info.value).count(str(path)) == 1
 
 
 def test_gguf_missing_a_tensor_is_rejected(tiny_llama, tmp_path):
