@@ -44,8 +44,12 @@ def gemm_table(rows: list[int], runs: int) -> None:
     weights = [torch.randn(n, k, generator=gen) for n, k in PROJECTIONS]
     packed = [pack_int4(w) for w in weights]
     column_major = [w.t().contiguous().t() for w in weights]
-    print("| rows | int4 (float acts) | w4a8 (int8 acts) | MKL float32 | w4a8 GOP/s |")
-    print("|---:|---:|---:|---:|---:|")
+    # Where the CPU offers AMX-INT8, w4a8 on its tiles too (grouped_gemm.cpp runs them from
+    # kAmxMinRows rows; below that the column repeats VNNI's kernel).
+    amx = ops.amx_usable()
+    print("| rows | int4 (float acts) | w4a8 (int8 acts) |" + (" w4a8 on AMX |" if amx else "")
+          + " MKL float32 | w4a8 GOP/s |")
+    print("|---:|---:|---:|" + ("---:|" if amx else "") + "---:|---:|")
     for m in rows:
         xs = [torch.randn(m, k, generator=gen) for _, k in PROJECTIONS]
 
@@ -54,9 +58,17 @@ def gemm_table(rows: list[int], runs: int) -> None:
 
         t_int4 = run(lambda x, i: ops.grouped_linear(x, *packed[i], PROJECTIONS[i][0]))
         t_w4a8 = run(lambda x, i: ops.grouped_linear(x, *packed[i], PROJECTIONS[i][0], int8_activations=True))
+        amx_cell = ""
+        if amx:
+            ops.set_amx_enabled(True)
+            try:
+                t_amx = run(lambda x, i: ops.grouped_linear(x, *packed[i], PROJECTIONS[i][0], int8_activations=True))
+            finally:
+                ops.set_amx_enabled(False)
+            amx_cell = f" {t_amx * 1e3:.0f} us |"
         t_mkl = run(lambda x, i: torch.nn.functional.linear(x, column_major[i]))
         gop = 2 * m * sum(n * k for n, k in PROJECTIONS) / (t_w4a8 * 1e-3) / 1e9
-        print(f"| {m} | {t_int4 * 1e3:.0f} us | {t_w4a8 * 1e3:.0f} us | {t_mkl * 1e3:.0f} us | {gop:.0f} |")
+        print(f"| {m} | {t_int4 * 1e3:.0f} us | {t_w4a8 * 1e3:.0f} us |{amx_cell} {t_mkl * 1e3:.0f} us | {gop:.0f} |")
 
 
 def attention_table(batches: list[int], runs: int, context: int = 200, layers: int = 30,

@@ -570,8 +570,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="a model name, directory or .gguf file (e.g. smollm2)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print("fused CPU kernels:", f"ready ({vector_isa()})" if kernels_available()
-          else "unavailable, plain torch ops will run")
+    if kernels_available():
+        amx = ("usable, offered to the path choice" if amx_usable()
+               else "present, not offered (KVSERVE_AMX=0 or the self-check; see above)" if amx_hardware()
+               else "not on this CPU")
+        print(f"fused CPU kernels: ready ({vector_isa()}; int8 dots: {int8_dots() or 'none'}; AMX-INT8: {amx})")
+    else:
+        print("fused CPU kernels: unavailable, plain torch ops will run")
     if args.choose_path:
         from models import autotune
         from models.loader import read_config

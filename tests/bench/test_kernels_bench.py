@@ -18,6 +18,19 @@ def test_tables_have_a_row_per_size(capsys):
     assert all("us" in line for line in lines[1:3]) and "ms" in lines[4]
 
 
+def test_the_gemm_table_has_an_amx_column_where_amx_is_usable(capsys):
+    # On software tiles where the CPU has no AMX (the timings mean nothing then).
+    if not ops.amx_usable() and not ops.set_amx_emulated(True):
+        pytest.skip("neither AMX-INT8 nor AVX512-VNNI to emulate it on")
+    try:
+        kernels.gemm_table([16], runs=1)
+    finally:
+        ops.set_amx_emulated(False)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert "w4a8 on AMX" in lines[0] and lines[1].startswith("| 16 |") and lines[1].count("us") == 4
+    assert not ops.amx_enabled()  # left as it was
+
+
 @pytest.mark.slow
 def test_step_table_splits_a_real_decode_step(capsys):
     from bench import step

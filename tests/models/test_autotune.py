@@ -120,4 +120,6 @@ def test_python_m_models_ops_reports_the_choice(monkeypatch: pytest.MonkeyPatch,
     assert ops.main(["--choose-path", "tiny"]) == 0
     out = capsys.readouterr().out
     assert "fused CPU kernels: ready" in out
+    assert f"int8 dots: {ops.int8_dots() or 'none'}; AMX-INT8: " in out
+    assert ("AMX-INT8: usable" in out) == ops.amx_usable()
     assert f"path auto for tiny: {DTYPES[0]} + int4" in out
