@@ -2,6 +2,7 @@
 
     python -m bench.quality                 # every path, then llama.cpp on the same file and text
     python -m bench.quality --no-llama-cpp  # kvserve's paths only
+    python -m bench.quality --no-llama-cpp --activation-spans 16 32 row  # w4a8 with coarser scales
 
 Teacher-forced over ``bench/data/quality_text.txt`` (an original text of
 about 4,700 words that ships with the repo), the way ``llama-perplexity``
@@ -18,6 +19,11 @@ against its own float32 run of the same weights (``llama-quantize
 --allow-requantize ... F32``): the same figures, each engine measured
 against its own exact path. Prints a markdown table and writes the JSON to
 ``bench/results/quality-<time>.json``.
+
+``--activation-spans`` adds ``w4a8`` with its activations rounded to int8
+with one scale per that many inputs (the kernels use 16; ``row``: one per
+input row), emulated in float64 (``CoarseActivations``): what a coarser
+scale, which would let AMX keep its sums in the tiles for longer, costs.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from pathlib import Path
 import torch
 
 from bench import llama_cpp
+from models.quant import QuantizedLinear
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = REPO / "bench" / "data" / "quality_text.txt"
@@ -53,6 +60,58 @@ PATHS = [
     ("bfloat16", "int4", "bfloat16"),
     ("bfloat16", "none", "bfloat16"),
 ]
+
+
+class CoarseActivations(torch.nn.Module):
+    """A ``w4a8`` projection computed as its kernel computes it, in float64, with the
+    activations rounded to int8 with one scale per ``span`` inputs (0: the whole row).
+
+    Per group of 32 inputs the kernel computes ``d * sum((u - c) * xq) + (m + c d) * sum(x)``
+    (grouped_gemm.cpp), ``xq`` being x rounded with one scale per 16 inputs: with
+    ``span`` 16 this gives the kernel's results up to the order of its float sums.
+    """
+
+    def __init__(self, layer: QuantizedLinear, span: int) -> None:
+        super().__init__()
+        codes, scales = layer.codes, layer.group_scales
+        tiles, groups, words, _ = codes.shape
+        if words == 4:  # 4-bit: nibbles of inputs 0..15 (low) and 16..31 (high), quant.pack_int4's order
+            c = codes.reshape(tiles, groups, 4, 16, 4).permute(0, 3, 1, 2, 4)
+            u, centre = torch.stack([c & 0xF, c >> 4], dim=3), 8.0
+        else:  # 8-bit: quant.pack_int8's order
+            u, centre = codes.reshape(tiles, groups, 8, 16, 4).permute(0, 3, 1, 2, 4), 128.0
+        u = u.reshape(tiles * 16, groups * 32).double()
+        d = scales[:, :, 0, :].permute(0, 2, 1).reshape(tiles * 16, groups).double()
+        m = scales[:, :, 1, :].permute(0, 2, 1).reshape(tiles * 16, groups).double()
+        self.centred = d.repeat_interleave(32, dim=1) * (u - centre)  # [N padded, K]
+        self.offset = m + centre * d  # [N padded, groups]
+        self.out_features, self.span, self.bias = layer.out_features, span, layer.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t, k = x.shape
+        span = self.span or k
+        xs = x.double().reshape(t, k // span, span)
+        dx = xs.abs().amax(-1, keepdim=True) / 127
+        xq = torch.where(dx > 0, torch.round(xs / dx.clamp(min=1e-300)), torch.zeros_like(xs)) * dx
+        y = xq.reshape(t, k) @ self.centred.T + x.double().reshape(t, k // 32, 32).sum(-1) @ self.offset.T
+        y = y[:, :self.out_features].to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def coarsen_activations(model: torch.nn.Module, span: int) -> None:
+    """Swap every int8-activation projection of ``model`` for ``CoarseActivations`` (the
+    layers then run op by op: the fused layer kernel takes only kvserve's own projections)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, QuantizedLinear) and child.int8_activations:
+                setattr(parent, name, CoarseActivations(child, span))
+
+
+def path_name(path: tuple) -> str:
+    name = f"{path[0]} + {path[1]}, {path[2]} KV cache"
+    if len(path) > 3:
+        name += f", activations rounded per {path[3] or 'row'}{' inputs' if path[3] else ''} (emulated)"
+    return name
 
 
 @dataclass
@@ -73,14 +132,20 @@ def windows(ids: list[int], ctx: int) -> list[list[int]]:
     return [ids[i:i + ctx] for i in range(0, len(ids) - ctx + 1, ctx)]
 
 
-def path_logprobs(path: tuple[str, str, str], chunks: list[list[int]], ctx: int):
-    """Yield, per window, the path's float32 log-probabilities of the scored positions ``[ctx/2, ctx-1)``."""
+def path_logprobs(path: tuple, chunks: list[list[int]], ctx: int):
+    """Yield, per window, the path's float32 log-probabilities of the scored positions ``[ctx/2, ctx-1)``.
+
+    ``path`` is ``(dtype, quantization, KV cache dtype)``, and for ``w4a8`` optionally the
+    activation span of ``CoarseActivations``.
+    """
     from models import kv_cache
     from models.attention import SeqSpec, build_attention_metadata
     from models.loader import load_model
 
-    dtype, quantization, kv_dtype = path
+    dtype, quantization, kv_dtype, *span = path
     loaded = load_model("smollm2", dtype=dtype, device="cpu", max_positions=ctx, quantization=quantization)
+    if span:
+        coarsen_activations(loaded.model, span[0])
     cfg = loaded.config
     blocks = kv_cache.cdiv(ctx, BLOCK_SIZE)
     caches = kv_cache.allocate(cfg.num_hidden_layers, blocks, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim,
@@ -110,7 +175,7 @@ def measure(chunks: list[list[int]], ctx: int, paths: list[tuple[str, str, str]]
             kld.append((ref.exp() * (ref - logp)).sum(-1).clamp(min=0))
             same.append((ref.argmax(-1) == logp.argmax(-1)).float())
         n = torch.cat(nll)
-        name = f"{path[0]} + {path[1]}, {path[2]} KV cache"
+        name = path_name(path)
         if kld:
             k = torch.cat(kld).double()
             results.append(Quality(name, torch.exp(n.double().mean()).item(), k.mean().item(),
@@ -191,7 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ctx", type=int, default=512, help="window length (llama-perplexity's -c)")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp's threads (kvserve uses torch's)")
     p.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
+    p.add_argument("--activation-spans", nargs="+", default=[], metavar="N|row",
+                   help="also w4a8 with one activation scale per N inputs (or per row), emulated")
     args = p.parse_args(argv)
+    spans = [0 if s == "row" else int(s) for s in args.activation_spans]
     from models.loader import load_model
 
     tokenizer = load_model("smollm2", dtype="float32", device="cpu", quantization="none").tokenizer
@@ -200,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     if tokenizer.add_bos_token:  # llama-perplexity puts BOS in each window's first slot
         chunks = [[tokenizer.bos_token_id, *c[1:]] for c in chunks]
     print(f"{len(ids)} tokens, {len(chunks)} windows of {args.ctx}", file=sys.stderr)
-    rows = measure(chunks, args.ctx, PATHS)
+    rows = measure(chunks, args.ctx, PATHS + [("float32", "w4a8", "float16", span) for span in spans])
     if not args.no_llama_cpp:
         rows += llama_cpp_quality(args.ctx, args.threads)
     default = default_path()

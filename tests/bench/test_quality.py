@@ -64,3 +64,50 @@ def test_llama_perplexity_figures_are_read_from_its_output():
     assert quality._number(r"Same top p:\s*([0-9.]+)", out) == 91.234
     with pytest.raises(RuntimeError, match="printed no"):
         quality._number(r"Final estimate: PPL = ([0-9.]+)", out)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_coarse_activations_at_16_inputs_compute_what_the_kernel_computes(kind):
+    from models import ops
+    from models.quant import QuantizedLinear
+
+    if not ops.has_int8_dots():
+        pytest.skip("w4a8 needs kvserve's int8 kernels (AVX2 or AVX-512)")
+    gen = torch.Generator().manual_seed(0)
+    dense = torch.nn.Linear(96, 40, bias=False)
+    dense.weight.data = torch.randn(40, 96, generator=gen) * 0.1
+    layer = QuantizedLinear(dense, kind, int8_activations=True)
+    assert layer.int8_activations
+    x = torch.randn(7, 96, generator=gen)
+    kernel = layer(x)
+    scale = kernel.abs().max().item()
+    at16 = quality.CoarseActivations(layer, 16)(x)
+    # The same roundings; only the order of the float sums differs.
+    assert (at16 - kernel).abs().max().item() < 1e-5 * scale
+    # A coarser scale rounds x more coarsely: farther from the float product.
+    exact = x @ layer_weight(layer).T
+    errors = [(quality.CoarseActivations(layer, span)(x) - exact).abs().mean().item() for span in (16, 32, 0)]
+    assert errors[0] < errors[1] < errors[2]
+
+
+def layer_weight(layer) -> torch.Tensor:
+    """The quantised weight [N, K] that a QuantizedLinear multiplies by (codes and scales decoded)."""
+    q = quality.CoarseActivations(layer, 16)
+    return (q.centred + q.offset.repeat_interleave(32, dim=1))[:layer.out_features].float()
+
+
+def test_coarsen_activations_swaps_the_int8_projections_of_a_model():
+    from models import ops
+    from models.quant import QuantizedLinear
+
+    if not ops.has_int8_dots():
+        pytest.skip("w4a8 needs kvserve's int8 kernels (AVX2 or AVX-512)")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 16))
+    model[0] = QuantizedLinear(model[0], "int4", int8_activations=True)
+    model[1] = QuantizedLinear(model[1], "int4")  # float activations: left alone
+    quality.coarsen_activations(model, 32)
+    assert isinstance(model[0], quality.CoarseActivations) and model[0].span == 32
+    assert isinstance(model[1], QuantizedLinear)
+    assert quality.path_name(("float32", "w4a8", "float16", 32)) == \
+        "float32 + w4a8, float16 KV cache, activations rounded per 32 inputs (emulated)"
+    assert quality.path_name(("float32", "w4a8", "float16", 0)).endswith("rounded per row (emulated)")
