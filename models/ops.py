@@ -169,8 +169,9 @@ def _load() -> ModuleType | None:
 def _check_amx(ext: ModuleType) -> None:
     """Offer AMX for the int8-activation GEMMs (``amx_usable``) only if it gives
     the VNNI kernel's results bit for bit on random data, and ``KVSERVE_AMX`` is
-    not 0. It stays off until chosen (``set_amx_enabled``; ``models.autotune``
-    measures it against VNNI)."""
+    not 0 (or, for tests, on the software tiles of ``set_amx_emulated``, held to
+    VNNI's results by the same check). It stays off until chosen
+    (``set_amx_enabled``; ``models.autotune`` measures it against VNNI)."""
     global _amx_usable
     _amx_usable = False
     ext.set_amx_enabled(False)
