@@ -22,8 +22,9 @@ against its own exact path. Prints a markdown table and writes the JSON to
 
 ``--activation-spans`` adds ``w4a8`` with its activations rounded to int8
 with one scale per that many inputs (the kernels use 16; ``row``: one per
-input row), emulated in float64 (``CoarseActivations``): what a coarser
-scale, which would let AMX keep its sums in the tiles for longer, costs.
+input row) as the kernel rounds them, the products in float64
+(``CoarseActivations``): what a coarser scale, which would let AMX keep its
+sums in the tiles for longer, costs.
 """
 
 from __future__ import annotations
@@ -68,7 +69,9 @@ class CoarseActivations(torch.nn.Module):
 
     Per group of 32 inputs the kernel computes ``d * sum((u - c) * xq) + (m + c d) * sum(x)``
     (grouped_gemm.cpp), ``xq`` being x rounded with one scale per 16 inputs: with
-    ``span`` 16 this gives the kernel's results up to the order of its float sums.
+    ``span`` 16 this gives the kernel's results up to the order of its float sums
+    (the rounding is the kernel's, as tests/models/test_quant.py's
+    ``int8_activation_product`` defines it).
     """
 
     def __init__(self, layer: QuantizedLinear, span: int) -> None:
@@ -90,9 +93,13 @@ class CoarseActivations(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t, k = x.shape
         span = self.span or k
-        xs = x.double().reshape(t, k // span, span)
-        dx = xs.abs().amax(-1, keepdim=True) / 127
-        xq = torch.where(dx > 0, torch.round(xs / dx.clamp(min=1e-300)), torch.zeros_like(xs)) * dx
+        # Rounded as quantize_rows rounds, in float32: q = nearest(x * (127 / amax)), ties to
+        # even, then dx = amax / 127 (a true division: torch's 127 / amax would be
+        # amax.reciprocal() * 127, an ulp off now and then, which can round a code the other way).
+        xs = x.float().reshape(t, k // span, span)
+        amax = xs.abs().amax(-1, keepdim=True)
+        inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+        xq = torch.round(xs * inv).double() * (amax / 127).double()
         y = xq.reshape(t, k) @ self.centred.T + x.double().reshape(t, k // 32, 32).sum(-1) @ self.offset.T
         y = y[:, :self.out_features].to(x.dtype)
         return y if self.bias is None else y + self.bias
