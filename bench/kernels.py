@@ -56,13 +56,16 @@ def gemm_table(rows: list[int], runs: int) -> None:
         def run(f: Callable[[torch.Tensor, int], object]) -> float:
             return sum(best_ms(lambda: f(x, i), runs) for i, x in enumerate(xs))
 
+        def w4a8(x: torch.Tensor, i: int) -> torch.Tensor:
+            return ops.grouped_linear(x, *packed[i], PROJECTIONS[i][0], int8_activations=True)
+
         t_int4 = run(lambda x, i: ops.grouped_linear(x, *packed[i], PROJECTIONS[i][0]))
-        t_w4a8 = run(lambda x, i: ops.grouped_linear(x, *packed[i], PROJECTIONS[i][0], int8_activations=True))
+        t_w4a8 = run(w4a8)
         amx_cell = ""
         if amx:
             ops.set_amx_enabled(True)
             try:
-                t_amx = run(lambda x, i: ops.grouped_linear(x, *packed[i], PROJECTIONS[i][0], int8_activations=True))
+                t_amx = run(w4a8)
             finally:
                 ops.set_amx_enabled(False)
             amx_cell = f" {t_amx * 1e3:.0f} us |"

@@ -160,13 +160,15 @@ def amx(request):
     """AMX on for the modes that name it, off otherwise. On a CPU without AMX the
     AMX kernel runs on software tiles (``ops.set_amx_emulated``)."""
     wanted = "amx" in request.node.callspec.params["mode"]
+    emulated = wanted and not ops.amx_usable() and ops.set_amx_emulated(True)
     try:
-        if wanted and not ops.amx_usable() and not ops.set_amx_emulated(True):
+        if wanted and not ops.amx_usable() and not emulated:
             pytest.skip("this CPU has neither AMX-INT8 nor AVX512-VNNI to emulate it on")
         assert ops.amx_usable() or not wanted, "the AMX kernel differs from VNNI on the start-up self-check"
         yield wanted
     finally:
-        ops.set_amx_emulated(False)
+        if emulated:
+            ops.set_amx_emulated(False)
         ops.set_amx_enabled(False)
 
 
