@@ -37,14 +37,15 @@ logger = logging.getLogger(__name__)
 PROBE_LAYERS = 4  # enough distinct layers that their weights do not all stay in cache
 DECODE_SEQS = 16
 DECODE_CONTEXT = 256
-PROMPT_TOKENS = 512  # the engine's default step budget
+PROMPT_TOKENS = 256  # the engine's default step budget (engine.config.EngineConfig)
 RUNS = 5
 BLOCK_SIZE = 16
 CACHE_FILE = "paths.json"
 # Part of the cache key, with a digest of the kernels' sources: bump it when a
 # path's Python side changes what it runs, so the choice is measured again.
 # 2: int4 runs the grouped kernel for every batch, none the dense one.
-PATHS_VERSION = 2
+# 3: the prompt chunk is 256 tokens, the engine's step budget since it went down from 512.
+PATHS_VERSION = 3
 
 
 @dataclass(frozen=True)
