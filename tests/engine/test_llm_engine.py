@@ -399,6 +399,14 @@ def test_kv_cache_dtype_resolution(setting, model_dtype, expected):
     assert resolve_kv_cache_dtype(setting, model_dtype) == expected
 
 
+def test_the_path_choice_times_a_prompt_chunk_of_the_default_step_budget():
+    # models/ cannot import engine/, so models.autotune keeps its own copy of the
+    # default budget: a prompt chunk the engine never runs would time the wrong step.
+    from models import autotune
+
+    assert autotune.PROMPT_TOKENS == EngineConfig().max_num_batched_tokens
+
+
 def test_default_kv_cache_is_float16_and_holds_twice_the_blocks(smollm2_loaded, tokenizer):
     budget = 64 * kv_bytes_per_block(smollm2_loaded.config, torch.float32, BLOCK_SIZE)
     engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory=budget, block_size=BLOCK_SIZE,
