@@ -78,7 +78,11 @@ def test_level_latencies_are_ordered() -> None:
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert 0 < lv[key]["p50"] <= lv[key]["p99"], key
     assert lv["ttft_ms"]["mean"] < lv["e2e_ms"]["mean"]
-    assert lv["itl_ms"]["p50"] >= 4.0  # the fake sleeps 5 ms between chunks
+    # The fake sleeps 5 ms before each of its 8 chunks, so a request takes 40 ms or more however
+    # late the client reads; gaps the client measures can bunch up when it lags (same process),
+    # so only their mean is held near the fake's.
+    assert lv["e2e_ms"]["p50"] >= 8 * 5
+    assert lv["itl_ms"]["mean"] >= 2.5
 
 
 def test_failed_requests_are_counted_with_their_error() -> None:

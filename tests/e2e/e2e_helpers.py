@@ -104,9 +104,12 @@ class KVServe(Process):
         self.url = f"http://127.0.0.1:{port}"
         self.api_key = api_key
         self.shutdown_timeout = shutdown_timeout
-        # dtype None: kvserve's own choice (--dtype auto), as a user's plain `kvserve serve`.
+        # dtype None: kvserve's own choice (--dtype and --quantization auto), as a user's plain
+        # `kvserve serve`. Otherwise the path is pinned, so what the model writes does not hang on
+        # which path a timing on a loaded machine picked (a CPU with AMX may pick w4a8 on AMX).
+        pinned = ("--dtype", dtype, "--quantization", "w4a8") if dtype else ()
         argv = kvserve_argv("serve", "--model", MODEL, "--host", "127.0.0.1", "--port", str(port),
-                            *(("--dtype", dtype) if dtype else ()), "--kv-cache-memory", "256MiB",
+                            *pinned, "--kv-cache-memory", "256MiB",
                             "--max-model-len", "2048",
                             "--shutdown-timeout", str(shutdown_timeout), *extra)
         if api_key:

@@ -83,7 +83,7 @@ def test_closed_stream_frees_everything(server: KVServe) -> None:
             assert metric(running, "kv_cache_blocks_used") > 0
             r.close()
 
-    after = wait_until(server.metrics, idle, timeout=2.0)
+    after = wait_until(server.metrics, idle, timeout=30.0)  # a poll: no slower when the abort is prompt
     assert metric(after, "num_requests_running") == 0
     assert metric(after, "num_requests_waiting") == 0
     assert metric(after, "kv_cache_blocks_used") == 0

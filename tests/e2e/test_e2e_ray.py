@@ -136,7 +136,8 @@ def test_a_killed_replica_is_replaced_while_the_other_serves(ray_server):
     after = wait_until(lambda: replicas(ray_server), lambda r: len(r) == 2 and victim_id not in r,
                        REPLACE_TIMEOUT, interval=1.0)
     replaced_at = time.monotonic()
-    time.sleep(3)  # some load on the new replica too
+    # Some load after the replacement: until a request started after it has finished.
+    wait_until(lambda: any(start > replaced_at for start, _, _ in log), bool, REPLACE_TIMEOUT, interval=0.5)
     stop.set()
     for t in threads:
         t.join(300)

@@ -119,7 +119,7 @@ def test_cancelled_streams_free_their_blocks_and_the_rest_complete(smollm2_loade
             inner = engine.engine
             assert await wait_until(lambda: engine.num_unfinished_requests == 0
                                     and not inner.has_unfinished_requests()
-                                    and inner.kv_cache.stats.num_blocks_used == 0, timeout=2.0)
+                                    and inner.kv_cache.stats.num_blocks_used == 0, timeout=TIMEOUT)
             assert engine.is_alive
             reasons = collections.Counter(f.finish_reason for s in recorder.steps for f in s.finished)
             assert reasons["abort"] == 10
@@ -133,7 +133,7 @@ def test_cancelled_streams_free_their_blocks_and_the_rest_complete(smollm2_loade
 
 def test_engine_fault_fails_every_in_flight_request(smollm2_loaded, monkeypatch):
     tok = smollm2_loaded.tokenizer
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
     async def scenario() -> None:
         engine = make_async_engine(smollm2_loaded)
@@ -220,7 +220,7 @@ def test_request_arriving_as_the_engine_dies_fails_instead_of_hanging(smollm2_lo
     # The fault lands after the stream saw a live engine but before its request
     # was registered: is_alive answers True, and the loop dies right after.
     tok = smollm2_loaded.tokenizer
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
     async def scenario() -> None:
         engine = make_async_engine(smollm2_loaded)
@@ -277,7 +277,7 @@ def test_abort_that_leaves_the_engine_idle_still_reaches_the_stat_loggers(smollm
             def abort_reported() -> bool:
                 return any(f.finish_reason == "abort" for s in list(recorder.steps) for f in s.finished)
 
-            assert await wait_until(abort_reported, timeout=2.0)
+            assert await wait_until(abort_reported, timeout=TIMEOUT)
             last = recorder.steps[-1]
             assert last.kv_blocks_used == 0 and last.num_running == 0 and last.num_waiting == 0
         finally:
