@@ -23,6 +23,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import signal
 import socket
 import subprocess
@@ -92,6 +93,17 @@ def _kvserve_argv(port: int) -> list[str]:
     return [*head, "serve", "--host", "127.0.0.1", "--port", str(port)]
 
 
+def kvserve_path(log: Path) -> str | None:
+    """The path a ``kvserve serve`` log says it loaded ("float32 + w4a8 on AMX"); None if it
+    says none. With ``--dtype``/``--quantization`` auto it is the start-up timing's pick."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return None
+    m = re.search(r" as (\w+), quantization (\w+)( \(integer dots on AMX tiles\))?", text)
+    return f"{m[1]} + {m[2]}{' on AMX' if m[3] else ''}" if m else None
+
+
 def _git(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
 
@@ -139,13 +151,15 @@ def markdown(meta: dict, kv: dict, peers: dict[str, dict], offline: dict | None)
     """The README section: setup, one row per server and level, then the ratios to each peer."""
     nums = ", ".join(f"{s['num_prompts']} at {s['concurrency']}" for s in kv["levels"])
     described = "; ".join(f"{name}: {meta['peers'][name]}" for name in peers)
+    ran = [f"it ran {meta['kvserve_path']}"] if meta.get("kvserve_path") else []
+    ran += [f"with {k}={v}" for k, v in meta.get("kvserve_env", {}).items()]
+    kvserve = "`kvserve serve` with its defaults" + (f" ({', '.join(ran)})" if ran else "")
     lines = [
         f"Measured by `make bench` (`python -m bench.peers{' --quick' if meta['quick'] else ''}`) "
         f"on {meta['date']}: {meta['cpu']}, {meta['cores']} cores (CPU flags: "
         f"{meta.get('cpu_flags') or 'none of avx2, avx512f, avx512_vnni, avx512_bf16, amx'}), kvserve commit "
         f"{meta['commit']} (torch {meta['torch']}). All serve the default model "
-        f"(`{meta['gguf']}`), one server alone on the machine at a time: `kvserve serve` with its "
-        f"defaults; {described}.",
+        f"(`{meta['gguf']}`), one server alone on the machine at a time: {kvserve}; {described}.",
         "",
         f"Load (`kvserve bench serve`): streaming `/v1/completions`, {INPUT_LEN}-token prompts "
         f"that each open with a unique random tag (no prefix-cache hits), {OUTPUT_LEN} output "
@@ -241,8 +255,10 @@ def main(argv: list[str] | None = None) -> int:
             "cpu_flags": cpu_flags(), "peers": peer_text}
 
     port = free_port()
-    kv = measure("kvserve", _kvserve_argv(port), port, "/ready", levels, num_prompts,
-                 logs / f"kvserve-{stamp}.log")
+    kv_log = logs / f"kvserve-{stamp}.log"
+    kv = measure("kvserve", _kvserve_argv(port), port, "/ready", levels, num_prompts, kv_log)
+    meta["kvserve_path"] = kvserve_path(kv_log)
+    meta["kvserve_env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVSERVE_")}
     peers: dict[str, dict] = {}
     port = free_port()
     peers["llama.cpp"] = measure("llama.cpp", llama_cpp.server_argv(bins["llama-server"], gguf, port),

@@ -84,7 +84,13 @@ def candidates(dtype: str, quantization: str, four_bit: bool) -> list[RunPath]:
     else:
         quants = ["none"]
     paths = [RunPath(d, q) for d in dtypes for q in quants]
-    if ops.amx_usable() and len(paths) > 1:
+    mode = ops.amx_mode()
+    if mode == "force" and not ops.amx_usable():
+        logger.warning("KVSERVE_AMX=force: AMX-INT8 is not usable here (no AMX, or the self-check "
+                       "failed: see python -m models.ops), so w4a8 runs on VNNI")
+    elif mode == "force":
+        paths = [RunPath(p.dtype, p.quantization, amx=p.quantization == "w4a8") for p in paths]
+    elif ops.amx_usable() and len(paths) > 1:
         paths += [RunPath(p.dtype, p.quantization, amx=True) for p in paths if p.quantization == "w4a8"]
     return paths
 

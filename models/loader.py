@@ -142,8 +142,10 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
     torch_dtype, quantization = resolve_path(dtype, quantization, config, gguf_type, dev)
     if tp is not None:
         check_split(config, tp.world_size, quantized=quantization != "none")
-    logger.info("loading %s (%s, %d layers) as %s on %s", path.name, config.architecture,
-                config.num_hidden_layers, str(torch_dtype).removeprefix("torch."), dev)
+    logger.info("loading %s (%s, %d layers) as %s, quantization %s%s, on %s", path.name,
+                config.architecture, config.num_hidden_layers, str(torch_dtype).removeprefix("torch."),
+                quantization, " (integer dots on AMX tiles)" if quantization == "w4a8" and ops.amx_enabled()
+                else "", dev)
     with torch.device("meta"):
         model = model_class(config)(config)
     model = model.to_empty(device=dev).to(torch_dtype)

@@ -178,7 +178,7 @@ def _check_amx(ext: ModuleType) -> None:
     emulated = ext.amx_emulated()
     if not (emulated or ext.amx_available()):
         return
-    if not emulated and os.environ.get("KVSERVE_AMX", "1") == "0":
+    if not emulated and os.environ.get("KVSERVE_AMX", "").strip() == "0":
         logger.info("AMX: not offered (KVSERVE_AMX=0)")
         return
     gen = torch.Generator().manual_seed(0)
@@ -353,6 +353,18 @@ def amx_usable() -> bool:
     """Whether the int8-activation GEMMs can run on AMX here: the CPU has AMX-INT8,
     the OS granted the tiles, and the start-up self-check matched VNNI bit for bit."""
     return _load() is not None and _amx_usable
+
+
+def amx_mode() -> str:
+    """``KVSERVE_AMX``: ``"off"`` (0: AMX never offered), ``"force"`` (w4a8's dots on
+    AMX wherever it is usable, whatever the timing says: to measure that path), or
+    ``"auto"`` (unset, 1 or auto: one more candidate for ``models.autotune`` to time).
+    ``ValueError`` for any other value."""
+    value = os.environ.get("KVSERVE_AMX", "auto").strip().lower()
+    modes = {"0": "off", "1": "auto", "auto": "auto", "": "auto", "force": "force"}
+    if value not in modes:
+        raise ValueError(f"KVSERVE_AMX={value!r}: use 0 (off), auto (the default) or force")
+    return modes[value]
 
 
 def amx_enabled() -> bool:
@@ -572,7 +584,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if kernels_available():
-        amx = ("usable, offered to the path choice" if amx_usable()
+        amx = ("usable, forced for w4a8 (KVSERVE_AMX=force)" if amx_usable() and amx_mode() == "force"
+               else "usable, offered to the path choice" if amx_usable()
                else "present, not offered (KVSERVE_AMX=0 or the self-check; see above)" if amx_hardware()
                else "not on this CPU")
         print(f"fused CPU kernels: ready ({vector_isa()}; int8 dots: {int8_dots() or 'none'}; AMX-INT8: {amx})")

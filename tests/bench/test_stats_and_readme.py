@@ -118,3 +118,21 @@ def test_peers_markdown_adds_the_offline_table() -> None:
     text = markdown(meta, levels, {"llama.cpp": levels}, offline)
     assert "`python -m bench.peers --quick`" in text
     assert "| kvserve | 2.0 | 256.0 |" in text and "| transformers (static batch 16) | 4.0 | 128.0 |" in text
+
+
+def test_peers_markdown_names_the_path_kvserve_ran_and_its_environment(tmp_path) -> None:
+    from bench.peers import kvserve_path
+
+    log = tmp_path / "kvserve.log"
+    log.write_text("INFO models.loader: loading m.gguf (LlamaForCausalLM, 30 layers) as float32, "
+                   "quantization w4a8 (integer dots on AMX tiles), on cpu\n")
+    assert kvserve_path(log) == "float32 + w4a8 on AMX"
+    log.write_text("INFO models.loader: loading m.gguf (LlamaForCausalLM, 30 layers) as bfloat16, "
+                   "quantization int4, on cpu\n")
+    assert kvserve_path(log) == "bfloat16 + int4"
+    assert kvserve_path(tmp_path / "absent.log") is None
+    levels = {"levels": [_level(1, 50.0, 40.0)]}
+    text = markdown(_meta(kvserve_path="float32 + w4a8 on AMX", kvserve_env={"KVSERVE_AMX": "force"}),
+                    levels, {"llama.cpp": levels}, None)
+    assert "`kvserve serve` with its defaults (it ran float32 + w4a8 on AMX, with KVSERVE_AMX=force);" in text
+    assert "`kvserve serve` with its defaults; " in markdown(_meta(), levels, {"llama.cpp": levels}, None)

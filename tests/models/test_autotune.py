@@ -123,3 +123,44 @@ def test_python_m_models_ops_reports_the_choice(monkeypatch: pytest.MonkeyPatch,
     assert f"int8 dots: {ops.int8_dots() or 'none'}; AMX-INT8: " in out
     assert ("AMX-INT8: usable" in out) == ops.amx_usable()
     assert f"path auto for tiny: {DTYPES[0]} + int4" in out
+
+
+@pytest.fixture
+def emulated_amx():
+    """AMX usable on software tiles (the AMX kernel's code, its tile instructions emulated)."""
+    if not ops.set_amx_emulated(True):
+        pytest.skip("emulating AMX needs a CPU with AVX512-VNNI and the kernels built")
+    try:
+        assert ops.amx_usable()
+        yield
+    finally:
+        ops.set_amx_enabled(False)
+        ops.set_amx_emulated(False)
+
+
+def test_kvserve_amx_force_runs_w4a8_on_amx_whatever_the_timing(
+        emulated_amx, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(autotune.ops, "cache_directory", lambda: tmp_path)
+    monkeypatch.setenv("KVSERVE_AMX", "force")
+    # Forced settings keep AMX (without the switch they ran on VNNI, untimed).
+    assert autotune.candidates("float32", "w4a8", True) == [RunPath("float32", "w4a8", amx=True)]
+    # Open ones time w4a8 on AMX only, beside the paths AMX does not touch.
+    assert autotune.candidates("float32", "auto", True) == [
+        RunPath("float32", q, amx=q == "w4a8") for q in FOUR_BIT_QUANTS]
+    assert resolve_path("float32", "w4a8", TINY, "Q4_1", torch.device("cpu")) == (torch.float32, "w4a8")
+    assert ops.amx_enabled()
+    monkeypatch.setenv("KVSERVE_AMX", "auto")
+    assert resolve_path("float32", "w4a8", TINY, "Q4_1", torch.device("cpu")) == (torch.float32, "w4a8")
+    assert not ops.amx_enabled()
+
+
+def test_kvserve_amx_force_without_amx_says_so_and_runs_vnni(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(autotune.ops, "amx_usable", lambda: False)
+    monkeypatch.setenv("KVSERVE_AMX", "force")
+    with caplog.at_level(logging.WARNING, logger="models.autotune"):
+        assert autotune.candidates("float32", "w4a8", True) == [RunPath("float32", "w4a8")]
+    assert "KVSERVE_AMX=force: AMX-INT8 is not usable here" in caplog.text
+    monkeypatch.setenv("KVSERVE_AMX", "yes")
+    with pytest.raises(ValueError, match="KVSERVE_AMX='yes': use 0"):
+        autotune.candidates("float32", "w4a8", True)
