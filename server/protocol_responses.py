@@ -16,6 +16,17 @@ def now() -> int:
     return int(time.time())
 
 
+# JSON has no -inf, and a token the request's constraints rule out (a grammar's
+# mask, min_tokens holding back EOS) has probability 0: such alternatives are
+# reported with this floor, as vLLM does, instead of failing the response.
+LOGPROB_FLOOR = -9999.0
+
+
+def json_logprob(value: float) -> float:
+    """``value``, or ``LOGPROB_FLOOR`` where it is below it (-inf) or not a number."""
+    return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 

@@ -16,7 +16,7 @@ from server.protocol import ChatCompletionRequest, template_messages
 from server.protocol_responses import (AssistantMessage, ChatChoice, ChatChunkChoice,
                                        ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
                                        ChatTokenLogprob, DeltaMessage, FunctionCall, ToolCall, TopLogprob,
-                                       now, sse)
+                                       json_logprob, now, sse)
 from server.serving_common import (Choices, first_output, launch, run_to_completion,
                                    stream_response)
 from server.state import ServerState, new_request_id
@@ -25,7 +25,7 @@ from server.tools import CallStream, ToolFormat, new_call_id
 
 def _token(tokenizer: TokenizerLike, token_id: int, logprob: float) -> TopLogprob:
     text = tokenizer.decode([token_id], skip_special_tokens=False)
-    return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+    return TopLogprob(token=text, logprob=json_logprob(logprob), bytes=list(text.encode("utf-8")))
 
 
 def chat_logprobs(tokenizer: TokenizerLike, lps: list[TokenLogprob]) -> ChatLogprobs:

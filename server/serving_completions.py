@@ -12,7 +12,7 @@ from server.body import read_model
 from server.engine_client import TokenizerLike
 from server.protocol import CompletionRequest
 from server.protocol_responses import (CompletionChoice, CompletionLogprobs, CompletionResponse,
-                                       sse, now)
+                                       json_logprob, now, sse)
 from server.serving_common import (Choices, first_output, launch, run_to_completion,
                                    stream_response)
 from server.state import ServerState, new_request_id
@@ -25,9 +25,9 @@ def completion_logprobs(tokenizer: TokenizerLike, lps: list[TokenLogprob],
     for lp in lps:
         token = tokenizer.decode([lp.token_id], skip_special_tokens=False)
         out.tokens.append(token)
-        out.token_logprobs.append(lp.logprob)
+        out.token_logprobs.append(json_logprob(lp.logprob))
         out.top_logprobs.append(
-            {tokenizer.decode([t], skip_special_tokens=False): v for t, v in lp.top} or None)
+            {tokenizer.decode([t], skip_special_tokens=False): json_logprob(v) for t, v in lp.top} or None)
         out.text_offset.append(offset)
         offset += len(token)
     return out

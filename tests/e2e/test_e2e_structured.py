@@ -75,3 +75,25 @@ def test_completions_choice_and_a_refused_schema(client: openai.OpenAI) -> None:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=5,
                                   extra_body={"structured_outputs": {"json": {"type": "string", "not": {"const": "a"}}}})
     assert err.value.body["param"] == "structured_outputs" and "not" in err.value.body["message"]
+
+
+def test_logprobs_of_a_constrained_answer_are_json_numbers(client: openai.OpenAI, server: KVServe) -> None:
+    # Only the few tokens that spell the next part of "Hello world" are allowed at each step,
+    # so most of the top 20 alternatives have probability 0 (-inf, which JSON cannot carry):
+    # they come back at vLLM's floor, -9999, not as a 500.
+    body = dict(model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8,
+                temperature=0, logprobs=True, top_logprobs=20,
+                extra_body={"structured_outputs": {"choice": ["Hello world"]}})
+    whole = client.chat.completions.create(**body).choices[0]
+    assert whole.message.content == "Hello world"
+    values = [t.logprob for e in whole.logprobs.content for t in [e, *e.top_logprobs]]
+    assert all(isinstance(v, float) and -9999.0 <= v <= 0.0 for v in values), values
+    assert -9999.0 in values  # an alternative the grammar ruled out
+    streamed = [e for c in client.chat.completions.create(stream=True, **body)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob, [t.logprob for t in e.top_logprobs]) for e in streamed] == \
+        [(e.token, e.logprob, [t.logprob for t in e.top_logprobs]) for e in whole.logprobs.content]
+    completion = client.completions.create(model=MODEL, prompt="Greeting:", max_tokens=8, temperature=0,
+                                           logprobs=20, extra_body={"structured_outputs": {"choice": ["Hello world"]}})
+    lps = completion.choices[0].logprobs
+    assert -9999.0 in [v for top in lps.top_logprobs for v in top.values()], lps
