@@ -105,8 +105,9 @@ def render_chat_template(
         ValueError: the messages are malformed, the template does not compile,
             it calls ``raise_exception``, or it breaks the sandbox rules.
     """
-    normalized = normalize_messages(messages)
-    compiled = _compile(template if template is not None else DEFAULT_CHAT_TEMPLATE)
+    source = template if template is not None else DEFAULT_CHAT_TEMPLATE
+    normalized = _developer_as_system(normalize_messages(messages), source)
+    compiled = _compile(source)
     try:
         return compiled.render(
             messages=normalized,
@@ -118,6 +119,16 @@ def render_chat_template(
     # TypeError comes from templates doing e.g. str + list on an unexpected message shape.
     except (jinja2.TemplateError, TypeError) as exc:
         raise ValueError(f"chat template failed to render: {exc}") from exc
+
+
+def _developer_as_system(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
+    # OpenAI's "developer" role is its newer name for "system". A template that never
+    # names it would print an unknown turn, drop it, or add its own default system
+    # prompt beside it (SmolLM2's does), so it gets "system", as vLLM and llama.cpp's
+    # server do; a template that names it renders it itself.
+    if "developer" in template:
+        return messages
+    return [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
 
 
 @lru_cache(maxsize=16)

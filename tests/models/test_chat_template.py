@@ -115,3 +115,13 @@ def test_assistant_tool_call_without_content_is_accepted():
     ]
     template = "{{ messages[1].content | length }}:{{ messages[1].tool_calls[0].function.name }}"
     assert render_chat_template(template, messages) == "0:weather"
+
+
+def test_developer_messages_are_system_messages_to_a_template_that_does_not_know_the_role(ours, reference):
+    # SmolLM2's template adds its own system prompt unless the first message is "system".
+    developer = [{"role": "developer", "content": "You are terse."}, {"role": "user", "content": "Hi there"}]
+    expected = reference.apply_chat_template(CONVERSATIONS["with system"], tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(developer) == expected
+    assert render_chat_template(None, developer).startswith("<|im_start|>system\nYou are terse.<|im_end|>\n")
+    knows = "{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}{# developer #}"
+    assert render_chat_template(knows, developer) == "developer:You are terse.;user:Hi there;"
