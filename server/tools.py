@@ -172,7 +172,11 @@ class ToolFormat:
         raise NotImplementedError
 
     def opens(self, head: str) -> bool | None:
-        """Whether an answer starting with ``head`` (no leading blanks) is calls; None: too soon to say."""
+        """Whether an answer starting with ``head`` is calls; None: too soon to say.
+
+        Calls open at the answer's first character, as the grammar has them: an
+        answer that starts with blanks is text (the grammar's text branch, so
+        nothing in it was held to the tools' schemas), whatever follows."""
         raise NotImplementedError
 
     def scan(self, text: str) -> list[ParsedCall] | None:
@@ -206,7 +210,7 @@ class GenericFormat(ToolFormat):
         return head[0] in "{["
 
     def scan(self, text: str) -> list[ParsedCall] | None:
-        body = text.lstrip()
+        body = text
         if not body.startswith(("{", "[")):
             return None
         array = body.startswith("[")
@@ -277,13 +281,13 @@ class HermesFormat(ToolFormat):
         return calls, done
 
     def scan(self, text: str) -> list[ParsedCall] | None:
-        body = text.lstrip()
+        body = text
         if not body or not (body.startswith(HERMES_OPEN) or HERMES_OPEN.startswith(body)):
             return None
         return self._walk(body)[0]
 
     def parse(self, text: str) -> list[ParsedCall] | None:
-        body = text.strip()
+        body = text.rstrip()
         calls, done = self._walk(body)
         if not calls or done != len(body) or not all(c.complete for c in calls):
             return None
@@ -361,7 +365,7 @@ class CallStream:
         """The content to send for ``text`` and the tool-call deltas it completes."""
         self.buffer += text
         if self.mode is None:
-            head = self.buffer.lstrip()
+            head = self.buffer
             if not head:
                 return "", []
             opens = self.format.opens(head)

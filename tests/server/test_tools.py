@@ -60,8 +60,8 @@ def test_the_stream_sends_name_first_then_arguments_in_pieces():
 
 def test_a_text_answer_streams_as_content():
     stream = CallStream(GENERIC)
-    assert stream.feed("  ") == ("", [])
-    assert stream.feed("Hi") == ("  Hi", [])
+    assert stream.feed("  ") == ("  ", [])  # blanks first: text, as the grammar has it
+    assert stream.feed("Hi") == ("Hi", [])
     assert stream.feed(" there") == (" there", [])
     assert stream.finish() == ("", False)
 
@@ -176,3 +176,16 @@ def test_hermes_history_goes_to_the_template_as_objects():
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>' in text
     assert '"name": "get_weather", "description": "Weather in a city."' in text
     assert "<tool_response>\n{\"temp\": 20}\n</tool_response>" in text
+
+
+def test_an_answer_that_starts_with_blanks_is_text_as_the_grammar_has_it():
+    # The "auto" grammars open calls at the first character; after blanks the answer took the
+    # text branch, so nothing held it to the tools: it must not come back as tool_calls.
+    for fmt, calls in ((GENERIC, ONE), (HERMES, HERMES_ONE)):
+        assert fmt.parse(calls) is not None
+        for lead in (" ", "\n"):
+            assert fmt.parse(lead + calls) is None and fmt.scan(lead + calls) is None
+            stream = CallStream(fmt)
+            assert stream.feed(lead + calls[:5]) == (lead + calls[:5], [])
+            assert stream.feed(calls[5:]) == (calls[5:], [])
+            assert stream.finish() == ("", False)
