@@ -9,7 +9,7 @@ to a 400. Response bodies are in ``server.protocol_responses``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -107,6 +107,26 @@ class _SamplingRequest(_Strict):
     # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+
+    # Fields that ask for a constraint in another API's words. Unknown fields are
+    # ignored, but ignoring one of these would answer without the constraint asked
+    # for (structured outputs fail closed), so each is a 400 saying what to send.
+    REPLACED_FIELDS: ClassVar[dict[str, str]] = {
+        **{f"guided_{k}": f'structured_outputs: {{"{k}": ...}}'
+           for k in ("json", "regex", "choice", "grammar")},
+        "guided_json_object": 'response_format: {"type": "json_object"}',
+        "guided_decoding_backend": "structured_outputs (kvserve has one backend, llguidance)",
+        "guided_whitespace_pattern": "structured_outputs (JSON is written on one line)",
+    }
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_replaced_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, instead in cls.REPLACED_FIELDS.items():
+                if data.get(name) is not None:
+                    raise bad_request(f"{name} is not supported; use {instead}", name)
+        return data
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> "_SamplingRequest":
@@ -307,6 +327,12 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``."""
+
+    REPLACED_FIELDS: ClassVar[dict[str, str]] = {
+        **_SamplingRequest.REPLACED_FIELDS,
+        "functions": 'tools: [{"type": "function", "function": {...}}] (OpenAI deprecated functions)',
+        "function_call": "tool_choice (OpenAI deprecated function_call)",
+    }
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None

@@ -163,6 +163,22 @@ async def test_unknown_fields_are_ignored(client: httpx.AsyncClient) -> None:
     assert r.status_code == 200
 
 
+@pytest.mark.parametrize("path, field, value, advice", [
+    (CMPL, "guided_json", {"type": "object"}, 'structured_outputs: {"json": ...}'),
+    (CHAT, "guided_choice", ["a", "b"], 'structured_outputs: {"choice": ...}'),
+    (CHAT, "guided_regex", "[a-z]+", 'structured_outputs: {"regex": ...}'),
+    (CHAT, "functions", [{"name": "f", "parameters": {"type": "object"}}], "tools: "),
+    (CHAT, "function_call", "auto", "tool_choice"),
+])
+async def test_constraints_asked_in_other_apis_words_are_400_not_ignored(
+        client: httpx.AsyncClient, path: str, field: str, value, advice: str) -> None:
+    # Ignored like an unknown field, the answer would come back unconstrained.
+    body = {"prompt": "hi"} if path == CMPL else {"messages": [{"role": "user", "content": "hi"}]}
+    r = await client.post(path, json={**body, "max_tokens": 1, field: value})
+    assert_error(r, 400, param=field, contains=f"{field} is not supported; use {advice}")
+    assert (await client.post(path, json={**body, "max_tokens": 1, field: None})).status_code == 200
+
+
 async def test_client_errors_never_5xx(client: httpx.AsyncClient) -> None:
     # A grab bag of nonsense on every POST route.
     junk = [b"null", b"1", b'"s"', b"{}", b'{"prompt": {"a": 1}}', b'{"messages": [null]}',
