@@ -26,8 +26,11 @@ def completion_logprobs(tokenizer: TokenizerLike, lps: list[TokenLogprob],
         token = tokenizer.decode([lp.token_id], skip_special_tokens=False)
         out.tokens.append(token)
         out.token_logprobs.append(json_logprob(lp.logprob))
-        out.top_logprobs.append(
-            {tokenizer.decode([t], skip_special_tokens=False): json_logprob(v) for t, v in lp.top} or None)
+        # The alternatives and the sampled token, as OpenAI ("up to logprobs + 1") and vLLM
+        # send them: so logprobs=0 gives the sampled token's entry, never null.
+        top = {tokenizer.decode([t], skip_special_tokens=False): json_logprob(v) for t, v in lp.top}
+        top.setdefault(token, json_logprob(lp.logprob))
+        out.top_logprobs.append(top)
         out.text_offset.append(offset)
         offset += len(token)
     return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -95,6 +97,16 @@ async def test_logprobs(client: httpx.AsyncClient) -> None:
     assert lp["token_logprobs"] == [-0.25, -0.25, -0.25]
     assert lp["top_logprobs"][0] == {"h": -0.25, "x": -2.0}
     assert lp["text_offset"] == [0, 1, 2]
+
+
+async def test_logprobs_0_gives_the_sampled_tokens_entry_and_never_null(client: httpx.AsyncClient) -> None:
+    # OpenAI: "up to logprobs + 1" entries, the sampled token's always among them (vLLM too).
+    for stream in (False, True):
+        r = await complete(client, prompt="hi", max_tokens=3, logprobs=0, stream=stream)
+        events = ([json.loads(line[6:]) for line in r.text.splitlines()
+                   if line.startswith("data: {")] if stream else [r.json()])
+        tops = [t for e in events for c in e["choices"] if c["logprobs"] for t in c["logprobs"]["top_logprobs"]]
+        assert tops == [{"h": -0.25}, {"e": -0.25}, {"l": -0.25}], (stream, tops)
 
 
 async def test_cached_tokens_reported(client: httpx.AsyncClient) -> None:
