@@ -89,10 +89,14 @@ class CompiledGrammar:
 
 
 class Grammar:
-    """One sample's matcher: which tokens may come next, fed each sampled token."""
+    """One sample's matcher: which tokens may come next, fed each sampled token.
 
-    def __init__(self, matcher: Any) -> None:
+    ``eos_token_ids``: the tokens that end an output (the matcher's end of text).
+    """
+
+    def __init__(self, matcher: Any, eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.matcher = matcher
+        self.eos_token_ids = eos_token_ids
 
     def advance(self, token_id: int) -> None:
         """Consume the sampled token (which the mask allowed)."""
@@ -101,8 +105,14 @@ class Grammar:
         assert ok, f"grammar rejected a token its own mask allowed: {self.matcher.get_error()}"
 
     def valid_prefix(self, token_ids: list[int]) -> int:
-        """How many of ``token_ids`` the grammar accepts in a row from its state now."""
-        return self.matcher.validate_tokens(token_ids)
+        """How many of ``token_ids`` the grammar accepts in a row from its state now, up to
+        (not including) an end-of-text token: proposals are consumed to compute the masks
+        after them and then rolled back, and llguidance's matcher, rolled back over an
+        end of text it consumed, rejects tokens it accepted before (a draft proposing
+        ``}`` then EOS broke its request's grammar and, with it, the engine loop). Nothing
+        after an end of text could be kept anyway; the next step samples it."""
+        n = self.matcher.validate_tokens(token_ids)
+        return next((i for i, t in enumerate(token_ids[:n]) if t in self.eos_token_ids), n)
 
     @property
     def forced(self) -> bool:
@@ -195,7 +205,7 @@ class GrammarCompiler:
         matcher = compiled.matcher()
         if matcher is None:
             matcher = LLMatcher(self.tokenizer, compiled.grammar, log_level=0)
-        return Grammar(matcher)
+        return Grammar(matcher, frozenset(self._eos))
 
 
 def _short(message: str, limit: int = 400) -> str:
@@ -248,7 +258,8 @@ class BitmaskFiller:
                     matcher.unsafe_compute_mask_ptr(self._mask.data_ptr() + row * row_bytes, row_bytes)
                     row += 1
                     for token in proposed:
-                        # The proposer kept only tokens the grammar accepts.
+                        # The proposer kept only tokens the grammar accepts, and no end of
+                        # text (Grammar.valid_prefix): the rollback below stays exact.
                         assert matcher.consume_token(token), matcher.get_error()
                         matcher.unsafe_compute_mask_ptr(self._mask.data_ptr() + row * row_bytes, row_bytes)
                         row += 1

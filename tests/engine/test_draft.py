@@ -151,3 +151,24 @@ def tiny_draft_other_vocab(tmp_path_factory):
     tiny_hf_model().save_pretrained(path, safe_serialization=True)
     save_tiny_tokenizer(path)
     return load_model(str(path), "float32", "cpu")
+
+
+def test_sampled_structured_answers_are_the_same_with_a_draft(smollm2_loaded):
+    # A draft proposes the end of a JSON answer and then its end of text; the grammar's
+    # masks after proposals must leave each sample's matcher as it was (before the fix, one
+    # sample's matcher broke on such a proposal and took the engine loop down with it).
+    from engine.sampling_params import StructuredOutput
+
+    tok = smollm2_loaded.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Say a word."}]),
+                        add_special_tokens=False)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}, "n": {"type": "integer"}},
+              "required": ["name", "n"], "additionalProperties": False}
+    params = [SamplingParams(n=8, temperature=1.0, presence_penalty=2.0, frequency_penalty=0.5, min_tokens=10,
+                             max_tokens=20, seed=0, structured=StructuredOutput("json", schema))]
+    plain = run(make_engine(smollm2_loaded), [prompt], params)
+    engine = make_engine(smollm2_loaded, speculative=draft_spec(), draft=smollm2_loaded)
+    assert run(engine, [prompt], params) == plain
+    assert sum(1 for tokens, text, reason, _ in plain if reason == "stop") >= 4  # answers that ended
+    draft, kept = accepted(engine)
+    assert kept > 0, (kept, draft)

@@ -220,3 +220,37 @@ def test_where_the_grammar_leaves_a_choice_its_mask_is_what_validation_allows(en
             assert not refused, (engine.tokenizer.decode(refused[:5]), free)
         grammar.advance(token)
     assert free > 5 and forced > 5
+
+
+def test_proposals_stop_before_an_end_of_text_so_their_masks_leave_the_grammar_as_it_was(engine):
+    # The masks after proposed tokens are computed by consuming them and rolling back;
+    # llguidance rolled back over a consumed end of text leaves a matcher that rejects what
+    # it accepted before, so proposals stop before one (the next step samples it).
+    from engine.structured import BitmaskFiller, bitmask_words
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["name", "n"], "additionalProperties": False}
+    compiled = engine.grammars.compile(StructuredOutput("json", schema))
+    encode = lambda text: engine.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    grammar, fresh = engine.grammars.grammar(compiled), engine.grammars.grammar(compiled)
+    for token in encode('{"name": "Ada", "n'):
+        grammar.advance(token)
+        fresh.advance(token)
+    eos = sorted(engine.eos_token_ids)[0]
+    proposal = encode('": 1}') + [eos, 42]
+    assert grammar.valid_prefix(proposal) == len(proposal) - 2  # the JSON, not its end of text
+    assert grammar.valid_prefix([eos]) == 0 and grammar.valid_prefix(encode('": 1')) == len(encode('": 1'))
+    filler = BitmaskFiller(engine.vocab_size)
+    filler.start([grammar], [proposal[:grammar.valid_prefix(proposal)]])
+    masks = filler.result()
+    assert masks.shape == (len(proposal) - 1, bitmask_words(engine.vocab_size))
+
+    def mask(g):
+        out = torch.empty(bitmask_words(engine.vocab_size), dtype=torch.int32)
+        g.matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
+        return out
+
+    assert torch.equal(mask(grammar), mask(fresh)) and torch.equal(masks[0], mask(fresh))
+    for token in proposal[:-2]:
+        grammar.advance(token)  # raised after the rollback over an end of text
+    assert grammar.finished
