@@ -1,0 +1,120 @@
+"""Seeded random request bodies that mix the API's features (sampling settings, penalties,
+stop strings, n, logprobs, streaming with usage, structured outputs, tools), and a check of
+each answer: never a 5xx, a 4xx in OpenAI's error shape, a stream that ends in ``[DONE]``
+without an error event, and a body the ``openai`` SDK's types accept. Bugs hide in the
+combinations: logprobs under a grammar (-inf in JSON), a draft's proposals under a grammar
+(a broken matcher took the engine loop down) were both found this way."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import httpx
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from e2e_helpers import MODEL
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}, "n": {"type": "integer"}},
+          "required": ["name", "n"], "additionalProperties": False}
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def _sampling(rng: random.Random, body: dict[str, Any]) -> dict[str, Any]:
+    options = {"temperature": [0, 0.7, 1.0, 1.5], "top_p": [0.1, 0.9], "top_k": [1, 5, -1], "min_p": [0.0, 0.1],
+               "seed": list(range(100)), "n": [1, 2, 3], "stop": ["\n", ["."], [",", "!"]],
+               "presence_penalty": [-1.0, 2.0], "frequency_penalty": [-2.0, 0.5], "repetition_penalty": [1.3],
+               "min_tokens": [0, 3, 10], "ignore_eos": [True], "include_stop_str_in_output": [True]}
+    for key, values in options.items():
+        if rng.random() < 0.25:
+            body[key] = rng.choice(values)
+    if rng.random() < 0.15:
+        body["logit_bias"] = {str(rng.randrange(49152)): rng.choice([-100, 5, 100])}
+    body["max_tokens"] = rng.choice([1, 5, 20, 40])
+    if rng.random() < 0.4:
+        body["stream"] = True
+        if rng.random() < 0.5:
+            body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def _structured(rng: random.Random, body: dict[str, Any]) -> dict[str, Any]:
+    pick = rng.random()
+    if pick < 0.1:
+        body["response_format"] = {"type": "json_object"}
+    elif pick < 0.25:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
+    elif pick < 0.3:
+        body["structured_outputs"] = {"choice": ["yes", "no"]}
+    elif pick < 0.35:
+        body["structured_outputs"] = {"regex": "[a-z]{1,8}"}
+    return body
+
+
+def mixed_request(rng: random.Random) -> tuple[str, dict[str, Any]]:
+    """One random (route, body)."""
+    if rng.random() < 0.4:
+        prompt = rng.choice(["Once upon a time", ["a", "b c"], [1, 2, 3], "Ünïcödé 🙂"])
+        body = _sampling(rng, {"model": MODEL, "prompt": prompt})
+        if rng.random() < 0.3:
+            body["logprobs"] = rng.choice([0, 1, 5, 20])
+        elif rng.random() < 0.2:
+            body["echo"] = True
+        return COMPLETIONS, _structured(rng, body)
+    messages: list[dict[str, Any]] = []
+    if rng.random() < 0.3:
+        messages.append({"role": rng.choice(["system", "developer"]), "content": "Be brief."})
+    messages.append({"role": "user", "content": rng.choice(
+        ["Hi", "What's the weather in Paris?", "Count to five.", [{"type": "text", "text": "Say a word."}]])})
+    if rng.random() < 0.2:
+        messages += [{"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    body = _sampling(rng, {"model": MODEL, "messages": messages})
+    if rng.random() < 0.3:
+        body["logprobs"] = True
+        body["top_logprobs"] = rng.choice([0, 1, 5, 20])
+    if rng.random() < 0.3:
+        body["tools"] = TOOLS
+        if rng.random() < 0.6:
+            body["tool_choice"] = rng.choice(["auto", "required", "none",
+                                              {"type": "function", "function": {"name": "get_time"}}])
+        return CHAT, body
+    return CHAT, _structured(rng, body)
+
+
+def check_answer(path: str, body: dict[str, Any], r: httpx.Response) -> str | None:
+    """What is wrong with ``r`` as the answer to ``body`` (None: nothing)."""
+    where = f"{path} {json.dumps(body)} -> {r.status_code}: {r.text[-400:]}"
+    if r.status_code >= 500:
+        return where
+    if r.status_code != 200:
+        error = r.json().get("error", {})
+        return None if {"message", "type", "param", "code"} <= error.keys() else where
+    chat = path == CHAT
+    try:
+        if not body.get("stream"):
+            (ChatCompletion if chat else Completion).model_validate(r.json())
+            return None
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        if events[-1] != "[DONE]":
+            return where
+        for event in events[:-1]:
+            chunk = json.loads(event)
+            if "error" in chunk:
+                return where
+            if not chat:  # null until the last chunk, as OpenAI streams it (the SDK does not validate it)
+                for choice in chunk["choices"]:
+                    choice["finish_reason"] = choice["finish_reason"] or "stop"
+            (ChatCompletionChunk if chat else Completion).model_validate(chunk)
+    except ValueError as exc:  # pydantic's ValidationError and JSON errors
+        return f"{where} ({exc})"
+    return None
