@@ -426,8 +426,12 @@ class LLMEngine:
     def _process(self, updated: list[tuple[Request, int]], logprobs: dict[str, list[TokenLogprob | None]],
                  prev_times: dict[str, float | None], stats: StepStats) -> list[RequestOutput]:
         by_api: dict[str, list[CompletionOutput]] = {}
+        # A sample the engine failed (a grammar fault) fails its whole request, alone.
+        failed = {self._seq_to_api[seq.request_id].request_id: seq.error for seq, _ in updated if seq.error}
         for seq, count in updated:
             api = self._seq_to_api[seq.request_id]
+            if api.request_id in failed:
+                continue
             prev = prev_times[seq.request_id]
             if prev is None:
                 stats.time_to_first_token.append(seq.first_token_time - seq.arrival_time)
@@ -473,6 +477,11 @@ class LLMEngine:
                 stats.finished.extend(self._retire(api))
             results.append(RequestOutput(rid, outs, api.prompt_token_ids, finished=finished,
                                          num_cached_tokens=api.seqs[0].num_cached_tokens))
+        for rid, error in failed.items():
+            logger.error("request %s failed: %s", rid, error)
+            aborted = self.abort_request(rid)
+            assert aborted is not None
+            results.append(dataclasses.replace(aborted, outputs=[], error=f"structured output failed: {error}"))
         return results
 
     def _retire(self, api: _ApiRequest) -> list[FinishedRequestStats]:

@@ -78,6 +78,8 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     num_preemptions: int = 0
     stop_reason: str | int | None = None
+    # Why the engine failed this sample (then it is FINISHED_ABORTED): a grammar fault.
+    error: str | None = None
     generator: torch.Generator | None = None
     # The sample's structured-output matcher, fed every appended token.
     grammar: Grammar | None = None
@@ -122,9 +124,9 @@ class Request:
     def append_token(self, token_id: int, now: float | None = None) -> None:
         """Record one sampled token and its timestamp."""
         now = time.monotonic() if now is None else now
-        self.output_token_ids.append(token_id)
         if self.grammar is not None:
-            self.grammar.advance(token_id)
+            self.grammar.advance(token_id)  # first: a GrammarError leaves the request as it was
+        self.output_token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = now
         self.last_token_time = now

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.structured import GrammarError
 from engine.waiting_queue import WaitingQueue
 from models.kv_cache import cdiv
 
@@ -198,9 +199,15 @@ class Scheduler:
             assert tokens[:accepted] == spec[:accepted], "only confirmed proposals are kept"
             # The accepted proposals' K/V were written by this step's forward.
             request.num_computed_tokens += accepted
-            status = None
-            for count, token in enumerate(tokens, 1):
-                request.append_token(token, now)
+            status, count = None, 0
+            for token in tokens:
+                try:
+                    request.append_token(token, now)
+                except GrammarError as exc:
+                    # Only this request is lost: the engine reports it failed (``error``).
+                    request.error, status = str(exc), RequestStatus.FINISHED_ABORTED
+                    break
+                count += 1
                 status = request.check_stop(self.config.max_model_len)
                 if status is not None:
                     break

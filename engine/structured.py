@@ -88,6 +88,11 @@ class CompiledGrammar:
         return first
 
 
+class GrammarError(RuntimeError):
+    """A sample's matcher refused a token its own mask allowed: a fault of the grammar
+    engine, not of the request. The engine fails that request and keeps serving."""
+
+
 class Grammar:
     """One sample's matcher: which tokens may come next, fed each sampled token.
 
@@ -99,10 +104,11 @@ class Grammar:
         self.eos_token_ids = eos_token_ids
 
     def advance(self, token_id: int) -> None:
-        """Consume the sampled token (which the mask allowed)."""
-        ok = self.matcher.consume_token(token_id)
-        # The mask only let through tokens the grammar accepts.
-        assert ok, f"grammar rejected a token its own mask allowed: {self.matcher.get_error()}"
+        """Consume the sampled token (which the mask allowed); ``GrammarError`` if the
+        matcher refuses it all the same (it is then left as it was)."""
+        if not self.matcher.consume_token(token_id):
+            raise GrammarError(f"the grammar refused token {token_id}, which its own mask allowed: "
+                               f"{_short(self.matcher.get_error())}")
 
     def valid_prefix(self, token_ids: list[int]) -> int:
         """How many of ``token_ids`` the grammar accepts in a row from its state now, up to

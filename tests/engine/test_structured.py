@@ -8,6 +8,7 @@ through preemption, ``n > 1`` and the length limit.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -254,3 +255,40 @@ def test_proposals_stop_before_an_end_of_text_so_their_masks_leave_the_grammar_a
     for token in proposal[:-2]:
         grammar.advance(token)  # raised after the rollback over an end of text
     assert grammar.finished
+
+
+def test_a_grammar_fault_fails_its_own_request_and_nothing_else(smollm2_loaded, monkeypatch):
+    # A matcher that refuses a token its mask allowed is a fault of the grammar engine (one
+    # broke under speculation, see above); it must cost that request only, not the engine.
+    from engine.structured import Grammar, GrammarError
+
+    engine = make_engine(smollm2_loaded)
+    spec = StructuredOutput("json", PERSON)
+    prompts = {"bad": chat(engine, "Describe a person as JSON."), "good": chat(engine, "JSON for a guest named Eve.")}
+    params = SamplingParams(temperature=0, max_tokens=40, structured=spec)
+    [[alone]] = engine.generate([prompts["good"]], params, use_tqdm=False)
+    for rid in ("bad", "good"):
+        engine.add_request(rid, prompts[rid], dataclasses.replace(params, n=2) if rid == "bad" else params)
+    doomed = engine._requests["bad"].seqs[1].grammar
+    real, seen = Grammar.advance, []
+
+    def advance(self: Grammar, token_id: int) -> None:
+        if self is doomed and len(seen) == 5:
+            raise GrammarError("simulated refusal")
+        seen.extend([token_id] if self is doomed else [])
+        real(self, token_id)
+
+    monkeypatch.setattr(Grammar, "advance", advance)
+    finals: dict[str, object] = {}
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += [t for o in out.outputs for t in o.token_ids] if out.request_id == "good" else []
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals["bad"].error and "simulated refusal" in finals["bad"].error
+    assert finals["good"].error is None and tokens == alone.token_ids
+    assert engine.kv_cache.stats.num_blocks_used == 0 or engine.config.enable_prefix_caching
+    assert engine.scheduler.num_running == engine.scheduler.num_waiting == 0
+    again = engine.generate([prompts["good"]], params, use_tqdm=False)  # the engine serves on
+    assert again[0][0].token_ids == alone.token_ids
