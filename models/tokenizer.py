@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -95,6 +96,25 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry of ``token_id`` (byte-level spelling, e.g. ``Ġthe``), or None."""
         return self._backend.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for, as OpenAI's logprobs report them: a token
+        holding part of a UTF-8 character (an emoji is often two) gives that part, which
+        ``decode`` cannot (it gives U+FFFD). Byte-level vocabularies spell the bytes in
+        GPT-2's table; SentencePiece ones write a byte as ``<0xAB>`` and a space as ``▁``
+        (kept as a space, which ``decode`` drops at the start of a text); special tokens
+        give their text."""
+        piece = self.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if isinstance(self._backend.decoder, decoders.ByteLevel):
+            table = _char_to_byte()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        fallback = _BYTE_FALLBACK.fullmatch(piece)
+        if fallback:
+            return bytes([int(fallback[1], 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
 
     def same_vocabulary(self, other: "Tokenizer") -> bool:
         """Whether ``other`` has this tokenizer's tokens under the same ids."""
@@ -267,6 +287,14 @@ def _byte_level_pre_tokenizer(splitter: str) -> pre_tokenizers.PreTokenizer:
         pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@lru_cache(maxsize=1)
+def _char_to_byte() -> dict[str, int]:
+    return {c: b for b, c in _byte_to_char().items()}
 
 
 @lru_cache(maxsize=1)

@@ -25,6 +25,8 @@ class TokenizerLike(Protocol):
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
+    def token_bytes(self, token_id: int) -> bytes: ...
+
     # "hermes" where the chat template renders tools that way, "unknown" for
     # another syntax, None when it knows nothing of tools.
     tool_call_syntax: str | None

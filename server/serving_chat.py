@@ -24,8 +24,10 @@ from server.tools import CallStream, ToolFormat, new_call_id
 
 
 def _token(tokenizer: TokenizerLike, token_id: int, logprob: float) -> TopLogprob:
+    # The token's own bytes: for part of a character, the text is U+FFFD but the bytes
+    # let a client put the character back together, as OpenAI means them to.
     text = tokenizer.decode([token_id], skip_special_tokens=False)
-    return TopLogprob(token=text, logprob=json_logprob(logprob), bytes=list(text.encode("utf-8")))
+    return TopLogprob(token=text, logprob=json_logprob(logprob), bytes=list(tokenizer.token_bytes(token_id)))
 
 
 def chat_logprobs(tokenizer: TokenizerLike, lps: list[TokenLogprob]) -> ChatLogprobs:

@@ -250,3 +250,18 @@ def test_sentencepiece_space_prefix_follows_llama_cpp(spm):
     assert [ours.id_to_token(i) for i in ours.encode(" hello", add_special_tokens=False)] == ["▁", "▁hello"]
     assert [ours.id_to_token(i) for i in ours.encode("<s>hello", add_special_tokens=False)] == ["<s>", "▁hello"]
     assert ours.decode(ours.encode(" hello")) == " hello"
+
+
+def test_token_bytes_rebuild_the_text_where_tokens_split_a_character(ours, spm):
+    # OpenAI's logprobs carry each token's bytes so that characters split over tokens
+    # (an emoji is often two) can be put back together; decode([id]) gives U+FFFD there.
+    sp, _ = spm
+    for tok, add in ((ours, False), (sp, False)):
+        for text in ["🙂 日本 hello", "héllo wörld 🤗"]:
+            ids = tok.encode(text, add_special_tokens=add)
+            pieces = [tok.token_bytes(i) for i in ids]
+            assert b"".join(pieces).decode("utf-8").lstrip(" ") == text
+    emoji = ours.encode("🙂", add_special_tokens=False)
+    assert len(emoji) == 2 and ours.decode(emoji[:1]) == "\ufffd" and ours.token_bytes(emoji[0]) == b"\xf0\x9f"
+    assert ours.token_bytes(ours.eos_token_ids[0]) == b"<|im_end|>"
+    assert sp.token_bytes(sp.encode(" hello", add_special_tokens=False)[-1]) == b" hello"

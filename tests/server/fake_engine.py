@@ -57,6 +57,9 @@ class FakeTokenizer:
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if token_id < 256 else self.decode([token_id], False).encode()
+
     tool_call_syntax = None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,

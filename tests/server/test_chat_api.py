@@ -141,3 +141,15 @@ async def test_structured_output_reaches_the_engine(client: httpx.AsyncClient, e
         assert r.status_code == 200, r.text
         structured = engine.requests[-1].params.structured
         assert (structured.kind, structured.value) == (kind, value) if kind else structured is None
+
+
+def test_logprob_bytes_put_a_split_character_back_together(gguf_tokenizer) -> None:
+    # SmolLM2 writes "🙂" as two tokens; each one's text is U+FFFD, its bytes half the emoji.
+    from engine.outputs import TokenLogprob
+    from server.serving_chat import chat_logprobs
+
+    ids = gguf_tokenizer.encode("🙂!", add_special_tokens=False)
+    lps = chat_logprobs(gguf_tokenizer, [TokenLogprob(t, -1.0, [(t, -1.0)]) for t in ids])
+    assert all(set(e.token) == {"\ufffd"} for e in lps.content[:2])
+    assert bytes(b for e in lps.content for b in e.bytes).decode() == "🙂!"
+    assert [t.bytes for e in lps.content for t in e.top_logprobs] == [e.bytes for e in lps.content]
