@@ -29,6 +29,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -91,6 +92,15 @@ def _kvserve_argv(port: int) -> list[str]:
     script = Path(sys.executable).with_name("kvserve")
     head = [str(script)] if script.exists() else [sys.executable, "-m", "server.cli"]
     return [*head, "serve", "--host", "127.0.0.1", "--port", str(port)]
+
+
+PATH_SWITCHES = ("KVSERVE_AMX", "KVSERVE_KERNELS", "KVSERVE_CPU_ISA")
+
+
+def path_switches(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment switches that change which kernels kvserve runs, for the table;
+    only those (never ``KVSERVE_API_KEY``: a secret)."""
+    return {k: environ[k] for k in PATH_SWITCHES if k in environ}
 
 
 def kvserve_path(log: Path) -> str | None:
@@ -258,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     kv_log = logs / f"kvserve-{stamp}.log"
     kv = measure("kvserve", _kvserve_argv(port), port, "/ready", levels, num_prompts, kv_log)
     meta["kvserve_path"] = kvserve_path(kv_log)
-    meta["kvserve_env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVSERVE_")}
+    meta["kvserve_env"] = path_switches(os.environ)
     peers: dict[str, dict] = {}
     port = free_port()
     peers["llama.cpp"] = measure("llama.cpp", llama_cpp.server_argv(bins["llama-server"], gguf, port),

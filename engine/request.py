@@ -125,7 +125,7 @@ class Request:
         """Record one sampled token and its timestamp."""
         now = time.monotonic() if now is None else now
         if self.grammar is not None:
-            self.grammar.advance(token_id)  # first: a GrammarError leaves the request as it was
+            self.grammar.advance(token_id)  # first: on a GrammarError the token is not recorded
         self.output_token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = now

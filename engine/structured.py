@@ -105,7 +105,7 @@ class Grammar:
 
     def advance(self, token_id: int) -> None:
         """Consume the sampled token (which the mask allowed); ``GrammarError`` if the
-        matcher refuses it all the same (it is then left as it was)."""
+        matcher refuses it all the same (its matcher is then in error: the sample ends)."""
         if not self.matcher.consume_token(token_id):
             raise GrammarError(f"the grammar refused token {token_id}, which its own mask allowed: "
                                f"{_short(self.matcher.get_error())}")

@@ -22,6 +22,7 @@ import copy
 import json
 import re
 from collections.abc import Mapping, Sequence
+import functools
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -102,11 +103,13 @@ class Tokenizer:
         holding part of a UTF-8 character (an emoji is often two) gives that part, which
         ``decode`` cannot (it gives U+FFFD). Byte-level vocabularies spell the bytes in
         GPT-2's table; SentencePiece ones write a byte as ``<0xAB>`` and a space as ``▁``
-        (kept as a space, which ``decode`` drops at the start of a text); special tokens
-        give their text."""
+        (kept as a space, which ``decode`` drops at the start of a text); added tokens
+        (the special ones among them) give their text."""
         piece = self.id_to_token(token_id)
         if piece is None:
             return b""
+        if token_id in self._added_token_ids:
+            return piece.encode("utf-8")
         if isinstance(self._backend.decoder, decoders.ByteLevel):
             table = _char_to_byte()
             if all(c in table for c in piece):
@@ -115,6 +118,10 @@ class Tokenizer:
         if fallback:
             return bytes([int(fallback[1], 16)])
         return piece.replace("\u2581", " ").encode("utf-8")
+
+    @functools.cached_property
+    def _added_token_ids(self) -> frozenset[int]:
+        return frozenset(self._backend.get_added_tokens_decoder())
 
     def same_vocabulary(self, other: "Tokenizer") -> bool:
         """Whether ``other`` has this tokenizer's tokens under the same ids."""

@@ -136,3 +136,6 @@ def test_peers_markdown_names_the_path_kvserve_ran_and_its_environment(tmp_path)
                     levels, {"llama.cpp": levels}, None)
     assert "`kvserve serve` with its defaults (it ran float32 + w4a8 on AMX, with KVSERVE_AMX=force);" in text
     assert "`kvserve serve` with its defaults; " in markdown(_meta(), levels, {"llama.cpp": levels}, None)
+    from bench.peers import path_switches
+
+    assert path_switches({"KVSERVE_AMX": "force", "KVSERVE_API_KEY": "secret", "HOME": "/x"}) == {"KVSERVE_AMX": "force"}

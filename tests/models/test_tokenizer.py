@@ -265,3 +265,14 @@ def test_token_bytes_rebuild_the_text_where_tokens_split_a_character(ours, spm):
     assert len(emoji) == 2 and ours.decode(emoji[:1]) == "\ufffd" and ours.token_bytes(emoji[0]) == b"\xf0\x9f"
     assert ours.token_bytes(ours.eos_token_ids[0]) == b"<|im_end|>"
     assert sp.token_bytes(sp.encode(" hello", add_special_tokens=False)[-1]) == b" hello"
+
+
+def test_token_bytes_of_added_tokens_are_their_text(tmp_path):
+    # An added token is matched whole and not spelled in GPT-2's byte table: "é" is its
+    # UTF-8, not the byte the table maps "é" to.
+    fields = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
+              "tokenizer.ggml.tokens": ["a", "b", "ab", "<|end|>", "é!"],
+              "tokenizer.ggml.token_type": [1, 1, 1, 3, 4], "tokenizer.ggml.merges": ["a b"],
+              "tokenizer.ggml.eos_token_id": 3}
+    tok = Tokenizer.from_gguf_fields(fields)
+    assert [tok.token_bytes(i) for i in range(5)] == [b"a", b"b", b"ab", b"<|end|>", "é!".encode()]
