@@ -111,13 +111,9 @@ class _SamplingRequest(_Strict):
     # Fields that ask for a constraint in another API's words. Unknown fields are
     # ignored, but ignoring one of these would answer without the constraint asked
     # for (structured outputs fail closed), so each is a 400 saying what to send.
+    # (vLLM's guided_decoding_backend and the like carry no constraint: ignored.)
     REPLACED_FIELDS: ClassVar[dict[str, str]] = {
-        **{f"guided_{k}": f'structured_outputs: {{"{k}": ...}}'
-           for k in ("json", "regex", "choice", "grammar")},
-        "guided_json_object": 'response_format: {"type": "json_object"}',
-        "guided_decoding_backend": "structured_outputs (kvserve has one backend, llguidance)",
-        "guided_whitespace_pattern": "structured_outputs (JSON is written on one line)",
-    }
+        f"guided_{k}": f'structured_outputs: {{"{k}": ...}}' for k in ("json", "regex", "choice", "grammar")}
 
     @model_validator(mode="before")
     @classmethod
