@@ -153,6 +153,7 @@ class GrammarCompiler:
         self._tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
+        self._eos_ids = frozenset(eos_token_ids)  # handed to every sample's Grammar
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._tokenizer: Any = None
@@ -211,7 +212,7 @@ class GrammarCompiler:
         matcher = compiled.matcher()
         if matcher is None:
             matcher = LLMatcher(self.tokenizer, compiled.grammar, log_level=0)
-        return Grammar(matcher, frozenset(self._eos))
+        return Grammar(matcher, self._eos_ids)
 
 
 def _short(message: str, limit: int = 400) -> str:

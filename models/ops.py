@@ -178,7 +178,7 @@ def _check_amx(ext: ModuleType) -> None:
     emulated = ext.amx_emulated()
     if not (emulated or ext.amx_available()):
         return
-    if not emulated and os.environ.get("KVSERVE_AMX", "").strip() == "0":
+    if not emulated and _AMX_MODES.get(_amx_setting()) == "off":
         logger.info("AMX: not offered (KVSERVE_AMX=0)")
         return
     gen = torch.Generator().manual_seed(0)
@@ -355,16 +355,22 @@ def amx_usable() -> bool:
     return _load() is not None and _amx_usable
 
 
+_AMX_MODES = {"0": "off", "1": "auto", "auto": "auto", "": "auto", "force": "force"}
+
+
+def _amx_setting() -> str:
+    return os.environ.get("KVSERVE_AMX", "auto").strip().lower()
+
+
 def amx_mode() -> str:
     """``KVSERVE_AMX``: ``"off"`` (0: AMX never offered), ``"force"`` (w4a8's dots on
     AMX wherever it is usable, whatever the timing says: to measure that path), or
     ``"auto"`` (unset, 1 or auto: one more candidate for ``models.autotune`` to time).
     ``ValueError`` for any other value."""
-    value = os.environ.get("KVSERVE_AMX", "auto").strip().lower()
-    modes = {"0": "off", "1": "auto", "auto": "auto", "": "auto", "force": "force"}
-    if value not in modes:
+    value = _amx_setting()
+    if value not in _AMX_MODES:
         raise ValueError(f"KVSERVE_AMX={value!r}: use 0 (off), auto (the default) or force")
-    return modes[value]
+    return _AMX_MODES[value]
 
 
 def amx_enabled() -> bool:

@@ -110,7 +110,7 @@ class Tokenizer:
             return b""
         if token_id in self._added_token_ids:
             return piece.encode("utf-8")
-        if isinstance(self._backend.decoder, decoders.ByteLevel):
+        if self._byte_level:
             table = _char_to_byte()
             if all(c in table for c in piece):
                 return bytes(table[c] for c in piece)
@@ -122,6 +122,10 @@ class Tokenizer:
     @functools.cached_property
     def _added_token_ids(self) -> frozenset[int]:
         return frozenset(self._backend.get_added_tokens_decoder())
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        return isinstance(self._backend.decoder, decoders.ByteLevel)
 
     def same_vocabulary(self, other: "Tokenizer") -> bool:
         """Whether ``other`` has this tokenizer's tokens under the same ids."""

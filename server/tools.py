@@ -210,19 +210,18 @@ class GenericFormat(ToolFormat):
         return head[0] in "{["
 
     def scan(self, text: str) -> list[ParsedCall] | None:
-        body = text
-        if not body.startswith(("{", "[")):
+        if not text.startswith(("{", "[")):
             return None
-        array = body.startswith("[")
+        array = text.startswith("[")
         pos, calls = (1 if array else 0), []
         while True:
-            call, close = _scan_call(body, pos)
+            call, close = _scan_call(text, pos)
             if call is not None:
                 calls.append(call)
             if close is None or not array:
                 return calls
             pos = close
-            while pos < len(body) and body[pos] in " ,\n":
+            while pos < len(text) and text[pos] in " ,\n":
                 pos += 1
 
     def parse(self, text: str) -> list[ParsedCall] | None:
@@ -281,10 +280,9 @@ class HermesFormat(ToolFormat):
         return calls, done
 
     def scan(self, text: str) -> list[ParsedCall] | None:
-        body = text
-        if not body or not (body.startswith(HERMES_OPEN) or HERMES_OPEN.startswith(body)):
+        if not text or not (text.startswith(HERMES_OPEN) or HERMES_OPEN.startswith(text)):
             return None
-        return self._walk(body)[0]
+        return self._walk(text)[0]
 
     def parse(self, text: str) -> list[ParsedCall] | None:
         body = text.rstrip()
@@ -365,10 +363,9 @@ class CallStream:
         """The content to send for ``text`` and the tool-call deltas it completes."""
         self.buffer += text
         if self.mode is None:
-            head = self.buffer
-            if not head:
+            if not self.buffer:
                 return "", []
-            opens = self.format.opens(head)
+            opens = self.format.opens(self.buffer)
             if opens is None:
                 return "", []
             self.mode = "calls" if opens else "text"
