@@ -15,7 +15,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner, num_blocks_for_budget
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.request import EngineRequest, Request, RequestStatus
-from engine.sampler import Sampler, SamplerOutput, picks_argmax
+from engine.sampler import Sampler, SamplerOutput, picks_argmax, prompt_logprobs
 from engine.sampling_params import SamplingParams
 from engine.draft import DraftProposer
 from engine.speculative import NgramProposals, Proposer, Speculator
@@ -46,6 +46,8 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str | None
     prompt_token_ids: list[int]
+    # With ``SamplingParams.prompt_logprobs``: one per prompt token, the first None.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -271,6 +273,8 @@ class LLMEngine:
             items = [s for s in sched.scheduled if s.sample]
             sampling = [s.request for s in items]
             logits, masks, unmasked, proposal_masks = self._forward(sched, sampling)
+            if any(s.num_prompt_logits for s in sched.scheduled):
+                logits = self._record_prompt_logprobs(sched.scheduled, logits)
             tokens: dict[str, list[int]] = {}
             logprobs: dict[str, list[TokenLogprob | None]] = {}
             if sampling:
@@ -320,6 +324,27 @@ class LLMEngine:
                 extra[sampling[i].request_id] = masks[row + 1:row + 1 + len(spec)]
             row += 1 + len(spec)
         return logits, (rows, masks[firsts]), unmasked, extra
+
+    def _record_prompt_logprobs(self, scheduled: list[ScheduledRequest], logits: torch.Tensor) -> torch.Tensor:
+        """Fill in each request's prompt logprobs from its prompt positions' rows;
+        return the sampled rows alone (what the rest of the step reads)."""
+        keep: list[int] = []
+        row = 0
+        for s in scheduled:
+            k = s.num_prompt_logits
+            if k:
+                lps = s.request.prompt_logprobs
+                assert lps is not None
+                # Position p's row gives the logprob of prompt token p + 1.
+                first = len(lps)
+                lps.extend(prompt_logprobs(logits[row:row + k], s.request.prompt_token_ids[first:first + k],
+                                           s.request.sampling_params.prompt_logprobs or 0, self.vocab_size))
+                row += k
+            sampled = s.num_logits - k
+            keep.extend(range(row, row + sampled))
+            row += sampled
+        assert row == logits.shape[0], (row, logits.shape)
+        return logits[keep]
 
     def _sample(self, logits: torch.Tensor, sampling: list[Request],
                 masks: tuple[list[int], torch.Tensor] | None, unmasked: list[int]) -> SamplerOutput:
@@ -433,6 +458,9 @@ class LLMEngine:
             if api.request_id in failed:
                 continue
             prev = prev_times[seq.request_id]
+            # A sample's first tokens come from its prompt's last position: its
+            # prompt logprobs are complete and go out with them.
+            assert prev is not None or not seq.needs_prompt_logits
             if prev is None:
                 stats.time_to_first_token.append(seq.first_token_time - seq.arrival_time)
             else:
@@ -465,7 +493,8 @@ class LLMEngine:
             by_api.setdefault(api.request_id, []).append(CompletionOutput(
                 index=seq.sample_index, text=text, token_ids=new,
                 logprobs=lps if lps and lps[0] is not None else None,
-                finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason))
+                finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason,
+                prompt_logprobs=seq.prompt_logprobs if prev is None else None))
         results = []
         for rid, outs in by_api.items():
             api = self._requests[rid]
@@ -538,6 +567,7 @@ class LLMEngine:
         texts = {rid: [""] * params.n for rid in rids}
         tokens = {rid: [[] for _ in range(params.n)] for rid in rids}
         reasons: dict[str, list[str | None]] = {rid: [None] * params.n for rid in rids}
+        prompt_lps: dict[str, list[list[TokenLogprob | None] | None]] = {rid: [None] * params.n for rid in rids}
         bar = tqdm(total=len(rids), disable=not use_tqdm, desc="generating", unit="req")
         while self.has_unfinished_requests():
             for out in self.step():
@@ -545,8 +575,11 @@ class LLMEngine:
                     texts[out.request_id][o.index] += o.text
                     tokens[out.request_id][o.index].extend(o.token_ids)
                     reasons[out.request_id][o.index] = o.finish_reason
+                    if o.prompt_logprobs is not None:
+                        prompt_lps[out.request_id][o.index] = o.prompt_logprobs
                 if out.finished:
                     bar.update(1)
         bar.close()
-        return [[GenerationResult(texts[r][i], tokens[r][i], reasons[r][i], p) for i in range(params.n)]
+        return [[GenerationResult(texts[r][i], tokens[r][i], reasons[r][i], p, prompt_lps[r][i])
+                 for i in range(params.n)]
                 for r, p in zip(rids, ids)]

@@ -78,11 +78,10 @@ class ModelRunner:
                                            self.kv_dtype, self.device)
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run every scheduled token; logits for the ``sample`` entries, in scheduled order:
-        one row each, or ``1 + len(spec_token_ids)`` rows for an entry with proposals
-        (its last known token's, then each proposal's)."""
-        return self.run([Chunk(s.token_ids, s.start_pos, s.block_ids,
-                               1 + len(s.spec_token_ids) if s.sample else 0) for s in out.scheduled])
+        """Run every scheduled token; each entry's ``num_logits`` rows of logits, in
+        scheduled order: its wanted prompt positions' (prompt logprobs), then when it
+        samples its last known token's and each proposal's."""
+        return self.run([Chunk(s.token_ids, s.start_pos, s.block_ids, s.num_logits) for s in out.scheduled])
 
     def run(self, chunks: list[Chunk]) -> torch.Tensor:
         """One forward over every chunk; float32 logits of each chunk's last

@@ -24,6 +24,9 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    # On a sample's first delta, when ``prompt_logprobs`` was asked for: one entry per
+    # prompt token (its logprob given the tokens before it), the first None.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

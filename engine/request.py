@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -86,6 +87,10 @@ class Request:
     # Proposed next tokens for the coming step (engine.speculative); the scheduler
     # runs them after the last known token and the engine keeps what the model confirms.
     spec_token_ids: list[int] = field(default_factory=list)
+    # With ``sampling_params.prompt_logprobs``: entry i is prompt token i's logprob
+    # given the tokens before it (entry 0, which has none, is None), filled in as
+    # the prompt's chunks run; None when not asked for.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # Timestamps (time.monotonic) for latency metrics.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -99,6 +104,17 @@ class Request:
         if seed is not None and self.generator is None:
             # Each of n samples gets its own stream, derived from the seed.
             self.generator = torch.Generator().manual_seed((seed + self.sample_index) % 2**63)
+        if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether prompt positions' logits are still wanted (prompt logprobs not complete).
+
+        Entry ``i + 1`` of ``prompt_logprobs`` comes from position ``i``'s logits,
+        so the next position wanted is ``len(prompt_logprobs) - 1``.
+        """
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -93,6 +93,10 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs per token; 0 = only the sampled one
+    # Logprobs of the prompt's own tokens (each given the tokens before it), with
+    # this many top alternatives; None: none. Such a request's prompt is computed
+    # whole, not served from the prefix cache: its rows' logits are needed.
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     # What the output must match (engine/structured.py enforces it); None: free text.
@@ -145,6 +149,8 @@ class SamplingParams:
             raise ValueError("stop strings must not be empty")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}")
         for tok, bias in self.logit_bias.items():
             if not math.isfinite(bias) or not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias for token {tok} must be in [-100, 100], got {bias}")

@@ -56,6 +56,15 @@ class ScheduledRequest:
     # Proposed tokens run after the last known one (the last of num_new_tokens);
     # each of their positions is sampled too, to verify them.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Prompt logprobs: the logits of this many prompt positions are wanted too, the
+    # ones right before the sampled rows (or the chunk's last ones when it samples nothing).
+    num_prompt_logits: int = 0
+
+    @property
+    def num_logits(self) -> int:
+        """Logits rows this request gets back: its prompt positions' wanted ones, then
+        the last known token's and each proposal's when it samples."""
+        return self.num_prompt_logits + (1 + len(self.spec_token_ids) if self.sample else 0)
 
     @property
     def token_ids(self) -> list[int]:
@@ -146,7 +155,9 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting.peek()
-            computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
+            # Prompt logprobs need every prompt position's logits: no prefix-cache hits.
+            computed_blocks, num_cached = (([], 0) if request.needs_prompt_logits
+                                           else self.kv_cache.get_computed_blocks(request))
             num_remaining = request.num_tokens - num_cached
             num_new = min(num_remaining, budget)
             if not self.config.enable_chunked_prefill and num_new < num_remaining:
@@ -269,6 +280,14 @@ class Scheduler:
             request.first_scheduled_time = time.monotonic()
         start = request.num_computed_tokens
         spec = spec or []
+        num_prompt_logits = 0
+        if request.needs_prompt_logits:
+            assert request.prompt_logprobs is not None and not spec
+            # Positions [wanted, last) give prompt logprobs; the prompt's last position
+            # gives the first sampled token instead.
+            wanted = len(request.prompt_logprobs) - 1
+            assert wanted >= start, "a prompt position's logits were skipped"
+            num_prompt_logits = max(0, min(start + num_new, request.num_prompt_tokens - 1) - wanted)
         return ScheduledRequest(
             request=request,
             start_pos=start,
@@ -276,6 +295,7 @@ class Scheduler:
             block_ids=self.kv_cache.get_block_ids(request.request_id),
             sample=start + num_new == request.num_tokens,
             spec_token_ids=spec,
+            num_prompt_logits=num_prompt_logits,
         )
 
     def _preempt(self, request: Request) -> None:

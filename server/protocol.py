@@ -167,7 +167,8 @@ class _SamplingRequest(_Strict):
         except ValueError as e:
             raise bad_request(str(e), self.structured_param) from None
 
-    def to_sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def to_sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
+                           prompt_logprobs: int | None = None) -> SamplingParams:
         """Build the engine's params; an invalid value becomes a 400 naming the field."""
         given: dict[str, Any] = {
             "n": self.n, "temperature": self.temperature, "top_p": self.top_p,
@@ -183,7 +184,7 @@ class _SamplingRequest(_Strict):
         # None means "the default", so only pass what the client set.
         kwargs = {k: v for k, v in given.items() if v is not None}
         try:
-            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                   logit_bias=self.logit_bias_ids(), structured=self.structured_output(),
                                   **kwargs)
         except ValueError as e:
@@ -229,9 +230,15 @@ class CompletionRequest(_SamplingRequest):
     def _check_combinations(self) -> "CompletionRequest":
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise ValueError("best_of is not supported (it must be unset or equal to n)")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo together with logprobs is not supported")
+        if self.echo_only and (self.min_tokens or 0) > 0:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens (0)")
         return self
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the prompt back (with its logprobs when asked:
+        scoring, as lm-evaluation-harness does), nothing generated."""
+        return bool(self.echo) and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list: each a text or a list of token ids."""
@@ -243,7 +250,12 @@ class CompletionRequest(_SamplingRequest):
         return list(p)  # type: ignore[arg-type]
 
     def sampling_params(self) -> SamplingParams:
-        return self.to_sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs)
+        """With ``echo`` and ``logprobs``, the prompt's own logprobs are asked for too."""
+        # NOTE: the engine always samples at least one token; an echo_only request's
+        # is dropped (as vLLM does).
+        return self.to_sampling_params(max_tokens=1 if self.echo_only else self.max_tokens,
+                                       logprobs=self.logprobs,
+                                       prompt_logprobs=self.logprobs if self.echo else None)
 
 
 class ContentPart(_Strict):

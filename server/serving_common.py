@@ -40,6 +40,8 @@ class ChoiceState:
     num_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    # The prompt's own logprobs (first entry None), when the request asked for them.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class Choices:
@@ -69,15 +71,19 @@ class Choices:
             st.num_tokens += len(out.token_ids)
             if out.logprobs:
                 st.logprobs.extend(out.logprobs)
+            if out.prompt_logprobs is not None:
+                st.prompt_logprobs = out.prompt_logprobs
             newly = out.finish_reason is not None and st.finish_reason is None
             if newly:
                 st.finish_reason = out.finish_reason
             changed.append((idx, out, newly))
         return changed
 
-    def usage(self) -> Usage:
-        return Usage.of(sum(self.prompt_lens), sum(s.num_tokens for s in self.states),
-                        sum(self.cached))
+    def usage(self, generated: bool = True) -> Usage:
+        """Token counts; ``generated=False`` when the sampled tokens are not returned
+        (a completions ``echo`` with ``max_tokens: 0``)."""
+        completion = sum(s.num_tokens for s in self.states) if generated else 0
+        return Usage.of(sum(self.prompt_lens), completion, sum(self.cached))
 
 
 async def launch(state: ServerState, request_id: str, prompts: list[list[int]],

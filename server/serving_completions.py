@@ -13,15 +13,16 @@ from server.engine_client import TokenizerLike
 from server.protocol import CompletionRequest
 from server.protocol_responses import (CompletionChoice, CompletionLogprobs, CompletionResponse,
                                        json_logprob, now, sse)
-from server.serving_common import (Choices, first_output, launch, run_to_completion,
+from server.serving_common import (ChoiceState, Choices, first_output, launch, run_to_completion,
                                    stream_response)
 from server.state import ServerState, new_request_id
 
 
-def completion_logprobs(tokenizer: TokenizerLike, lps: list[TokenLogprob],
-                        offset: int) -> CompletionLogprobs:
-    """OpenAI's parallel-list logprobs; ``offset`` is where the first token's text starts."""
-    out = CompletionLogprobs()
+def completion_logprobs(tokenizer: TokenizerLike, lps: list[TokenLogprob], offset: int,
+                        out: CompletionLogprobs | None = None) -> CompletionLogprobs:
+    """OpenAI's parallel-list logprobs (appended to ``out``, if given); ``offset`` is where
+    the first token's text starts."""
+    out = out if out is not None else CompletionLogprobs()
     for lp in lps:
         token = tokenizer.decode([lp.token_id], skip_special_tokens=False)
         out.tokens.append(token)
@@ -34,6 +35,16 @@ def completion_logprobs(tokenizer: TokenizerLike, lps: list[TokenLogprob],
         out.text_offset.append(offset)
         offset += len(token)
     return out
+
+
+def prompt_logprobs(tokenizer: TokenizerLike, prompt: list[int],
+                    entries: list[TokenLogprob | None] | None) -> CompletionLogprobs:
+    """An echoed prompt's logprobs: its first token has none (``null``, as OpenAI sends
+    it), each later one its logprob given the tokens before it."""
+    assert entries is not None and len(entries) == len(prompt) and entries[0] is None
+    first = tokenizer.decode(prompt[:1], skip_special_tokens=False)
+    out = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[0])
+    return completion_logprobs(tokenizer, entries[1:], len(first), out)  # type: ignore[arg-type]
 
 
 async def create_completion(state: ServerState, request: Request) -> Response:
@@ -51,22 +62,43 @@ async def create_completion(state: ServerState, request: Request) -> Response:
               for p in body.prompts()]
     choices = Choices([len(p) for p in prompts], params.n)
     want_logprobs = params.logprobs is not None
+    # echo with max_tokens 0: the prompt alone; the token the engine sampled is dropped.
+    echo_only = body.echo_only
+    # Where the generated tokens' text_offset starts: after the echoed text, or, when
+    # the prompt's tokens are listed too, after theirs (which may hold a BOS the text does not).
+    offsets = [len(e) for e in echoes for _ in range(params.n)]
+
+    def echo_logprobs(prompt_index: int, st: ChoiceState) -> CompletionLogprobs | None:
+        if not want_logprobs:
+            return None
+        if not body.echo:
+            return CompletionLogprobs()
+        return prompt_logprobs(tok, prompts[prompt_index], st.prompt_logprobs)
+
+    def end_of(lps: CompletionLogprobs) -> int:
+        return lps.text_offset[-1] + len(lps.tokens[-1])
+
+    def finish_reason(st: ChoiceState) -> str | None:
+        return "length" if echo_only else st.finish_reason
 
     if not body.stream:
         await run_to_completion(request, merged, choices)
-        result = CompletionResponse(id=request_id, model=state.model_name, usage=choices.usage(),
-                                    choices=[])
+        result = CompletionResponse(id=request_id, model=state.model_name,
+                                    usage=choices.usage(generated=not echo_only), choices=[])
         for idx, st in enumerate(choices.states):
             echo = echoes[idx // params.n]
-            lps = completion_logprobs(tok, st.logprobs, len(echo)) if want_logprobs else None
-            result.choices.append(CompletionChoice(index=idx, text=echo + "".join(st.text),
-                                                   logprobs=lps, finish_reason=st.finish_reason))
+            lps = echo_logprobs(idx // params.n, st)
+            if lps is not None and not echo_only:
+                completion_logprobs(tok, st.logprobs, end_of(lps) if lps.tokens else offsets[idx], lps)
+            text = echo if echo_only else echo + "".join(st.text)
+            result.choices.append(CompletionChoice(index=idx, text=text, logprobs=lps,
+                                                   finish_reason=finish_reason(st)))
         return JSONResponse(result.model_dump(mode="json"))
 
     first = await first_output(request, merged)
     created = now()
     include_usage = body.include_usage
-    offsets = [len(echoes[i // params.n]) for i in range(len(choices.states))]
+    echoed = [False] * len(choices.states)
 
     def chunk(idx: int, text: str, finish_reason: str | None = None,
               logprobs: CompletionLogprobs | None = None) -> str:
@@ -76,25 +108,29 @@ async def create_completion(state: ServerState, request: Request) -> Response:
                                       finish_reason=finish_reason)]),
             include_usage=include_usage)
 
-    def prelude() -> Iterator[str]:
-        for idx in range(len(choices.states)):
-            if echoes[idx // params.n]:
-                yield chunk(idx, echoes[idx // params.n])
-
     def render(prompt_index: int, ro: RequestOutput) -> Iterator[str]:
         for idx, out, finished in choices.update(prompt_index, ro):
-            if out.text or out.logprobs:
+            st = choices.states[idx]
+            if body.echo and not echoed[idx]:
+                # On the choice's first delta, which carries the prompt's logprobs.
+                echoed[idx] = True
+                lps = echo_logprobs(prompt_index, st)
+                if lps is not None:
+                    offsets[idx] = end_of(lps)
+                yield chunk(idx, echoes[prompt_index], logprobs=lps)
+            if not echo_only and (out.text or out.logprobs):
                 lps = None
                 if want_logprobs:
                     lps = completion_logprobs(tok, out.logprobs or [], offsets[idx])
                     offsets[idx] += sum(len(t) for t in lps.tokens)
                 yield chunk(idx, out.text, logprobs=lps)
             if finished:
-                yield chunk(idx, "", finish_reason=choices.states[idx].finish_reason)
+                yield chunk(idx, "", finish_reason=finish_reason(st))
 
     def epilogue() -> Iterator[str]:
         if include_usage:
             yield sse(CompletionResponse(id=request_id, created=created, model=state.model_name,
-                                         choices=[], usage=choices.usage()), include_usage=True)
+                                         choices=[], usage=choices.usage(generated=not echo_only)),
+                      include_usage=True)
 
-    return stream_response(state, request_id, first, merged, prelude(), render, epilogue)
+    return stream_response(state, request_id, first, merged, (), render, epilogue)

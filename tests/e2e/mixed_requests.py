@@ -1,5 +1,5 @@
 """Seeded random request bodies that mix the API's features (sampling settings, penalties,
-stop strings, n, logprobs, streaming with usage, structured outputs, tools), and a check of
+stop strings, n, logprobs, echo, streaming with usage, structured outputs, tools), and a check of
 each answer: never a 5xx, a 4xx in OpenAI's error shape, a stream that ends in ``[DONE]``
 without an error event, and a body the ``openai`` SDK's types accept. Bugs hide in the
 combinations: logprobs under a grammar (-inf in JSON), a draft's proposals under a grammar
@@ -65,8 +65,10 @@ def mixed_request(rng: random.Random) -> tuple[str, dict[str, Any]]:
         body = _sampling(rng, {"model": MODEL, "prompt": prompt})
         if rng.random() < 0.3:
             body["logprobs"] = rng.choice([0, 1, 5, 20])
-        elif rng.random() < 0.2:
-            body["echo"] = True
+        if rng.random() < 0.2:
+            body["echo"] = True  # with logprobs: the prompt's too
+            if rng.random() < 0.5:
+                body["max_tokens"] = 0  # scoring: the prompt alone
         return COMPLETIONS, _structured(rng, body)
     messages: list[dict[str, Any]] = []
     if rng.random() < 0.3:
@@ -102,11 +104,16 @@ def check_answer(path: str, body: dict[str, Any], r: httpx.Response) -> str | No
     chat = path == CHAT
     try:
         if not body.get("stream"):
-            (ChatCompletion if chat else Completion).model_validate(r.json())
+            answer = r.json()
+            if not chat:
+                for choice in answer["choices"]:
+                    _prompt_start(body, choice)
+            (ChatCompletion if chat else Completion).model_validate(answer)
             return None
         events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
         if events[-1] != "[DONE]":
             return where
+        with_logprobs: set[int] = set()
         for event in events[:-1]:
             chunk = json.loads(event)
             if "error" in chunk:
@@ -114,7 +121,19 @@ def check_answer(path: str, body: dict[str, Any], r: httpx.Response) -> str | No
             if not chat:  # null until the last chunk, as OpenAI streams it (the SDK does not validate it)
                 for choice in chunk["choices"]:
                     choice["finish_reason"] = choice["finish_reason"] or "stop"
+                    if choice["logprobs"] and choice["index"] not in with_logprobs:
+                        with_logprobs.add(choice["index"])
+                        _prompt_start(body, choice)
             (ChatCompletionChunk if chat else Completion).model_validate(chunk)
     except ValueError as exc:  # pydantic's ValidationError and JSON errors
         return f"{where} ({exc})"
     return None
+
+
+def _prompt_start(body: dict[str, Any], choice: dict[str, Any]) -> None:
+    """An echoed prompt's first token has no logprob: ``null``, as OpenAI sends it (the
+    SDK's types say float, and do not validate). Only there: any other null still fails."""
+    lps = choice["logprobs"]
+    if body.get("echo") and lps and lps["tokens"] and lps["token_logprobs"][0] is None:
+        assert lps["top_logprobs"][0] is None
+        lps["token_logprobs"][0], lps["top_logprobs"][0] = 0.0, {}

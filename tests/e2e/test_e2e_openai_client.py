@@ -157,3 +157,44 @@ def test_same_seed_same_text_at_temperature_1(client: openai.OpenAI) -> None:
     first = sample()
     assert first
     assert sample() == first
+
+
+def tokenize(server: KVServe, text: str, add_special_tokens: bool) -> list[int]:
+    r = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": text,
+                                                   "add_special_tokens": add_special_tokens},
+                   headers=server.headers, timeout=30.0)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def test_scoring_a_continuation_as_lm_evaluation_harness_does(client: openai.OpenAI, server: KVServe) -> None:
+    """Its loglikelihood requests: token ids, ``echo``, ``logprobs=1``, nothing (or one
+    token) generated; it reads the continuation's logprobs and whether each token is
+    the top one. Each must be what generating from that point reports."""
+    context = tokenize(server, PROMPT, add_special_tokens=True)
+    continuation = tokenize(server, " cherry, grape and", add_special_tokens=False)
+    scored = client.completions.create(model=MODEL, prompt=context + continuation, echo=True,
+                                       max_tokens=0, logprobs=1, temperature=0)
+    [choice] = scored.choices
+    lp = choice.logprobs
+    assert choice.finish_reason == "length" and scored.usage.completion_tokens == 0
+    assert len(lp.tokens) == len(context) + len(continuation)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    greedy = 0
+    for i in range(len(continuation)):
+        position = len(context) + i
+        step = client.completions.create(model=MODEL, prompt=context + continuation[:i], max_tokens=1,
+                                         logprobs=1, temperature=0).choices[0].logprobs
+        # Generating from the same prefix finds the same best token at the same logprob, bit for bit.
+        best = max(lp.top_logprobs[position].values())
+        assert best == step.token_logprobs[0], (i, best, step.token_logprobs[0])
+        assert lp.top_logprobs[position][step.tokens[0]] == best
+        assert lp.top_logprobs[position][lp.tokens[position]] == lp.token_logprobs[position]
+        greedy += lp.tokens[position] == step.tokens[0]
+    # The same request streamed gives the same logprobs.
+    chunks = list(client.completions.create(model=MODEL, prompt=context + continuation, echo=True,
+                                            max_tokens=0, logprobs=1, temperature=0, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+    print(f"{greedy} of {len(continuation)} continuation tokens are the greedy pick")

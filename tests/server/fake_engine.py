@@ -4,7 +4,7 @@ It implements the same interface with no model: every sample of a request
 types out ``SCRIPT`` one byte-token per step (sample ``k`` starts ``k``
 characters in), and honours max_tokens (None = rest of the context), stop
 strings (with hold-back, so stop text is never streamed), stop_token_ids,
-EOS (``eos_at``), min_tokens, ignore_eos, n, logprobs, aborts and a simulated
+EOS (``eos_at``), min_tokens, ignore_eos, n, logprobs, prompt logprobs, aborts and a simulated
 prefix cache. It reports ``StepStats`` to stat loggers after every step and
 can fail mid-stream (``fail_after_steps``) either with ``RequestOutput.error``
 or by raising, as a dead engine loop does.
@@ -210,8 +210,15 @@ class FakeEngine:
         if p.logprobs is not None:
             alts = [(tok, -0.25)] + [(ord("x") + i, -2.0 - i) for i in range(20)]
             logprobs = [TokenLogprob(token_id=tok, logprob=-0.25, top=alts[:p.logprobs])]
+        prompt_logprobs = None
+        if p.prompt_logprobs is not None and s.num_tokens == 1:
+            # Prompt token i: logprob -i/2, its alternatives "x", "y", ... below it.
+            prompt_logprobs = [None] + [
+                TokenLogprob(t, -i / 2, [(ord("x") + j, -10.0 - j) for j in range(p.prompt_logprobs)])
+                for i, t in enumerate(req.prompt_token_ids) if i]
         return CompletionOutput(index=s.index, text=delta, token_ids=[tok], logprobs=logprobs,
-                                finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+                                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                                prompt_logprobs=prompt_logprobs)
 
     @property
     def vocab_size(self) -> int:

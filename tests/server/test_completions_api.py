@@ -90,6 +90,52 @@ async def test_echo(client: httpx.AsyncClient) -> None:
     assert r.json()["choices"][0]["text"] == "hi he"
 
 
+async def test_echo_with_logprobs_lists_the_prompt_tokens_first(client: httpx.AsyncClient,
+                                                                  engine: FakeEngine) -> None:
+    r = await complete(client, prompt="hi", max_tokens=2, echo=True, logprobs=1)
+    choice = r.json()["choices"][0]
+    assert choice["text"] == "hihe"
+    lp = choice["logprobs"]
+    # "hi" is BOS, "h", "i": the first token has no logprob, as OpenAI sends it.
+    assert lp["tokens"] == ["<s>", "h", "i", "h", "e"]
+    assert lp["token_logprobs"] == [None, -0.5, -1.0, -0.25, -0.25]
+    assert lp["top_logprobs"] == [None, {"x": -10.0, "h": -0.5}, {"x": -10.0, "i": -1.0},
+                                  {"h": -0.25}, {"e": -0.25}]
+    assert lp["text_offset"] == [0, 3, 4, 5, 6]
+    assert engine.requests[-1].params.prompt_logprobs == 1
+
+
+async def test_echo_with_max_tokens_0_scores_the_prompt_alone(client: httpx.AsyncClient) -> None:
+    r = await complete(client, prompt="hi", max_tokens=0, echo=True, logprobs=0)
+    body = r.json()
+    assert body["choices"][0]["text"] == "hi"
+    assert body["choices"][0]["finish_reason"] == "length"
+    lp = body["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["<s>", "h", "i"]
+    assert lp["token_logprobs"] == [None, -0.5, -1.0]
+    assert lp["top_logprobs"] == [None, {"h": -0.5}, {"i": -1.0}]
+    assert body["usage"]["completion_tokens"] == 0
+    assert body["usage"]["prompt_tokens"] == 3
+
+    plain = (await complete(client, prompt="hi", max_tokens=0, echo=True)).json()
+    assert plain["choices"][0]["text"] == "hi" and plain["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("max_tokens", [0, 4])
+async def test_streamed_echo_logprobs_equal_the_non_streamed(client: httpx.AsyncClient, max_tokens: int) -> None:
+    body = dict(prompt=["hi", "abc"], n=2, max_tokens=max_tokens, echo=True, logprobs=1)
+    plain = (await complete(client, **body)).json()
+    events = sse_events((await complete(client, stream=True, stream_options={"include_usage": True},
+                                        **body)).text)[:-1]
+    assert events[-1]["usage"] == plain["usage"]
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    for choice in plain["choices"]:
+        mine = [c["choices"][0] for c in events if c["choices"] and c["choices"][0]["index"] == choice["index"]]
+        assert "".join(m["text"] for m in mine) == choice["text"]
+        assert {k: sum((m["logprobs"][k] for m in mine if m["logprobs"]), []) for k in keys} == choice["logprobs"]
+        assert [m["finish_reason"] for m in mine if m["finish_reason"]] == [choice["finish_reason"]]
+
+
 async def test_logprobs(client: httpx.AsyncClient) -> None:
     r = await complete(client, prompt="hi", max_tokens=3, logprobs=2)
     lp = r.json()["choices"][0]["logprobs"]

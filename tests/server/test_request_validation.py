@@ -73,7 +73,9 @@ async def test_malformed_bodies(client: httpx.AsyncClient, raw: bytes, contains:
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, None),
     ({"prompt": "hi", "suffix": "x"}, "suffix"),
     ({"prompt": "hi", "best_of": 3}, None),
-    ({"prompt": "hi", "echo": True, "logprobs": 1}, None),
+    ({"prompt": "hi", "echo": True, "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "hi", "echo": True, "max_tokens": 0, "min_tokens": 2}, None),
+    ({"prompt": "hi", "echo": True, "logprobs": 21}, "logprobs"),
 ])
 async def test_completion_400s(client: httpx.AsyncClient, body: dict, param: str | None) -> None:
     r = await client.post(CMPL, json={"model": MODEL, **body})
