@@ -157,6 +157,20 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             raise bad_request(str(e), e.param) from None
         return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> JSONResponse:
+        """vLLM's route: the special tokens and the chat template, so that a client can
+        tokenize through ``/tokenize`` alone (lm-evaluation-harness's remote tokenizer,
+        which then needs no copy of the model's tokenizer)."""
+        tok = engine.tokenizer
+
+        def text(token_id: int | None) -> str | None:
+            return None if token_id is None else tok.decode([token_id], skip_special_tokens=False)
+
+        return JSONResponse({"tokenizer_class": "kvserve", "eos_token": text(next(iter(tok.eos_token_ids), None)),
+                             "bos_token": text(tok.bos_token_id), "pad_token": None,
+                             "chat_template": tok.chat_template, "model_max_length": engine.max_model_len})
+
     @app.get("/health")
     async def health() -> Response:
         if not engine.is_alive:

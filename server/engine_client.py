@@ -20,6 +20,7 @@ class TokenizerLike(Protocol):
 
     eos_token_ids: list[int] | set[int] | frozenset[int] | tuple[int, ...]
     bos_token_id: int | None
+    chat_template: str | None  # the jinja2 source (None: the model has none)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 

@@ -167,6 +167,20 @@ def tokenize(server: KVServe, text: str, add_special_tokens: bool) -> list[int]:
     return r.json()["tokens"]
 
 
+def test_tokenizer_info_names_special_tokens_the_server_tokenizes_whole(server: KVServe) -> None:
+    """lm-evaluation-harness's remote tokenizer: the EOS text from /tokenizer_info must
+    come back from /tokenize as the one EOS id (it stops generations with it)."""
+    r = httpx.get(f"{server.url}/tokenizer_info", headers=server.headers, timeout=30.0)
+    assert r.status_code == 200, r.text
+    info = r.json()
+    assert info["chat_template"] and info["model_max_length"] > 0
+    for special in (info["eos_token"], info["bos_token"]):
+        [token_id] = tokenize(server, special, add_special_tokens=False)
+        r = httpx.post(f"{server.url}/detokenize", json={"model": MODEL, "tokens": [token_id]},
+                       headers=server.headers, timeout=30.0)
+        assert r.status_code == 200
+
+
 def test_scoring_a_continuation_as_lm_evaluation_harness_does(client: openai.OpenAI, server: KVServe) -> None:
     """Its loglikelihood requests: token ids, ``echo``, ``logprobs=1``, nothing (or one
     token) generated; it reads the continuation's logprobs and whether each token is

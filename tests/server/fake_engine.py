@@ -38,6 +38,8 @@ class FakeTokenizer:
     vocab_size = 260
     eos_token_ids = [EOS]
     bos_token_id = BOS
+    # The jinja2 source /tokenizer_info shows (apply_chat_template renders it in Python).
+    chat_template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
     ROLES = {"system", "developer", "user", "assistant", "tool"}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -34,7 +34,7 @@ async def test_every_route_requires_the_key_except_probes(engine: FakeEngine) ->
     app = build_app(engine, api_key=KEY)
     endpoints = _all_endpoints(app)
     assert {p for _, p in endpoints} >= {"/v1/completions", "/v1/chat/completions", "/v1/models",
-                                         "/tokenize", "/detokenize", "/health", "/ready",
+                                         "/tokenize", "/detokenize", "/tokenizer_info", "/health", "/ready",
                                          "/metrics", "/version"}
     bodies = {"/v1/completions": {"prompt": "hi", "max_tokens": 1},
               "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}],

@@ -50,6 +50,13 @@ async def test_detokenize(client: httpx.AsyncClient) -> None:
     assert_error(await client.post("/detokenize", json={"tokens": "hi"}), 400, param="tokens")
 
 
+async def test_tokenizer_info_names_the_special_tokens(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    info = (await client.get("/tokenizer_info")).json()
+    assert info["eos_token"] == "</s>" and info["bos_token"] == "<s>" and info["pad_token"] is None
+    assert info["chat_template"] == engine.tokenizer.chat_template
+    assert info["model_max_length"] == 256
+
+
 async def test_health_ready_version(engine: FakeEngine) -> None:
     app = build_app(engine)
     async with client_for(app) as c:
