@@ -12,6 +12,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+    rank: int | None = None  # among the whole vocabulary, 1 = most likely (prompt logprobs only)
 
 
 @dataclass

@@ -273,8 +273,8 @@ def _logprobs(logits: torch.Tensor, token_ids: list[int],
 
 def prompt_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int,
                     vocab_size: int) -> list[TokenLogprob]:
-    """Row i's logprob of ``token_ids[i]`` (the prompt token after that position) and its
-    ``num_top`` best alternatives, from the model's logits alone: no logits processors
+    """Row i's logprob of ``token_ids[i]`` (the prompt token after that position), its rank
+    and its ``num_top`` best alternatives, from the model's logits alone: no logits processors
     and no grammar, which shape what is sampled, not how likely the prompt was.
     The same arithmetic as a sampled token's logprobs without processors, so a prompt
     token's entry equals what sampling it there would have reported."""
@@ -283,10 +283,12 @@ def prompt_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int,
     for start in range(0, len(token_ids), _PROMPT_ROWS_AT_ONCE):
         ids = token_ids[start:start + _PROMPT_ROWS_AT_ONCE]
         lp = logits[start:start + len(ids), :vocab_size].float().log_softmax(dim=-1)
-        chosen = lp.gather(1, torch.tensor(ids, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
+        chosen = lp.gather(1, torch.tensor(ids, device=lp.device).unsqueeze(1))
+        ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
         top_values, top_ids = lp.topk(num_top, dim=-1) if num_top else (lp[:, :0], lp[:, :0])
-        for token, value, tv, ti in zip(ids, chosen, top_values.tolist(), top_ids.tolist()):
-            out.append(TokenLogprob(token, value, [(int(t), v) for t, v in zip(ti, tv)]))
+        for token, value, rank, tv, ti in zip(ids, chosen.squeeze(1).tolist(), ranks, top_values.tolist(),
+                                              top_ids.tolist()):
+            out.append(TokenLogprob(token, value, [(int(t), v) for t, v in zip(ti, tv)], rank))
     return out
 
 

@@ -104,6 +104,8 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    # The prompt's own logprobs with this many alternatives, in vLLM's shape (not streamed).
+    prompt_logprobs: int | None = None
     # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -128,6 +130,8 @@ class _SamplingRequest(_Strict):
     def _check_stream_options(self) -> "_SamplingRequest":
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream is true")
         return self
 
     @property
@@ -168,7 +172,7 @@ class _SamplingRequest(_Strict):
             raise bad_request(str(e), self.structured_param) from None
 
     def to_sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
-                           prompt_logprobs: int | None = None) -> SamplingParams:
+                           prompt_logprobs: int | None) -> SamplingParams:
         """Build the engine's params; an invalid value becomes a 400 naming the field."""
         given: dict[str, Any] = {
             "n": self.n, "temperature": self.temperature, "top_p": self.top_p,
@@ -250,12 +254,15 @@ class CompletionRequest(_SamplingRequest):
         return list(p)  # type: ignore[arg-type]
 
     def sampling_params(self) -> SamplingParams:
-        """With ``echo`` and ``logprobs``, the prompt's own logprobs are asked for too."""
+        """With ``echo`` and ``logprobs``, the prompt's own logprobs are asked for too (with
+        ``prompt_logprobs`` alternatives where it is given)."""
         # NOTE: the engine always samples at least one token; an echo_only request's
         # is dropped (as vLLM does).
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo and self.logprobs is not None:
+            prompt_logprobs = self.logprobs
         return self.to_sampling_params(max_tokens=1 if self.echo_only else self.max_tokens,
-                                       logprobs=self.logprobs,
-                                       prompt_logprobs=self.logprobs if self.echo else None)
+                                       logprobs=self.logprobs, prompt_logprobs=prompt_logprobs)
 
 
 class ContentPart(_Strict):
@@ -397,7 +404,8 @@ class ChatCompletionRequest(_SamplingRequest):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        params = self.to_sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+        params = self.to_sampling_params(max_tokens=max_tokens, logprobs=logprobs,
+                                         prompt_logprobs=self.prompt_logprobs)
         choice = self.tool_choice_name()
         if choice == "none":
             return params

@@ -55,7 +55,35 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class PromptLogprob(BaseModel):
+    """One token's entry in vLLM's ``prompt_logprobs`` (keyed by its token id)."""
+
+    logprob: float
+    rank: int | None = None  # among the whole vocabulary, 1 = most likely
+    decoded_token: str
+
+
+# Per prompt token: None for the first (it has no context), else the token's own
+# entry and its top alternatives', by token id.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class _OptionalPromptLogprobs(BaseModel):
+    """``prompt_logprobs`` on the wire only when a request asked for them (last, as vLLM
+    sends it), so that every other answer keeps OpenAI's exact shape."""
+
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        value = out.pop("prompt_logprobs", None)
+        if value is not None:
+            out["prompt_logprobs"] = value
+        return out
+
+
+class CompletionChoice(_OptionalPromptLogprobs):
     text: str
     index: int
     logprobs: CompletionLogprobs | None = None
@@ -140,7 +168,7 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_OptionalPromptLogprobs):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=now)

@@ -17,8 +17,8 @@ from server.protocol_responses import (AssistantMessage, ChatChoice, ChatChunkCh
                                        ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
                                        ChatTokenLogprob, DeltaMessage, FunctionCall, ToolCall, TopLogprob,
                                        json_logprob, now, sse)
-from server.serving_common import (Choices, first_output, launch, run_to_completion,
-                                   stream_response)
+from server.serving_common import (Choices, first_output, launch, run_to_completion, stream_response,
+                                   vllm_prompt_logprobs)
 from server.state import ServerState, new_request_id
 from server.tools import CallStream, ToolFormat, new_call_id
 
@@ -94,7 +94,10 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
                                         usage=choices.usage(), choices=[
             ChatChoice(index=idx, message=msg, finish_reason=reason,
                        logprobs=chat_logprobs(tok, st.logprobs) if want_logprobs else None)
-            for idx, (st, (msg, reason)) in enumerate(zip(choices.states, answers))])
+            for idx, (st, (msg, reason)) in enumerate(zip(choices.states, answers))],
+            # One prompt: every sample's prompt logprobs are the same (vLLM sends them once).
+            prompt_logprobs=(vllm_prompt_logprobs(tok, choices.states[0].prompt_logprobs)
+                             if body.prompt_logprobs is not None else None))
         return JSONResponse(result.model_dump(mode="json"))
 
     first = await first_output(request, merged)

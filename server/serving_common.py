@@ -21,7 +21,8 @@ from engine.sampling_params import SamplingParams
 from server.errors import APIError, engine_fault, unavailable
 from server.generation import (AdmittedStream, EngineFault, RequestAborted, close_quietly,
                                merge_outputs, race_disconnect)
-from server.protocol_responses import SSE_DONE, Usage, sse_json
+from server.engine_client import TokenizerLike
+from server.protocol_responses import SSE_DONE, PromptLogprob, PromptLogprobs, Usage, json_logprob, sse_json
 from server.state import ServerState, start_generation
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,27 @@ class Choices:
         (a completions ``echo`` with ``max_tokens: 0``)."""
         completion = sum(s.num_tokens for s in self.states) if generated else 0
         return Usage.of(sum(self.prompt_lens), completion, sum(self.cached))
+
+
+def vllm_prompt_logprobs(tokenizer: TokenizerLike, entries: list[TokenLogprob | None] | None) -> PromptLogprobs:
+    """The prompt's logprobs in vLLM's ``prompt_logprobs`` shape: per token, None for
+    the first, else its own entry (with its rank) then its top alternatives', by token id."""
+    assert entries is not None, "the engine sends prompt logprobs with a sample's first tokens"
+
+    def entry(token_id: int, logprob: float, rank: int | None) -> PromptLogprob:
+        return PromptLogprob(logprob=json_logprob(logprob), rank=rank,
+                             decoded_token=tokenizer.decode([token_id], skip_special_tokens=False))
+
+    out: PromptLogprobs = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        tokens = {str(e.token_id): entry(e.token_id, e.logprob, e.rank)}
+        for rank, (token_id, logprob) in enumerate(e.top, start=1):
+            tokens.setdefault(str(token_id), entry(token_id, logprob, rank))
+        out.append(tokens)
+    return out
 
 
 async def launch(state: ServerState, request_id: str, prompts: list[list[int]],

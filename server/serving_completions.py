@@ -14,7 +14,7 @@ from server.protocol import CompletionRequest
 from server.protocol_responses import (CompletionChoice, CompletionLogprobs, CompletionResponse,
                                        json_logprob, now, sse)
 from server.serving_common import (ChoiceState, Choices, first_output, launch, run_to_completion,
-                                   stream_response)
+                                   stream_response, vllm_prompt_logprobs)
 from server.state import ServerState, new_request_id
 
 
@@ -91,8 +91,10 @@ async def create_completion(state: ServerState, request: Request) -> Response:
             if lps is not None and not echo_only:
                 completion_logprobs(tok, st.logprobs, end_of(lps) if lps.tokens else offsets[idx], lps)
             text = echo if echo_only else echo + "".join(st.text)
-            result.choices.append(CompletionChoice(index=idx, text=text, logprobs=lps,
-                                                   finish_reason=finish_reason(st)))
+            result.choices.append(CompletionChoice(
+                index=idx, text=text, logprobs=lps, finish_reason=finish_reason(st),
+                prompt_logprobs=(vllm_prompt_logprobs(tok, st.prompt_logprobs)
+                                 if body.prompt_logprobs is not None else None)))
         return JSONResponse(result.model_dump(mode="json"))
 
     first = await first_output(request, merged)

@@ -212,3 +212,22 @@ def test_scoring_a_continuation_as_lm_evaluation_harness_does(client: openai.Ope
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
     assert streamed == lp.token_logprobs
     print(f"{greedy} of {len(continuation)} continuation tokens are the greedy pick")
+
+
+def test_chat_prompt_logprobs_equal_the_completions_echo_of_the_same_tokens(client: openai.OpenAI,
+                                                                            server: KVServe) -> None:
+    """vLLM's ``prompt_logprobs`` extension on a chat, through the SDK's ``extra_body``."""
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, temperature=0,
+                                          extra_body={"prompt_logprobs": 2})
+    entries = chat.model_extra["prompt_logprobs"]
+    r = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "messages": MESSAGES},
+                   headers=server.headers, timeout=30.0)
+    ids = r.json()["tokens"]
+    echoed = client.completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=0, logprobs=0).choices[0]
+    assert len(entries) == len(ids) and entries[0] is None
+    for i, token_id in enumerate(ids[1:], start=1):
+        mine = entries[i][str(token_id)]
+        assert mine["logprob"] == echoed.logprobs.token_logprobs[i]
+        assert mine["rank"] >= 1 and len(entries[i]) <= 3
+        best = min(entries[i].values(), key=lambda e: e["rank"])
+        assert best["rank"] == 1 and best["logprob"] >= mine["logprob"]

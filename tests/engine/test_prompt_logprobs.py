@@ -104,6 +104,15 @@ def test_prompt_logprobs_match_transformers(smollm2_loaded, reference_model, pro
         for token, value in entry.top:
             diffs.append(abs(value - expected[i - 1, token].item()))
         assert entry.top[0][1] == pytest.approx(expected[i - 1].max().item(), abs=2e-3)
+        # Its rank: where it stands among the top 3, else below them, and (up to the
+        # tokens within the tolerance of it) where transformers puts it.
+        top_ids = [t for t, _ in entry.top]
+        if entry.token_id in top_ids:
+            assert entry.rank == top_ids.index(entry.token_id) + 1
+        else:
+            assert entry.rank > len(top_ids)
+        row = expected[i - 1]
+        assert int((row > entry.logprob + 4e-3).sum()) < entry.rank <= int((row > entry.logprob - 4e-3).sum()) + 1
     print(f"max |prompt logprob - transformers'|: {max(diffs):.2e}")
     # test_llama's bound on the logits (float32 rounding over 30 layers), doubled for the log-sum-exp.
     assert max(diffs) < 4e-3
@@ -161,7 +170,9 @@ def test_a_prompt_token_s_logprob_is_the_one_it_gets_where_it_is_sampled(w4a8, p
     longer = prompt + [token]
     scored = run(engine, {"p": longer}, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3))["p"]
 
-    assert scored.prompt_logprobs[0][len(prompt)] == logprob
+    entry = scored.prompt_logprobs[0][len(prompt)]
+    assert (entry.token_id, entry.logprob, entry.top) == (logprob.token_id, logprob.logprob, logprob.top)
+    assert entry.rank == 1  # greedy: the best token
 
 
 def test_every_sample_gets_the_prompt_logprobs(smollm2_loaded, prompt):

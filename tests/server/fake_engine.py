@@ -214,9 +214,10 @@ class FakeEngine:
             logprobs = [TokenLogprob(token_id=tok, logprob=-0.25, top=alts[:p.logprobs])]
         prompt_logprobs = None
         if p.prompt_logprobs is not None and s.num_tokens == 1:
-            # Prompt token i: logprob -i/2, its alternatives "x", "y", ... below it.
+            # Prompt token i: logprob -i/2, the most likely; "x", "y", ... below it.
             prompt_logprobs = [None] + [
-                TokenLogprob(t, -i / 2, [(ord("x") + j, -10.0 - j) for j in range(p.prompt_logprobs)])
+                TokenLogprob(t, -i / 2, ([(t, -i / 2)] + [(ord("x") + j, -10.0 - j) for j in range(20)])
+                             [:p.prompt_logprobs], rank=1)
                 for i, t in enumerate(req.prompt_token_ids) if i]
         return CompletionOutput(index=s.index, text=delta, token_ids=[tok], logprobs=logprobs,
                                 finish_reason=s.finish_reason, stop_reason=s.stop_reason,

@@ -64,6 +64,18 @@ async def test_n_and_stop(client: httpx.AsyncClient) -> None:
         (0, "hell", "stop"), (1, "ell", "stop")]
 
 
+async def test_prompt_logprobs_once_for_the_response(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    body = (await client.post("/v1/chat/completions", json={
+        "messages": HELLO, "max_tokens": 2, "n": 2, "prompt_logprobs": 0})).json()
+    prompt = engine.requests[-1].prompt_token_ids
+    entries = body["prompt_logprobs"]
+    assert len(entries) == len(prompt) and entries[0] is None
+    assert entries[1] == {str(prompt[1]): {"logprob": -0.5, "rank": 1, "decoded_token": chr(prompt[1])}}
+    assert list(body)[-1] == "prompt_logprobs"
+    plain = (await client.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 1})).json()
+    assert "prompt_logprobs" not in plain
+
+
 async def test_logprobs(client: httpx.AsyncClient) -> None:
     r = await chat(client, max_tokens=2, logprobs=True, top_logprobs=2)
     content = r.json()["choices"][0]["logprobs"]["content"]

@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from api_helpers import MODEL, sse_events
+from api_helpers import MODEL, assert_error, sse_events
 from fake_engine import SCRIPT, FakeEngine
 
 pytestmark = pytest.mark.anyio
@@ -99,8 +99,7 @@ async def test_echo_with_logprobs_lists_the_prompt_tokens_first(client: httpx.As
     # "hi" is BOS, "h", "i": the first token has no logprob, as OpenAI sends it.
     assert lp["tokens"] == ["<s>", "h", "i", "h", "e"]
     assert lp["token_logprobs"] == [None, -0.5, -1.0, -0.25, -0.25]
-    assert lp["top_logprobs"] == [None, {"x": -10.0, "h": -0.5}, {"x": -10.0, "i": -1.0},
-                                  {"h": -0.25}, {"e": -0.25}]
+    assert lp["top_logprobs"] == [None, {"h": -0.5}, {"i": -1.0}, {"h": -0.25}, {"e": -0.25}]
     assert lp["text_offset"] == [0, 3, 4, 5, 6]
     assert engine.requests[-1].params.prompt_logprobs == 1
 
@@ -134,6 +133,28 @@ async def test_streamed_echo_logprobs_equal_the_non_streamed(client: httpx.Async
         assert "".join(m["text"] for m in mine) == choice["text"]
         assert {k: sum((m["logprobs"][k] for m in mine if m["logprobs"]), []) for k in keys} == choice["logprobs"]
         assert [m["finish_reason"] for m in mine if m["finish_reason"]] == [choice["finish_reason"]]
+
+
+async def test_prompt_logprobs_in_vllm_s_shape(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    r = await complete(client, prompt="hi", max_tokens=1, prompt_logprobs=2)
+    choice = r.json()["choices"][0]
+    # Token id -> its entry: the prompt token first (with its rank), then the alternatives.
+    assert choice["prompt_logprobs"] == [
+        None,
+        {"104": {"logprob": -0.5, "rank": 1, "decoded_token": "h"},
+         "120": {"logprob": -10.0, "rank": 2, "decoded_token": "x"}},
+        {"105": {"logprob": -1.0, "rank": 1, "decoded_token": "i"},
+         "120": {"logprob": -10.0, "rank": 2, "decoded_token": "x"}}]
+    assert list(choice)[-1] == "prompt_logprobs" and choice["logprobs"] is None
+    assert engine.requests[-1].params.prompt_logprobs == 2
+    # Only there when asked for; echo's logprobs take prompt_logprobs' alternatives.
+    assert "prompt_logprobs" not in (await complete(client, prompt="hi", max_tokens=1)).json()["choices"][0]
+    echoed = (await complete(client, prompt="hi", max_tokens=1, echo=True, logprobs=0, prompt_logprobs=2)).json()
+    assert echoed["choices"][0]["logprobs"]["top_logprobs"][1] == {"h": -0.5, "x": -10.0}
+
+
+async def test_prompt_logprobs_are_not_streamed(client: httpx.AsyncClient) -> None:
+    assert_error(await complete(client, prompt="hi", prompt_logprobs=1, stream=True), 400)
 
 
 async def test_logprobs(client: httpx.AsyncClient) -> None:
