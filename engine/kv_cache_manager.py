@@ -127,7 +127,9 @@ class KVCacheManager:
         if admitting:
             table = self._tables[rid] = []
             self._num_hashed[rid] = len(computed)
-            if self.enable_prefix_caching and request.num_preemptions == 0:
+            # A request scoring its prompt cannot use hits (``Request.needs_prompt_logits``):
+            # it was not looked up, so it does not count against the hit rate.
+            if self.enable_prefix_caching and request.num_preemptions == 0 and not request.needs_prompt_logits:
                 self._queries += request.num_tokens
                 self._hits += len(computed) * self.block_size
         self.pool.touch(computed)

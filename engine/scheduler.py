@@ -155,9 +155,14 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting.peek()
-            # Prompt logprobs need every prompt position's logits: no prefix-cache hits.
-            computed_blocks, num_cached = (([], 0) if request.needs_prompt_logits
-                                           else self.kv_cache.get_computed_blocks(request))
+            computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
+            if request.needs_prompt_logits:
+                # Prompt logprobs need the logits of the positions not scored yet: no
+                # hit past them (none at all at first; after a preemption, what was scored).
+                assert request.prompt_logprobs is not None
+                keep = (len(request.prompt_logprobs) - 1) // self.kv_cache.block_size
+                computed_blocks = computed_blocks[:keep]
+                num_cached = len(computed_blocks) * self.kv_cache.block_size
             num_remaining = request.num_tokens - num_cached
             num_new = min(num_remaining, budget)
             if not self.config.enable_chunked_prefill and num_new < num_remaining:

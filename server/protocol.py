@@ -241,7 +241,7 @@ class CompletionRequest(_SamplingRequest):
     @property
     def echo_only(self) -> bool:
         """``echo`` with ``max_tokens: 0``: the prompt back (with its logprobs when asked:
-        scoring, as lm-evaluation-harness does), nothing generated."""
+        scoring a text), nothing generated."""
         return bool(self.echo) and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:

@@ -182,36 +182,46 @@ def test_tokenizer_info_names_special_tokens_the_server_tokenizes_whole(server: 
 
 
 def test_scoring_a_continuation_as_lm_evaluation_harness_does(client: openai.OpenAI, server: KVServe) -> None:
-    """Its loglikelihood requests: token ids, ``echo``, ``logprobs=1``, nothing (or one
-    token) generated; it reads the continuation's logprobs and whether each token is
-    the top one. Each must be what generating from that point reports."""
+    """Its loglikelihood requests (``local-completions``): token ids, ``echo``, ``logprobs=1``,
+    ``max_tokens=1``; it reads ``token_logprobs[ctxlen:-1]`` (the last is the generated
+    token's) and whether each is the top one. Each must be what generating from that
+    point reports."""
     context = tokenize(server, PROMPT, add_special_tokens=True)
     continuation = tokenize(server, " cherry, grape and", add_special_tokens=False)
-    scored = client.completions.create(model=MODEL, prompt=context + continuation, echo=True,
-                                       max_tokens=0, logprobs=1, temperature=0)
-    [choice] = scored.choices
-    lp = choice.logprobs
-    assert choice.finish_reason == "length" and scored.usage.completion_tokens == 0
-    assert len(lp.tokens) == len(context) + len(continuation)
+    ctxlen = len(context)
+    scored = client.completions.create(model=MODEL, prompt=context + continuation, echo=True, max_tokens=1,
+                                       logprobs=1, temperature=0, seed=1234)
+    lp = scored.choices[0].logprobs
+    # The prompt's tokens (the first without a logprob), then the one generated.
+    assert len(lp.tokens) == ctxlen + len(continuation) + 1
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(v <= 0 for v in lp.token_logprobs[1:])
+    logprobs, tops = lp.token_logprobs[ctxlen:-1], lp.top_logprobs[ctxlen:-1]
     greedy = 0
-    for i in range(len(continuation)):
-        position = len(context) + i
+    for i, (logprob, top) in enumerate(zip(logprobs, tops, strict=True)):
         step = client.completions.create(model=MODEL, prompt=context + continuation[:i], max_tokens=1,
                                          logprobs=1, temperature=0).choices[0].logprobs
         # Generating from the same prefix finds the same best token at the same logprob, bit for bit.
-        best = max(lp.top_logprobs[position].values())
-        assert best == step.token_logprobs[0], (i, best, step.token_logprobs[0])
-        assert lp.top_logprobs[position][step.tokens[0]] == best
-        assert lp.top_logprobs[position][lp.tokens[position]] == lp.token_logprobs[position]
-        greedy += lp.tokens[position] == step.tokens[0]
-    # The same request streamed gives the same logprobs.
+        assert max(top.values()) == step.token_logprobs[0], (i, top, step.token_logprobs[0])
+        assert top[step.tokens[0]] == step.token_logprobs[0]
+        assert top[lp.tokens[ctxlen + i]] == logprob
+        greedy += logprob == max(top.values())  # lm-eval's is_greedy
+    print(f"{greedy} of {len(continuation)} continuation tokens are the greedy pick")
+    # Where the generated token is EOS, there is still exactly one entry after the prompt.
+    eos = tokenize(server, "<|im_end|>", add_special_tokens=False)
+    ended = client.completions.create(model=MODEL, prompt=context + continuation, echo=True, max_tokens=1,
+                                      logprobs=1, temperature=0, logit_bias={str(eos[0]): 100}).choices[0]
+    assert ended.finish_reason == "stop" and len(ended.logprobs.tokens) == len(lp.tokens)
+    assert ended.logprobs.token_logprobs[:-1] == lp.token_logprobs[:-1]
+    # max_tokens=0: the prompt's entries alone, streamed or not.
+    alone = client.completions.create(model=MODEL, prompt=context + continuation, echo=True, max_tokens=0,
+                                      logprobs=1, temperature=0)
+    assert alone.choices[0].finish_reason == "length" and alone.usage.completion_tokens == 0
+    assert alone.choices[0].logprobs.token_logprobs == lp.token_logprobs[:-1]
     chunks = list(client.completions.create(model=MODEL, prompt=context + continuation, echo=True,
                                             max_tokens=0, logprobs=1, temperature=0, stream=True))
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
-    assert streamed == lp.token_logprobs
-    print(f"{greedy} of {len(continuation)} continuation tokens are the greedy pick")
+    assert streamed == lp.token_logprobs[:-1]
 
 
 def test_chat_prompt_logprobs_equal_the_completions_echo_of_the_same_tokens(client: openai.OpenAI,

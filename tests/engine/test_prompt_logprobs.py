@@ -154,8 +154,10 @@ def test_prompt_logprobs_do_not_depend_on_how_the_prompt_was_computed(smollm2_lo
     # After the same prompt was cached: computed again, not served from the cache.
     cached = make_engine(loaded)
     run(cached, {"first": prompt}, SamplingParams(temperature=0, max_tokens=1))
+    queries = cached.kv_cache.stats.prefix_cache_queries
     again = run(cached, {"p": prompt}, SCORED)["p"]
     assert again.num_cached_tokens == 0
+    assert cached.kv_cache.stats.prefix_cache_queries == queries  # not looked up: no miss counted
     same(again, "after a prefix cache hit was possible")
     # Its blocks are cached as any request's are.
     assert run(cached, {"after": prompt}, SamplingParams(temperature=0, max_tokens=1))["after"].num_cached_tokens > 0
