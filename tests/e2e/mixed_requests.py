@@ -1,5 +1,5 @@
 """Seeded random request bodies that mix the API's features (sampling settings, penalties,
-stop strings, n, logprobs, echo, streaming with usage, structured outputs, tools), and a check of
+stop strings, n, logprobs, echo, prompt logprobs, streaming with usage, structured outputs, tools), and a check of
 each answer: never a 5xx, a 4xx in OpenAI's error shape, a stream that ends in ``[DONE]``
 without an error event, and a body the ``openai`` SDK's types accept. Bugs hide in the
 combinations: logprobs under a grammar (-inf in JSON), a draft's proposals under a grammar
@@ -69,6 +69,8 @@ def mixed_request(rng: random.Random) -> tuple[str, dict[str, Any]]:
             body["echo"] = True  # with logprobs: the prompt's too
             if rng.random() < 0.5:
                 body["max_tokens"] = 0  # scoring: the prompt alone
+        if rng.random() < 0.1:
+            body["prompt_logprobs"] = rng.choice([0, 2])  # vLLM's (a 400 with stream)
         return COMPLETIONS, _structured(rng, body)
     messages: list[dict[str, Any]] = []
     if rng.random() < 0.3:
@@ -81,6 +83,8 @@ def mixed_request(rng: random.Random) -> tuple[str, dict[str, Any]]:
             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
             {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     body = _sampling(rng, {"model": MODEL, "messages": messages})
+    if rng.random() < 0.1:
+        body["prompt_logprobs"] = rng.choice([0, 2])
     if rng.random() < 0.3:
         body["logprobs"] = True
         body["top_logprobs"] = rng.choice([0, 1, 5, 20])
