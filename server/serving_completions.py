@@ -37,8 +37,8 @@ def completion_logprobs(tokenizer: TokenizerLike, lps: list[TokenLogprob], offse
     return out
 
 
-def prompt_logprobs(tokenizer: TokenizerLike, prompt: list[int],
-                    entries: list[TokenLogprob | None] | None) -> CompletionLogprobs:
+def echoed_prompt_logprobs(tokenizer: TokenizerLike, prompt: list[int],
+                           entries: list[TokenLogprob | None] | None) -> CompletionLogprobs:
     """An echoed prompt's logprobs: its first token has none (``null``, as OpenAI sends
     it), each later one its logprob given the tokens before it."""
     assert entries is not None and len(entries) == len(prompt) and entries[0] is None
@@ -73,7 +73,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
             return None
         if not body.echo:
             return CompletionLogprobs()
-        return prompt_logprobs(tok, prompts[prompt_index], st.prompt_logprobs)
+        return echoed_prompt_logprobs(tok, prompts[prompt_index], st.prompt_logprobs)
 
     def end_of(lps: CompletionLogprobs) -> int:
         return lps.text_offset[-1] + len(lps.tokens[-1])
