@@ -106,6 +106,8 @@ class _SamplingRequest(_Strict):
     skip_special_tokens: bool | None = None
     # The prompt's own logprobs with this many alternatives, in vLLM's shape (not streamed).
     prompt_logprobs: int | None = None
+    # Logprob entries name their tokens "token_id:<id>" rather than by their text.
+    return_tokens_as_token_ids: bool | None = None
     # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None

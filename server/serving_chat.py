@@ -18,26 +18,27 @@ from server.protocol_responses import (AssistantMessage, ChatChoice, ChatChunkCh
                                        ChatTokenLogprob, DeltaMessage, FunctionCall, ToolCall, TopLogprob,
                                        json_logprob, now, sse)
 from server.serving_common import (Choices, first_output, launch, run_to_completion, stream_response,
-                                   vllm_prompt_logprobs)
+                                   token_name, vllm_prompt_logprobs)
 from server.state import ServerState, new_request_id
 from server.tools import CallStream, ToolFormat, new_call_id
 
 
-def _token(tokenizer: TokenizerLike, token_id: int, logprob: float) -> TopLogprob:
+def _token(tokenizer: TokenizerLike, token_id: int, logprob: float, as_id: bool) -> TopLogprob:
     # The token's own bytes: for part of a character, the text is U+FFFD but the bytes
     # let a client put the character back together, as OpenAI means them to.
-    text = tokenizer.decode([token_id], skip_special_tokens=False)
-    return TopLogprob(token=text, logprob=json_logprob(logprob), bytes=list(tokenizer.token_bytes(token_id)))
+    return TopLogprob(token=token_name(tokenizer, token_id, as_id), logprob=json_logprob(logprob),
+                      bytes=list(tokenizer.token_bytes(token_id)))
 
 
-def chat_logprobs(tokenizer: TokenizerLike, lps: list[TokenLogprob]) -> ChatLogprobs:
-    """OpenAI's chat logprobs: one entry per token with its top alternatives."""
+def chat_logprobs(tokenizer: TokenizerLike, lps: list[TokenLogprob], as_ids: bool = False) -> ChatLogprobs:
+    """OpenAI's chat logprobs: one entry per token with its top alternatives (each named
+    ``token_id:<id>`` with ``as_ids``: vLLM's ``return_tokens_as_token_ids``)."""
     content = []
     for lp in lps:
-        head = _token(tokenizer, lp.token_id, lp.logprob)
+        head = _token(tokenizer, lp.token_id, lp.logprob, as_ids)
         content.append(ChatTokenLogprob(
             token=head.token, logprob=head.logprob, bytes=head.bytes,
-            top_logprobs=[_token(tokenizer, t, v) for t, v in lp.top]))
+            top_logprobs=[_token(tokenizer, t, v, as_ids) for t, v in lp.top]))
     return ChatLogprobs(content=content)
 
 
@@ -77,6 +78,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     merged = await launch(state, request_id, [prompt], params,
                           {"prompt": "messages", "structured": body.structured_param})
     want_logprobs = params.logprobs is not None
+    as_ids = bool(body.return_tokens_as_token_ids)
     calling = body.tool_choice_name() != "none"
 
     def message(text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
@@ -93,7 +95,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         result = ChatCompletionResponse(id=request_id, model=state.model_name,
                                         usage=choices.usage(), choices=[
             ChatChoice(index=idx, message=msg, finish_reason=reason,
-                       logprobs=chat_logprobs(tok, st.logprobs) if want_logprobs else None)
+                       logprobs=chat_logprobs(tok, st.logprobs, as_ids) if want_logprobs else None)
             for idx, (st, (msg, reason)) in enumerate(zip(choices.states, answers))],
             # One prompt: every sample's prompt logprobs are the same (vLLM sends them once).
             prompt_logprobs=(vllm_prompt_logprobs(tok, choices.states[0].prompt_logprobs)
@@ -122,7 +124,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         for idx, out, finished in choices.update(prompt_index, ro):
             text, calls = streams[idx].feed(out.text) if streams else (out.text, [])
             if text or calls or out.logprobs:
-                lps = chat_logprobs(tok, out.logprobs or []) if want_logprobs else None
+                lps = chat_logprobs(tok, out.logprobs or [], as_ids) if want_logprobs else None
                 yield chunk(ChatChunkChoice(index=idx, delta=DeltaMessage(content=text if text or not calls else None,
                                                                           tool_calls=calls or None),
                                             logprobs=lps))

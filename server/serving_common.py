@@ -87,6 +87,13 @@ class Choices:
         return Usage.of(sum(self.prompt_lens), completion, sum(self.cached))
 
 
+def token_name(tokenizer: TokenizerLike, token_id: int, as_id: bool) -> str:
+    """How a logprob entry names its token: its text, or with vLLM's
+    ``return_tokens_as_token_ids`` ``token_id:<id>``, which names it exactly where a
+    text cannot (part of a character, or two tokens of one text)."""
+    return f"token_id:{token_id}" if as_id else tokenizer.decode([token_id], skip_special_tokens=False)
+
+
 def vllm_prompt_logprobs(tokenizer: TokenizerLike, entries: list[TokenLogprob | None] | None) -> PromptLogprobs:
     """The prompt's logprobs in vLLM's ``prompt_logprobs`` shape: per token, None for
     the first, else its own entry (with its rank) then its top alternatives', by token id."""

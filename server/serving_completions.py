@@ -14,37 +14,47 @@ from server.protocol import CompletionRequest
 from server.protocol_responses import (CompletionChoice, CompletionLogprobs, CompletionResponse,
                                        json_logprob, now, sse)
 from server.serving_common import (ChoiceState, Choices, first_output, launch, run_to_completion,
-                                   stream_response, vllm_prompt_logprobs)
+                                   stream_response, token_name, vllm_prompt_logprobs)
 from server.state import ServerState, new_request_id
 
 
-def completion_logprobs(tokenizer: TokenizerLike, lps: list[TokenLogprob], offset: int,
-                        out: CompletionLogprobs | None = None) -> CompletionLogprobs:
-    """OpenAI's parallel-list logprobs (appended to ``out``, if given); ``offset`` is where
-    the first token's text starts."""
-    out = out if out is not None else CompletionLogprobs()
-    for lp in lps:
-        token = tokenizer.decode([lp.token_id], skip_special_tokens=False)
-        out.tokens.append(token)
-        out.token_logprobs.append(json_logprob(lp.logprob))
-        # The alternatives and the sampled token, as OpenAI ("up to logprobs + 1") and vLLM
-        # send them: so logprobs=0 gives the sampled token's entry, never null.
-        top = {tokenizer.decode([t], skip_special_tokens=False): json_logprob(v) for t, v in lp.top}
-        top.setdefault(token, json_logprob(lp.logprob))
-        out.top_logprobs.append(top)
-        out.text_offset.append(offset)
-        offset += len(token)
-    return out
+class LogprobsWriter:
+    """Writes OpenAI's parallel-list logprobs for one choice, keeping each token's
+    ``text_offset``: where its text starts, counted in the tokens' texts."""
 
+    def __init__(self, tokenizer: TokenizerLike, as_ids: bool) -> None:
+        """``as_ids``: vLLM's ``return_tokens_as_token_ids`` (each token named ``token_id:<id>``)."""
+        self.tokenizer = tokenizer
+        self.offset = 0  # where the next token's text starts
+        self.as_ids = as_ids
 
-def echoed_prompt_logprobs(tokenizer: TokenizerLike, prompt: list[int],
-                           entries: list[TokenLogprob | None] | None) -> CompletionLogprobs:
-    """An echoed prompt's logprobs: its first token has none (``null``, as OpenAI sends
-    it), each later one its logprob given the tokens before it."""
-    assert entries is not None and len(entries) == len(prompt) and entries[0] is None
-    first = tokenizer.decode(prompt[:1], skip_special_tokens=False)
-    out = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[0])
-    return completion_logprobs(tokenizer, entries[1:], len(first), out)  # type: ignore[arg-type]
+    def name(self, token_id: int) -> str:
+        return token_name(self.tokenizer, token_id, self.as_ids)
+
+    def prompt(self, prompt: list[int], entries: list[TokenLogprob | None] | None) -> CompletionLogprobs:
+        """An echoed prompt's logprobs: its first token has none (``null``, as OpenAI sends
+        it), each later one its logprob given the tokens before it."""
+        assert entries is not None and len(entries) == len(prompt) and entries[0] is None
+        out = CompletionLogprobs(tokens=[self.name(prompt[0])], token_logprobs=[None], top_logprobs=[None],
+                                 text_offset=[self.offset])
+        self.offset += len(self.tokenizer.decode(prompt[:1], skip_special_tokens=False))
+        return self.tokens(entries[1:], out)  # type: ignore[arg-type]
+
+    def tokens(self, lps: list[TokenLogprob], out: CompletionLogprobs | None = None) -> CompletionLogprobs:
+        """``lps``' entries, appended to ``out`` if given."""
+        out = out if out is not None else CompletionLogprobs()
+        for lp in lps:
+            token = self.name(lp.token_id)
+            out.tokens.append(token)
+            out.token_logprobs.append(json_logprob(lp.logprob))
+            # The alternatives and the sampled token, as OpenAI ("up to logprobs + 1") and vLLM
+            # send them: so logprobs=0 gives the sampled token's entry, never null.
+            top = {self.name(t): json_logprob(v) for t, v in lp.top}
+            top.setdefault(token, json_logprob(lp.logprob))
+            out.top_logprobs.append(top)
+            out.text_offset.append(self.offset)
+            self.offset += len(self.tokenizer.decode([lp.token_id], skip_special_tokens=False))
+        return out
 
 
 async def create_completion(state: ServerState, request: Request) -> Response:
@@ -64,19 +74,16 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     want_logprobs = params.logprobs is not None
     # echo with max_tokens 0: the prompt alone; the token the engine sampled is dropped.
     echo_only = body.echo_only
-    # Where the generated tokens' text_offset starts: after the echoed text, or, when
-    # the prompt's tokens are listed too, after theirs (which may hold a BOS the text does not).
-    offsets = [len(e) for e in echoes for _ in range(params.n)]
+    # One writer per choice. With echo the prompt's tokens come first, so the generated
+    # ones' text_offset starts after theirs (which may hold a BOS the echoed text does not).
+    writers = [LogprobsWriter(tok, bool(body.return_tokens_as_token_ids)) for _ in choices.states]
 
-    def echo_logprobs(prompt_index: int, st: ChoiceState) -> CompletionLogprobs | None:
+    def echo_logprobs(idx: int, st: ChoiceState) -> CompletionLogprobs | None:
         if not want_logprobs:
             return None
         if not body.echo:
             return CompletionLogprobs()
-        return echoed_prompt_logprobs(tok, prompts[prompt_index], st.prompt_logprobs)
-
-    def end_of(lps: CompletionLogprobs) -> int:
-        return lps.text_offset[-1] + len(lps.tokens[-1])
+        return writers[idx].prompt(prompts[idx // params.n], st.prompt_logprobs)
 
     def finish_reason(st: ChoiceState) -> str | None:
         return "length" if echo_only else st.finish_reason
@@ -87,9 +94,9 @@ async def create_completion(state: ServerState, request: Request) -> Response:
                                     usage=choices.usage(generated=not echo_only), choices=[])
         for idx, st in enumerate(choices.states):
             echo = echoes[idx // params.n]
-            lps = echo_logprobs(idx // params.n, st)
+            lps = echo_logprobs(idx, st)
             if lps is not None and not echo_only:
-                completion_logprobs(tok, st.logprobs, end_of(lps) if lps.tokens else offsets[idx], lps)
+                writers[idx].tokens(st.logprobs, lps)
             text = echo if echo_only else echo + "".join(st.text)
             result.choices.append(CompletionChoice(
                 index=idx, text=text, logprobs=lps, finish_reason=finish_reason(st),
@@ -116,15 +123,9 @@ async def create_completion(state: ServerState, request: Request) -> Response:
             if body.echo and not echoed[idx]:
                 # On the choice's first delta, which carries the prompt's logprobs.
                 echoed[idx] = True
-                lps = echo_logprobs(prompt_index, st)
-                if lps is not None:
-                    offsets[idx] = end_of(lps)
-                yield chunk(idx, echoes[prompt_index], logprobs=lps)
+                yield chunk(idx, echoes[prompt_index], logprobs=echo_logprobs(idx, st))
             if not echo_only and (out.text or out.logprobs):
-                lps = None
-                if want_logprobs:
-                    lps = completion_logprobs(tok, out.logprobs or [], offsets[idx])
-                    offsets[idx] += sum(len(t) for t in lps.tokens)
+                lps = writers[idx].tokens(out.logprobs or []) if want_logprobs else None
                 yield chunk(idx, out.text, logprobs=lps)
             if finished:
                 yield chunk(idx, "", finish_reason=finish_reason(st))

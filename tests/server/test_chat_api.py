@@ -85,6 +85,22 @@ async def test_logprobs(client: httpx.AsyncClient) -> None:
     assert [c["token"] for c in content] == ["h", "e"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_tokens_as_token_ids(client: httpx.AsyncClient, stream: bool) -> None:
+    r = await chat(client, max_tokens=2, logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True,
+                   stream=stream)
+    if stream:
+        content = [e for c in sse_events(r.text)[:-1] if c["choices"] and c["choices"][0]["logprobs"]
+                   for e in c["choices"][0]["logprobs"]["content"]]
+    else:
+        content = r.json()["choices"][0]["logprobs"]["content"]
+    # Named by id; the bytes are still the token's own.
+    assert content[0] == {"token": "token_id:104", "logprob": -0.25, "bytes": [104],
+                          "top_logprobs": [{"token": "token_id:104", "logprob": -0.25, "bytes": [104]},
+                                           {"token": "token_id:120", "logprob": -2.0, "bytes": [120]}]}
+    assert [c["token"] for c in content] == ["token_id:104", "token_id:101"]
+
+
 async def test_streaming_wire_format(client: httpx.AsyncClient) -> None:
     r = await chat(client, max_tokens=4, stream=True)
     assert r.headers["content-type"].startswith("text/event-stream")

@@ -135,6 +135,17 @@ async def test_streamed_echo_logprobs_equal_the_non_streamed(client: httpx.Async
         assert [m["finish_reason"] for m in mine if m["finish_reason"]] == [choice["finish_reason"]]
 
 
+async def test_tokens_as_token_ids_keep_the_text_offsets(client: httpx.AsyncClient) -> None:
+    body = dict(prompt="hi", max_tokens=2, echo=True, logprobs=1)
+    named = (await complete(client, **body)).json()["choices"][0]["logprobs"]
+    ids = (await complete(client, **body, return_tokens_as_token_ids=True)).json()["choices"][0]["logprobs"]
+    assert ids["tokens"] == ["token_id:256", "token_id:104", "token_id:105", "token_id:104", "token_id:101"]
+    assert ids["top_logprobs"][1] == {"token_id:104": -0.5} and ids["top_logprobs"][3] == {"token_id:104": -0.25}
+    # Offsets still count the tokens' texts ("<s>" is 3 characters).
+    assert ids["text_offset"] == named["text_offset"] == [0, 3, 4, 5, 6]
+    assert ids["token_logprobs"] == named["token_logprobs"]
+
+
 async def test_prompt_logprobs_in_vllm_s_shape(client: httpx.AsyncClient, engine: FakeEngine) -> None:
     r = await complete(client, prompt="hi", max_tokens=1, prompt_logprobs=2)
     choice = r.json()["choices"][0]
