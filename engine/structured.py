@@ -102,10 +102,16 @@ class Grammar:
     def __init__(self, matcher: Any, eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.matcher = matcher
         self.eos_token_ids = eos_token_ids
+        # Why computing this grammar's mask failed (``BitmaskFiller``), if it did: the
+        # sample ends at its next token, with this error.
+        self.fault: str | None = None
 
     def advance(self, token_id: int) -> None:
         """Consume the sampled token (which the mask allowed); ``GrammarError`` if the
-        matcher refuses it all the same (its matcher is then in error: the sample ends)."""
+        matcher refuses it all the same (its matcher is then in error: the sample ends),
+        or if its mask could not be computed."""
+        if self.fault is not None:
+            raise GrammarError(self.fault)
         if not self.matcher.consume_token(token_id):
             raise GrammarError(f"the grammar refused token {token_id}, which its own mask allowed: "
                                f"{_short(self.matcher.get_error())}")
@@ -249,7 +255,7 @@ class BitmaskFiller:
         self._mask = torch.empty((sum(1 + len(p) for p in proposals), self.words), dtype=torch.int32)
         self._error = None
         self._done.clear()
-        self._jobs.put([(g.matcher, p) for g, p in zip(grammars, proposals)])
+        self._jobs.put(list(zip(grammars, proposals)))
 
     def _run(self) -> None:
         # NOTE: one matcher after the other on this thread, not llguidance's
@@ -259,22 +265,36 @@ class BitmaskFiller:
         while True:
             jobs = self._jobs.get()
             try:
-                row_bytes = self.words * 4
                 row = 0
-                for matcher, proposed in jobs:
-                    matcher.unsafe_compute_mask_ptr(self._mask.data_ptr() + row * row_bytes, row_bytes)
-                    row += 1
-                    for token in proposed:
-                        # The proposer kept only tokens the grammar accepts, and no end of
-                        # text (Grammar.valid_prefix): the rollback below stays exact.
-                        assert matcher.consume_token(token), matcher.get_error()
-                        matcher.unsafe_compute_mask_ptr(self._mask.data_ptr() + row * row_bytes, row_bytes)
-                        row += 1
-                    if proposed:
-                        matcher.rollback(len(proposed))
+                for grammar, proposed in jobs:
+                    self._fill(grammar, proposed, row)
+                    row += 1 + len(proposed)
             except BaseException as exc:  # handed to result()
                 self._error = exc
             self._done.set()
+
+    def _fill(self, grammar: Grammar, proposed: list[int], row: int) -> None:
+        """One grammar's rows, from ``row``. A grammar whose mask cannot be computed is
+        a fault of the grammar engine: its rows allow every token and the grammar keeps
+        the error (``Grammar.fault``), which fails its sample alone at its next token."""
+        row_bytes = self.words * 4
+        matcher, consumed = grammar.matcher, 0
+        try:
+            matcher.unsafe_compute_mask_ptr(self._mask.data_ptr() + row * row_bytes, row_bytes)
+            for token in proposed:
+                # The proposer kept only tokens the grammar accepts, and no end of
+                # text (Grammar.valid_prefix): the rollback below stays exact.
+                if not matcher.consume_token(token):
+                    raise GrammarError(f"the grammar refused proposed token {token}, which it had "
+                                       f"accepted: {_short(matcher.get_error())}")
+                consumed += 1
+                matcher.unsafe_compute_mask_ptr(self._mask.data_ptr() + (row + consumed) * row_bytes, row_bytes)
+        except Exception as exc:
+            grammar.fault = str(exc) if isinstance(exc, GrammarError) else f"computing its mask failed: {exc!r}"
+            self._mask[row:row + 1 + len(proposed)] = -1  # every bit set: the sample ends at its next token
+        finally:
+            if consumed:
+                matcher.rollback(consumed)
 
     def result(self) -> torch.Tensor:
         """The ``[rows, ceil(V/32)]`` int32 bitmasks (bit ``t % 32`` of word ``t // 32``: token t allowed)."""

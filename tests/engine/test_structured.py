@@ -292,3 +292,72 @@ def test_a_grammar_fault_fails_its_own_request_and_nothing_else(smollm2_loaded, 
     assert engine.scheduler.num_running == engine.scheduler.num_waiting == 0
     again = engine.generate([prompts["good"]], params, use_tqdm=False)  # the engine serves on
     assert again[0][0].token_ids == alone.token_ids
+
+
+class _FailingMatcher:
+    """A matcher whose mask or proposal consumption fails on cue; the rest is the real one's."""
+
+    def __init__(self, real, fail_mask_after: int | None = None, refuse_token: int | None = None) -> None:
+        self._real, self.masks, self.fail_mask_after, self.refuse_token = real, 0, fail_mask_after, refuse_token
+        self.rolled_back = 0
+
+    def unsafe_compute_mask_ptr(self, ptr: int, size: int) -> None:
+        self.masks += 1
+        if self.fail_mask_after is not None and self.masks > self.fail_mask_after:
+            raise ValueError("simulated mask failure")
+        self._real.unsafe_compute_mask_ptr(ptr, size)
+
+    def consume_token(self, token: int) -> bool:
+        return token != self.refuse_token and self._real.consume_token(token)
+
+    def rollback(self, n: int) -> None:
+        self.rolled_back += n
+        self._real.rollback(n)
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+
+def test_a_proposal_the_matcher_refuses_faults_its_grammar_alone(engine):
+    from engine.structured import BitmaskFiller, GrammarError
+
+    compiled = engine.grammars.compile(StructuredOutput("json", PERSON))
+    encode = lambda text: engine.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    good, bad = engine.grammars.grammar(compiled), engine.grammars.grammar(compiled)
+    proposal = encode('{"name": "Ada"')
+    bad.matcher = _FailingMatcher(bad.matcher, refuse_token=proposal[2])
+    filler = BitmaskFiller(engine.vocab_size)
+    filler.start([good, bad], [proposal, proposal])
+    masks = filler.result()
+    rows = 1 + len(proposal)
+    assert good.fault is None and bad.fault and "refused proposed token" in bad.fault
+    # The faulted grammar's rows allow everything; the other's are its own masks.
+    assert (masks[rows:] == -1).all() and not (masks[:rows] == -1).all()
+    assert bad.matcher.rolled_back == 2  # what it had consumed, no more
+    with pytest.raises(GrammarError, match="refused proposed token"):
+        bad.advance(proposal[0])
+    good.advance(proposal[0])
+
+
+def test_a_mask_that_cannot_be_computed_fails_its_own_request_and_nothing_else(smollm2_loaded):
+    engine = make_engine(smollm2_loaded)
+    spec = StructuredOutput("json", PERSON)
+    prompts = {"bad": chat(engine, "Describe a person as JSON."), "good": chat(engine, "JSON for a guest named Eve.")}
+    params = SamplingParams(temperature=0.7, seed=1, max_tokens=40, structured=spec)
+    [[alone]] = engine.generate([prompts["good"]], params, use_tqdm=False)
+    for rid in ("bad", "good"):
+        engine.add_request(rid, prompts[rid], params)
+    doomed = engine._requests["bad"].seqs[0].grammar
+    doomed.matcher = _FailingMatcher(doomed.matcher, fail_mask_after=4)
+    finals: dict[str, object] = {}
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += [t for o in out.outputs for t in o.token_ids] if out.request_id == "good" else []
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals["bad"].error and "simulated mask failure" in finals["bad"].error
+    assert finals["good"].error is None and tokens == alone.token_ids
+    assert engine.scheduler.num_running == engine.scheduler.num_waiting == 0
+    again = engine.generate([prompts["good"]], params, use_tqdm=False)  # the engine serves on
+    assert again[0][0].token_ids == alone.token_ids
