@@ -279,6 +279,13 @@ def test_a_grammar_fault_fails_its_own_request_and_nothing_else(smollm2_loaded, 
         real(self, token_id)
 
     monkeypatch.setattr(Grammar, "advance", advance)
+    assert_only_bad_fails(engine, prompts["good"], params, alone.token_ids, "simulated refusal")
+
+
+def assert_only_bad_fails(engine, good_prompt: list[int], params: SamplingParams, alone: list[int],
+                          error: str) -> None:
+    """Run requests "bad" and "good" to the end: "bad" fails with ``error``, "good" gets the
+    tokens it gets ``alone``, nothing is left running, and the engine serves on."""
     finals: dict[str, object] = {}
     tokens: list[int] = []
     while engine.has_unfinished_requests():
@@ -286,12 +293,12 @@ def test_a_grammar_fault_fails_its_own_request_and_nothing_else(smollm2_loaded, 
             tokens += [t for o in out.outputs for t in o.token_ids] if out.request_id == "good" else []
             if out.finished:
                 finals[out.request_id] = out
-    assert finals["bad"].error and "simulated refusal" in finals["bad"].error
-    assert finals["good"].error is None and tokens == alone.token_ids
+    assert finals["bad"].error and error in finals["bad"].error
+    assert finals["good"].error is None and tokens == alone
     assert engine.kv_cache.stats.num_blocks_used == 0 or engine.config.enable_prefix_caching
     assert engine.scheduler.num_running == engine.scheduler.num_waiting == 0
-    again = engine.generate([prompts["good"]], params, use_tqdm=False)  # the engine serves on
-    assert again[0][0].token_ids == alone.token_ids
+    again = engine.generate([good_prompt], params, use_tqdm=False)
+    assert again[0][0].token_ids == alone
 
 
 class _FailingMatcher:
@@ -349,15 +356,4 @@ def test_a_mask_that_cannot_be_computed_fails_its_own_request_and_nothing_else(s
         engine.add_request(rid, prompts[rid], params)
     doomed = engine._requests["bad"].seqs[0].grammar
     doomed.matcher = _FailingMatcher(doomed.matcher, fail_mask_after=4)
-    finals: dict[str, object] = {}
-    tokens: list[int] = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens += [t for o in out.outputs for t in o.token_ids] if out.request_id == "good" else []
-            if out.finished:
-                finals[out.request_id] = out
-    assert finals["bad"].error and "simulated mask failure" in finals["bad"].error
-    assert finals["good"].error is None and tokens == alone.token_ids
-    assert engine.scheduler.num_running == engine.scheduler.num_waiting == 0
-    again = engine.generate([prompts["good"]], params, use_tqdm=False)  # the engine serves on
-    assert again[0][0].token_ids == alone.token_ids
+    assert_only_bad_fails(engine, prompts["good"], params, alone.token_ids, "simulated mask failure")
