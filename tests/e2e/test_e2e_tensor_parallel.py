@@ -2,8 +2,8 @@
 
 ``kvserve serve --tensor-parallel-size N`` starts N-1 more processes; each holds
 1/N of every layer's heads. In the exact float path (float32, no quantization)
-its greedy tokens must be one rank's and its logprobs within 1e-4 (row-parallel
-sums are added in another order). The default model splits 3 ways (9 query
+its greedy tokens must be one rank's and its logprobs (the prompt's too) within
+1e-4 (row-parallel sums are added in another order). The default model splits 3 ways (9 query
 heads, 3 KV heads), a tiny random checkpoint 2 ways. A rank that dies or
 freezes must turn ``/health`` to 503 within seconds, end the streams in flight
 with an error, refuse new requests and leave no process behind.
@@ -57,16 +57,17 @@ def alive(pid: int) -> bool:
     return "\nState:\tZ" not in status
 
 
-def completions(srv: KVServe) -> list[tuple[list[str], list[float], str]]:
-    """Greedy tokens, their logprobs and the streamed text for each prompt."""
+def completions(srv: KVServe) -> list[tuple[list[str], list[float | None], str]]:
+    """The prompt's and the greedy tokens, their logprobs (``echo``: the prompt's too, the
+    first None) and the streamed text for each prompt."""
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=300.0)
     out = []
     for prompt in PROMPTS:
         r = client.completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=0,
-                                      logprobs=5)
+                                      logprobs=5, echo=True)
         streamed = "".join(c.choices[0].text for c in client.completions.create(
             model="smollm2", prompt=prompt, max_tokens=12, temperature=0, stream=True))
-        assert streamed == r.choices[0].text
+        assert prompt + streamed == r.choices[0].text
         out.append((r.choices[0].logprobs.tokens, r.choices[0].logprobs.token_logprobs, streamed))
     return out
 
@@ -74,7 +75,8 @@ def completions(srv: KVServe) -> list[tuple[list[str], list[float], str]]:
 def assert_same_answers(split: KVServe, whole: KVServe) -> None:
     for (tokens, logprobs, _), (ref_tokens, ref_logprobs, _) in zip(completions(split), completions(whole)):
         assert tokens == ref_tokens
-        assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < 1e-4, (logprobs, ref_logprobs)
+        assert logprobs[0] is None and ref_logprobs[0] is None
+        assert max(abs(a - b) for a, b in zip(logprobs[1:], ref_logprobs[1:])) < 1e-4, (logprobs, ref_logprobs)
 
 
 def stream_tokens(srv: KVServe) -> Iterator[str]:
