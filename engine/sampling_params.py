@@ -15,7 +15,7 @@ MAX_LOGPROBS = 20
 
 # Structured outputs (what engine/structured.py can enforce).
 STRUCTURED_KINDS = ("json_object", "json", "regex", "choice", "grammar")
-# A request's grammar source (schema JSON, regex, choices, Lark text) at most this long.
+# A request's grammar source (schema JSON, regex, choices, Lark or GBNF text) at most this long.
 MAX_GRAMMAR_BYTES = 64 * 1024
 MAX_CHOICES = 256
 
@@ -28,7 +28,8 @@ class StructuredOutput:
     None), ``json`` (a JSON Schema: a dict, or its JSON text), ``regex`` (a
     regular expression the whole output matches), ``choice`` (a list of
     strings, the output is one of them), ``grammar`` (a Lark grammar, as
-    llguidance reads it, with a ``start`` rule).
+    llguidance reads it, with a ``start`` rule; or llama.cpp's GBNF, with a
+    ``root`` rule, which ``engine.structured`` converts to Lark).
     """
 
     kind: str

@@ -1,7 +1,7 @@
 """Structured outputs: a grammar per request, enforced token by token with llguidance.
 
 A request that asks for JSON (any JSON object, or one matching a JSON Schema),
-a regex, one of a list of choices or a Lark grammar carries a
+a regex, one of a list of choices or a grammar (Lark, or llama.cpp's GBNF) carries a
 ``StructuredOutput`` in its ``SamplingParams``. ``GrammarCompiler.compile``
 turns it into an llguidance grammar when the request is checked (on the
 caller's thread, with the GIL released, under a time and size limit), so a
@@ -71,7 +71,19 @@ def llguidance_grammar(spec: StructuredOutput) -> str:
         return LLMatcher.grammar_from_regex(spec.value)
     if spec.kind == "choice":
         return LLMatcher.grammar_from_regex("|".join(f"({_regex_literal(c)})" for c in spec.value))
-    return LLMatcher.grammar_from_lark(spec.value)
+    return LLMatcher.grammar_from_lark(_as_lark(spec.value))
+
+
+def _as_lark(text: str) -> str:
+    """A grammar in Lark syntax as it is; one in llama.cpp's GBNF converted to Lark by
+    llguidance's converter (a grammar is Lark when it has a ``start:`` rule or an
+    ``%llguidance`` line, else GBNF, whose start rule is ``root``)."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        return any_to_lark(text)
+    except Exception as exc:  # the converter's parse errors have no common type
+        raise ValueError(f"neither a Lark grammar nor a GBNF one: {exc}") from None
 
 
 @dataclass

@@ -108,9 +108,12 @@ class _SamplingRequest(_Strict):
     prompt_logprobs: int | None = None
     # Logprob entries name their tokens "token_id:<id>" rather than by their text.
     return_tokens_as_token_ids: bool | None = None
-    # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs.
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or
+    # llama.cpp's server's grammar (GBNF, or Lark) and json_schema.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
 
     # Fields that ask for a constraint in another API's words. Unknown fields are
     # ignored, but ignoring one of these would answer without the constraint asked
@@ -151,22 +154,35 @@ class _SamplingRequest(_Strict):
                                   "logit_bias") from None
         return out
 
+    def _structured_fields(self) -> list[str]:
+        """The body fields that ask for a structured output."""
+        given = {"response_format": self.response_format is not None and self.response_format.type != "text",
+                 "structured_outputs": self.structured_outputs is not None,
+                 "grammar": self.grammar is not None, "json_schema": self.json_schema is not None}
+        return [name for name, asked in given.items() if asked]
+
     @property
     def structured_param(self) -> str:
         """The body field a structured output comes from, for errors about it."""
-        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+        return next(iter(self._structured_fields()), "response_format")
 
     def structured_output(self) -> StructuredOutput | None:
-        """What the answer must match, from ``response_format`` or ``structured_outputs`` (a 400 if both)."""
-        fmt, so = self.response_format, self.structured_outputs
-        wants_format = fmt is not None and fmt.type != "text"
-        if wants_format and so is not None:
-            raise bad_request("send response_format or structured_outputs, not both", "structured_outputs")
+        """What the answer must match, from exactly one of ``response_format``,
+        ``structured_outputs``, ``grammar`` and ``json_schema`` (a 400 for more)."""
+        fields = self._structured_fields()
+        if len(fields) > 1:
+            raise bad_request(f"send one of {', '.join(fields)}, not several", fields[1])
         try:
-            if so is not None:
-                return so.spec()
-            if not wants_format:
+            if not fields:
                 return None
+            if self.structured_outputs is not None:
+                return self.structured_outputs.spec()
+            if self.grammar is not None:
+                return StructuredOutput("grammar", self.grammar)
+            if self.json_schema is not None:
+                return StructuredOutput("json", self.json_schema)
+            fmt = self.response_format
+            assert fmt is not None
             if fmt.type == "json_object":
                 return StructuredOutput("json_object")
             return StructuredOutput("json", fmt.json_schema.schema_)

@@ -55,6 +55,8 @@ def _structured(rng: random.Random, body: dict[str, Any]) -> dict[str, Any]:
         body["structured_outputs"] = {"choice": ["yes", "no"]}
     elif pick < 0.35:
         body["structured_outputs"] = {"regex": "[a-z]{1,8}"}
+    elif pick < 0.4:
+        body["grammar"] = 'root ::= ("yes" | "no") ", " [a-z ]{1,12} "."'  # llama.cpp's GBNF
     return body
 
 

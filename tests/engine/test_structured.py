@@ -46,6 +46,11 @@ start: "The answer is " answer "."
 answer: "yes" | "no" | NUMBER
 NUMBER: /[0-9]{1,3}/
 """
+# The same grammar in llama.cpp's GBNF.
+GBNF = r"""
+root   ::= "The answer is " answer "."
+answer ::= "yes" | "no" | [0-9] [0-9]? [0-9]?
+"""
 
 
 def make_engine(loaded, num_blocks: int = 64, **overrides) -> LLMEngine:
@@ -100,6 +105,8 @@ def test_regex_choice_and_grammar(engine):
     assert out.text in ("Yes, it is", "No", "Maybe (sometimes)") and out.finish_reason == "stop"
     (out,) = generate(engine, prompt, StructuredOutput("grammar", LARK))
     assert re.fullmatch(r"The answer is (yes|no|[0-9]{1,3})\.", out.text), out.text
+    (out,) = generate(engine, prompt, StructuredOutput("grammar", GBNF))  # llama.cpp's syntax
+    assert re.fullmatch(r"The answer is (yes|no|[0-9]{1,3})\.", out.text), out.text
 
 
 def test_what_cannot_be_enforced_is_refused_naming_it(engine):
@@ -109,6 +116,8 @@ def test_what_cannot_be_enforced_is_refused_naming_it(engine):
         (StructuredOutput("json", {"type": "strin"}), "strin"),
         (StructuredOutput("regex", "(unclosed"), "regex"),
         (StructuredOutput("grammar", "start: missing_rule"), "missing_rule"),
+        (StructuredOutput("grammar", 'root ::= answer'), "answer"),  # GBNF naming a rule it lacks
+        (StructuredOutput("grammar", 'root ::= "unclosed'), "GBNF"),
     ]
     for spec, named in cases:
         with pytest.raises(InvalidRequestError, match=re.escape(named)):

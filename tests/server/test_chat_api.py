@@ -161,6 +161,9 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
     ({"structured_outputs": {"choice": ["x", "y"]}}, "choice", ("x", "y")),
     ({"structured_outputs": {"grammar": "start: \"a\""}}, "grammar", "start: \"a\""),
     ({"structured_outputs": {"json_object": True}}, "json_object", None),
+    # llama.cpp's server's fields.
+    ({"grammar": 'root ::= "a" | "b"'}, "grammar", 'root ::= "a" | "b"'),
+    ({"json_schema": SCHEMA}, "json", SCHEMA),
 ])
 async def test_structured_output_reaches_the_engine(client: httpx.AsyncClient, engine: FakeEngine,
                                                     body: dict, kind: str | None, value) -> None:
