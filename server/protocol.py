@@ -31,6 +31,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+    # vLLM's: with include_usage, every chunk carries the usage so far, not only the last.
+    continuous_usage_stats: bool | None = False
 
 
 class _Exact(BaseModel):
@@ -142,6 +144,11 @@ class _SamplingRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk carries the usage so far (``stream_options.continuous_usage_stats``)."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def logit_bias_ids(self) -> dict[int, float]:
         """``logit_bias`` with its JSON string keys turned into token ids."""

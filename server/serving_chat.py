@@ -106,7 +106,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     created = now()
     include_usage = body.include_usage
 
-    def chunk(choice: ChatChunkChoice | None, usage: bool = False) -> str:
+    def chunk(choice: ChatChunkChoice | None, usage: bool = body.continuous_usage) -> str:
         return sse(ChatCompletionChunk(
             id=request_id, created=created, model=state.model_name,
             choices=[choice] if choice else [], usage=choices.usage() if usage else None),

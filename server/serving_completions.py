@@ -114,7 +114,8 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         return sse(CompletionResponse(
             id=request_id, created=created, model=state.model_name,
             choices=[CompletionChoice(index=idx, text=text, logprobs=logprobs,
-                                      finish_reason=finish_reason)]),
+                                      finish_reason=finish_reason)],
+            usage=choices.usage(generated=not echo_only) if body.continuous_usage else None),
             include_usage=include_usage)
 
     def render(prompt_index: int, ro: RequestOutput) -> Iterator[str]:

@@ -41,7 +41,7 @@ def _sampling(rng: random.Random, body: dict[str, Any]) -> dict[str, Any]:
     if rng.random() < 0.4:
         body["stream"] = True
         if rng.random() < 0.5:
-            body["stream_options"] = {"include_usage": True}
+            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": rng.random() < 0.3}
     return body
 
 

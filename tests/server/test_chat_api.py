@@ -101,6 +101,17 @@ async def test_tokens_as_token_ids(client: httpx.AsyncClient, stream: bool) -> N
     assert [c["token"] for c in content] == ["token_id:104", "token_id:101"]
 
 
+async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client: httpx.AsyncClient) -> None:
+    plain = (await chat(client, max_tokens=4)).json()
+    events = sse_events((await chat(client, max_tokens=4, stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True})).text)[:-1]
+    generated = [e["usage"]["completion_tokens"] for e in events]
+    assert generated[0] == 0 and generated == sorted(generated)  # the role chunk comes first
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # the second request hits the cache
+    assert [events[-1]["usage"][k] for k in counts] == [plain["usage"][k] for k in counts]
+    assert events[-1]["choices"] == []
+
+
 async def test_streaming_wire_format(client: httpx.AsyncClient) -> None:
     r = await chat(client, max_tokens=4, stream=True)
     assert r.headers["content-type"].startswith("text/event-stream")

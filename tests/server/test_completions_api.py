@@ -239,6 +239,22 @@ async def test_streaming_stop_and_echo(client: httpx.AsyncClient) -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client: httpx.AsyncClient) -> None:
+    plain = (await complete(client, prompt="hey", max_tokens=5, n=2)).json()
+    events = sse_events((await complete(client, prompt="hey", max_tokens=5, n=2, stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True})).text)[:-1]
+    generated = [e["usage"]["completion_tokens"] for e in events]
+    assert all(e["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] for e in events)
+    assert generated == sorted(generated) and generated[0] > 0
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # the second request may hit the cache
+    assert [events[-1]["usage"][k] for k in counts] == [plain["usage"][k] for k in counts]
+    assert events[-1]["choices"] == []
+    # Without it, only the last chunk's usage is set.
+    events = sse_events((await complete(client, prompt="hey", max_tokens=5, stream=True,
+                                        stream_options={"include_usage": True})).text)[:-1]
+    assert [e["usage"] is None for e in events] == [True] * (len(events) - 1) + [False]
+
+
 async def test_stream_equals_non_stream(client: httpx.AsyncClient) -> None:
     plain = (await complete(client, prompt="hey", max_tokens=9, n=2)).json()
     streamed = sse_events((await complete(client, prompt="hey", max_tokens=9, n=2,
