@@ -257,17 +257,12 @@ def _logprobs(logits: torch.Tensor, token_ids: list[int],
               params: list[SamplingParams]) -> list[TokenLogprob | None]:
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     index = torch.tensor(rows, device=logits.device)
-    logprobs = logits[index].log_softmax(dim=-1)
-    chosen = logprobs.gather(1, torch.tensor([token_ids[i] for i in rows], device=logits.device)
-                             .unsqueeze(1)).squeeze(1).tolist()
-    max_k = min(max(params[i].logprobs for i in rows), logits.shape[1])
-    top_values, top_ids = logprobs.topk(max_k, dim=-1) if max_k else (logprobs[:, :0], logprobs[:, :0])
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    entries = _entries(logits[index].log_softmax(dim=-1), [token_ids[i] for i in rows],
+                       max(params[i].logprobs for i in rows))
     out: list[TokenLogprob | None] = [None] * len(params)
-    for j, i in enumerate(rows):
-        k = params[i].logprobs
-        out[i] = TokenLogprob(token_ids[i], chosen[j],
-                              [(int(t), v) for t, v in zip(top_ids[j][:k], top_values[j][:k])])
+    for entry, i in zip(entries, rows):
+        entry.top = entry.top[:params[i].logprobs]
+        out[i] = entry
     return out
 
 
@@ -283,13 +278,21 @@ def prompt_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int,
     for start in range(0, len(token_ids), _PROMPT_ROWS_AT_ONCE):
         ids = token_ids[start:start + _PROMPT_ROWS_AT_ONCE]
         lp = logits[start:start + len(ids), :vocab_size].float().log_softmax(dim=-1)
-        chosen = lp.gather(1, torch.tensor(ids, device=lp.device).unsqueeze(1))
-        ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
-        top_values, top_ids = lp.topk(num_top, dim=-1) if num_top else (lp[:, :0], lp[:, :0])
-        for token, value, rank, tv, ti in zip(ids, chosen.squeeze(1).tolist(), ranks, top_values.tolist(),
-                                              top_ids.tolist()):
-            out.append(TokenLogprob(token, value, [(int(t), v) for t, v in zip(ti, tv)], rank))
+        out.extend(_entries(lp, ids, num_top, with_rank=True))
     return out
+
+
+def _entries(logprobs: torch.Tensor, token_ids: list[int], num_top: int,
+             with_rank: bool = False) -> list[TokenLogprob]:
+    """Row i of log-softmaxed ``logprobs``: its logprob of ``token_ids[i]``, the row's
+    ``num_top`` best (best first) and, ``with_rank``, the token's rank in the row."""
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device).unsqueeze(1))
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist() if with_rank else [None] * len(token_ids)
+    num_top = min(num_top, logprobs.shape[1])
+    top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0], logprobs[:, :0])
+    return [TokenLogprob(token, value, [(int(t), v) for t, v in zip(ti, tv)], rank)
+            for token, value, rank, tv, ti in zip(token_ids, chosen.squeeze(1).tolist(), ranks,
+                                                  top_values.tolist(), top_ids.tolist())]
 
 
 _PROMPT_ROWS_AT_ONCE = 256

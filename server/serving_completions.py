@@ -11,7 +11,7 @@ from engine.outputs import RequestOutput, TokenLogprob
 from server.body import read_model
 from server.engine_client import TokenizerLike
 from server.protocol import CompletionRequest
-from server.protocol_responses import (CompletionChoice, CompletionLogprobs, CompletionResponse,
+from server.protocol_responses import (CompletionChoice, CompletionLogprobs, CompletionResponse, Usage,
                                        json_logprob, now, sse)
 from server.serving_common import (ChoiceState, Choices, first_output, launch, run_to_completion,
                                    stream_response, token_name, vllm_prompt_logprobs)
@@ -31,20 +31,26 @@ class LogprobsWriter:
     def name(self, token_id: int) -> str:
         return token_name(self.tokenizer, token_id, self.as_ids)
 
+    def _place(self, token_id: int) -> str:
+        """The token's name; its text's place goes into the offsets."""
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        self.offset += len(text)
+        return token_name(self.tokenizer, token_id, True) if self.as_ids else text
+
     def prompt(self, prompt: list[int], entries: list[TokenLogprob | None] | None) -> CompletionLogprobs:
         """An echoed prompt's logprobs: its first token has none (``null``, as OpenAI sends
         it), each later one its logprob given the tokens before it."""
         assert entries is not None and len(entries) == len(prompt) and entries[0] is None
-        out = CompletionLogprobs(tokens=[self.name(prompt[0])], token_logprobs=[None], top_logprobs=[None],
-                                 text_offset=[self.offset])
-        self.offset += len(self.tokenizer.decode(prompt[:1], skip_special_tokens=False))
+        out = CompletionLogprobs(text_offset=[self.offset], tokens=[self._place(prompt[0])],
+                                 token_logprobs=[None], top_logprobs=[None])
         return self.tokens(entries[1:], out)  # type: ignore[arg-type]
 
     def tokens(self, lps: list[TokenLogprob], out: CompletionLogprobs | None = None) -> CompletionLogprobs:
         """``lps``' entries, appended to ``out`` if given."""
         out = out if out is not None else CompletionLogprobs()
         for lp in lps:
-            token = self.name(lp.token_id)
+            out.text_offset.append(self.offset)
+            token = self._place(lp.token_id)
             out.tokens.append(token)
             out.token_logprobs.append(json_logprob(lp.logprob))
             # The alternatives and the sampled token, as OpenAI ("up to logprobs + 1") and vLLM
@@ -52,8 +58,6 @@ class LogprobsWriter:
             top = {self.name(t): json_logprob(v) for t, v in lp.top}
             top.setdefault(token, json_logprob(lp.logprob))
             out.top_logprobs.append(top)
-            out.text_offset.append(self.offset)
-            self.offset += len(self.tokenizer.decode([lp.token_id], skip_special_tokens=False))
         return out
 
 
@@ -88,10 +92,13 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     def finish_reason(st: ChoiceState) -> str | None:
         return "length" if echo_only else st.finish_reason
 
+    def usage() -> Usage:
+        return choices.usage(generated=not echo_only)
+
     if not body.stream:
         await run_to_completion(request, merged, choices)
         result = CompletionResponse(id=request_id, model=state.model_name,
-                                    usage=choices.usage(generated=not echo_only), choices=[])
+                                    usage=usage(), choices=[])
         for idx, st in enumerate(choices.states):
             echo = echoes[idx // params.n]
             lps = echo_logprobs(idx, st)
@@ -115,7 +122,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
             id=request_id, created=created, model=state.model_name,
             choices=[CompletionChoice(index=idx, text=text, logprobs=logprobs,
                                       finish_reason=finish_reason)],
-            usage=choices.usage(generated=not echo_only) if body.continuous_usage else None),
+            usage=usage() if body.continuous_usage else None),
             include_usage=include_usage)
 
     def render(prompt_index: int, ro: RequestOutput) -> Iterator[str]:
@@ -134,7 +141,6 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     def epilogue() -> Iterator[str]:
         if include_usage:
             yield sse(CompletionResponse(id=request_id, created=created, model=state.model_name,
-                                         choices=[], usage=choices.usage(generated=not echo_only)),
-                      include_usage=True)
+                                         choices=[], usage=usage()), include_usage=True)
 
     return stream_response(state, request_id, first, merged, (), render, epilogue)
