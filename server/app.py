@@ -22,14 +22,17 @@ from starlette.responses import JSONResponse, Response
 from engine.validation import InvalidRequestError, check_token_ids
 from server.body import read_model
 from server.engine_client import EngineClient
-from server.errors import ClientDisconnected, bad_request, install_exception_handlers, unavailable
+from server.errors import (ClientDisconnected, bad_request, install_exception_handlers, response_not_found,
+                           unavailable)
 from server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from server.middleware import OPEN_PATHS, APIKeyMiddleware, BodySizeLimitMiddleware, DrainMiddleware
 from server.protocol import DetokenizeRequest, TokenizeRequest, template_messages
 from server.serving_chat import apply_template, create_chat_completion
 from server.serving_common import client_disconnected
 from server.serving_completions import create_completion
-from server.state import ServerState
+from server.responses_api import ResponseStore
+from server.serving_responses import create_response
+from server.state import DEFAULT_STORED_RESPONSES, ServerState
 from server.tools import tool_format_for
 
 logger = logging.getLogger(__name__)
@@ -46,7 +49,8 @@ def _version() -> str:
 
 def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: int | None = None,
               max_body_size: int = 4 * MiB, served_model_name: str | None = None,
-              metrics_require_key: bool = False, tool_call_parser: str = "auto") -> FastAPI:
+              metrics_require_key: bool = False, tool_call_parser: str = "auto",
+              max_stored_responses: int = DEFAULT_STORED_RESPONSES) -> FastAPI:
     """Build the HTTP app around ``engine``.
 
     The app's lifespan binds the engine to its event loop (``engine.start``; the loop
@@ -55,7 +59,9 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
     ``/metrics`` (that one too with ``metrics_require_key``); ``max_queue``
     (if set) bounds the generation requests in flight before new ones get 503;
     ``served_model_name`` defaults to ``engine.model_name``; ``tool_call_parser``
-    picks the tool-call format (``server.tools.tool_format_for``). Call
+    picks the tool-call format (``server.tools.tool_format_for``);
+    ``max_stored_responses`` bounds the Responses API answers kept in memory
+    for ``previous_response_id`` (0 stores none). Call
     ``app.state.kvserve.begin_drain(timeout)`` to start a graceful shutdown.
     """
     if metrics_require_key and not api_key:
@@ -64,7 +70,7 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
     metrics = PrometheusStatLogger(model_name, kv_blocks_total=engine.num_kv_blocks)
     engine.add_stat_logger(metrics)
     state = ServerState(engine=engine, model_name=model_name, metrics=metrics,
-                        api_key=api_key, max_queue=max_queue,
+                        api_key=api_key, max_queue=max_queue, responses=ResponseStore(max_stored_responses),
                         tool_format=tool_format_for(tool_call_parser, engine.tokenizer.tool_call_syntax))
     if engine.tokenizer.tool_call_syntax == "unknown" and tool_call_parser == "auto":
         logger.warning("the chat template renders tools in a syntax kvserve does not read; "
@@ -122,6 +128,23 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(state, request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await create_response(state, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> JSONResponse:
+        stored = state.responses.get(response_id)
+        if stored is None:
+            raise response_not_found(response_id)
+        return JSONResponse(stored.body)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> JSONResponse:
+        if not state.responses.delete(response_id):
+            raise response_not_found(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:

@@ -67,6 +67,12 @@ def model_not_found(model: str) -> APIError:
                     code="model_not_found")
 
 
+def response_not_found(response_id: str) -> APIError:
+    return APIError(404, f"Response with id '{response_id}' not found (kvserve keeps stored responses "
+                         "in memory, the newest --max-stored-responses of them, per server).",
+                    param="response_id", code="response_not_found")
+
+
 def unauthorized() -> APIError:
     return APIError(401, "Invalid or missing API key. Send 'Authorization: Bearer <key>'.",
                     type="authentication_error", code="invalid_api_key")

@@ -386,14 +386,16 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _check_tools(self) -> "ChatCompletionRequest":
+        # 400s naming their field (a model-level ValueError would name none).
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):
-            raise ValueError("tool names must be unique")
+            raise bad_request("tool names must be unique", "tools")
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+            raise bad_request(f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                              "tool_choice")
         if choice == "required" and not names:
-            raise ValueError("tool_choice required needs tools")
+            raise bad_request("tool_choice required needs tools", "tool_choice")
         return self
 
     def tool_choice_name(self) -> str:

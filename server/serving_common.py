@@ -182,13 +182,21 @@ async def first_output(request: Request,
 Render = Callable[[int, RequestOutput], Iterable[str]]
 
 
+def error_event(error: APIError) -> Iterable[str]:
+    """How completions and chat streams report a failure: ``data: {"error": ...}``."""
+    return [sse_json(error.body_json())]
+
+
 async def sse_stream(first: tuple[int, RequestOutput] | None, merged: AdmittedStream,
                      prelude: Iterable[str], render: Render,
-                     epilogue: Callable[[], Iterable[str]]) -> AsyncIterator[str]:
-    """The SSE body: prelude, rendered deltas, epilogue, then ``[DONE]``.
+                     epilogue: Callable[[], Iterable[str]],
+                     on_error: Callable[[APIError], Iterable[str]] = error_event,
+                     done: str | None = SSE_DONE) -> AsyncIterator[str]:
+    """The SSE body: prelude, rendered deltas, epilogue, then ``done`` (``[DONE]``;
+    the Responses API sends no such marker).
 
-    A failure after the stream started is sent as an error event followed by
-    ``[DONE]``. Closing this generator (client disconnect) closes the engine
+    A failure after the stream started is sent as ``on_error``'s events followed
+    by ``done``. Closing this generator (client disconnect) closes the engine
     streams, which aborts them.
     """
     try:
@@ -203,15 +211,19 @@ async def sse_stream(first: tuple[int, RequestOutput] | None, merged: AdmittedSt
         for event in epilogue():
             yield event
     except (EngineFault, RequestAborted) as e:
-        yield sse_json(_as_api_error(e).body_json())
+        for event in on_error(_as_api_error(e)):
+            yield event
     except APIError as e:
-        yield sse_json(e.body_json())
+        for event in on_error(e):
+            yield event
     except Exception:
         logger.exception("stream failed")
-        yield sse_json(APIError(500, "Internal server error.", type="server_error").body_json())
+        for event in on_error(APIError(500, "Internal server error.", type="server_error")):
+            yield event
     finally:
         await merged.aclose()
-    yield SSE_DONE
+    if done is not None:
+        yield done
 
 
 class SSEResponse(StreamingResponse):
@@ -251,9 +263,11 @@ class SSEResponse(StreamingResponse):
 
 def stream_response(state: ServerState, request_id: str, first: tuple[int, RequestOutput] | None,
                     merged: AdmittedStream, prelude: Iterable[str], render: Render,
-                    epilogue: Callable[[], Iterable[str]]) -> SSEResponse:
+                    epilogue: Callable[[], Iterable[str]],
+                    on_error: Callable[[APIError], Iterable[str]] = error_event,
+                    done: str | None = SSE_DONE) -> SSEResponse:
     """The streaming response of one request (see ``sse_stream``)."""
-    return SSEResponse(sse_stream(first, merged, prelude, render, epilogue), merged,
+    return SSEResponse(sse_stream(first, merged, prelude, render, epilogue, on_error, done), merged,
                        lambda: client_disconnected(state, request_id))
 
 

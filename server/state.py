@@ -15,9 +15,12 @@ from engine.validation import InvalidRequestError
 from server.engine_client import EngineClient
 from server.errors import bad_request, model_not_found, unavailable
 from server.metrics import PrometheusStatLogger
+from server.responses_api import ResponseStore
 from server.tools import FORMATS, ToolFormat
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_STORED_RESPONSES = 1024
 
 
 @dataclass
@@ -34,6 +37,8 @@ class ServerState:
     api_key: str | None = None
     max_queue: int | None = None
     tool_format: ToolFormat = FORMATS["generic"]
+    # Stored Responses API answers (previous_response_id, GET /v1/responses/{id}).
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(DEFAULT_STORED_RESPONSES))
     draining: bool = False
     started: bool = False
     loop: asyncio.AbstractEventLoop | None = None  # set by the app's lifespan

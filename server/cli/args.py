@@ -8,6 +8,7 @@ import re
 
 from engine.config import (KV_CACHE_DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS, EngineConfig, ParallelConfig,
                            SpeculativeConfig, parallel_from_torchrun)
+from server.state import DEFAULT_STORED_RESPONSES
 from server.tools import TOOL_PARSERS
 
 _UNITS = {"": 1, "b": 1,
@@ -39,6 +40,13 @@ def _size_arg(text: str) -> int:
         return parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _count_arg(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -106,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require 'Authorization: Bearer <key>' (default: $KVSERVE_API_KEY)")
     serve.add_argument("--max-queue", type=int, default=None,
                        help="refuse new generation requests with 503 while this many are in flight")
+    serve.add_argument("--max-stored-responses", type=_count_arg, default=DEFAULT_STORED_RESPONSES,
+                       help="Responses API answers kept in memory for previous_response_id and "
+                            "GET /v1/responses/{id} (the newest; 0 stores none)")
     serve.add_argument("--metrics-require-key", action="store_true",
                        help="require the API key on /metrics too (default: open, as in vLLM)")
     serve.add_argument("--max-body-size", type=_size_arg, default=4 * 1024**2,

@@ -1,7 +1,8 @@
 """Seeded random request bodies that mix the API's features (sampling settings, penalties,
-stop strings, n, logprobs, echo, prompt logprobs, streaming with usage, structured outputs, tools), and a check of
-each answer: never a 5xx, a 4xx in OpenAI's error shape, a stream that ends in ``[DONE]``
-without an error event, and a body the ``openai`` SDK's types accept. Bugs hide in the
+stop strings, n, logprobs, echo, prompt logprobs, streaming with usage, structured outputs, tools,
+the Responses API), and a check of each answer: never a 5xx, a 4xx in OpenAI's error shape, a
+stream that ends in ``[DONE]`` (a Responses stream: in ``response.completed`` or
+``response.incomplete``) without an error event, and a body the ``openai`` SDK's types accept. Bugs hide in the
 combinations: logprobs under a grammar (-inf in JSON), a draft's proposals under a grammar
 (a broken matcher took the engine loop down) were both found this way."""
 
@@ -12,8 +13,10 @@ import random
 from typing import Any
 
 import httpx
+import pydantic
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.responses import Response, ResponseStreamEvent
 
 from e2e_helpers import MODEL
 
@@ -25,6 +28,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "n"], "additionalProperties": False}
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
 
 
 def _sampling(rng: random.Random, body: dict[str, Any]) -> dict[str, Any]:
@@ -95,8 +99,56 @@ def mixed_request(rng: random.Random) -> tuple[str, dict[str, Any]]:
         if rng.random() < 0.6:
             body["tool_choice"] = rng.choice(["auto", "required", "none",
                                               {"type": "function", "function": {"name": "get_time"}}])
-        return CHAT, body
-    return CHAT, _structured(rng, body)
+    else:
+        body = _structured(rng, body)
+    if rng.random() < 0.25 and "prompt_logprobs" not in body and "structured_outputs" not in body \
+            and "grammar" not in body:
+        return RESPONSES, as_responses(body)
+    return CHAT, body
+
+
+def as_responses(chat: dict[str, Any]) -> dict[str, Any]:
+    """The same request in the Responses API's words."""
+    items: list[dict[str, Any]] = []
+    for m in chat["messages"]:
+        if m.get("tool_calls"):
+            items += [{"type": "function_call", "call_id": c["id"], **c["function"]} for c in m["tool_calls"]]
+        elif m["role"] == "tool":
+            items.append({"type": "function_call_output", "call_id": m["tool_call_id"], "output": m["content"]})
+        else:
+            content = m["content"]
+            if isinstance(content, list):
+                content = [{"type": "input_text", "text": p["text"]} for p in content]
+            items.append({"role": m["role"], "content": content})
+    body = {k: v for k, v in chat.items() if k not in ("messages", "max_tokens", "n", "stream_options", "logprobs",
+                                                      "tools", "tool_choice", "response_format")}
+    body["input"], body["max_output_tokens"] = items, chat["max_tokens"]
+    if chat.get("logprobs"):
+        body["include"] = ["message.output_text.logprobs"]
+    if "tools" in chat:
+        body["tools"] = [{"type": "function", **t["function"]} for t in chat["tools"]]
+    choice = chat.get("tool_choice")
+    if choice is not None:
+        body["tool_choice"] = {"type": "function", **choice["function"]} if isinstance(choice, dict) else choice
+    fmt = chat.get("response_format")
+    if fmt is not None:
+        body["text"] = {"format": {"type": "json_schema", **fmt["json_schema"]} if "json_schema" in fmt else fmt}
+    return body
+
+
+_EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
+
+
+def _check_responses(body: dict[str, Any], r: httpx.Response, where: str) -> str | None:
+    if not body.get("stream"):
+        answer = Response.model_validate(r.json())
+        return None if answer.status in ("completed", "incomplete") else where
+    events = [_EVENT.validate_json(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    if events[-1].type not in ("response.completed", "response.incomplete"):
+        return where
+    if [e.sequence_number for e in events] != list(range(len(events))):
+        return where
+    return None
 
 
 def check_answer(path: str, body: dict[str, Any], r: httpx.Response) -> str | None:
@@ -109,6 +161,8 @@ def check_answer(path: str, body: dict[str, Any], r: httpx.Response) -> str | No
         return None if {"message", "type", "param", "code"} <= error.keys() else where
     chat = path == CHAT
     try:
+        if path == RESPONSES:
+            return _check_responses(body, r, where)
         if not body.get("stream"):
             answer = r.json()
             if not chat:

@@ -241,3 +241,34 @@ def test_chat_prompt_logprobs_equal_the_completions_echo_of_the_same_tokens(clie
         assert mine["rank"] >= 1 and len(entries[i]) <= 3
         best = min(entries[i].values(), key=lambda e: e["rank"])
         assert best["rank"] == 1 and best["logprob"] >= mine["logprob"]
+
+
+def test_responses_answer_as_chat_does(client: openai.OpenAI) -> None:
+    """The Responses API is chat in other words: the same turns give the same greedy
+    text, streamed or not, and ``previous_response_id`` continues the conversation."""
+    instructions, ask = "Answer in one short sentence.", MESSAGES[0]["content"]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": instructions},
+                                                                 *MESSAGES],
+                                          max_tokens=MAX_TOKENS, temperature=0)
+    first = client.responses.create(model=MODEL, instructions=instructions, input=ask,
+                                    max_output_tokens=MAX_TOKENS, temperature=0)
+    assert first.output_text == chat.choices[0].message.content
+    assert first.usage.input_tokens == chat.usage.prompt_tokens
+    assert first.usage.output_tokens == chat.usage.completion_tokens
+    assert first.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    with client.responses.stream(model=MODEL, instructions=instructions, input=ask,
+                                 max_output_tokens=MAX_TOKENS, temperature=0) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        streamed = stream.get_final_response()
+    assert "".join(deltas) == streamed.output_text == first.output_text
+
+    # A second turn on the stored first one equals chat given the whole history
+    # (an earlier response's instructions are not carried over, as in OpenAI's API).
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, input="And three more?",
+                                     max_output_tokens=MAX_TOKENS, temperature=0)
+    history = [*MESSAGES, {"role": "assistant", "content": first.output_text},
+               {"role": "user", "content": "And three more?"}]
+    again = client.chat.completions.create(model=MODEL, messages=history, max_tokens=MAX_TOKENS, temperature=0)
+    assert second.output_text == again.choices[0].message.content
+    assert second.usage.input_tokens == again.usage.prompt_tokens
+    assert client.responses.retrieve(first.id).output_text == first.output_text

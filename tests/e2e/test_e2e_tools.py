@@ -150,3 +150,44 @@ def test_bad_tools_are_400s(client: openai.OpenAI) -> None:
             client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, **extra)
         if '"not":' in json.dumps(extra.get("tools", [])):  # the grammar refused: the field named is tools
             assert err.value.body["param"] == "tools" and "not" in err.value.body["message"]
+
+
+def test_responses_function_calls_and_their_outputs(tool_client: openai.OpenAI) -> None:
+    """Through the Responses API: flat function tools give function_call items (the
+    same calls chat makes), streamed in pieces, and a function_call_output item
+    answers one as a tool message does."""
+    client = tool_client
+    flat = [{"type": "function", **WEATHER["function"]}]
+    ask = ASK[0]["content"]
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                          parallel_tool_calls=False, max_tokens=60, temperature=0)
+    [chat_call] = chat.choices[0].message.tool_calls
+    r = client.responses.create(model=MODEL, input=ask, tools=flat, tool_choice="required",
+                                parallel_tool_calls=False, max_output_tokens=60, temperature=0)
+    [call] = r.output
+    assert r.status == "completed" and call.type == "function_call" and call.status == "completed"
+    assert (call.name, call.arguments) == (chat_call.function.name, chat_call.function.arguments)
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+    jsonschema.validate(json.loads(call.arguments), PARAMETERS[call.name])
+
+    events = list(client.responses.create(model=MODEL, input=ask, tools=flat, tool_choice="required",
+                                          parallel_tool_calls=False, max_output_tokens=60, temperature=0,
+                                          stream=True))
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(pieces) > 1 and "".join(pieces) == call.arguments
+    assert not any(e.type == "response.output_text.delta" for e in events)
+    assert events[-1].type == "response.completed"
+
+    result = json.dumps({"temperature": 18, "sky": "clear"})
+    second = client.responses.create(
+        model=MODEL, tools=flat, tool_choice="none", max_output_tokens=30, temperature=0,
+        input=[{"role": "user", "content": ask},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": result}])
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": result}]
+    again = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none",
+                                           max_tokens=30, temperature=0)
+    assert second.output_text and second.output_text == again.choices[0].message.content

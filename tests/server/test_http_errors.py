@@ -16,8 +16,12 @@ pytestmark = pytest.mark.anyio
 KEY = "s3cret-key"
 
 
+# A response id no response has: with the key, its routes answer 404 (auth passed).
+NO_SUCH_RESPONSE = "resp_none"
+
+
 def _concrete(path: str) -> str:
-    return path.replace("{model:path}", MODEL)
+    return path.replace("{model:path}", MODEL).replace("{response_id}", NO_SUCH_RESPONSE)
 
 
 def _all_endpoints(app) -> list[tuple[str, str]]:
@@ -35,10 +39,12 @@ async def test_every_route_requires_the_key_except_probes(engine: FakeEngine) ->
     endpoints = _all_endpoints(app)
     assert {p for _, p in endpoints} >= {"/v1/completions", "/v1/chat/completions", "/v1/models",
                                          "/tokenize", "/detokenize", "/tokenizer_info", "/health", "/ready",
-                                         "/metrics", "/version"}
+                                         "/metrics", "/version", "/v1/responses",
+                                         f"/v1/responses/{NO_SUCH_RESPONSE}"}
     bodies = {"/v1/completions": {"prompt": "hi", "max_tokens": 1},
               "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}],
                                        "max_tokens": 1},
+              "/v1/responses": {"input": "hi", "max_output_tokens": 1},
               "/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [104]}}
     async with app.router.lifespan_context(app):
         for method, path in endpoints:
@@ -54,7 +60,7 @@ async def test_every_route_requires_the_key_except_probes(engine: FakeEngine) ->
                     assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key"
             async with client_for(app, Authorization=f"Bearer {KEY}") as c:
                 r = await c.request(method, path, json=json)
-            assert r.status_code == 200, (method, path, r.text)
+            assert r.status_code == (404 if NO_SUCH_RESPONSE in path else 200), (method, path, r.text)
 
 
 async def test_unknown_route_needs_key_then_404(engine: FakeEngine) -> None:

@@ -1,0 +1,449 @@
+"""OpenAI's Responses API (``/v1/responses``): the request, its items, the response.
+
+A Responses request is a chat in other words. ``instructions`` and the
+``input`` items become chat messages, flat function tools become chat tools,
+``text.format`` becomes a response format; ``ResponsesRequest.chat_request``
+makes that translation, so the prompt, the tool grammar and the sampling
+parameters come from the chat path alone. The answer goes back as output
+items: one assistant ``message`` with an ``output_text`` part, or one
+``function_call`` item per call. ``ResponseStore`` keeps recent responses for
+``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}``.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
+
+from server.body import validate
+from server.errors import APIError, bad_request
+from server.protocol import ChatCompletionRequest, _Exact, _Strict
+from server.protocol_responses import ChatTokenLogprob, Usage
+
+# What a Responses body field is called in the chat body it is translated into,
+# so that an error found on the chat side names the field the client sent.
+_CHAT_TO_RESPONSES = {"messages": "input", "max_completion_tokens": "max_output_tokens",
+                      "max_tokens": "max_output_tokens", "response_format": "text.format",
+                      "prompt": "input", "structured": "text.format"}
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def new_item_id(prefix: str) -> str:
+    """An id in OpenAI's style: ``resp_...``, ``msg_...``, ``fc_...``."""
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+# --- the request ------------------------------------------------------------
+
+class TextPart(_Strict):
+    """A content part; only text (``input_text``, or ``output_text`` sent back)."""
+
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> "TextPart":
+        if self.type not in ("input_text", "output_text") or self.text is None:
+            raise ValueError(f"only input_text and output_text content parts are supported, "
+                             f"got type {self.type!r}")
+        return self
+
+
+def _text(content: str | list[TextPart]) -> str:
+    # NOTE: parts are joined with newlines, as chat content parts are.
+    return content if isinstance(content, str) else "\n".join(p.text or "" for p in content)
+
+
+class MessageItem(_Strict):
+    """A message: the client's turns, or an earlier answer sent back."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[TextPart]
+
+
+class FunctionCallItem(_Strict):
+    """An earlier answer's function call, sent back."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str  # JSON text
+
+
+class FunctionCallOutputItem(_Strict):
+    """The result of a function call, for the model to read."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[TextPart]
+
+
+def _item_type(item: Any) -> str:
+    # An item without a type is a message ("easy input message").
+    if isinstance(item, dict):
+        return item.get("type", "message")
+    return getattr(item, "type", "message")
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(_item_type, custom_error_type="invalid_item",
+                  custom_error_message="input items must be of type message, function_call or "
+                                       "function_call_output (text only)")]
+
+
+class FunctionTool(_Strict):
+    """A Responses tool: flat, ``{"type": "function", "name", "description", "parameters"}``."""
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # kvserve always enforces the parameters
+
+    @model_validator(mode="after")
+    def _functions_only(self) -> "FunctionTool":
+        if self.type != "function":
+            raise ValueError(f"only function tools are supported, got type {self.type!r}")
+        if self.name is None:
+            raise ValueError("a function tool needs a name")
+        return self
+
+    def chat(self) -> dict[str, Any]:
+        fn = {"name": self.name, "description": self.description, "parameters": self.parameters,
+              "strict": self.strict}
+        return {"type": "function", "function": {k: v for k, v in fn.items() if v is not None}}
+
+    def echo(self) -> dict[str, Any]:
+        return {"type": "function", "name": self.name, "description": self.description,
+                "parameters": self.parameters, "strict": self.strict}
+
+
+class FunctionChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Exact):
+    """``text.format``: ``text``, ``json_object`` or ``json_schema`` (flat, unlike chat's)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None  # kvserve always enforces the schema
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> "TextFormat":
+        if (self.type == "json_schema") != (self.schema_ is not None):
+            raise ValueError("schema is required with type json_schema, and only with it")
+        return self
+
+    def chat(self) -> dict[str, Any]:
+        if self.type != "json_schema":
+            return {"type": self.type}
+        spec = {"name": self.name or "response", "schema": self.schema_, "strict": self.strict,
+                "description": self.description}
+        return {"type": "json_schema", "json_schema": {k: v for k, v in spec.items() if v is not None}}
+
+    def echo(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Strict):
+    """``POST /v1/responses``: OpenAI's fields, and vLLM's sampling extras."""
+
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool | None = True
+    stream: bool | None = False
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    background: bool | None = None
+    metadata: dict[str, str] | None = None
+    reasoning: dict[str, Any] | None = None  # echoed: the model has no reasoning to configure
+    user: str | None = None
+    # vLLM's extras, as in chat.
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: str | list[str] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        # Each of these changes what the answer is; ignoring it would answer something
+        # else than was asked, so it is a 400 that says what to do instead.
+        if isinstance(data, dict):
+            refused = {
+                "conversation": "conversations are not supported; send the earlier turns in input, "
+                                "or previous_response_id",
+                "prompt": "prompt templates are not supported; send the prompt in input",
+            }
+            for name, why in refused.items():
+                if data.get(name) is not None:
+                    raise bad_request(why, name)
+            if data.get("background") is True:
+                raise bad_request("background responses are not supported", "background")
+            if data.get("truncation") == "auto":
+                raise bad_request("truncation auto is not supported: an input over the context is "
+                                  "a 400; shorten it, or leave truncation disabled", "truncation")
+        return data
+
+    @field_validator("input")
+    @classmethod
+    def _non_empty(cls, value: Any) -> Any:
+        if value == "" or value == []:
+            raise ValueError("input must not be empty")
+        return value
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or [])
+
+    def input_messages(self) -> list[dict[str, Any]]:
+        """The input items as chat messages: consecutive function calls become one
+        assistant turn with ``tool_calls`` (joined to the assistant text before them),
+        their outputs ``tool`` messages."""
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        out: list[dict[str, Any]] = []
+        for item in self.input:
+            if isinstance(item, MessageItem):
+                out.append({"role": item.role, "content": _text(item.content)})
+            elif isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                last = out[-1] if out else None
+                if last is not None and last["role"] == "assistant":
+                    last.setdefault("tool_calls", []).append(call)
+                else:
+                    out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            else:
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
+        return out
+
+    def chat_request(self, history: list[dict[str, Any]]) -> ChatCompletionRequest:
+        """The chat request this one means, after the ``history`` of an earlier
+        response (``previous_response_id``); a 400 names this API's field."""
+        messages = ([{"role": "system", "content": self.instructions}] if self.instructions else []) \
+            + history + self.input_messages()
+        choice = self.tool_choice
+        body: dict[str, Any] = {
+            "model": self.model, "messages": messages, "max_completion_tokens": self.max_output_tokens,
+            "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream,
+            "logprobs": self.wants_logprobs,
+            "top_logprobs": self.top_logprobs if self.wants_logprobs else None,
+            "tools": [t.chat() for t in self.tools] if self.tools else None,
+            "tool_choice": ({"type": "function", "function": {"name": choice.name}}
+                            if isinstance(choice, FunctionChoice) else choice),
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "response_format": self.text.format.chat() if self.text and self.text.format else None,
+            "seed": self.seed, "top_k": self.top_k, "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty, "stop": self.stop,
+        }
+        with responses_params():
+            return validate(ChatCompletionRequest, {k: v for k, v in body.items() if v is not None})
+
+
+@contextmanager
+def responses_params() -> Iterator[None]:
+    """Rename the chat field a 400 raised inside names to this API's field."""
+    try:
+        yield
+    except APIError as e:
+        if e.param:
+            # A chat message's index is not its input item's (instructions and an
+            # earlier response's turns come first): name the field alone.
+            head = e.param.replace("[", ".").split(".", 1)[0]
+            e.param = _CHAT_TO_RESPONSES.get(head, e.param)
+        raise
+
+
+# --- the response -----------------------------------------------------------
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str = ""
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[ChatTokenLogprob] = Field(default_factory=list)
+
+
+class OutputMessage(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText] = Field(default_factory=list)
+
+
+class OutputFunctionCall(BaseModel):
+    id: str
+    type: Literal["function_call"] = "function_call"
+    status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
+    call_id: str
+    name: str
+    arguments: str = ""
+
+
+OutputItem = OutputMessage | OutputFunctionCall
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+    # OpenAI's explicit cache writes; kvserve's prefix cache is not written on request.
+    cache_write_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+    @classmethod
+    def of(cls, usage: Usage) -> "ResponseUsage":
+        return cls(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
+                   total_tokens=usage.total_tokens,
+                   input_tokens_details=InputTokensDetails(cached_tokens=usage.prompt_tokens_details.cached_tokens))
+
+
+class ResponseObject(BaseModel):
+    """A response, as ``POST /v1/responses`` returns it and its stream events carry it."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"] = "in_progress"
+    background: bool = False
+    error: dict[str, Any] | None = None
+    incomplete_details: dict[str, Any] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    model: str
+    output: list[OutputItem] = Field(default_factory=list)
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    reasoning: dict[str, Any] | None = None
+    store: bool = False
+    temperature: float = 1.0
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    tool_choice: Any = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    top_logprobs: int | None = None
+    top_p: float = 1.0
+    truncation: Literal["disabled"] = "disabled"
+    usage: ResponseUsage | None = None
+    user: str | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+    @classmethod
+    def start(cls, response_id: str, created_at: int, model: str, body: ResponsesRequest,
+              chat: ChatCompletionRequest, stored: bool) -> "ResponseObject":
+        """The response before any output: the request's settings echoed, as OpenAI does."""
+        choice = body.tool_choice
+        params_temperature = chat.temperature if chat.temperature is not None else 1.0
+        return cls(
+            id=response_id, created_at=created_at, model=model, instructions=body.instructions,
+            max_output_tokens=body.max_output_tokens, parallel_tool_calls=chat.parallel_calls,
+            previous_response_id=body.previous_response_id, reasoning=body.reasoning, store=stored,
+            temperature=params_temperature, top_p=chat.top_p if chat.top_p is not None else 1.0,
+            text={"format": body.text.format.echo() if body.text and body.text.format else {"type": "text"}},
+            tool_choice=choice.model_dump() if isinstance(choice, FunctionChoice) else (choice or "auto"),
+            tools=[t.echo() for t in body.tools or []], top_logprobs=body.top_logprobs,
+            user=body.user, metadata=body.metadata or {})
+
+    def finish(self, finish_reason: str | None, usage: Usage) -> None:
+        """Set the status from the engine's finish reason: cut by the token limit is
+        ``incomplete`` (OpenAI's ``max_output_tokens``), as is an aborted answer."""
+        self.usage = ResponseUsage.of(usage)
+        if finish_reason in ("stop", "tool_calls"):
+            self.status = "completed"
+        else:
+            self.status = "incomplete"
+            self.incomplete_details = {"reason": "max_output_tokens" if finish_reason == "length" else None}
+        item_status = "completed" if self.status == "completed" else "incomplete"
+        for item in self.output:
+            if item.status == "in_progress":
+                item.status = item_status
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The answer as chat messages, for a later ``previous_response_id``."""
+        text = "".join(part.text for item in self.output if isinstance(item, OutputMessage)
+                       for part in item.content)
+        calls = [{"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                 for c in self.output if isinstance(c, OutputFunctionCall)]
+        message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+        if calls:
+            message["tool_calls"] = calls
+        return [message]
+
+
+# --- stored responses ---------------------------------------------------------
+
+@dataclass
+class StoredResponse:
+    body: dict[str, Any]  # the response as it was sent
+    conversation: list[dict[str, Any]]  # every chat message up to and with the answer, no instructions
+
+
+class ResponseStore:
+    """The newest ``capacity`` stored responses, in memory, for ``previous_response_id``
+    and ``GET``/``DELETE /v1/responses/{id}``. Owned by the event loop's thread."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError(f"the response store's capacity must be >= 0, got {capacity}")
+        self.capacity = capacity
+        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, response_id: str, stored: StoredResponse) -> None:
+        if self.capacity == 0:
+            return
+        self._items[response_id] = stored
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        stored = self._items.get(response_id)
+        if stored is not None:
+            self._items.move_to_end(response_id)
+        return stored
+
+    def delete(self, response_id: str) -> bool:
+        return self._items.pop(response_id, None) is not None

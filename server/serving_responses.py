@@ -1,0 +1,224 @@
+"""``/v1/responses``: OpenAI's Responses API, streaming or not, on the chat path.
+
+The request is translated into a chat request (``server.responses_api``), run
+as one, and its answer rendered as output items. Streamed, the answer goes
+out as OpenAI's typed events (``event: <type>`` lines, each numbered by
+``sequence_number``, no ``[DONE]``): ``response.created``, then per item
+``response.output_item.added``, its deltas and ``...done``, then
+``response.completed`` (or ``response.incomplete``, or ``response.failed``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from engine.outputs import RequestOutput
+from server.body import read_model
+from server.errors import APIError
+from server.protocol_responses import ChatTokenLogprob, DeltaToolCall, Usage, now
+from server.responses_api import (OutputFunctionCall, OutputItem, OutputMessage, OutputText, ResponseObject,
+                                  ResponsesRequest, StoredResponse, new_item_id, responses_params)
+from server.serving_chat import chat_logprobs, render_prompt
+from server.serving_common import Choices, first_output, launch, run_to_completion, stream_response
+from server.state import ServerState
+from server.tools import CallStream, new_call_id
+
+
+def _previous_conversation(state: ServerState, body: ResponsesRequest) -> list[dict[str, Any]]:
+    if body.previous_response_id is None:
+        return []
+    stored = state.responses.get(body.previous_response_id)
+    if stored is None:
+        raise APIError(400, f"Previous response with id '{body.previous_response_id}' not found "
+                            f"(kvserve keeps the newest {state.responses.capacity} stored responses, "
+                            "in memory, per server).",
+                       param="previous_response_id", code="previous_response_not_found")
+    return stored.conversation
+
+
+def answer_items(text: str, calls: list | None, logprobs: list[ChatTokenLogprob]) -> list[OutputItem]:
+    """A finished answer's output items: its calls, else one message."""
+    if calls is not None:
+        return [OutputFunctionCall(id=new_item_id("fc"), call_id=new_call_id(), name=c.name,
+                                   arguments=c.arguments) for c in calls]
+    return [OutputMessage(id=new_item_id("msg"), content=[OutputText(text=text, logprobs=logprobs)])]
+
+
+async def create_response(state: ServerState, request: Request) -> Response:
+    """Validate, run and render one Responses request; store it when asked."""
+    body = await read_model(request, ResponsesRequest)
+    state.check_model(body.model)
+    history = _previous_conversation(state, body)
+    chat = body.chat_request(history)
+    fmt = state.tool_format
+    tok = state.engine.tokenizer
+    with responses_params():
+        params = chat.sampling_params(fmt)
+        prompt = render_prompt(tok, chat, fmt)
+    response_id = new_item_id("resp")
+    choices = Choices([len(prompt)], 1)
+    calling = chat.tool_choice_name() != "none"
+    merged = await launch(state, response_id, [prompt], params,
+                          {"prompt": "input", "max_tokens": "max_output_tokens",
+                           "structured": "tools" if calling else "text.format"})
+    stored = bool(body.store) and state.responses.capacity > 0
+    response = ResponseObject.start(response_id, now(), state.model_name, body, chat, stored)
+
+    def keep() -> None:
+        if stored:
+            state.responses.put(response_id, StoredResponse(
+                response.model_dump(mode="json"), history + body.input_messages() + response.conversation()))
+
+    if not body.stream:
+        await run_to_completion(request, merged, choices)
+        st = choices.states[0]
+        text = "".join(st.text)
+        calls = fmt.parse(text) if calling else None
+        lps = chat_logprobs(tok, st.logprobs).content if body.wants_logprobs else []
+        response.output = answer_items(text, calls, lps)
+        response.finish(st.finish_reason, choices.usage())
+        keep()
+        return JSONResponse(response.model_dump(mode="json"))
+
+    first = await first_output(request, merged)
+    events = ResponseEvents(response)
+    calls_stream = CallStream(fmt) if calling else None
+
+    # Logprobs of text held back until the answer shows whether it is calls: they go
+    # out with that text, or nowhere (a function call item has none).
+    held: list[ChatTokenLogprob] = []
+
+    def render(prompt_index: int, ro: RequestOutput) -> Iterator[str]:
+        for _, out, finished in choices.update(prompt_index, ro):
+            text, calls = calls_stream.feed(out.text) if calls_stream else (out.text, [])
+            if body.wants_logprobs:
+                held.extend(chat_logprobs(tok, out.logprobs or []).content)
+            if finished and calls_stream:
+                rest, _ = calls_stream.finish()
+                text += rest
+            deciding = calls_stream is not None and calls_stream.mode != "text"
+            if deciding and calls_stream.mode == "calls":
+                held.clear()
+            elif text or (held and not deciding):
+                yield from events.text(text, list(held))
+                held.clear()
+            for call in calls:
+                yield from events.call(call)
+
+    def epilogue() -> Iterator[str]:
+        yield from events.finish(choices.states[0].finish_reason, choices.usage())
+        keep()
+
+    return stream_response(state, response_id, first, merged, events.start(), render, epilogue,
+                           on_error=events.failed, done=None)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+class ResponseEvents:
+    """The stream events of one response, numbered in order; ``response`` holds the
+    output so far (every event that carries an item or the response shows it)."""
+
+    def __init__(self, response: ResponseObject) -> None:
+        self.response = response
+        self.sequence = 0
+        self.open_message: OutputMessage | None = None  # the open message item
+        self.open_call: OutputFunctionCall | None = None  # the open function call item
+
+    def _event(self, kind: str, **fields: Any) -> str:
+        payload = {"type": kind, **{k: _plain(v) for k, v in fields.items()}, "sequence_number": self.sequence}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    def _index(self, item: OutputItem) -> int:
+        return self.response.output.index(item)
+
+    def _add(self, item: OutputItem) -> str:
+        self.response.output.append(item)
+        return self._event("response.output_item.added", output_index=self._index(item), item=item)
+
+    def start(self) -> Iterator[str]:
+        yield self._event("response.created", response=self.response)
+        yield self._event("response.in_progress", response=self.response)
+
+    def text(self, delta: str, logprobs: list[ChatTokenLogprob]) -> Iterator[str]:
+        """Answer text (and its tokens' logprobs), into the message item (opened at the first)."""
+        if self.open_message is None:
+            yield from self._close_call("completed")
+            self.open_message = OutputMessage(id=new_item_id("msg"))
+            yield self._add(self.open_message)
+            part = OutputText()
+            self.open_message.content.append(part)
+            yield self._event("response.content_part.added", item_id=self.open_message.id,
+                              output_index=self._index(self.open_message), content_index=0, part=part)
+        part = self.open_message.content[0]
+        part.text += delta
+        part.logprobs.extend(logprobs)
+        yield self._event("response.output_text.delta", item_id=self.open_message.id,
+                          output_index=self._index(self.open_message), content_index=0, delta=delta,
+                          logprobs=logprobs)
+
+    def call(self, delta: DeltaToolCall) -> Iterator[str]:
+        """A piece of a call: its id and name open an item, arguments follow in pieces."""
+        if delta.id is not None:
+            yield from self._close_call("completed")
+            self.open_call = OutputFunctionCall(id=new_item_id("fc"), call_id=delta.id,
+                                           name=delta.function.name or "")
+            yield self._add(self.open_call)
+        assert self.open_call is not None, "a call's arguments come after its name"
+        piece = delta.function.arguments
+        if piece:
+            self.open_call.arguments += piece
+            yield self._event("response.function_call_arguments.delta", item_id=self.open_call.id,
+                              output_index=self._index(self.open_call), delta=piece)
+
+    def _close_call(self, status: str) -> Iterator[str]:
+        call, self.open_call = self.open_call, None
+        if call is None:
+            return
+        call.status = status  # type: ignore[assignment]
+        yield self._event("response.function_call_arguments.done", item_id=call.id,
+                          output_index=self._index(call), arguments=call.arguments)
+        yield self._event("response.output_item.done", output_index=self._index(call), item=call)
+
+    def _close_message(self) -> Iterator[str]:
+        message, self.open_message = self.open_message, None
+        if message is None:
+            return
+        part, index = message.content[0], self._index(message)
+        yield self._event("response.output_text.done", item_id=message.id, output_index=index,
+                          content_index=0, text=part.text, logprobs=part.logprobs)
+        yield self._event("response.content_part.done", item_id=message.id, output_index=index,
+                          content_index=0, part=part)
+        yield self._event("response.output_item.done", output_index=index, item=message)
+
+    def finish(self, finish_reason: str | None, usage: Usage) -> Iterator[str]:
+        """Close the open item and send the final response (an empty answer is an empty message)."""
+        if not self.response.output:
+            yield from self.text("", [])
+        self.response.finish(finish_reason, usage)
+        status = "completed" if self.response.status == "completed" else "incomplete"
+        yield from self._close_message()
+        yield from self._close_call(status)
+        yield self._event(f"response.{self.response.status}", response=self.response)
+
+    def failed(self, error: APIError) -> Iterator[str]:
+        """The answer could not be finished: ``response.failed`` with the error."""
+        self.response.status = "failed"
+        self.response.error = {"code": "server_error", "message": error.message}
+        for item in self.response.output:
+            if item.status == "in_progress":
+                item.status = "incomplete"
+        yield self._event("response.failed", response=self.response)
