@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
 
+from engine.sampling_params import MAX_LOGPROBS
 from server.body import validate
 from server.errors import APIError, bad_request
 from server.protocol import ChatCompletionRequest, _Exact, _Strict
@@ -215,6 +216,14 @@ class ResponsesRequest(_Strict):
                 raise bad_request("truncation auto is not supported: an input over the context is "
                                   "a 400; shorten it, or leave truncation disabled", "truncation")
         return data
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_range(cls, value: int | None) -> int | None:
+        # Checked here too: without include it reaches no sampling parameter.
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {value}")
+        return value
 
     @field_validator("input")
     @classmethod

@@ -230,6 +230,7 @@ async def test_a_fault_mid_stream_is_response_failed(client: httpx.AsyncClient, 
     ({"input": "x", "max_output_tokens": 1000}, "input", "maximum context length"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", None),
     ({"input": "x", "temperature": -1}, "temperature", None),
+    ({"input": "x", "top_logprobs": 21}, "top_logprobs", "between 0 and 20"),
     ({"input": "x", "stream": "yes"}, "stream", None),
 ])
 async def test_bad_requests_are_400s_naming_the_field(client: httpx.AsyncClient, engine: FakeEngine,
