@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2)."""
+    """Hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3)."""
 
     architecture: str
     vocab_size: int
@@ -27,6 +27,7 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # each head's query and key are RMS-normalised before RoPE (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -90,6 +91,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            qk_norm=arch == "Qwen3ForCausalLM",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

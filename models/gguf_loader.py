@@ -15,7 +15,8 @@ from models.gguf_reader import GGUFFile, GGUFTensor, read_gguf
 # Quantisation types we dequantise (with the `gguf` package's reference code).
 SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM"}
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -24,6 +25,8 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -90,6 +93,7 @@ def config_from_gguf(reader: GGUFFile) -> ModelConfig:
         rope_scaling=rope_scaling,
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm=arch == "qwen3",
         bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos_ids,
     )
@@ -150,7 +154,8 @@ def projection_type(reader: GGUFFile) -> str:
 
 def iter_gguf_weights(reader: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, float32 tensor)`` for every tensor of the file."""
-    permute = config.architecture != "Qwen2ForCausalLM"  # llama.cpp permutes only llama-arch Q/K
+    # llama.cpp permutes only llama-arch Q/K (Qwen's RoPE already rotates halves, as HF's).
+    permute = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 Parameter names follow Hugging Face checkpoints, except that q/k/v and
 gate/up projections are stored fused (``qkv_proj``, ``gate_up_proj``) so each
@@ -46,13 +46,30 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        # Qwen3: one RMSNorm over head_dim, shared by every query head (and one by every
+        # key head), before RoPE. Its weight is stored in the interleaved rotary order
+        # of the q/k rows it scales (``load_weights``).
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.tp: TensorParallel | None = None  # set by ``parallel.shard_model``
+
+    def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """``qkv`` with each query and key head RMS-normalised (Qwen3's q_norm, k_norm)."""
+        assert self.q_norm is not None and self.k_norm is not None
+        # q_size and kv_size are this rank's when the heads are split (shard_model).
+        t, d, q_size, kv_size = qkv.shape[0], self.head_dim, self.q_size, self.kv_size
+        q = self.q_norm(qkv[:, :q_size].reshape(-1, d)).reshape(t, q_size)
+        k = self.k_norm(qkv[:, q_size:q_size + kv_size].reshape(-1, d)).reshape(t, kv_size)
+        return torch.cat([q, k, qkv[:, q_size + kv_size:]], dim=1)
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         t = x.shape[0]
         k_cache, v_cache = kv_cache
-        q, k, v = ops.rotary_and_cache(self.qkv_proj(x), rope.rotations, positions, k_cache, v_cache,
+        qkv = self.qkv_proj(x)
+        if self.q_norm is not None:
+            qkv = self._norm_heads(qkv)
+        q, k, v = ops.rotary_and_cache(qkv, rope.rotations, positions, k_cache, v_cache,
                                        meta.slot_mapping, self.num_heads, self.num_kv_heads)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         out = self.o_proj(o.reshape(t, self.q_size))
@@ -97,7 +114,8 @@ class DecoderLayer(nn.Module):
         """Whether every projection runs kvserve's int4 kernel (so ``forward_fused`` applies)."""
         attn, mlp = self.self_attn, self.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        return (all(isinstance(p, QuantizedLinear) and p.fused and p.kind == "int4" for p in projections)
+        # NOTE: the fused layer kernel has no per-head q/k norm: Qwen3 runs op by op.
+        return (attn.q_norm is None and all(isinstance(p, QuantizedLinear) and p.fused and p.kind == "int4" for p in projections)
                 and all(p.bias is None for p in projections[1:]))
 
     def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RotaryEmbedding,
@@ -227,6 +245,8 @@ class LlamaForCausalLM(nn.Module):
             if shard in (0, 1) and target.endswith(("qkv_proj.weight", "qkv_proj.bias")):
                 heads = cfg.num_attention_heads if shard == 0 else cfg.num_key_value_heads
                 tensor = interleave_rotary_rows(tensor, heads)
+            elif target.endswith(("q_norm.weight", "k_norm.weight")):
+                tensor = interleave_rotary_rows(tensor, 1)  # scales one head's rows, reordered so
             if shard is not None:
                 dst = _shard(dst, target, shard, cfg)
             if tuple(tensor.shape) != tuple(dst.shape):

@@ -7,12 +7,14 @@ from torch import nn
 from models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from models.llama import LlamaForCausalLM
 
-# Mistral and Qwen2 are Llama with other defaults (no q/k/v bias / with it),
-# which ModelConfig carries, so one implementation serves all three.
+# Mistral, Qwen2 and Qwen3 are Llama with other settings (no q/k/v bias / with
+# it / per-head query and key norms), which ModelConfig carries, so one
+# implementation serves all four.
 _REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
 }
 assert set(_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 

@@ -85,7 +85,7 @@ def make_runner() -> Callable[..., PagedRunner]:
 
 
 def tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides):
-    """A random transformers Llama or Qwen2 with ``TINY_CONFIG`` (+ overrides), float32.
+    """A random transformers Llama, Qwen2 or Qwen3 with ``TINY_CONFIG`` (+ overrides), float32.
 
     Every parameter is random, norms and biases included, so a loader that
     drops or misplaces any of them changes the logits.
@@ -95,7 +95,11 @@ def tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides):
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[arch]
+    if arch == "qwen3":
+        # Qwen3's head_dim is its own (128 where hidden / heads is 64): 32 here, not 16.
+        overrides = {"head_dim": 32, **overrides}
     torch.manual_seed(seed)
     model = model_cls(config_cls(**{**TINY_CONFIG, **overrides})).eval()
     with torch.no_grad():

@@ -145,6 +145,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 VARIANTS = {
     "llama": dict(arch="llama"),
     "qwen2": dict(arch="qwen2"),  # q/k/v biases
+    "qwen3": dict(arch="qwen3"),  # per-head q/k norms, a head_dim of its own
     "tied-embeddings": dict(arch="llama", tie_word_embeddings=True),
     "llama3-rope": dict(arch="llama", rope_scaling=LLAMA3_ROPE),
     "sharded": dict(arch="llama", max_shard_size="40KB"),
@@ -176,3 +177,20 @@ def test_logits_indices_pick_the_rows_sent_to_the_lm_head(tiny_checkpoint, tiny_
 
     assert picked.shape == (2, model.config.vocab_size)
     assert max_diff(picked, every_row[[n - 1, 3]]) < 1e-5
+
+
+@pytest.mark.parametrize("quantization", ["none", "w4a8", "int4"])
+def test_qwen3_logits_do_not_depend_on_chunks_or_batch(tiny_checkpoint, tiny_prompt, make_runner, quantization):
+    # Qwen3's per-head q/k norms run op by op (no fused layer kernel): a row's result
+    # must still be the same, bit for bit, in one prefill, in chunks, and beside others.
+    path, _ = tiny_checkpoint("qwen3")
+    model = load_model(str(path), dtype="float32", device="cpu", quantization=quantization).model
+    whole = prefill(make_runner(model), tiny_prompt)
+
+    runner = make_runner(model, seed=1)
+    seq, mate = runner.new_seq(len(tiny_prompt)), runner.new_seq(32)
+    parts = [runner.step([(seq, tiny_prompt[:7]), (mate, tiny_prompt[::-1])])[0]]
+    parts.append(runner.step([(mate, [5]), (seq, tiny_prompt[7:16])])[1])
+    parts.append(runner.step([(seq, tiny_prompt[16:])])[0])
+
+    assert torch.equal(torch.cat(parts), whole)

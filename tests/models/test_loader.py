@@ -20,7 +20,7 @@ _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight"
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-          "mlp.down_proj": "ffn_down"}
+          "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
 def gguf_name(hf_name: str) -> str:
@@ -51,6 +51,10 @@ def write_gguf(path: Path, hf_model, arch: str = "llama", drop: tuple[str, ...] 
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None)
+    if head_dim and head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_tokenizer_model("gpt2")
@@ -91,7 +95,8 @@ def tiny_llama(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("arch, overrides", [("llama", {}), ("llama", {"tie_word_embeddings": True}),
-                                             ("qwen2", {})], ids=["llama", "llama-tied", "qwen2"])
+                                             ("qwen2", {}), ("qwen3", {})],
+                         ids=["llama", "llama-tied", "qwen2", "qwen3"])
 def test_tiny_gguf_matches_transformers_on_the_hf_checkpoint(tiny_checkpoint, tiny_prompt, make_runner,
                                                              tmp_path, arch, overrides):
     # llama.cpp permutes llama Q/K rows (not qwen2's): the loader must undo exactly that.

@@ -60,8 +60,9 @@ def run_ranks(world: int, model: Path, quantization: str, out: Path) -> torch.Te
     return torch.load(out, weights_only=True)
 
 
-# qwen2: q/k/v biases, split with their rows, and a tied head; int4: each rank quantises its slices.
-@pytest.mark.parametrize("arch,quantization", [("llama", "none"), ("qwen2", "int4")])
+# qwen2: q/k/v biases, split with their rows, and a tied head; int4: each rank quantises its slices;
+# qwen3: every rank norms its own heads with the one shared q/k norm.
+@pytest.mark.parametrize("arch,quantization", [("llama", "none"), ("qwen2", "int4"), ("qwen3", "w4a8")])
 def test_two_ranks_compute_the_whole_models_logits(tiny_checkpoint, tmp_path, arch, quantization):
     # 4 query heads, 2 KV heads, 96 MLP features: split 2 ways, whole 4-bit groups of
     # the 64 attention inputs but not of the 48 MLP inputs; hence 128 features here.
