@@ -86,6 +86,10 @@ def _content_text(where: str, role: str, message: Mapping[str, Any]) -> str:
     raise ValueError(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}")
 
 
+# The names every render sets; extra context (a request's chat_template_kwargs) may not.
+RESERVED_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
+
+
 def render_chat_template(
     template: str | None,
     messages: Sequence[Mapping[str, Any]],
@@ -93,11 +97,14 @@ def render_chat_template(
     add_generation_prompt: bool = True,
     bos_token: str | None = None,
     eos_token: str | None = None,
-    **extra_context: Any,
+    tools: list[dict[str, Any]] | None = None,
+    context: Mapping[str, Any] | None = None,
 ) -> str:
     """Render ``messages`` with a model's chat template (ChatML when ``template`` is None).
 
-    ``extra_context`` is handed to the template as-is (e.g. ``tools``). The
+    ``tools`` (OpenAI's tool objects) are the template's ``tools`` where given;
+    ``context`` holds more variables for it (a request's ``chat_template_kwargs``),
+    which may not set a name the render sets. The
     result already contains whatever BOS text the template writes, so encode it
     without adding special tokens.
 
@@ -105,6 +112,11 @@ def render_chat_template(
         ValueError: the messages are malformed, the template does not compile,
             it calls ``raise_exception``, or it breaks the sandbox rules.
     """
+    context = dict(context or {})
+    taken = sorted(set(context) & (RESERVED_NAMES | set(_environment().globals)))
+    if taken:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(map(repr, taken))}: the server sets "
+                         "those names itself")
     source = template if template is not None else DEFAULT_CHAT_TEMPLATE
     normalized = _developer_as_system(normalize_messages(messages), source)
     compiled = _compile(source)
@@ -114,7 +126,8 @@ def render_chat_template(
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token or "",
             eos_token=eos_token or "",
-            **extra_context,
+            **({"tools": tools} if tools else {}),
+            **context,
         )
     # TypeError comes from templates doing e.g. str + list on an unexpected message shape.
     except (jinja2.TemplateError, TypeError) as exc:

@@ -144,19 +144,22 @@ class Tokenizer:
         return template_tool_syntax(self.chat_template)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None,
+                            template_kwargs: Mapping[str, Any] | None = None) -> str:
         """Render ``messages`` with the model's template (ChatML if it has none);
-        ``tools`` (OpenAI's tool objects) go to a template that renders them.
+        ``tools`` (OpenAI's tool objects) go to a template that renders them, and
+        ``template_kwargs`` (a request's ``chat_template_kwargs``, e.g. Qwen3's
+        ``enable_thinking``) are more variables for it.
 
         Raises:
-            ValueError: malformed messages or a template that fails to render.
+            ValueError: malformed messages, template variables that would replace the
+                server's own, or a template that fails to render.
         """
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else None
         eos = self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
-        extra = {"tools": tools} if tools else {}
         return render_chat_template(
             self.chat_template, messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos,
-            **extra,
+            tools=tools, context=template_kwargs,
         )
 
     @classmethod

@@ -162,7 +162,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         tok = engine.tokenizer
         if body.messages is not None:
             text = apply_template(tok, template_messages(body.messages, tool_format=state.tool_format),
-                                  body.add_generation_prompt is not False)
+                                  body.add_generation_prompt is not False,
+                                  template_kwargs=body.chat_template_kwargs)
             ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
         else:
             assert body.prompt is not None

@@ -8,7 +8,8 @@ are interchangeable: ``build_app`` accepts anything with this shape.
 from __future__ import annotations
 
 import threading
-from typing import AsyncIterator, Protocol
+from collections.abc import Mapping
+from typing import Any, AsyncIterator, Protocol
 
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -33,7 +34,8 @@ class TokenizerLike(Protocol):
     tool_call_syntax: str | None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str: ...
+                            tools: list[dict] | None = None,
+                            template_kwargs: Mapping[str, Any] | None = None) -> str: ...
 
 
 class EngineClient(Protocol):

@@ -383,6 +383,8 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = True  # vLLM extension
+    # vLLM's: more variables for the chat template (Qwen3's enable_thinking, ...).
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_tools(self) -> "ChatCompletionRequest":
@@ -454,6 +456,7 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":

@@ -43,14 +43,16 @@ def chat_logprobs(tokenizer: TokenizerLike, lps: list[TokenLogprob], as_ids: boo
 
 
 def apply_template(tokenizer: TokenizerLike, messages: list[dict[str, Any]],
-                   add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None) -> str:
-    """Render messages with the model's chat template; a template error is a 400."""
+                   add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None,
+                   template_kwargs: dict[str, Any] | None = None) -> str:
+    """Render messages with the model's chat template (and a request's
+    ``chat_template_kwargs``); a template error is a 400."""
     try:
-        if tools:
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 tools=tools)
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             tools=tools or None, template_kwargs=template_kwargs or None)
     except ValueError as e:
+        if str(e).startswith("chat_template_kwargs"):
+            raise bad_request(str(e), "chat_template_kwargs") from None
         raise bad_request(f"Invalid messages: {e}", "messages") from None
 
 
@@ -61,7 +63,8 @@ def render_prompt(tokenizer: TokenizerLike, body: ChatCompletionRequest, fmt: To
     tools = body.tool_specs() if body.tools else None
     messages = template_messages(body.messages, tools, body.parallel_calls, fmt)
     text = apply_template(tokenizer, messages, body.add_generation_prompt is not False,
-                          [t.openai() for t in tools] if tools and fmt.native else None)
+                          [t.openai() for t in tools] if tools and fmt.native else None,
+                          body.chat_template_kwargs)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

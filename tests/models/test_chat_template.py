@@ -63,6 +63,18 @@ def test_template_sees_bos_eos_and_helpers():
     assert rendered == '<s>{"role": "user", "content": "<b>&"}</s>4'
 
 
+def test_template_kwargs_are_variables_but_not_the_renders_own():
+    # Qwen3's switch: a request's chat_template_kwargs reach the template as variables.
+    template = ("{{ messages[0].content }}{% if enable_thinking is defined and enable_thinking is false %}"
+                "<think></think>{% endif %}")
+    messages = [{"role": "user", "content": "hi"}]
+    assert render_chat_template(template, messages) == "hi"
+    assert render_chat_template(template, messages, context={"enable_thinking": False}) == "hi<think></think>"
+    for name in ("messages", "tools", "add_generation_prompt", "bos_token", "raise_exception"):
+        with pytest.raises(ValueError, match=f"chat_template_kwargs may not set '{name}'"):
+            render_chat_template(template, messages, context={name: 1})
+
+
 def test_block_tags_leave_no_whitespace():
     # trim_blocks drops the newline after a tag, lstrip_blocks the indentation before one.
     template = "{% for m in messages %}\n  {% if m.content %}\n{{ m.content }}|\n  {% endif %}\n{% endfor %}"
@@ -125,3 +137,12 @@ def test_developer_messages_are_system_messages_to_a_template_that_does_not_know
     assert render_chat_template(None, developer).startswith("<|im_start|>system\nYou are terse.<|im_end|>\n")
     knows = "{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}{# developer #}"
     assert render_chat_template(knows, developer) == "developer:You are terse.;user:Hi there;"
+
+
+def test_the_tokenizer_hands_template_kwargs_over_and_refuses_its_own_names(ours):
+    messages = [{"role": "user", "content": "hi"}]
+    plain = ours.apply_chat_template(messages)
+    assert ours.apply_chat_template(messages, template_kwargs={"enable_thinking": False}) == plain
+    for name in ("messages", "tools", "add_generation_prompt", "eos_token"):
+        with pytest.raises(ValueError, match=f"may not set '{name}'"):
+            ours.apply_chat_template(messages, template_kwargs={name: []})

@@ -65,8 +65,12 @@ class FakeTokenizer:
     tool_call_syntax = None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+        """Each message as ``<|role|>content``; ``template_kwargs`` shown as ``[name=value]``
+        after the generation prompt (the real renderer refuses the names it sets itself)."""
         assert tools is None, "the fake's template knows nothing of tools"
+        if "messages" in (template_kwargs or {}):
+            raise ValueError("chat_template_kwargs may not set 'messages'")
         parts = []
         for m in messages:
             if m.get("role") not in self.ROLES or not isinstance(m.get("content"), str):
@@ -74,6 +78,7 @@ class FakeTokenizer:
             parts.append(f"<|{m['role']}|>{m['content']}\n")
         if add_generation_prompt:
             parts.append("<|assistant|>")
+        parts += [f"[{k}={v}]" for k, v in sorted((template_kwargs or {}).items())]
         return "".join(parts)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from api_helpers import MODEL, sse_events
+from api_helpers import MODEL, assert_error, sse_events
 from fake_engine import SCRIPT, FakeEngine
 
 pytestmark = pytest.mark.anyio
@@ -45,6 +45,18 @@ async def test_default_max_tokens_is_rest_of_context(client: httpx.AsyncClient,
 async def test_max_completion_tokens_wins(client: httpx.AsyncClient, engine: FakeEngine) -> None:
     await chat(client, max_tokens=9, max_completion_tokens=3)
     assert engine.requests[-1].params.max_tokens == 3
+
+
+async def test_chat_template_kwargs_reach_the_template(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    r = await chat(client, max_tokens=1, chat_template_kwargs={"enable_thinking": False})
+    assert r.status_code == 200, r.text
+    assert engine.tokenizer.decode(engine.requests[-1].prompt_token_ids) == \
+        "<|user|>hi\n<|assistant|>[enable_thinking=False]"
+    tokenized = await client.post("/tokenize", json={"messages": HELLO, "chat_template_kwargs": {"x": 1}})
+    assert engine.tokenizer.decode(tokenized.json()["tokens"]) == "<|user|>hi\n<|assistant|>[x=1]"
+    err = assert_error(await chat(client, chat_template_kwargs={"messages": []}), 400, "chat_template_kwargs")
+    assert "may not set 'messages'" in err["message"]
+    assert_error(await chat(client, chat_template_kwargs=["enable_thinking"]), 400, "chat_template_kwargs")
 
 
 async def test_content_parts_and_system(client: httpx.AsyncClient, engine: FakeEngine) -> None:
