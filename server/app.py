@@ -30,6 +30,7 @@ from server.protocol import DetokenizeRequest, TokenizeRequest, template_message
 from server.serving_chat import apply_template, create_chat_completion
 from server.serving_common import client_disconnected
 from server.serving_completions import create_completion
+from server.reasoning import reasoning_format
 from server.responses_api import ResponseStore
 from server.serving_responses import create_response
 from server.state import DEFAULT_STORED_RESPONSES, ServerState
@@ -50,7 +51,8 @@ def _version() -> str:
 def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: int | None = None,
               max_body_size: int = 4 * MiB, served_model_name: str | None = None,
               metrics_require_key: bool = False, tool_call_parser: str = "auto",
-              max_stored_responses: int = DEFAULT_STORED_RESPONSES) -> FastAPI:
+              max_stored_responses: int = DEFAULT_STORED_RESPONSES,
+              reasoning_parser: str = "none") -> FastAPI:
     """Build the HTTP app around ``engine``.
 
     The app's lifespan binds the engine to its event loop (``engine.start``; the loop
@@ -61,7 +63,8 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
     ``served_model_name`` defaults to ``engine.model_name``; ``tool_call_parser``
     picks the tool-call format (``server.tools.tool_format_for``);
     ``max_stored_responses`` bounds the Responses API answers kept in memory
-    for ``previous_response_id`` (0 stores none). Call
+    for ``previous_response_id`` (0 stores none); ``reasoning_parser`` (``server.reasoning``)
+    splits a thinking model's reasoning from its answer. Call
     ``app.state.kvserve.begin_drain(timeout)`` to start a graceful shutdown.
     """
     if metrics_require_key and not api_key:
@@ -71,6 +74,7 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
     engine.add_stat_logger(metrics)
     state = ServerState(engine=engine, model_name=model_name, metrics=metrics,
                         api_key=api_key, max_queue=max_queue, responses=ResponseStore(max_stored_responses),
+                    reasoning=reasoning_format(reasoning_parser),
                         tool_format=tool_format_for(tool_call_parser, engine.tokenizer.tool_call_syntax))
     if engine.tokenizer.tool_call_syntax == "unknown" and tool_call_parser == "auto":
         logger.warning("the chat template renders tools in a syntax kvserve does not read; "

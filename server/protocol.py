@@ -347,6 +347,7 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool results
+    reasoning_content: str | None = None  # an assistant turn's reasoning, for templates that render it
 
     @model_validator(mode="after")
     def _tool_fields(self) -> "ChatMessage":
@@ -494,6 +495,8 @@ def template_messages(messages: list[ChatMessage], tools: list[FunctionSpec] | N
             d["tool_call_id"] = m.tool_call_id
         if m.name is not None:
             d["name"] = m.name
+        if m.reasoning_content is not None and m.role == "assistant":
+            d["reasoning_content"] = m.reasoning_content
         out.append(d)
     if tools and not tool_format.native:
         block = tools_block(tools, parallel)

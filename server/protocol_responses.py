@@ -130,12 +130,15 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    # A thinking model's reasoning, with --reasoning-parser (DeepSeek's and llama.cpp's name).
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _no_empty_tool_calls(self, handler: Any) -> dict[str, Any]:
         out = handler(self)
-        if out.get("tool_calls") is None:
-            out.pop("tool_calls", None)
+        for optional in ("tool_calls", "reasoning_content"):
+            if out.get(optional) is None:
+                out.pop(optional, None)
         return out
 
 
@@ -182,6 +185,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")

@@ -87,6 +87,22 @@ class FunctionCallOutputItem(_Strict):
     output: str | list[TextPart]
 
 
+class ReasoningText(_Strict):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(_Strict):
+    """An earlier answer's reasoning, sent back: the next assistant turn's ``reasoning_content``."""
+
+    type: Literal["reasoning"]
+    content: list[ReasoningText] | None = None
+    summary: list[Any] | None = None  # kvserve writes none; a client's own is not the model's text
+
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or [])
+
+
 def _item_type(item: Any) -> str:
     # An item without a type is a message ("easy input message").
     if isinstance(item, dict):
@@ -96,10 +112,10 @@ def _item_type(item: Any) -> str:
 
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_type, custom_error_type="invalid_item",
-                  custom_error_message="input items must be of type message, function_call or "
-                                       "function_call_output (text only)")]
+                  custom_error_message="input items must be of type message, function_call, "
+                                       "function_call_output or reasoning (text only)")]
 
 
 class FunctionTool(_Strict):
@@ -243,17 +259,28 @@ class ResponsesRequest(_Strict):
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
         out: list[dict[str, Any]] = []
+        reasoning: str | None = None  # a reasoning item's text, for the assistant turn after it
+
+        def assistant(turn: dict[str, Any]) -> dict[str, Any]:
+            nonlocal reasoning
+            if reasoning is not None:
+                turn["reasoning_content"], reasoning = reasoning, None
+            return turn
+
         for item in self.input:
-            if isinstance(item, MessageItem):
-                out.append({"role": item.role, "content": _text(item.content)})
+            if isinstance(item, ReasoningItem):
+                reasoning = (reasoning or "") + item.text()
+            elif isinstance(item, MessageItem):
+                turn = {"role": item.role, "content": _text(item.content)}
+                out.append(assistant(turn) if item.role == "assistant" else turn)
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
                 last = out[-1] if out else None
-                if last is not None and last["role"] == "assistant":
+                if last is not None and last["role"] == "assistant" and reasoning is None:
                     last.setdefault("tool_calls", []).append(call)
                 else:
-                    out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                    out.append(assistant({"role": "assistant", "content": None, "tool_calls": [call]}))
             else:
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
         return out
@@ -322,7 +349,22 @@ class OutputFunctionCall(BaseModel):
     arguments: str = ""
 
 
-OutputItem = OutputMessage | OutputFunctionCall
+class OutputReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str = ""
+
+
+class OutputReasoning(BaseModel):
+    """A thinking model's reasoning (``--reasoning-parser``), before the answer's items."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
+    summary: list[Any] = Field(default_factory=list)
+    content: list[OutputReasoningText] = Field(default_factory=list)
+
+
+OutputItem = OutputMessage | OutputFunctionCall | OutputReasoning
 
 
 class InputTokensDetails(BaseModel):
@@ -417,6 +459,9 @@ class ResponseObject(BaseModel):
         message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
         if calls:
             message["tool_calls"] = calls
+        reasoning = [part.text for item in self.output if isinstance(item, OutputReasoning) for part in item.content]
+        if reasoning:
+            message["reasoning_content"] = "".join(reasoning)
         return [message]
 
 

@@ -13,6 +13,7 @@ from server.body import read_model
 from server.engine_client import TokenizerLike
 from server.errors import bad_request
 from server.protocol import ChatCompletionRequest, template_messages
+from server.reasoning import ReasoningStream
 from server.protocol_responses import (AssistantMessage, ChatChoice, ChatChunkChoice,
                                        ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
                                        ChatTokenLogprob, DeltaMessage, FunctionCall, ToolCall, TopLogprob,
@@ -83,8 +84,14 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     want_logprobs = params.logprobs is not None
     as_ids = bool(body.return_tokens_as_token_ids)
     calling = body.tool_choice_name() != "none"
+    # A constrained answer (tools, a structured output) is under its grammar from the
+    # first token: it has no reasoning part to split off.
+    thinking = state.reasoning if params.structured is None else None
 
     def message(text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
+        if thinking is not None:
+            reasoning, text = thinking.split(text)
+            return AssistantMessage(content=text, reasoning_content=reasoning), finish_reason
         calls = fmt.parse(text) if calling else None
         if calls is None:
             return AssistantMessage(content=text), finish_reason
@@ -122,17 +129,26 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
                                         delta=DeltaMessage(role="assistant", content="")))
 
     streams = [CallStream(fmt) for _ in choices.states] if calling else None
+    thoughts = [ReasoningStream(thinking) for _ in choices.states] if thinking is not None else None
 
     def render(prompt_index: int, ro: RequestOutput) -> Iterator[str]:
         for idx, out, finished in choices.update(prompt_index, ro):
             text, calls = streams[idx].feed(out.text) if streams else (out.text, [])
-            if text or calls or out.logprobs:
+            reasoning = ""
+            if thoughts:
+                reasoning, text = thoughts[idx].feed(text)
+            if text or reasoning or calls or out.logprobs:
                 lps = chat_logprobs(tok, out.logprobs or [], as_ids) if want_logprobs else None
-                yield chunk(ChatChunkChoice(index=idx, delta=DeltaMessage(content=text if text or not calls else None,
-                                                                          tool_calls=calls or None),
-                                            logprobs=lps))
+                yield chunk(ChatChunkChoice(index=idx, delta=DeltaMessage(
+                    content=text if text or not (calls or reasoning) else None,
+                    reasoning_content=reasoning or None, tool_calls=calls or None), logprobs=lps))
             if finished:
                 reason = choices.states[idx].finish_reason
+                if thoughts:
+                    reasoning, rest = thoughts[idx].finish()
+                    if reasoning or rest:
+                        yield chunk(ChatChunkChoice(index=idx, delta=DeltaMessage(
+                            content=rest or None, reasoning_content=reasoning or None)))
                 if streams:
                     rest, were_calls = streams[idx].finish()
                     if rest:

@@ -22,8 +22,10 @@ from engine.outputs import RequestOutput
 from server.body import read_model
 from server.errors import APIError
 from server.protocol_responses import ChatTokenLogprob, DeltaToolCall, Usage, now
-from server.responses_api import (OutputFunctionCall, OutputItem, OutputMessage, OutputText, ResponseObject,
-                                  ResponsesRequest, StoredResponse, new_item_id, responses_params)
+from server.reasoning import ReasoningStream
+from server.responses_api import (OutputFunctionCall, OutputItem, OutputMessage, OutputReasoning,
+                                  OutputReasoningText, OutputText, ResponseObject, ResponsesRequest, StoredResponse,
+                                  new_item_id, responses_params)
 from server.serving_chat import chat_logprobs, render_prompt
 from server.serving_common import Choices, first_output, launch, run_to_completion, stream_response
 from server.state import ServerState
@@ -42,12 +44,16 @@ def _previous_conversation(state: ServerState, body: ResponsesRequest) -> list[d
     return stored.conversation
 
 
-def answer_items(text: str, calls: list | None, logprobs: list[ChatTokenLogprob]) -> list[OutputItem]:
-    """A finished answer's output items: its calls, else one message."""
+def answer_items(text: str, calls: list | None, logprobs: list[ChatTokenLogprob],
+                 reasoning: str | None = None) -> list[OutputItem]:
+    """A finished answer's output items: its reasoning, then its calls, else one message."""
+    items: list[OutputItem] = []
+    if reasoning is not None:
+        items.append(OutputReasoning(id=new_item_id("rs"), content=[OutputReasoningText(text=reasoning)]))
     if calls is not None:
-        return [OutputFunctionCall(id=new_item_id("fc"), call_id=new_call_id(), name=c.name,
-                                   arguments=c.arguments) for c in calls]
-    return [OutputMessage(id=new_item_id("msg"), content=[OutputText(text=text, logprobs=logprobs)])]
+        return items + [OutputFunctionCall(id=new_item_id("fc"), call_id=new_call_id(), name=c.name,
+                                           arguments=c.arguments) for c in calls]
+    return items + [OutputMessage(id=new_item_id("msg"), content=[OutputText(text=text, logprobs=logprobs)])]
 
 
 async def create_response(state: ServerState, request: Request) -> Response:
@@ -64,6 +70,8 @@ async def create_response(state: ServerState, request: Request) -> Response:
     response_id = new_item_id("resp")
     choices = Choices([len(prompt)], 1)
     calling = chat.tool_choice_name() != "none"
+    # As in chat: a constrained answer has no reasoning part.
+    thinking = state.reasoning if params.structured is None else None
     merged = await launch(state, response_id, [prompt], params,
                           {"prompt": "input", "max_tokens": "max_output_tokens",
                            "structured": "tools" if calling else "text.format"})
@@ -78,10 +86,12 @@ async def create_response(state: ServerState, request: Request) -> Response:
     if not body.stream:
         await run_to_completion(request, merged, choices)
         st = choices.states[0]
-        text = "".join(st.text)
+        text, reasoning = "".join(st.text), None
+        if thinking is not None:
+            reasoning, text = thinking.split(text)
         calls = fmt.parse(text) if calling else None
         lps = chat_logprobs(tok, st.logprobs).content if body.wants_logprobs else []
-        response.output = answer_items(text, calls, lps)
+        response.output = answer_items(text, calls, lps, reasoning)
         response.finish(st.finish_reason, choices.usage())
         keep()
         return JSONResponse(response.model_dump(mode="json"))
@@ -89,6 +99,7 @@ async def create_response(state: ServerState, request: Request) -> Response:
     first = await first_output(request, merged)
     events = ResponseEvents(response)
     calls_stream = CallStream(fmt) if calling else None
+    thought = ReasoningStream(thinking) if thinking is not None else None
 
     # Logprobs of text held back until the answer shows whether it is calls: they go
     # out with that text, or nowhere (a function call item has none).
@@ -102,6 +113,13 @@ async def create_response(state: ServerState, request: Request) -> Response:
             if finished and calls_stream:
                 rest, _ = calls_stream.finish()
                 text += rest
+            if thought is not None:
+                reasoning, text = thought.feed(text)
+                if finished:
+                    more, rest = thought.finish()
+                    reasoning, text = reasoning + more, text + rest
+                if reasoning:
+                    yield from events.reasoning(reasoning)
             deciding = calls_stream is not None and calls_stream.mode != "text"
             if deciding and calls_stream.mode == "calls":
                 held.clear()
@@ -134,6 +152,7 @@ class ResponseEvents:
     def __init__(self, response: ResponseObject) -> None:
         self.response = response
         self.sequence = 0
+        self.open_reasoning: OutputReasoning | None = None  # the open reasoning item
         self.open_message: OutputMessage | None = None  # the open message item
         self.open_call: OutputFunctionCall | None = None  # the open function call item
 
@@ -153,9 +172,36 @@ class ResponseEvents:
         yield self._event("response.created", response=self.response)
         yield self._event("response.in_progress", response=self.response)
 
+    def reasoning(self, delta: str) -> Iterator[str]:
+        """Reasoning text, into the reasoning item (opened at the first piece)."""
+        if self.open_reasoning is None:
+            self.open_reasoning = OutputReasoning(id=new_item_id("rs"))
+            yield self._add(self.open_reasoning)
+            part = OutputReasoningText()
+            self.open_reasoning.content.append(part)
+            yield self._event("response.content_part.added", item_id=self.open_reasoning.id,
+                              output_index=self._index(self.open_reasoning), content_index=0, part=part)
+        self.open_reasoning.content[0].text += delta
+        yield self._event("response.reasoning_text.delta", item_id=self.open_reasoning.id,
+                          output_index=self._index(self.open_reasoning), content_index=0, delta=delta)
+
+    def _close_reasoning(self) -> Iterator[str]:
+        item, self.open_reasoning = self.open_reasoning, None
+        if item is None:
+            return
+        if item.status == "in_progress":
+            item.status = "completed"
+        part, index = item.content[0], self._index(item)
+        yield self._event("response.reasoning_text.done", item_id=item.id, output_index=index, content_index=0,
+                          text=part.text)
+        yield self._event("response.content_part.done", item_id=item.id, output_index=index, content_index=0,
+                          part=part)
+        yield self._event("response.output_item.done", output_index=index, item=item)
+
     def text(self, delta: str, logprobs: list[ChatTokenLogprob]) -> Iterator[str]:
         """Answer text (and its tokens' logprobs), into the message item (opened at the first)."""
         if self.open_message is None:
+            yield from self._close_reasoning()
             yield from self._close_call("completed")
             self.open_message = OutputMessage(id=new_item_id("msg"))
             yield self._add(self.open_message)
@@ -173,6 +219,7 @@ class ResponseEvents:
     def call(self, delta: DeltaToolCall) -> Iterator[str]:
         """A piece of a call: its id and name open an item, arguments follow in pieces."""
         if delta.id is not None:
+            yield from self._close_reasoning()
             yield from self._close_call("completed")
             self.open_call = OutputFunctionCall(id=new_item_id("fc"), call_id=delta.id,
                                            name=delta.function.name or "")
@@ -205,11 +252,13 @@ class ResponseEvents:
         yield self._event("response.output_item.done", output_index=index, item=message)
 
     def finish(self, finish_reason: str | None, usage: Usage) -> Iterator[str]:
-        """Close the open item and send the final response (an empty answer is an empty message)."""
-        if not self.response.output:
+        """Close the open item and send the final response (an answer with no message or
+        call, reasoning or not, gets an empty message)."""
+        if not any(not isinstance(item, OutputReasoning) for item in self.response.output):
             yield from self.text("", [])
         self.response.finish(finish_reason, usage)
         status = "completed" if self.response.status == "completed" else "incomplete"
+        yield from self._close_reasoning()
         yield from self._close_message()
         yield from self._close_call(status)
         yield self._event(f"response.{self.response.status}", response=self.response)

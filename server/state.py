@@ -15,6 +15,7 @@ from engine.validation import InvalidRequestError
 from server.engine_client import EngineClient
 from server.errors import bad_request, model_not_found, unavailable
 from server.metrics import PrometheusStatLogger
+from server.reasoning import ReasoningFormat
 from server.responses_api import ResponseStore
 from server.tools import FORMATS, ToolFormat
 
@@ -37,6 +38,8 @@ class ServerState:
     api_key: str | None = None
     max_queue: int | None = None
     tool_format: ToolFormat = FORMATS["generic"]
+    # --reasoning-parser: how a thinking model's reasoning is told from its answer.
+    reasoning: ReasoningFormat | None = None
     # Stored Responses API answers (previous_response_id, GET /v1/responses/{id}).
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(DEFAULT_STORED_RESPONSES))
     draining: bool = False

@@ -8,6 +8,7 @@ import re
 
 from engine.config import (KV_CACHE_DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS, EngineConfig, ParallelConfig,
                            SpeculativeConfig, parallel_from_torchrun)
+from server.reasoning import REASONING_PARSERS
 from server.state import DEFAULT_STORED_RESPONSES
 from server.tools import TOOL_PARSERS
 
@@ -114,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require 'Authorization: Bearer <key>' (default: $KVSERVE_API_KEY)")
     serve.add_argument("--max-queue", type=int, default=None,
                        help="refuse new generation requests with 503 while this many are in flight")
+    serve.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default="none",
+                       help="split a thinking model's <think> reasoning from its answer into "
+                            "reasoning_content: qwen3 or deepseek_r1 (default: none, all content)")
     serve.add_argument("--max-stored-responses", type=_count_arg, default=DEFAULT_STORED_RESPONSES,
                        help="Responses API answers kept in memory for previous_response_id and "
                             "GET /v1/responses/{id} (the newest; 0 stores none)")

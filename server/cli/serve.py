@@ -151,7 +151,7 @@ def _serve(args: argparse.Namespace, engine: AsyncEngine) -> int:
     app = build_app(engine, api_key=args.api_key, max_queue=args.max_queue,
                     max_body_size=args.max_body_size, served_model_name=args.served_model_name,
                     metrics_require_key=args.metrics_require_key, tool_call_parser=args.tool_call_parser,
-                    max_stored_responses=args.max_stored_responses)
+                    max_stored_responses=args.max_stored_responses, reasoning_parser=args.reasoning_parser)
     state = app.state.kvserve
     logger.info("kvserve listening on http://%s:%d (model %s, max_model_len %d, auth %s)",
                 args.host, args.port, state.model_name, engine.max_model_len,
@@ -159,6 +159,8 @@ def _serve(args: argparse.Namespace, engine: AsyncEngine) -> int:
     logger.info("tool calls: %s format (%s)", state.tool_format.name,
                 "the chat template renders tools" if state.tool_format.native
                 else "tools listed in the system message")
+    if state.reasoning is not None:
+        logger.info("reasoning: %s parser (<think> blocks go to reasoning_content)", state.reasoning.name)
     logger.info("KV cache: %d blocks x %d tokens = %d tokens", engine.num_kv_blocks,
                 engine.block_size, engine.num_kv_blocks * engine.block_size)
 

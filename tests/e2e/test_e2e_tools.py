@@ -47,13 +47,15 @@ HERMES_TEMPLATE = Path(__file__).parents[1] / "data" / "hermes_chat_template.jin
 
 @pytest.fixture(scope="module")
 def hermes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    """A second server whose chat template renders tools the hermes way."""
+    """A second server whose chat template renders tools the hermes way (and which reads
+    answers with Qwen3's reasoning parser: SmolLM2 never thinks, so they are all content)."""
     srv = KVServe(free_port(), tmp_path_factory.mktemp("hermes") / "server.log",
                   api_key="e2e-" + secrets.token_hex(8), shutdown_timeout=10.0,
-                  extra=["--chat-template", str(HERMES_TEMPLATE)])
+                  extra=["--chat-template", str(HERMES_TEMPLATE), "--reasoning-parser", "qwen3"])
     try:
         srv.wait_http_ok(f"{srv.url}/health", 120.0)
         assert "tool calls: hermes format" in srv.log(tail=10**6), srv.describe()
+        assert "reasoning: qwen3 parser" in srv.log(tail=10**6), srv.describe()
         yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key=srv.api_key, max_retries=0, timeout=120.0)
     finally:
         rc = srv.stop(30.0)

@@ -75,7 +75,8 @@ class FakeTokenizer:
         for m in messages:
             if m.get("role") not in self.ROLES or not isinstance(m.get("content"), str):
                 raise ValueError(f"bad message {m!r}")
-            parts.append(f"<|{m['role']}|>{m['content']}\n")
+            thought = f"<think>{m['reasoning_content']}</think>" if "reasoning_content" in m else ""
+            parts.append(f"<|{m['role']}|>{thought}{m['content']}\n")
         if add_generation_prompt:
             parts.append("<|assistant|>")
         parts += [f"[{k}={v}]" for k, v in sorted((template_kwargs or {}).items())]
@@ -111,6 +112,7 @@ class FakeEngine:
                  eos_at: int | None = None, fail_after_steps: int | None = None,
                  fault: str = "error") -> None:
         self.tokenizer = FakeTokenizer()
+        self.script = SCRIPT  # what every sample types out (ASCII: one byte-token per character)
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -183,7 +185,7 @@ class FakeEngine:
         if self.eos_at is not None and s.num_tokens >= self.eos_at and not p.ignore_eos \
                 and s.num_tokens >= p.min_tokens:
             return FakeTokenizer.EOS
-        return ord(SCRIPT[(s.index + s.num_tokens) % len(SCRIPT)])
+        return ord(self.script[(s.index + s.num_tokens) % len(self.script)])
 
     def _advance(self, req: FakeRequest, s: _Sample, limit: int) -> CompletionOutput:
         """Generate one token for ``s`` and return its delta."""

@@ -1,0 +1,109 @@
+"""Reasoning parsers: a thinking model's ``<think>...</think>`` apart from its answer.
+
+``--reasoning-parser qwen3`` reads an answer that opens with ``<think>`` as
+reasoning up to ``</think>`` and the rest as content (Qwen3 thinks unless the
+request's ``chat_template_kwargs`` turn it off, and then writes no tags);
+``deepseek_r1`` reads everything up to ``</think>`` as reasoning, since its
+template opens the block in the prompt (a leading ``<think>`` the model writes
+anyway is dropped), and an answer cut before ``</think>`` as all reasoning.
+The text between the tags goes out as it was generated (no whitespace is
+trimmed), so a streamed answer's pieces join into the whole answer's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+START, END = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    """How one family of models marks its reasoning."""
+
+    name: str
+    # The answer starts inside the reasoning block (the template opened it).
+    opens_in_prompt: bool
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """A whole answer as ``(reasoning, content)``; reasoning None where there is none."""
+        stream = ReasoningStream(self)
+        reasoning, content = stream.feed(text)
+        rest_reasoning, rest_content = stream.finish()
+        reasoning += rest_reasoning
+        content += rest_content
+        return (reasoning if stream.reasoned else None), content
+
+
+REASONING_FORMATS = {
+    "qwen3": ReasoningFormat("qwen3", opens_in_prompt=False),
+    "deepseek_r1": ReasoningFormat("deepseek_r1", opens_in_prompt=True),
+}
+REASONING_PARSERS = ("none", *REASONING_FORMATS)
+
+
+def reasoning_format(name: str) -> ReasoningFormat | None:
+    """The format ``--reasoning-parser`` names; None for ``none``."""
+    if name == "none":
+        return None
+    try:
+        return REASONING_FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown reasoning parser {name!r}; expected one of {', '.join(REASONING_PARSERS)}") from None
+
+
+def _held_prefix(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` could start ``tag``."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class ReasoningStream:
+    """One answer's text, fed piece by piece, split into reasoning and content pieces.
+
+    Text that could still be part of a tag is held back until the next piece
+    shows what it is, so a tag is never sent, in whole or in part.
+    """
+
+    def __init__(self, fmt: ReasoningFormat) -> None:
+        self.format = fmt
+        # "start": before the answer shows whether it opens with <think> (the
+        # leading tag is optional where the prompt opened the block);
+        # "reasoning" inside the block; "content" after it, or with no block.
+        self.state = "start"
+        self.reasoned = fmt.opens_in_prompt
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """``(reasoning, content)`` to send for ``text``."""
+        buf, self._held = self._held + text, ""
+        reasoning = content = ""
+        if self.state == "start":
+            if START.startswith(buf) and len(buf) < len(START):
+                self._held = buf
+                return "", ""
+            if buf.startswith(START):
+                buf, self.state, self.reasoned = buf[len(START):], "reasoning", True
+            else:
+                self.state = "reasoning" if self.format.opens_in_prompt else "content"
+        if self.state == "reasoning":
+            end = buf.find(END)
+            if end < 0:
+                keep = _held_prefix(buf, END)
+                self._held = buf[len(buf) - keep:] if keep else ""
+                return buf[:len(buf) - keep], ""
+            reasoning, buf, self.state = buf[:end], buf[end + len(END):], "content"
+        content = buf
+        return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        """What is still held back, at the end of the answer."""
+        held, self._held = self._held, ""
+        if self.state == "reasoning":
+            return held, ""
+        if self.state == "start" and self.format.opens_in_prompt:
+            self.state = "reasoning"
+            return held, ""
+        return "", held

@@ -1,0 +1,160 @@
+"""--reasoning-parser: a thinking model's <think> block apart from its answer, whole and
+streamed in any pieces, on chat completions and the Responses API (fake engine)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pydantic
+import pytest
+from openai.types.responses import ResponseStreamEvent
+
+from api_helpers import MODEL, sse_events
+from fake_engine import FakeEngine
+from server.app import build_app
+from server.reasoning import REASONING_FORMATS, ReasoningStream, reasoning_format
+
+pytestmark = pytest.mark.anyio
+
+QWEN3, R1 = REASONING_FORMATS["qwen3"], REASONING_FORMATS["deepseek_r1"]
+
+CASES = [
+    # (format, answer, reasoning, content)
+    (QWEN3, "<think>\nstep 1</think>\n\nThe answer.", "\nstep 1", "\n\nThe answer."),
+    (QWEN3, "The answer, no thinking.", None, "The answer, no thinking."),
+    (QWEN3, "<thin", None, "<thin"),  # cut before the tag was whole: it was never one
+    (QWEN3, "<think>cut mid-thought </thi", "cut mid-thought </thi", ""),
+    (QWEN3, "<think></think>", "", ""),
+    (QWEN3, "a <think>b</think> c", None, "a <think>b</think> c"),  # only at the start
+    (R1, "step 1\nstep 2</think>The answer.", "step 1\nstep 2", "The answer."),
+    (R1, "<think>step</think>Answer", "step", "Answer"),
+    (R1, "still thinking when cut", "still thinking when cut", ""),
+    (R1, "x</think>a</think>b", "x", "a</think>b"),
+]
+
+
+@pytest.mark.parametrize("fmt, answer, reasoning, content", CASES)
+def test_every_split_of_the_stream_gives_the_whole_answers_parts(fmt, answer, reasoning, content) -> None:
+    assert fmt.split(answer) == (reasoning, content)
+    for size in range(1, len(answer) + 1):
+        stream, got = ReasoningStream(fmt), ["", ""]
+        for i in range(0, len(answer), size):
+            r, c = stream.feed(answer[i:i + size])
+            assert "<think>" not in r + c or "<think>" in content
+            got[0] += r
+            got[1] += c
+        r, c = stream.finish()
+        assert (got[0] + r, got[1] + c) == (reasoning or "", content), size
+
+
+def test_an_unknown_parser_is_refused() -> None:
+    assert reasoning_format("none") is None
+    with pytest.raises(ValueError, match="qwen3, deepseek_r1"):
+        reasoning_format("o1")
+
+
+THOUGHT = "<think>\nLet me see.\n</think>\n\nHello!"
+
+
+@pytest.fixture
+async def thinking() -> Any:
+    engine = FakeEngine(eos_at=len(THOUGHT))
+    engine.script = THOUGHT
+    app = build_app(engine, reasoning_parser="qwen3")
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            yield c
+
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+async def test_chat_answers_carry_reasoning_content(thinking: httpx.AsyncClient) -> None:
+    body = (await thinking.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES})).json()
+    message = body["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "\n\nHello!", "reasoning_content": "\nLet me see.\n"}
+    r = await thinking.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "stream": True,
+                                                         "n": 1})
+    deltas = [e["choices"][0]["delta"] for e in sse_events(r.text)[:-1] if e["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
+    assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+    assert not any("<think>" in json.dumps(d) or "</think>" in json.dumps(d) for d in deltas)
+
+
+async def test_an_earlier_turns_reasoning_goes_back_to_the_template(thinking: httpx.AsyncClient) -> None:
+    # Qwen3's template renders an assistant turn's reasoning_content (the fake's as <think>...</think>).
+    engine = thinking._transport.app.state.kvserve.engine
+    history = MESSAGES + [{"role": "assistant", "content": "Hello!", "reasoning_content": "Let me see."},
+                          {"role": "user", "content": "again"}]
+    r = await thinking.post("/v1/chat/completions", json={"model": MODEL, "messages": history, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    expected = "<|user|>hi\n<|assistant|><think>Let me see.</think>Hello!\n<|user|>again\n<|assistant|>"
+    assert engine.tokenizer.decode(engine.requests[-1].prompt_token_ids) == expected
+    # The Responses API's reasoning item, sent back, is the next assistant turn's reasoning.
+    items = [{"role": "user", "content": "hi"},
+             {"type": "reasoning", "id": "rs_1", "summary": [],
+              "content": [{"type": "reasoning_text", "text": "Let me see."}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello!"}]},
+             {"role": "user", "content": "again"}]
+    r = await thinking.post("/v1/responses", json={"model": MODEL, "input": items, "max_output_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert engine.tokenizer.decode(engine.requests[-1].prompt_token_ids) == expected
+
+
+async def test_responses_put_the_reasoning_in_its_own_item(thinking: httpx.AsyncClient) -> None:
+    engine = thinking._transport.app.state.kvserve.engine
+    body = (await thinking.post("/v1/responses", json={"model": MODEL, "input": "hi"})).json()
+    reasoning, message = body["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["id"].startswith("rs_")
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "\nLet me see.\n"}]
+    assert reasoning["summary"] == [] and reasoning["status"] == "completed"
+    assert message["type"] == "message" and message["content"][0]["text"] == "\n\nHello!"
+
+    r = await thinking.post("/v1/responses", json={"model": MODEL, "input": "hi", "stream": True})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    kinds = [e["type"] for e in events]
+    for event in events:  # every event is one the openai SDK's types read
+        pydantic.TypeAdapter(ResponseStreamEvent).validate_python(event)
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert events[2]["item"]["type"] == "reasoning" and events[3]["part"]["type"] == "reasoning_text"
+    pieces = [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"]
+    assert "".join(pieces) == reasoning["content"][0]["text"] and len(pieces) > 1
+    done = kinds.index("response.reasoning_text.done")
+    assert kinds[done:done + 4] == ["response.reasoning_text.done", "response.content_part.done",
+                                    "response.output_item.done", "response.output_item.added"]
+    assert all(e["output_index"] == 1 for e in events if e["type"] == "response.output_text.delta")
+    final = events[-1]["response"]
+    assert kinds[-1] == "response.completed"
+    assert [(i["type"], i["status"]) for i in final["output"]] == [("reasoning", "completed"), ("message", "completed")]
+    assert final["output"][1]["content"][0]["text"] == message["content"][0]["text"]
+
+    # previous_response_id carries the reasoning into the next turn's prompt, as Qwen3's template wants it.
+    await thinking.post("/v1/responses", json={"model": MODEL, "input": "again", "max_output_tokens": 1,
+                                               "previous_response_id": body["id"]})
+    assert engine.tokenizer.decode(engine.requests[-1].prompt_token_ids) == (
+        "<|user|>hi\n<|assistant|><think>\nLet me see.\n</think>\n\nHello!\n<|user|>again\n<|assistant|>")
+
+
+async def test_a_constrained_answer_has_no_reasoning_part(thinking: httpx.AsyncClient) -> None:
+    # The grammar holds from the first token, so nothing is split off (the fake
+    # engine ignores the grammar and types its script: all of it is content).
+    body = (await thinking.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": MESSAGES, "structured_outputs": {"regex": "[a-z]+"}})).json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": THOUGHT}
+
+
+async def test_without_a_parser_the_tags_are_content(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    engine.script, engine.eos_at = THOUGHT, len(THOUGHT)
+    body = (await client.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES})).json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": THOUGHT}
+
+
+def test_the_cli_takes_the_parser() -> None:
+    from server.cli.args import build_parser
+    args = build_parser().parse_args(["serve", "--reasoning-parser", "deepseek_r1"])
+    assert args.reasoning_parser == "deepseek_r1"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--reasoning-parser", "o1"])
