@@ -30,9 +30,9 @@ from server.protocol import DetokenizeRequest, TokenizeRequest, template_message
 from server.serving_chat import apply_template, create_chat_completion
 from server.serving_common import client_disconnected
 from server.serving_completions import create_completion
+from server.serving_responses import create_response
 from server.reasoning import reasoning_format
 from server.responses_api import ResponseStore
-from server.serving_responses import create_response
 from server.state import DEFAULT_STORED_RESPONSES, ServerState
 from server.tools import tool_format_for
 
@@ -74,7 +74,7 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
     engine.add_stat_logger(metrics)
     state = ServerState(engine=engine, model_name=model_name, metrics=metrics,
                         api_key=api_key, max_queue=max_queue, responses=ResponseStore(max_stored_responses),
-                    reasoning=reasoning_format(reasoning_parser),
+                        reasoning=reasoning_format(reasoning_parser),
                         tool_format=tool_format_for(tool_call_parser, engine.tokenizer.tool_call_syntax))
     if engine.tokenizer.tool_call_syntax == "unknown" and tool_call_parser == "auto":
         logger.warning("the chat template renders tools in a syntax kvserve does not read; "

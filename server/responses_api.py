@@ -5,8 +5,9 @@ A Responses request is a chat in other words. ``instructions`` and the
 ``text.format`` becomes a response format; ``ResponsesRequest.chat_request``
 makes that translation, so the prompt, the tool grammar and the sampling
 parameters come from the chat path alone. The answer goes back as output
-items: one assistant ``message`` with an ``output_text`` part, or one
-``function_call`` item per call. ``ResponseStore`` keeps recent responses for
+items: a ``reasoning`` item where a reasoning parser found one, then one
+assistant ``message`` with an ``output_text`` part, or one ``function_call``
+item per call. ``ResponseStore`` keeps recent responses for
 ``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}``.
 """
 
@@ -30,8 +31,7 @@ from server.protocol_responses import ChatTokenLogprob, Usage
 # What a Responses body field is called in the chat body it is translated into,
 # so that an error found on the chat side names the field the client sent.
 _CHAT_TO_RESPONSES = {"messages": "input", "max_completion_tokens": "max_output_tokens",
-                      "max_tokens": "max_output_tokens", "response_format": "text.format",
-                      "prompt": "input", "structured": "text.format"}
+                      "max_tokens": "max_output_tokens", "response_format": "text.format"}
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 

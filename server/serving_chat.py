@@ -13,11 +13,11 @@ from server.body import read_model
 from server.engine_client import TokenizerLike
 from server.errors import bad_request
 from server.protocol import ChatCompletionRequest, template_messages
-from server.reasoning import ReasoningStream
 from server.protocol_responses import (AssistantMessage, ChatChoice, ChatChunkChoice,
                                        ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
                                        ChatTokenLogprob, DeltaMessage, FunctionCall, ToolCall, TopLogprob,
                                        json_logprob, now, sse)
+from server.reasoning import ReasoningStream
 from server.serving_common import (Choices, first_output, launch, run_to_completion, stream_response,
                                    token_name, vllm_prompt_logprobs)
 from server.state import ServerState, new_request_id
