@@ -201,6 +201,8 @@ class LLMEngine:
         """
         max_tokens = check_request(prompt_token_ids, params, self.limits)
         grammar = self.grammars.compile(params.structured) if params.structured is not None else None
+        if params.think is not None:
+            self.grammars.blanks()  # worked out once, here rather than on the engine loop
         return EngineRequest(request_id, list(prompt_token_ids), params, max_tokens,
                              time.monotonic() if arrival_time is None else arrival_time,
                              group or request_id, grammar)
@@ -215,7 +217,8 @@ class LLMEngine:
                     prompt_token_ids=list(request.prompt_token_ids), sampling_params=params,
                     max_tokens=request.max_tokens, eos_token_ids=self.eos_token_ids,
                     group=request.group, sample_index=i, arrival_time=request.arrival_time,
-                    grammar=self.grammars.grammar(request.grammar) if request.grammar is not None else None)
+                    grammar=(self.grammars.grammar(request.grammar, params.think)
+                             if request.grammar is not None else None))
             for i in range(params.n)
         ]
         for seq in seqs:

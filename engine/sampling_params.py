@@ -68,6 +68,22 @@ class StructuredOutput:
         return json.dumps(self.value) if self.value is not None else ""
 
 
+@dataclass(frozen=True)
+class ThinkTokens:
+    """A thinking model's reasoning block, by its marker tokens: a structured output
+    then holds for the answer after the block, not for the reasoning in it.
+
+    ``opens_in_prompt``: the template opened the block, so the output starts inside
+    it (DeepSeek-R1); otherwise the output may open it with ``start`` as its first
+    token (Qwen3), or answer at once under the grammar. While the block is open
+    every token but an end of text is allowed; blanks right after ``end`` are too.
+    """
+
+    start: int
+    end: int
+    opens_in_prompt: bool = False
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -102,6 +118,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # What the output must match (engine/structured.py enforces it); None: free text.
     structured: StructuredOutput | None = None
+    # With ``structured``: the reasoning block the grammar waits out (ThinkTokens).
+    think: ThinkTokens | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -152,6 +170,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}")
+        if self.think is not None and self.structured is None:
+            raise ValueError("think only shapes a structured output: set structured too")
         for tok, bias in self.logit_bias.items():
             if not math.isfinite(bias) or not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias for token {tok} must be in [-100, 100], got {bias}")

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from engine.sampling_params import StructuredOutput
+from engine.sampling_params import StructuredOutput, ThinkTokens
 from engine.validation import InvalidRequestError
 
 # Compiling a grammar (and its first mask) at most this long; llguidance's own
@@ -105,18 +105,46 @@ class GrammarError(RuntimeError):
     engine, not of the request. The engine fails that request and keeps serving."""
 
 
+# Where a sample is with respect to a reasoning block (``ThinkTokens``): it may still
+# open one (its first token), is inside one, has just closed one (blanks may
+# follow), or is answering under the grammar (always, without ThinkTokens).
+OPENING, THINKING, CLOSING, ANSWER = "opening", "thinking", "closing", "answer"
+
+
 class Grammar:
     """One sample's matcher: which tokens may come next, fed each sampled token.
 
     ``eos_token_ids``: the tokens that end an output (the matcher's end of text).
+    With ``think`` the grammar waits out a reasoning block first: every token but
+    an end of text is allowed inside it, and ``blanks`` (tokens of whitespace
+    only) right after it, before the answer the grammar holds for.
     """
 
-    def __init__(self, matcher: Any, eos_token_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(self, matcher: Any, eos_token_ids: frozenset[int] = frozenset(),
+                 think: ThinkTokens | None = None, blanks: frozenset[int] = frozenset(),
+                 blank_mask: torch.Tensor | None = None) -> None:
         self.matcher = matcher
         self.eos_token_ids = eos_token_ids
+        self.think = think
+        self.blanks = blanks
+        self.blank_mask = blank_mask  # ``blanks`` as a mask row
+        self.phase = ANSWER if think is None else (THINKING if think.opens_in_prompt else OPENING)
         # Why computing this grammar's mask failed (``BitmaskFiller``), if it did: the
         # sample ends at its next token, with this error.
         self.fault: str | None = None
+
+    def after(self, phase: str, token_id: int) -> tuple[str, bool]:
+        """The phase after ``token_id`` in ``phase``, and whether the matcher consumes it."""
+        think = self.think
+        if phase == OPENING:
+            assert think is not None
+            return (THINKING, False) if token_id == think.start else (ANSWER, True)
+        if phase == THINKING:
+            assert think is not None
+            return (CLOSING, False) if token_id == think.end else (THINKING, False)
+        if phase == CLOSING:
+            return (CLOSING, False) if token_id in self.blanks else (ANSWER, True)
+        return ANSWER, True
 
     def advance(self, token_id: int) -> None:
         """Consume the sampled token (which the mask allowed); ``GrammarError`` if the
@@ -124,9 +152,11 @@ class Grammar:
         or if its mask could not be computed."""
         if self.fault is not None:
             raise GrammarError(self.fault)
-        if not self.matcher.consume_token(token_id):
+        phase, consumes = self.after(self.phase, token_id)
+        if consumes and not self.matcher.consume_token(token_id):
             raise GrammarError(f"the grammar refused token {token_id}, which its own mask allowed: "
                                f"{_short(self.matcher.get_error())}")
+        self.phase = phase
 
     def valid_prefix(self, token_ids: list[int]) -> int:
         """How many of ``token_ids`` the grammar accepts in a row from its state now, up to
@@ -135,26 +165,42 @@ class Grammar:
         end of text it consumed, rejects tokens it accepted before (a draft proposing
         ``}`` then EOS broke its request's grammar and, with it, the engine loop). Nothing
         after an end of text could be kept anyway; the next step samples it."""
-        n = self.matcher.validate_tokens(token_ids)
-        return next((i for i, t in enumerate(token_ids[:n]) if t in self.eos_token_ids), n)
+        phase, i = self.phase, 0
+        while phase != ANSWER and i < len(token_ids):
+            token = token_ids[i]
+            if token in self.eos_token_ids and phase in (THINKING, CLOSING):
+                return i  # no end of text inside a reasoning block (nor right after it)
+            after, consumes = self.after(phase, token)
+            if consumes:
+                break
+            phase, i = after, i + 1
+        rest = token_ids[i:]
+        n = self.matcher.validate_tokens(rest) if rest else 0
+        return i + next((k for k, t in enumerate(rest[:n]) if t in self.eos_token_ids), n)
 
     @property
     def forced(self) -> bool:
         """The grammar forces the next bytes (a key, a separator, a literal). Its mask then
         allows only the forced text's canonical tokens, not every token that fits."""
-        return bool(self.matcher.compute_ff_bytes())
+        return self.phase != THINKING and bool(self.matcher.compute_ff_bytes())
 
     def allows(self, token_id: int) -> bool:
         """Whether the mask would allow ``token_id`` next, without computing the mask;
         only where the next bytes are not ``forced`` (there the two agree: checked on
         every token of the vocabulary in tests/engine/test_structured.py)."""
         assert not self.forced, "a forced grammar's mask is narrower than validate_tokens"
+        if self.phase == THINKING:
+            return token_id not in self.eos_token_ids
+        if self.phase == OPENING and token_id == self.think.start:
+            return True
+        if self.phase == CLOSING and token_id in self.blanks:
+            return True
         return self.matcher.validate_tokens([token_id]) == 1
 
     @property
     def finished(self) -> bool:
         """The grammar accepts no more text: the output is complete."""
-        return self.matcher.is_stopped()
+        return self.phase == ANSWER and self.matcher.is_stopped()
 
 
 class GrammarCompiler:
@@ -175,6 +221,7 @@ class GrammarCompiler:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._tokenizer: Any = None
+        self._blanks: tuple[frozenset[int], torch.Tensor] | None = None
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvserve-grammar")
 
     @property
@@ -223,19 +270,47 @@ class GrammarCompiler:
             raise InvalidRequestError(f"the {spec.kind} cannot be enforced: {_short(matcher.get_error())}", param)
         return CompiledGrammar(spec.kind, grammar, time.perf_counter() - t0, matcher)
 
-    def grammar(self, compiled: CompiledGrammar) -> Grammar:
-        """A fresh matcher for one sample of a compiled request."""
+    def grammar(self, compiled: CompiledGrammar, think: ThinkTokens | None = None) -> Grammar:
+        """A fresh matcher for one sample of a compiled request (that waits out a
+        reasoning block first, with ``think``)."""
         from llguidance import LLMatcher
 
         matcher = compiled.matcher()
         if matcher is None:
             matcher = LLMatcher(self.tokenizer, compiled.grammar, log_level=0)
-        return Grammar(matcher, self._eos_ids)
+        if think is None:
+            return Grammar(matcher, self._eos_ids)
+        blanks, blank_mask = self.blanks()
+        return Grammar(matcher, self._eos_ids, think, blanks, blank_mask)
+
+    def blanks(self) -> tuple[frozenset[int], torch.Tensor]:
+        """The tokens of whitespace only (a reasoning block's closing blanks), as ids and
+        as a mask row; worked out once, on first use."""
+        tokenizer = self.tokenizer
+        with self._lock:
+            if self._blanks is None:
+                ids = frozenset(t for t in range(min(tokenizer.vocab_size, self.vocab_size))
+                                if t not in self._eos_ids and _is_blank(tokenizer.decode_bytes([t])))
+                mask = torch.zeros(bitmask_words(self.vocab_size), dtype=torch.int32)
+                for t in ids:
+                    mask[t // 32] |= _bit(t)
+                self._blanks = (ids, mask)
+            return self._blanks
+
+
+def _is_blank(text: bytes) -> bool:
+    return bool(text) and not text.strip(b" \t\r\n")
 
 
 def _short(message: str, limit: int = 400) -> str:
     message = " ".join(message.split())
     return message if len(message) <= limit else message[:limit] + "..."
+
+
+def _bit(token_id: int) -> int:
+    """Token ``token_id``'s bit in its int32 mask word (bit 31 is the sign bit)."""
+    bit = 1 << (token_id % 32)
+    return bit - (1 << 32) if bit >= 1 << 31 else bit
 
 
 class BitmaskFiller:
@@ -289,24 +364,40 @@ class BitmaskFiller:
         """One grammar's rows, from ``row``. A grammar whose mask cannot be computed is
         a fault of the grammar engine: its rows allow every token and the grammar keeps
         the error (``Grammar.fault``), which fails its sample alone at its next token."""
-        row_bytes = self.words * 4
-        matcher, consumed = grammar.matcher, 0
+        matcher, consumed, phase = grammar.matcher, 0, grammar.phase
         try:
-            matcher.unsafe_compute_mask_ptr(self._mask.data_ptr() + row * row_bytes, row_bytes)
-            for token in proposed:
+            self._fill_row(grammar, phase, row)
+            for i, token in enumerate(proposed, start=1):
                 # The proposer kept only tokens the grammar accepts, and no end of
                 # text (Grammar.valid_prefix): the rollback below stays exact.
-                if not matcher.consume_token(token):
-                    raise GrammarError(f"the grammar refused proposed token {token}, which it had "
-                                       f"accepted: {_short(matcher.get_error())}")
-                consumed += 1
-                matcher.unsafe_compute_mask_ptr(self._mask.data_ptr() + (row + consumed) * row_bytes, row_bytes)
+                phase, consumes = grammar.after(phase, token)
+                if consumes:
+                    if not matcher.consume_token(token):
+                        raise GrammarError(f"the grammar refused proposed token {token}, which it had "
+                                           f"accepted: {_short(matcher.get_error())}")
+                    consumed += 1
+                self._fill_row(grammar, phase, row + i)
         except Exception as exc:
             grammar.fault = str(exc) if isinstance(exc, GrammarError) else f"computing its mask failed: {exc!r}"
             self._mask[row:row + 1 + len(proposed)] = -1  # every bit set: the sample ends at its next token
         finally:
             if consumed:
                 matcher.rollback(consumed)
+
+    def _fill_row(self, grammar: Grammar, phase: str, row: int) -> None:
+        """The mask of ``grammar`` in ``phase`` (its matcher's state as it is now) into ``row``."""
+        if phase == THINKING:  # anything but an end of text
+            self._mask[row] = -1
+            for t in grammar.eos_token_ids:
+                self._mask[row, t // 32] &= ~_bit(t)
+            return
+        row_bytes = self.words * 4
+        grammar.matcher.unsafe_compute_mask_ptr(self._mask.data_ptr() + row * row_bytes, row_bytes)
+        if phase == OPENING:
+            t = grammar.think.start
+            self._mask[row, t // 32] |= _bit(t)
+        elif phase == CLOSING and grammar.blank_mask is not None:
+            self._mask[row] |= grammar.blank_mask
 
     def result(self) -> torch.Tensor:
         """The ``[rows, ceil(V/32)]`` int32 bitmasks (bit ``t % 32`` of word ``t // 32``: token t allowed)."""

@@ -76,6 +76,11 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
                         api_key=api_key, max_queue=max_queue, responses=ResponseStore(max_stored_responses),
                         reasoning=reasoning_format(reasoning_parser),
                         tool_format=tool_format_for(tool_call_parser, engine.tokenizer.tool_call_syntax))
+    if state.reasoning is not None:
+        state.think_tokens = state.reasoning.tokens(engine.tokenizer)
+        if state.think_tokens is None:
+            logger.warning("the tokenizer has no single token for <think> and </think>: constrained answers "
+                           "(tools, structured outputs) cannot think first; their grammar holds from the start")
     if engine.tokenizer.tool_call_syntax == "unknown" and tool_call_parser == "auto":
         logger.warning("the chat template renders tools in a syntax kvserve does not read; "
                        "tool calls use kvserve's generic format")

@@ -8,11 +8,19 @@ template opens the block in the prompt (a leading ``<think>`` the model writes
 anyway is dropped), and an answer cut before ``</think>`` as all reasoning.
 The text between the tags goes out as it was generated (no whitespace is
 trimmed), so a streamed answer's pieces join into the whole answer's.
+
+A constrained answer (tools, a structured output) thinks first too where the
+tokenizer has ``<think>`` and ``</think>`` as single tokens (Qwen3's and
+DeepSeek-R1's do): the engine's grammar then waits out the block
+(``ThinkTokens``), and holds for the answer after it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from engine.sampling_params import ThinkTokens
 
 START, END = "<think>", "</think>"
 
@@ -25,14 +33,29 @@ class ReasoningFormat:
     # The answer starts inside the reasoning block (the template opened it).
     opens_in_prompt: bool
 
-    def split(self, text: str) -> tuple[str | None, str]:
-        """A whole answer as ``(reasoning, content)``; reasoning None where there is none."""
-        stream = ReasoningStream(self)
+    def split(self, text: str, trim: bool = False) -> tuple[str | None, str]:
+        """A whole answer as ``(reasoning, content)``; reasoning None where there is none
+        (``trim``: see ``ReasoningStream``)."""
+        stream = ReasoningStream(self, trim)
         reasoning, content = stream.feed(text)
         rest_reasoning, rest_content = stream.finish()
         reasoning += rest_reasoning
         content += rest_content
         return (reasoning if stream.reasoned else None), content
+
+
+    def tokens(self, tokenizer: Any) -> ThinkTokens | None:
+        """``<think>`` and ``</think>`` as the engine's ``ThinkTokens`` (so that a
+        constrained answer's grammar waits out the block), or None where ``tokenizer``
+        has no single token for each."""
+        ids = []
+        for tag in (START, END):
+            encoded = tokenizer.encode(tag, add_special_tokens=False)
+            # (a tokenizer may map an unknown word to one "unknown" token: not the tag)
+            if len(encoded) != 1 or tokenizer.decode(encoded, skip_special_tokens=False) != tag:
+                return None
+            ids.append(encoded[0])
+        return ThinkTokens(ids[0], ids[1], self.opens_in_prompt)
 
 
 REASONING_FORMATS = {
@@ -64,11 +87,15 @@ class ReasoningStream:
     """One answer's text, fed piece by piece, split into reasoning and content pieces.
 
     Text that could still be part of a tag is held back until the next piece
-    shows what it is, so a tag is never sent, in whole or in part.
+    shows what it is, so a tag is never sent, in whole or in part. With ``trim``
+    the blanks right after ``</think>`` are dropped: a constrained answer's grammar
+    lets them through before the answer it holds for (``engine.structured``).
     """
 
-    def __init__(self, fmt: ReasoningFormat) -> None:
+    def __init__(self, fmt: ReasoningFormat, trim: bool = False) -> None:
         self.format = fmt
+        self.trim = trim
+        self._trimming = False  # dropping the blanks after </think>
         # "start": before the answer shows whether it opens with <think> (the
         # leading tag is optional where the prompt opened the block);
         # "reasoning" inside the block; "content" after it, or with no block.
@@ -79,7 +106,7 @@ class ReasoningStream:
     def feed(self, text: str) -> tuple[str, str]:
         """``(reasoning, content)`` to send for ``text``."""
         buf, self._held = self._held + text, ""
-        reasoning = content = ""
+        reasoning = ""
         if self.state == "start":
             if START.startswith(buf) and len(buf) < len(START):
                 self._held = buf
@@ -95,8 +122,11 @@ class ReasoningStream:
                 self._held = buf[len(buf) - keep:] if keep else ""
                 return buf[:len(buf) - keep], ""
             reasoning, buf, self.state = buf[:end], buf[end + len(END):], "content"
-        content = buf
-        return reasoning, content
+            self._trimming = self.trim
+        if self._trimming:
+            buf = buf.lstrip(" \t\r\n")
+            self._trimming = not buf
+        return reasoning, buf
 
     def finish(self) -> tuple[str, str]:
         """What is still held back, at the end of the answer."""

@@ -18,8 +18,8 @@ from server.protocol_responses import (AssistantMessage, ChatChoice, ChatChunkCh
                                        ChatTokenLogprob, DeltaMessage, FunctionCall, ToolCall, TopLogprob,
                                        json_logprob, now, sse)
 from server.reasoning import ReasoningStream
-from server.serving_common import (Choices, first_output, launch, run_to_completion, stream_response,
-                                   token_name, vllm_prompt_logprobs)
+from server.serving_common import (Choices, first_output, launch, plan_reasoning, run_to_completion,
+                                   stream_response, token_name, vllm_prompt_logprobs)
 from server.state import ServerState, new_request_id
 from server.tools import CallStream, ToolFormat, new_call_id
 
@@ -74,7 +74,9 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     body = await read_model(request, ChatCompletionRequest)
     state.check_model(body.model)
     fmt = state.tool_format
-    params = body.sampling_params(fmt)
+    # With --reasoning-parser: the format the answer is split by, and whether a
+    # constrained answer's blanks after its reasoning are trimmed (serving_common).
+    params, thinking, trim = plan_reasoning(state, body.sampling_params(fmt))
     tok = state.engine.tokenizer
     prompt = render_prompt(tok, body, fmt)
     request_id = new_request_id("chatcmpl")
@@ -84,18 +86,13 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     want_logprobs = params.logprobs is not None
     as_ids = bool(body.return_tokens_as_token_ids)
     calling = body.tool_choice_name() != "none"
-    # A constrained answer (tools, a structured output) is under its grammar from the
-    # first token: it has no reasoning part to split off.
-    thinking = state.reasoning if params.structured is None else None
 
     def message(text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
-        if thinking is not None:
-            reasoning, text = thinking.split(text)
-            return AssistantMessage(content=text, reasoning_content=reasoning), finish_reason
+        reasoning, text = thinking.split(text, trim) if thinking is not None else (None, text)
         calls = fmt.parse(text) if calling else None
         if calls is None:
-            return AssistantMessage(content=text), finish_reason
-        return AssistantMessage(content=None, tool_calls=[
+            return AssistantMessage(content=text, reasoning_content=reasoning), finish_reason
+        return AssistantMessage(content=None, reasoning_content=reasoning, tool_calls=[
             ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
             for c in calls]), "tool_calls" if finish_reason == "stop" else finish_reason
 
@@ -129,14 +126,20 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
                                         delta=DeltaMessage(role="assistant", content="")))
 
     streams = [CallStream(fmt) for _ in choices.states] if calling else None
-    thoughts = [ReasoningStream(thinking) for _ in choices.states] if thinking is not None else None
+    thoughts = [ReasoningStream(thinking, trim) for _ in choices.states] if thinking is not None else None
 
     def render(prompt_index: int, ro: RequestOutput) -> Iterator[str]:
+        # The reasoning comes off first; what follows it is content, or calls.
         for idx, out, finished in choices.update(prompt_index, ro):
-            text, calls = streams[idx].feed(out.text) if streams else (out.text, [])
-            reasoning = ""
-            if thoughts:
-                reasoning, text = thoughts[idx].feed(text)
+            reasoning, text = thoughts[idx].feed(out.text) if thoughts else ("", out.text)
+            if finished and thoughts:
+                more, rest = thoughts[idx].finish()
+                reasoning, text = reasoning + more, text + rest
+            text, calls = streams[idx].feed(text) if streams else (text, [])
+            were_calls = False
+            if finished and streams:
+                rest, were_calls = streams[idx].finish()
+                text += rest
             if text or reasoning or calls or out.logprobs:
                 lps = chat_logprobs(tok, out.logprobs or [], as_ids) if want_logprobs else None
                 yield chunk(ChatChunkChoice(index=idx, delta=DeltaMessage(
@@ -144,17 +147,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
                     reasoning_content=reasoning or None, tool_calls=calls or None), logprobs=lps))
             if finished:
                 reason = choices.states[idx].finish_reason
-                if thoughts:
-                    reasoning, rest = thoughts[idx].finish()
-                    if reasoning or rest:
-                        yield chunk(ChatChunkChoice(index=idx, delta=DeltaMessage(
-                            content=rest or None, reasoning_content=reasoning or None)))
-                if streams:
-                    rest, were_calls = streams[idx].finish()
-                    if rest:
-                        yield chunk(ChatChunkChoice(index=idx, delta=DeltaMessage(content=rest)))
-                    if were_calls and reason == "stop":
-                        reason = "tool_calls"
+                if were_calls and reason == "stop":
+                    reason = "tool_calls"
                 yield chunk(ChatChunkChoice(index=idx, delta=DeltaMessage(), finish_reason=reason))
 
     def epilogue() -> Iterator[str]:

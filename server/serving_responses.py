@@ -27,7 +27,8 @@ from server.responses_api import (OutputFunctionCall, OutputItem, OutputMessage,
                                   OutputReasoningText, OutputText, ResponseObject, ResponsesRequest, StoredResponse,
                                   new_item_id, responses_params)
 from server.serving_chat import chat_logprobs, render_prompt
-from server.serving_common import Choices, first_output, launch, run_to_completion, stream_response
+from server.serving_common import (Choices, first_output, launch, plan_reasoning, run_to_completion,
+                                   stream_response)
 from server.state import ServerState
 from server.tools import CallStream, new_call_id
 
@@ -65,13 +66,11 @@ async def create_response(state: ServerState, request: Request) -> Response:
     fmt = state.tool_format
     tok = state.engine.tokenizer
     with responses_params():
-        params = chat.sampling_params(fmt)
+        params, thinking, trim = plan_reasoning(state, chat.sampling_params(fmt))
         prompt = render_prompt(tok, chat, fmt)
     response_id = new_item_id("resp")
     choices = Choices([len(prompt)], 1)
     calling = chat.tool_choice_name() != "none"
-    # As in chat: a constrained answer has no reasoning part.
-    thinking = state.reasoning if params.structured is None else None
     merged = await launch(state, response_id, [prompt], params,
                           {"prompt": "input", "max_tokens": "max_output_tokens",
                            "structured": "tools" if calling else "text.format"})
@@ -88,7 +87,7 @@ async def create_response(state: ServerState, request: Request) -> Response:
         st = choices.states[0]
         text, reasoning = "".join(st.text), None
         if thinking is not None:
-            reasoning, text = thinking.split(text)
+            reasoning, text = thinking.split(text, trim)
         calls = fmt.parse(text) if calling else None
         lps = chat_logprobs(tok, st.logprobs).content if body.wants_logprobs else []
         response.output = answer_items(text, calls, lps, reasoning)
@@ -99,20 +98,16 @@ async def create_response(state: ServerState, request: Request) -> Response:
     first = await first_output(request, merged)
     events = ResponseEvents(response)
     calls_stream = CallStream(fmt) if calling else None
-    thought = ReasoningStream(thinking) if thinking is not None else None
+    thought = ReasoningStream(thinking, trim) if thinking is not None else None
 
     # Logprobs of text held back until the answer shows whether it is calls: they go
     # out with that text, or nowhere (a function call item has none).
     held: list[ChatTokenLogprob] = []
 
     def render(prompt_index: int, ro: RequestOutput) -> Iterator[str]:
+        # The reasoning comes off first; what follows it is content, or calls.
         for _, out, finished in choices.update(prompt_index, ro):
-            text, calls = calls_stream.feed(out.text) if calls_stream else (out.text, [])
-            if body.wants_logprobs:
-                held.extend(chat_logprobs(tok, out.logprobs or []).content)
-            if finished and calls_stream:
-                rest, _ = calls_stream.finish()
-                text += rest
+            text = out.text
             if thought is not None:
                 reasoning, text = thought.feed(text)
                 if finished:
@@ -120,6 +115,12 @@ async def create_response(state: ServerState, request: Request) -> Response:
                     reasoning, text = reasoning + more, text + rest
                 if reasoning:
                     yield from events.reasoning(reasoning)
+            text, calls = calls_stream.feed(text) if calls_stream else (text, [])
+            if body.wants_logprobs:
+                held.extend(chat_logprobs(tok, out.logprobs or []).content)
+            if finished and calls_stream:
+                rest, _ = calls_stream.finish()
+                text += rest
             deciding = calls_stream is not None and calls_stream.mode != "text"
             if deciding and calls_stream.mode == "calls":
                 held.clear()

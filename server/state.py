@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, ThinkTokens
 from engine.validation import InvalidRequestError
 from server.engine_client import EngineClient
 from server.errors import bad_request, model_not_found, unavailable
@@ -40,6 +40,8 @@ class ServerState:
     tool_format: ToolFormat = FORMATS["generic"]
     # --reasoning-parser: how a thinking model's reasoning is told from its answer.
     reasoning: ReasoningFormat | None = None
+    # Its markers as single tokens, for constrained answers that think first (None: they cannot).
+    think_tokens: ThinkTokens | None = None
     # Stored Responses API answers (previous_response_id, GET /v1/responses/{id}).
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(DEFAULT_STORED_RESPONSES))
     draining: bool = False

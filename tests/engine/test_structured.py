@@ -19,7 +19,8 @@ import torch
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import kv_bytes_per_block
-from engine.sampling_params import SamplingParams, StructuredOutput
+from engine.sampling_params import SamplingParams, StructuredOutput, ThinkTokens
+from engine.structured import BitmaskFiller
 from engine.validation import InvalidRequestError
 
 pytestmark = pytest.mark.slow
@@ -366,3 +367,69 @@ def test_a_mask_that_cannot_be_computed_fails_its_own_request_and_nothing_else(s
     doomed = engine._requests["bad"].seqs[0].grammar
     doomed.matcher = _FailingMatcher(doomed.matcher, fail_mask_after=4)
     assert_only_bad_fails(engine, prompts["good"], params, alone.token_ids, "simulated mask failure")
+
+
+# --- a reasoning block before the constrained answer (ThinkTokens) ---------------------
+
+START, END = 1510, 2294  # " think", " done": single SmolLM2 tokens standing in for <think>, </think>
+NEWLINE, EOS = 198, 2
+DIGITS = StructuredOutput("regex", "[0-9]{3}")
+
+
+def test_the_grammar_waits_out_a_block_the_prompt_opened(engine):
+    prompt = chat(engine, "Pick a number.")
+    # R1 style: the answer starts inside the block, where the grammar does not hold yet...
+    closed = generate(engine, prompt, DIGITS, think=ThinkTokens(START, END, opens_in_prompt=True),
+                      logit_bias={END: 100.0}, max_tokens=10)
+    out = closed[0]
+    assert out.token_ids[0] == END and out.finish_reason == "stop"
+    # (blanks may come first: this model writes two newlines after the block)
+    assert re.fullmatch("[ \n]*[0-9]{3}", engine.tokenizer.decode(out.token_ids[1:])), out.text
+    # ...and without ThinkTokens the same bias cannot reach past the grammar.
+    plain = generate(engine, prompt, DIGITS, logit_bias={END: 100.0}, max_tokens=10)[0]
+    assert END not in plain.token_ids and re.fullmatch("[0-9]{3}", plain.text)
+
+
+def test_inside_the_block_anything_but_an_end_of_text_and_blanks_after_it(engine):
+    prompt = chat(engine, "Pick a number.")
+    think = ThinkTokens(START, END, opens_in_prompt=True)
+    # An end of text cannot end the answer inside the block, however likely.
+    out = generate(engine, prompt, DIGITS, think=think, logit_bias={EOS: 100.0}, max_tokens=6)[0]
+    assert EOS not in out.token_ids and out.finish_reason == "length" and len(out.token_ids) == 6
+    # Right after the block, blanks may come before the answer (Qwen3 writes "</think>\n\n").
+    out = generate(engine, prompt, DIGITS, think=think, logit_bias={END: 100.0, NEWLINE: 50.0},
+                   max_tokens=6)[0]
+    assert out.token_ids[:3] == [END, NEWLINE, NEWLINE]
+
+
+def test_a_model_that_may_think_opens_the_block_or_answers_at_once(engine):
+    prompt = chat(engine, "Pick a number.")
+    think = ThinkTokens(START, END)
+    # Qwen3 style: without the opening token first, the grammar holds from the first token...
+    out = generate(engine, prompt, DIGITS, think=think, max_tokens=10)[0]
+    assert re.fullmatch("[0-9]{3}", out.text) and out.finish_reason == "stop"
+    # ...and after it, the block is free text (here: the same token again and again).
+    out = generate(engine, prompt, DIGITS, think=think, logit_bias={START: 100.0}, max_tokens=5)[0]
+    assert out.token_ids == [START] * 5 and out.finish_reason == "length"
+
+
+def test_proposals_and_masks_follow_the_block(engine):
+    # Speculative proposals are checked, and their masks computed, phase by phase.
+    compiled = engine.grammars.compile(DIGITS)
+    one, two = engine.tokenizer.encode("1", add_special_tokens=False)[0], \
+        engine.tokenizer.encode("2", add_special_tokens=False)[0]
+    grammar = engine.grammars.grammar(compiled, ThinkTokens(START, END, opens_in_prompt=True))
+    assert grammar.valid_prefix([START, 7, END, NEWLINE, one, two, NEWLINE]) == 6
+    assert grammar.valid_prefix([7, EOS, END]) == 1  # no end of text inside the block
+    filler = BitmaskFiller(engine.vocab_size)
+    filler.start([grammar], [[END, NEWLINE, one]])
+    masks = filler.result()
+
+    def allowed(row: int, token: int) -> bool:
+        return bool((int(masks[row, token // 32]) >> (token % 32)) & 1)
+
+    assert allowed(0, START) and allowed(0, 7) and not allowed(0, EOS)  # inside: anything but EOS
+    assert allowed(1, NEWLINE) and allowed(1, one) and not allowed(1, 7)  # closed: blanks or the answer
+    assert allowed(3, two) and not allowed(3, NEWLINE)  # answering: the grammar alone
+    # The fill left the grammar as it was: still inside the block, its matcher at the start.
+    assert grammar.phase == "thinking" and grammar.matcher.validate_tokens([one, two, one, two]) == 3

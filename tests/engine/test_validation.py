@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutput, ThinkTokens
 from engine.validation import InvalidRequestError, RequestLimits, check_request
 
 LIMITS = RequestLimits(vocab_size=100, max_model_len=64)
@@ -67,3 +67,13 @@ def test_min_tokens_past_the_context_is_refused() -> None:
     err = refusal([1, 2, 3], max_tokens=None, min_tokens=2**63)
     assert err.param == "min_tokens"
     assert check_request([1, 2, 3], SamplingParams(max_tokens=None, min_tokens=61), LIMITS) == 61
+
+
+def test_think_tokens_are_checked_and_need_a_structured_output() -> None:
+    regex = StructuredOutput("regex", "[0-9]+")
+    err = refusal([1, 2], structured=regex, think=ThinkTokens(5, 100))
+    assert err.param == "think" and "100" in str(err)
+    assert check_request([1, 2], SamplingParams(max_tokens=4, structured=regex, think=ThinkTokens(5, 6)),
+                         LIMITS) == 4
+    with pytest.raises(ValueError, match="think only shapes a structured output"):
+        SamplingParams(think=ThinkTokens(5, 6))

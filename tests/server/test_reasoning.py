@@ -14,6 +14,7 @@ from openai.types.responses import ResponseStreamEvent
 from api_helpers import MODEL, sse_events
 from fake_engine import FakeEngine
 from server.app import build_app
+from engine.sampling_params import ThinkTokens
 from server.reasoning import REASONING_FORMATS, ReasoningStream, reasoning_format
 
 pytestmark = pytest.mark.anyio
@@ -47,6 +48,41 @@ def test_every_split_of_the_stream_gives_the_whole_answers_parts(fmt, answer, re
             got[1] += c
         r, c = stream.finish()
         assert (got[0] + r, got[1] + c) == (reasoning or "", content), size
+
+
+@pytest.mark.parametrize("fmt, answer, reasoning, content", [
+    (QWEN3, "<think>a</think>\n\n {\"x\": 1}", "a", '{"x": 1}'),
+    (QWEN3, "  {\"x\": 1}", None, '  {"x": 1}'),  # no block: nothing to trim (the grammar held)
+    (R1, "a</think>\n\n", "a", ""),
+])
+def test_trimmed_the_blanks_after_the_block_go(fmt, answer, reasoning, content) -> None:
+    # A constrained answer's grammar lets blanks through after the block, before the answer.
+    assert fmt.split(answer, trim=True) == (reasoning, content)
+    for size in range(1, len(answer) + 1):
+        stream, got = ReasoningStream(fmt, trim=True), ""
+        for i in range(0, len(answer), size):
+            got += stream.feed(answer[i:i + size])[1]
+        assert got + stream.finish()[1] == content, size
+
+
+class _Vocab:
+    """A tokenizer of whole words, ``<think>`` and ``</think>`` among them or not."""
+
+    def __init__(self, words: list[str]) -> None:
+        self.words = words
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [self.words.index(w) if w in self.words else 0 for w in text.split()]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(self.words[i] for i in ids)
+
+
+def test_the_tags_become_think_tokens_only_where_each_is_one_token() -> None:
+    assert QWEN3.tokens(_Vocab(["<unk>", "a", "<think>", "</think>"])) == ThinkTokens(2, 3, opens_in_prompt=False)
+    assert R1.tokens(_Vocab(["<unk>", "<think>", "</think>"])) == ThinkTokens(1, 2, opens_in_prompt=True)
+    assert QWEN3.tokens(_Vocab(["<unk>", "<think>"])) is None  # </think> is the unknown token
+    assert QWEN3.tokens(FakeEngine().tokenizer) is None  # bytes: seven tokens for <think>
 
 
 def test_an_unknown_parser_is_refused() -> None:
@@ -138,12 +174,32 @@ async def test_responses_put_the_reasoning_in_its_own_item(thinking: httpx.Async
         "<|user|>hi\n<|assistant|><think>\nLet me see.\n</think>\n\nHello!\n<|user|>again\n<|assistant|>")
 
 
-async def test_a_constrained_answer_has_no_reasoning_part(thinking: httpx.AsyncClient) -> None:
-    # The grammar holds from the first token, so nothing is split off (the fake
-    # engine ignores the grammar and types its script: all of it is content).
-    body = (await thinking.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": MESSAGES, "structured_outputs": {"regex": "[a-z]+"}})).json()
+async def test_a_constrained_answer_thinks_first_where_the_tags_are_single_tokens(
+        thinking: httpx.AsyncClient) -> None:
+    state = thinking._transport.app.state.kvserve
+    engine = state.engine
+    constrained = {"model": MODEL, "messages": MESSAGES, "structured_outputs": {"regex": "[a-zA-Z!]+"}}
+    # The fake's byte tokenizer has no single token for <think>: the grammar holds from
+    # the first token, so nothing is split off (the fake types its script regardless).
+    assert state.think_tokens is None
+    body = (await thinking.post("/v1/chat/completions", json=constrained)).json()
     assert body["choices"][0]["message"] == {"role": "assistant", "content": THOUGHT}
+    assert engine.requests[-1].params.think is None
+    # Where they are single tokens, the engine's grammar waits out the block, and the
+    # blanks it lets through after the block are not part of the answer.
+    state.think_tokens = ThinkTokens(258, 259)
+    body = (await thinking.post("/v1/chat/completions", json=constrained)).json()
+    assert engine.requests[-1].params.think == ThinkTokens(258, 259)
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello!",
+                                             "reasoning_content": "\nLet me see.\n"}
+    r = await thinking.post("/v1/chat/completions", json={**constrained, "stream": True})
+    deltas = [e["choices"][0]["delta"] for e in sse_events(r.text)[:-1] if e["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == "Hello!"
+    body = (await thinking.post("/v1/responses", json={"model": MODEL, "input": "hi",
+                                                       "text": {"format": {"type": "json_object"}}})).json()
+    assert engine.requests[-1].params.think == ThinkTokens(258, 259)
+    assert [i["type"] for i in body["output"]] == ["reasoning", "message"]
+    assert body["output"][1]["content"][0]["text"] == "Hello!"
 
 
 async def test_without_a_parser_the_tags_are_content(client: httpx.AsyncClient, engine: FakeEngine) -> None:
