@@ -32,7 +32,7 @@ from server.serving_common import client_disconnected
 from server.serving_completions import create_completion
 from server.serving_responses import create_response
 from server.reasoning import reasoning_format
-from server.responses_api import ResponseStore
+from server.response_store import ResponseStore
 from server.state import DEFAULT_STORED_RESPONSES, ServerState
 from server.tools import tool_format_for
 

@@ -7,17 +7,14 @@ makes that translation, so the prompt, the tool grammar and the sampling
 parameters come from the chat path alone. The answer goes back as output
 items: a ``reasoning`` item where a reasoning parser found one, then one
 assistant ``message`` with an ``output_text`` part, or one ``function_call``
-item per call. ``ResponseStore`` keeps recent responses for
-``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}``.
+item per call. Stored responses are ``server.response_store``'s.
 """
 
 from __future__ import annotations
 
 import secrets
-from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
@@ -463,41 +460,3 @@ class ResponseObject(BaseModel):
         if reasoning:
             message["reasoning_content"] = "".join(reasoning)
         return [message]
-
-
-# --- stored responses ---------------------------------------------------------
-
-@dataclass
-class StoredResponse:
-    body: dict[str, Any]  # the response as it was sent
-    conversation: list[dict[str, Any]]  # every chat message up to and with the answer, no instructions
-
-
-class ResponseStore:
-    """The newest ``capacity`` stored responses, in memory, for ``previous_response_id``
-    and ``GET``/``DELETE /v1/responses/{id}``. Owned by the event loop's thread."""
-
-    def __init__(self, capacity: int) -> None:
-        if capacity < 0:
-            raise ValueError(f"the response store's capacity must be >= 0, got {capacity}")
-        self.capacity = capacity
-        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def put(self, response_id: str, stored: StoredResponse) -> None:
-        if self.capacity == 0:
-            return
-        self._items[response_id] = stored
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
-
-    def get(self, response_id: str) -> StoredResponse | None:
-        stored = self._items.get(response_id)
-        if stored is not None:
-            self._items.move_to_end(response_id)
-        return stored
-
-    def delete(self, response_id: str) -> bool:
-        return self._items.pop(response_id, None) is not None

@@ -23,8 +23,9 @@ from server.body import read_model
 from server.errors import APIError
 from server.protocol_responses import ChatTokenLogprob, DeltaToolCall, Usage, now
 from server.reasoning import ReasoningStream
+from server.response_store import StoredResponse
 from server.responses_api import (OutputFunctionCall, OutputItem, OutputMessage, OutputReasoning,
-                                  OutputReasoningText, OutputText, ResponseObject, ResponsesRequest, StoredResponse,
+                                  OutputReasoningText, OutputText, ResponseObject, ResponsesRequest,
                                   new_item_id, responses_params)
 from server.serving_chat import chat_logprobs, render_prompt
 from server.serving_common import (Choices, first_output, launch, plan_reasoning, run_to_completion,

@@ -16,7 +16,7 @@ from server.engine_client import EngineClient
 from server.errors import bad_request, model_not_found, unavailable
 from server.metrics import PrometheusStatLogger
 from server.reasoning import ReasoningFormat
-from server.responses_api import ResponseStore
+from server.response_store import ResponseStore
 from server.tools import FORMATS, ToolFormat
 
 logger = logging.getLogger(__name__)
