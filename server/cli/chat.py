@@ -55,8 +55,11 @@ class ChatSession:
         if system:
             self.messages.append({"role": "system", "content": system})
 
-    def send(self, text: str, on_delta: Callable[[str], None]) -> str:
-        """Send one user turn; ``on_delta`` sees the reply as it streams. Returns the reply."""
+    def send(self, text: str, on_delta: Callable[[str], None],
+             on_reasoning: Callable[[str], None] | None = None) -> str:
+        """Send one user turn; ``on_delta`` sees the reply as it streams (``on_reasoning``
+        a thinking model's reasoning, where the server splits it off: ``--reasoning-parser``).
+        Returns the reply (without the reasoning)."""
         messages = self.messages + [{"role": "user", "content": text}]
         body: dict[str, Any] = {"messages": messages, "stream": True}
         if self.model:
@@ -74,6 +77,9 @@ class ChatSession:
                 raise ChatError(f"HTTP {response.status_code}: {message}")
             for chunk in iter_sse_data(response.iter_lines()):
                 for choice in chunk.get("choices", []):
+                    thought = choice.get("delta", {}).get("reasoning_content")
+                    if thought and on_reasoning is not None:
+                        on_reasoning(thought)
                     delta = choice.get("delta", {}).get("content")
                     if delta:
                         parts.append(delta)
@@ -101,12 +107,26 @@ def run(session: ChatSession, *, input_fn: Callable[[str], str] = input,
         out.write("assistant> ")
         out.flush()
 
+        thinking = False  # inside the reasoning's "(thinking) ..." line
+
         def show(delta: str) -> None:
+            nonlocal thinking
+            if thinking:
+                out.write("\n")
+                thinking = False
+            out.write(delta)
+            out.flush()
+
+        def think(delta: str) -> None:
+            nonlocal thinking
+            if not thinking:
+                out.write("(thinking) ")
+                thinking = True
             out.write(delta)
             out.flush()
 
         try:
-            session.send(text, show)
+            session.send(text, show, think)
         except (ChatError, httpx.HTTPError) as e:
             err.write(f"\nerror: {e}\n")
         out.write("\n")

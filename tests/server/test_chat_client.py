@@ -88,3 +88,14 @@ def test_error_event_mid_stream() -> None:
     assert next(it)["choices"][0]["delta"]["content"] == "a"
     with pytest.raises(ChatError, match="engine died"):
         next(it)
+
+
+def test_a_thinking_models_reasoning_is_shown_apart_and_not_remembered() -> None:
+    chunks = [{"choices": [{"index": 0, "delta": {"reasoning_content": piece}}]} for piece in ("Let", " me see.")]
+    chunks += [{"choices": [{"index": 0, "delta": {"content": piece}}]} for piece in ("Hi", "!")]
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    server = Server(httpx.Response(200, text=body, headers={"content-type": "text/event-stream"}))
+    chat, out = session(server), io.StringIO()
+    assert run(chat, input_fn=scripted("hello"), out=out) == 0
+    assert out.getvalue() == "assistant> (thinking) Let me see.\nHi!\n\n"
+    assert chat.messages[-1] == {"role": "assistant", "content": "Hi!"}
