@@ -30,6 +30,7 @@ from server.protocol import DetokenizeRequest, TokenizeRequest, template_message
 from server.serving_chat import apply_template, create_chat_completion
 from server.serving_common import client_disconnected
 from server.serving_completions import create_completion
+from server.serving_messages import count_message_tokens, create_message
 from server.serving_responses import create_response
 from server.reasoning import reasoning_format
 from server.response_store import ResponseStore
@@ -137,6 +138,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(state, request)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await create_message(state, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        return await count_message_tokens(state, request)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -56,6 +58,20 @@ def error_body(message: str, type: str, param: str | None = None,
                code: str | int | None = None) -> dict[str, Any]:
     """The OpenAI error envelope."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@contextmanager
+def renamed_params(names: Mapping[str, str]) -> Iterator[None]:
+    """Rename the field a 400 raised inside names (by its first part) as ``names`` says:
+    an API translated into a chat request names its own fields, not chat's."""
+    try:
+        yield
+    except APIError as e:
+        if e.param:
+            head = e.param.replace("[", ".").split(".", 1)[0]
+            # (a chat message's index is not the other API's item's: the field alone)
+            e.param = names.get(head, e.param)
+        raise
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

@@ -23,7 +23,8 @@ async def _send_error(err: APIError, scope: Scope, receive: Receive, send: Send)
 
 
 class APIKeyMiddleware:
-    """Require ``Authorization: Bearer <key>`` on every path but ``open_paths``."""
+    """Require ``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``) on
+    every path but ``open_paths``."""
 
     def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.app = app
@@ -36,6 +37,8 @@ class APIKeyMiddleware:
                 scheme, _, token = value.partition(b" ")
                 # Constant-time comparison so the key cannot be guessed byte by byte.
                 return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+            if name == b"x-api-key":  # Anthropic's clients send the key so
+                return hmac.compare_digest(value.strip(), self._key)
         return False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -13,15 +13,14 @@ item per call. Stored responses are ``server.response_store``'s.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
 
 from engine.sampling_params import MAX_LOGPROBS
 from server.body import validate
-from server.errors import APIError, bad_request
+from server.errors import bad_request, renamed_params
 from server.protocol import ChatCompletionRequest, _Exact, _Strict
 from server.protocol_responses import ChatTokenLogprob, Usage
 
@@ -306,18 +305,9 @@ class ResponsesRequest(_Strict):
             return validate(ChatCompletionRequest, {k: v for k, v in body.items() if v is not None})
 
 
-@contextmanager
-def responses_params() -> Iterator[None]:
+def responses_params() -> AbstractContextManager[None]:
     """Rename the chat field a 400 raised inside names to this API's field."""
-    try:
-        yield
-    except APIError as e:
-        if e.param:
-            # A chat message's index is not its input item's (instructions and an
-            # earlier response's turns come first): name the field alone.
-            head = e.param.replace("[", ".").split(".", 1)[0]
-            e.param = _CHAT_TO_RESPONSES.get(head, e.param)
-        raise
+    return renamed_params(_CHAT_TO_RESPONSES)
 
 
 # --- the response -----------------------------------------------------------

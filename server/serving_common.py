@@ -43,6 +43,7 @@ class ChoiceState:
     num_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or token that ended it, if one did
     # The prompt's own logprobs (first entry None), when the request asked for them.
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
@@ -78,7 +79,7 @@ class Choices:
                 st.prompt_logprobs = out.prompt_logprobs
             newly = out.finish_reason is not None and st.finish_reason is None
             if newly:
-                st.finish_reason = out.finish_reason
+                st.finish_reason, st.stop_reason = out.finish_reason, out.stop_reason
             changed.append((idx, out, newly))
         return changed
 

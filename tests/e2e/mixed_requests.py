@@ -1,6 +1,6 @@
 """Seeded random request bodies that mix the API's features (sampling settings, penalties,
 stop strings, n, logprobs, echo, prompt logprobs, streaming with usage, structured outputs, tools,
-the Responses API), and a check of each answer: never a 5xx, a 4xx in OpenAI's error shape, a
+the Responses API, Anthropic's Messages API), and a check of each answer: never a 5xx, a 4xx in OpenAI's error shape, a
 stream that ends in ``[DONE]`` (a Responses stream: in ``response.completed`` or
 ``response.incomplete``) without an error event, and a body the ``openai`` SDK's types accept. Bugs hide in the
 combinations: logprobs under a grammar (-inf in JSON), a draft's proposals under a grammar
@@ -16,6 +16,8 @@ import httpx
 import pydantic
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from anthropic.types import Message as AnthropicMessage
+from anthropic.types import RawMessageStreamEvent
 from openai.types.responses import Response, ResponseStreamEvent
 
 from e2e_helpers import MODEL
@@ -29,6 +31,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
+MESSAGES = "/v1/messages"
 
 
 def _sampling(rng: random.Random, body: dict[str, Any]) -> dict[str, Any]:
@@ -104,7 +107,52 @@ def mixed_request(rng: random.Random) -> tuple[str, dict[str, Any]]:
     if rng.random() < 0.25 and "prompt_logprobs" not in body and "structured_outputs" not in body \
             and "grammar" not in body:
         return RESPONSES, as_responses(body)
+    if rng.random() < 0.2 and not {"prompt_logprobs", "structured_outputs", "grammar", "response_format",
+                                   "logprobs"} & body.keys():
+        return MESSAGES, as_messages(body)
     return CHAT, body
+
+
+def as_messages(chat: dict[str, Any]) -> dict[str, Any]:
+    """The same request in Anthropic's Messages API's words."""
+    system = [m["content"] for m in chat["messages"] if m["role"] in ("system", "developer")]
+    turns: list[dict[str, Any]] = []
+    for m in chat["messages"]:
+        if m.get("tool_calls"):
+            turns.append({"role": "assistant", "content": [
+                {"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                 "input": json.loads(c["function"]["arguments"])} for c in m["tool_calls"]]})
+        elif m["role"] == "tool":
+            turns.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": m["tool_call_id"],
+                                                       "content": m["content"]}]})
+        elif m["role"] == "user":
+            content = m["content"]
+            turns.append({"role": "user", "content": content if isinstance(content, str) else
+                          [{"type": "text", "text": p["text"]} for p in content]})
+    body: dict[str, Any] = {k: v for k, v in chat.items() if k in ("model", "max_tokens", "temperature", "top_p",
+                                                                  "top_k", "stream")}
+    body["messages"] = turns
+    if system:
+        body["system"] = system[0]
+    if chat.get("stop"):
+        body["stop_sequences"] = [chat["stop"]] if isinstance(chat["stop"], str) else chat["stop"]
+    if "tools" in chat:
+        body["tools"] = [{"name": t["function"]["name"], "description": t["function"].get("description"),
+                          "input_schema": t["function"]["parameters"]} for t in chat["tools"]]
+        body["tools"] = [{k: v for k, v in t.items() if v is not None} for t in body["tools"]]
+    choice = chat.get("tool_choice")
+    if choice is not None:
+        body["tool_choice"] = ({"type": "tool", "name": choice["function"]["name"]} if isinstance(choice, dict)
+                               else {"type": {"required": "any"}.get(choice, choice)})
+    return body
+
+
+def _check_messages(body: dict[str, Any], r: httpx.Response, where: str) -> str | None:
+    if not body.get("stream"):
+        AnthropicMessage.model_validate(r.json())
+        return None
+    events = [_ANTHROPIC_EVENT.validate_json(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    return None if events[-1].type == "message_stop" else where
 
 
 def as_responses(chat: dict[str, Any]) -> dict[str, Any]:
@@ -137,6 +185,7 @@ def as_responses(chat: dict[str, Any]) -> dict[str, Any]:
 
 
 _EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
+_ANTHROPIC_EVENT = pydantic.TypeAdapter(RawMessageStreamEvent)
 
 
 def _check_responses(body: dict[str, Any], r: httpx.Response, where: str) -> str | None:
@@ -158,11 +207,15 @@ def check_answer(path: str, body: dict[str, Any], r: httpx.Response) -> str | No
         return where
     if r.status_code != 200:
         error = r.json().get("error", {})
+        if path == MESSAGES:  # Anthropic's shape
+            return None if r.json().get("type") == "error" and {"type", "message"} <= error.keys() else where
         return None if {"message", "type", "param", "code"} <= error.keys() else where
     chat = path == CHAT
     try:
         if path == RESPONSES:
             return _check_responses(body, r, where)
+        if path == MESSAGES:
+            return _check_messages(body, r, where)
         if not body.get("stream"):
             answer = r.json()
             if not chat:

@@ -11,6 +11,9 @@ from e2e_helpers import MODEL, KVServe
 
 pytestmark = pytest.mark.slow
 
+# The anthropic SDK (2.x) takes no temperature argument; kvserve reads the field from the body.
+GREEDY = {"temperature": 0}
+
 PROMPT = "List of fruits: apple, banana,"
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
 MAX_TOKENS = 8
@@ -272,3 +275,26 @@ def test_responses_answer_as_chat_does(client: openai.OpenAI) -> None:
     assert second.output_text == again.choices[0].message.content
     assert second.usage.input_tokens == again.usage.prompt_tokens
     assert client.responses.retrieve(first.id).output_text == first.output_text
+
+
+def test_anthropic_messages_answer_as_chat_does(client: openai.OpenAI, server: KVServe) -> None:
+    """Anthropic's Messages API through the official ``anthropic`` SDK (its key as
+    ``x-api-key``): the same turns give chat's greedy text, streamed or not."""
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=server.url, api_key=server.api_key, max_retries=0, timeout=120.0)
+    system = "Answer in one short sentence."
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": system}, *MESSAGES],
+                                          max_tokens=MAX_TOKENS, temperature=0)
+    message = claude.messages.create(model=MODEL, system=system, messages=MESSAGES, max_tokens=MAX_TOKENS,
+                                     extra_body=GREEDY)
+    assert message.content[0].text == chat.choices[0].message.content
+    assert message.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[chat.choices[0].finish_reason]
+    assert (message.usage.input_tokens, message.usage.output_tokens) == (chat.usage.prompt_tokens,
+                                                                        chat.usage.completion_tokens)
+    with claude.messages.stream(model=MODEL, system=system, messages=MESSAGES, max_tokens=MAX_TOKENS,
+                                extra_body=GREEDY) as stream:
+        streamed = "".join(stream.text_stream)
+    assert streamed == message.content[0].text
+    assert claude.messages.count_tokens(model=MODEL, system=system, messages=MESSAGES).input_tokens == \
+        message.usage.input_tokens

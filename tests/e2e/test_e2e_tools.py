@@ -17,6 +17,9 @@ from e2e_helpers import MODEL, KVServe, free_port
 
 pytestmark = pytest.mark.slow
 
+# The anthropic SDK (2.x) takes no temperature argument; kvserve reads the field from the body.
+GREEDY = {"temperature": 0}
+
 WEATHER = {
     "type": "function",
     "function": {
@@ -193,3 +196,45 @@ def test_responses_function_calls_and_their_outputs(tool_client: openai.OpenAI) 
     again = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none",
                                            max_tokens=30, temperature=0)
     assert second.output_text and second.output_text == again.choices[0].message.content
+
+
+def test_anthropic_tool_use_and_its_result(tool_client: openai.OpenAI) -> None:
+    """Through Anthropic's Messages API: a tool with an input_schema gives a tool_use block
+    (chat's call), streamed as input_json_delta pieces, and a tool_result answers it."""
+    import anthropic
+
+    client = tool_client
+    claude = anthropic.Anthropic(base_url=str(client.base_url).removesuffix("/v1/"), api_key=client.api_key,
+                                 max_retries=0, timeout=120.0)
+    tool = {"name": "get_weather", "description": WEATHER["function"]["description"],
+            "input_schema": WEATHER["function"]["parameters"]}
+    ask = ASK[0]["content"]
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                          parallel_tool_calls=False, max_tokens=60, temperature=0)
+    [chat_call] = chat.choices[0].message.tool_calls
+    body = dict(model=MODEL, messages=[{"role": "user", "content": ask}], tools=[tool], max_tokens=60,
+                extra_body=GREEDY, tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    message = claude.messages.create(**body)
+    [use] = message.content
+    assert message.stop_reason == "tool_use" and use.type == "tool_use" and use.name == chat_call.function.name
+    assert use.input == json.loads(chat_call.function.arguments)
+    jsonschema.validate(use.input, PARAMETERS[use.name])
+    with claude.messages.stream(**body) as stream:
+        pieces = [e.delta.partial_json for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert len(pieces) > 1 and json.loads("".join(pieces)) == use.input and final.content[0].input == use.input
+
+    result = json.dumps({"temperature": 18, "sky": "clear"})
+    second = claude.messages.create(
+        model=MODEL, tools=[tool], tool_choice={"type": "none"}, max_tokens=30, extra_body=GREEDY,
+        messages=[{"role": "user", "content": ask},
+                  {"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": use.name,
+                                                     "input": use.input}]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": result}]}])
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": use.id, "type": "function", "function": {"name": use.name, "arguments": json.dumps(use.input)}}]},
+        {"role": "tool", "tool_call_id": use.id, "content": result}]
+    again = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none",
+                                           max_tokens=30, temperature=0)
+    assert second.content[0].text and second.content[0].text == again.choices[0].message.content

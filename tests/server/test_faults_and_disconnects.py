@@ -115,6 +115,7 @@ def after(seconds: float) -> Callable[[list[dict[str, Any]]], bool]:
     ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 200}),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 200}),
     ("/v1/responses", {"input": "hi", "max_output_tokens": 200}),
+    ("/v1/messages", {**CHAT, "max_tokens": 200}),
 ])
 async def test_non_streaming_disconnect_aborts(slow_engine: FakeEngine, path: str,
                                                body: dict) -> None:
@@ -131,6 +132,7 @@ async def test_non_streaming_disconnect_aborts(slow_engine: FakeEngine, path: st
     ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 200, "stream": True}),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 200, "stream": True, "n": 2}),
     ("/v1/responses", {"input": "hi", "max_output_tokens": 200, "stream": True}),
+    ("/v1/messages", {**CHAT, "max_tokens": 200, "stream": True}),
 ])
 async def test_streaming_disconnect_aborts(slow_engine: FakeEngine, path: str, body: dict) -> None:
     app = build_app(slow_engine)

@@ -1,0 +1,192 @@
+"""``/v1/messages``: Anthropic's Messages API, streaming or not, on the chat path.
+
+The request is translated into a chat request (``server.anthropic_api``), run
+as one, and its answer rendered as content blocks. Streamed, it is Anthropic's
+events (``event: <type>`` lines): ``message_start``, per block
+``content_block_start``, its ``content_block_delta`` events (``text_delta``,
+``thinking_delta``, ``input_json_delta``) and ``content_block_stop``, then
+``message_delta`` (the stop reason and usage) and ``message_stop``; a failure
+after the start is an ``error`` event.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from engine.outputs import RequestOutput
+from server.anthropic_api import (AnthropicUsage, MessagesRequest, anthropic_error, messages_params, new_block_id,
+                                  stop_reason)
+from server.body import read_model
+from server.errors import APIError
+from server.protocol_responses import DeltaToolCall
+from server.reasoning import ReasoningStream
+from server.serving_chat import render_prompt
+from server.serving_common import (Choices, first_output, launch, plan_reasoning, run_to_completion,
+                                   stream_response)
+from server.state import ServerState
+from server.tools import CallStream
+
+
+class CountTokensRequest(MessagesRequest):
+    """``POST /v1/messages/count_tokens``: a Messages request without ``max_tokens``."""
+
+    max_tokens: int = 1
+
+
+async def count_message_tokens(state: ServerState, request: Request) -> Response:
+    """The prompt's token count, as the Messages request would run it."""
+    try:
+        body = await read_model(request, CountTokensRequest)
+        state.check_model(body.model)
+        chat = body.chat_request()
+        with messages_params():
+            prompt = render_prompt(state.engine.tokenizer, chat, state.tool_format)
+    except APIError as e:
+        return JSONResponse(anthropic_error(e), status_code=e.status_code, headers=e.headers)
+    return JSONResponse({"input_tokens": len(prompt)})
+
+
+async def create_message(state: ServerState, request: Request) -> Response:
+    """Validate, run and render one Messages request; errors in Anthropic's shape."""
+    try:
+        return await _create_message(state, request)
+    except APIError as e:
+        return JSONResponse(anthropic_error(e), status_code=e.status_code, headers=e.headers)
+
+
+def answer_blocks(reasoning: str | None, text: str, calls: list | None) -> list[dict[str, Any]]:
+    """A finished answer's content blocks: its thinking, its text, its tool uses."""
+    blocks: list[dict[str, Any]] = []
+    if reasoning is not None:
+        blocks.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+    if calls is None and (text or reasoning is None):  # (an answer of calls is all calls)
+        blocks.append({"type": "text", "text": text})
+    for c in calls or []:
+        blocks.append({"type": "tool_use", "id": new_block_id("toolu"), "name": c.name,
+                       "input": json.loads(c.arguments)})
+    return blocks
+
+
+async def _create_message(state: ServerState, request: Request) -> Response:
+    body = await read_model(request, MessagesRequest)
+    state.check_model(body.model)
+    chat = body.chat_request()
+    fmt, tok = state.tool_format, state.engine.tokenizer
+    with messages_params():
+        params, thinking, trim = plan_reasoning(state, chat.sampling_params(fmt))
+        prompt = render_prompt(tok, chat, fmt)
+    message_id = new_block_id("msg")
+    choices = Choices([len(prompt)], 1)
+    calling = chat.tool_choice_name() != "none"
+    merged = await launch(state, message_id, [prompt], params,
+                          {"prompt": "messages", "max_tokens": "max_tokens", "structured": "tools"})
+
+    if not body.stream:
+        await run_to_completion(request, merged, choices)
+        st = choices.states[0]
+        reasoning, text = thinking.split("".join(st.text), trim) if thinking is not None else (None, "".join(st.text))
+        calls = fmt.parse(text) if calling else None
+        reason, sequence = stop_reason(st.finish_reason, st.stop_reason, calls is not None)
+        return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "model": state.model_name,
+                             "content": answer_blocks(reasoning, text, calls), "stop_reason": reason,
+                             "stop_sequence": sequence, "usage": AnthropicUsage.of(choices.usage()).model_dump()})
+
+    first = await first_output(request, merged)
+    events = MessageEvents(message_id, state.model_name, len(prompt), first[1].num_cached_tokens if first else 0)
+    calls_stream = CallStream(fmt) if calling else None
+    thought = ReasoningStream(thinking, trim) if thinking is not None else None
+    were_calls = False
+
+    def render(prompt_index: int, ro: RequestOutput) -> Iterator[str]:
+        nonlocal were_calls
+        for _, out, finished in choices.update(prompt_index, ro):
+            reasoning, text = thought.feed(out.text) if thought else ("", out.text)
+            if finished and thought:
+                more, rest = thought.finish()
+                reasoning, text = reasoning + more, text + rest
+            if reasoning:
+                yield from events.thinking(reasoning)
+            text, calls = calls_stream.feed(text) if calls_stream else (text, [])
+            if finished and calls_stream:
+                rest, were_calls = calls_stream.finish()
+                text += rest
+            if text:
+                yield from events.text(text)
+            for call in calls:
+                yield from events.call(call)
+
+    def epilogue() -> Iterator[str]:
+        st = choices.states[0]
+        yield from events.finish(*stop_reason(st.finish_reason, st.stop_reason, were_calls),
+                                 choices.usage().completion_tokens)
+
+    return stream_response(state, message_id, first, merged, events.start(), render, epilogue,
+                           on_error=events.failed, done=None)
+
+
+class MessageEvents:
+    """The stream events of one message: blocks opened, filled and closed in order."""
+
+    def __init__(self, message_id: str, model: str, input_tokens: int, cached_tokens: int) -> None:
+        self.message = {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
+                        "stop_reason": None, "stop_sequence": None,
+                        "usage": {"input_tokens": input_tokens, "output_tokens": 0,
+                                  "cache_read_input_tokens": cached_tokens, "cache_creation_input_tokens": 0}}
+        self.index = -1  # the open block's
+        self.open: str | None = None  # its type
+        self.opened_any = False
+
+    @staticmethod
+    def _event(kind: str, payload: dict[str, Any]) -> str:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, ensure_ascii=False)}\n\n"
+
+    def start(self) -> Iterator[str]:
+        yield self._event("message_start", {"message": self.message})
+
+    def _begin(self, block: dict[str, Any]) -> Iterator[str]:
+        yield from self._close()
+        self.index += 1
+        self.open, self.opened_any = block["type"], True
+        yield self._event("content_block_start", {"index": self.index, "content_block": block})
+
+    def _close(self) -> Iterator[str]:
+        if self.open is not None:
+            self.open = None
+            yield self._event("content_block_stop", {"index": self.index})
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        return self._event("content_block_delta", {"index": self.index, "delta": delta})
+
+    def thinking(self, piece: str) -> Iterator[str]:
+        if self.open != "thinking":
+            yield from self._begin({"type": "thinking", "thinking": "", "signature": ""})
+        yield self._delta({"type": "thinking_delta", "thinking": piece})
+
+    def text(self, piece: str) -> Iterator[str]:
+        if self.open != "text":
+            yield from self._begin({"type": "text", "text": ""})
+        yield self._delta({"type": "text_delta", "text": piece})
+
+    def call(self, delta: DeltaToolCall) -> Iterator[str]:
+        """A piece of a call: its id and name open a ``tool_use`` block, its input follows."""
+        if delta.id is not None:
+            tool_id = "toolu_" + delta.id.removeprefix("call_")
+            yield from self._begin({"type": "tool_use", "id": tool_id, "name": delta.function.name, "input": {}})
+        if delta.function.arguments:
+            yield self._delta({"type": "input_json_delta", "partial_json": delta.function.arguments})
+
+    def finish(self, reason: str, sequence: str | None, output_tokens: int) -> Iterator[str]:
+        if not self.opened_any:
+            yield from self._begin({"type": "text", "text": ""})  # an empty answer: one empty text block
+        yield from self._close()
+        yield self._event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                            "usage": {"output_tokens": output_tokens}})
+        yield self._event("message_stop", {})
+
+    def failed(self, error: APIError) -> Iterator[str]:
+        yield self._event("error", {"error": anthropic_error(error)["error"]})
