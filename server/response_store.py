@@ -2,36 +2,53 @@
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+
+# The most the stored responses may hold, as JSON text, whatever their count: a client
+# that stores long conversations one after another cannot grow the server's memory
+# past it (the oldest go first).
+MAX_STORED_BYTES = 128 * 1024 * 1024
 
 
 @dataclass
 class StoredResponse:
     body: dict[str, Any]  # the response as it was sent
     conversation: list[dict[str, Any]]  # every chat message up to and with the answer, no instructions
+    size: int = field(init=False)  # bytes, as JSON text (what the store's byte bound counts)
+
+    def __post_init__(self) -> None:
+        self.size = len(json.dumps(self.body)) + len(json.dumps(self.conversation))
 
 
 class ResponseStore:
-    """The newest ``capacity`` stored responses, in memory, for ``previous_response_id``
-    and ``GET``/``DELETE /v1/responses/{id}``. Owned by the event loop's thread."""
+    """The newest ``capacity`` stored responses (and at most ``max_bytes`` of them), in
+    memory, for ``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}``.
+    Owned by the event loop's thread."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_bytes: int = MAX_STORED_BYTES) -> None:
         if capacity < 0:
             raise ValueError(f"the response store's capacity must be >= 0, got {capacity}")
         self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.bytes = 0
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._items)
 
     def put(self, response_id: str, stored: StoredResponse) -> None:
-        if self.capacity == 0:
+        if self.capacity == 0 or stored.size > self.max_bytes:
             return
+        self.delete(response_id)
         self._items[response_id] = stored
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+        self.bytes += stored.size
+        while len(self._items) > self.capacity or self.bytes > self.max_bytes:
+            _, oldest = self._items.popitem(last=False)
+            self.bytes -= oldest.size
 
     def get(self, response_id: str) -> StoredResponse | None:
         stored = self._items.get(response_id)
@@ -40,4 +57,8 @@ class ResponseStore:
         return stored
 
     def delete(self, response_id: str) -> bool:
-        return self._items.pop(response_id, None) is not None
+        stored = self._items.pop(response_id, None)
+        if stored is None:
+            return False
+        self.bytes -= stored.size
+        return True

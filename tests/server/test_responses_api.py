@@ -16,6 +16,7 @@ from api_helpers import MODEL, assert_error
 from fake_engine import SCRIPT, FakeEngine
 from server.app import build_app
 from server.protocol_responses import Usage
+from server.response_store import ResponseStore, StoredResponse
 from server.responses_api import ResponseObject, ResponsesRequest
 from server.serving_responses import ResponseEvents
 from server.tools import FORMATS, CallStream
@@ -275,3 +276,22 @@ def test_streamed_calls_become_function_call_items() -> None:
               if p["type"] == "response.function_call_arguments.delta"]
     assert deltas and all(d.item_id.startswith("fc_") for d in deltas)
     assert body.chat_request([]).tool_choice_name() == "auto"
+
+
+def test_the_store_keeps_the_newest_within_its_count_and_bytes() -> None:
+    def stored(n: int) -> StoredResponse:
+        return StoredResponse({"id": "x" * n}, [{"role": "user", "content": "y" * n}])
+
+    store = ResponseStore(3, max_bytes=stored(1000).size * 2 + 10)
+    for i in range(3):
+        store.put(f"r{i}", stored(10))
+    store.get("r0")  # read: now the newest
+    store.put("r3", stored(10))
+    assert [store.get(k) is not None for k in ("r0", "r1", "r2", "r3")] == [True, False, True, True]
+    store.put("big1", stored(1000))
+    store.put("big2", stored(1000))  # over the bytes: the oldest go, whatever the count
+    assert len(store) == 2 and store.get("big1") and store.get("big2")
+    assert store.bytes == 2 * stored(1000).size
+    store.put("huge", stored(10**5))  # alone over the bound: not kept, nothing evicted for it
+    assert store.get("huge") is None and len(store) == 2
+    assert store.delete("big1") and not store.delete("big1") and store.bytes == stored(1000).size
