@@ -68,6 +68,9 @@ class Block(_Strict):
         missing = [f for f in needs[self.type] if getattr(self, f) is None]
         if missing:
             raise ValueError(f"a {self.type} block needs {', '.join(missing)}")
+        if isinstance(self.content, list) and (self.type != "tool_result"
+                                               or any(b.type != "text" for b in self.content)):
+            raise ValueError("only a tool_result block has content blocks, and only text ones")
         return self
 
     def result_text(self) -> str:

@@ -151,6 +151,9 @@ async def test_a_fault_mid_stream_is_an_error_event(client: httpx.AsyncClient, e
     ({"messages": []}, 400, "invalid_request_error", "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "document"}]}]}, 400, "invalid_request_error",
      "not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": "x"}]}]}]}, 400, "invalid_request_error",
+     "only text ones"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "invalid_request_error",
      "only client tools"),
     ({"tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "tool", "name": "g"}},
