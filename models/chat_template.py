@@ -99,12 +99,15 @@ def render_chat_template(
     eos_token: str | None = None,
     tools: list[dict[str, Any]] | None = None,
     context: Mapping[str, Any] | None = None,
+    continue_final_message: bool = False,
 ) -> str:
     """Render ``messages`` with a model's chat template (ChatML when ``template`` is None).
 
     ``tools`` (OpenAI's tool objects) are the template's ``tools`` where given;
     ``context`` holds more variables for it (a request's ``chat_template_kwargs``),
-    which may not set a name the render sets. The
+    which may not set a name the render sets. ``continue_final_message`` leaves
+    the last message open, for the model to go on with it (a "prefill"): the
+    render stops where that message's text ends. The
     result already contains whatever BOS text the template writes, so encode it
     without adding special tokens.
 
@@ -121,7 +124,7 @@ def render_chat_template(
     normalized = _developer_as_system(normalize_messages(messages), source)
     compiled = _compile(source)
     try:
-        return compiled.render(
+        rendered = compiled.render(
             messages=normalized,
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token or "",
@@ -132,6 +135,25 @@ def render_chat_template(
     # TypeError comes from templates doing e.g. str + list on an unexpected message shape.
     except (jinja2.TemplateError, TypeError) as exc:
         raise ValueError(f"chat template failed to render: {exc}") from exc
+    return _open_final_message(rendered, normalized[-1]["content"]) if continue_final_message else rendered
+
+
+def _open_final_message(rendered: str, final: str) -> str:
+    """``rendered`` cut where the last message's text ends, dropping what closes its
+    turn. Templates may trim a message's surrounding blanks: its text is found
+    without them, and its trailing blanks are kept only where the template kept them."""
+    core = final.strip()
+    if not core:
+        raise ValueError("continue_final_message needs a final message with text to continue")
+    at = rendered.rfind(core)
+    if at < 0:
+        raise ValueError("continue_final_message: the chat template does not render the final message's text "
+                         "as it is, so it cannot be left open")
+    end = at + len(core)
+    tail = final[len(final.rstrip()):]  # the message's own trailing blanks
+    if tail and rendered.startswith(tail, end):
+        end += len(tail)
+    return rendered[:end]
 
 
 def _developer_as_system(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:

@@ -145,11 +145,13 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None,
-                            template_kwargs: Mapping[str, Any] | None = None) -> str:
+                            template_kwargs: Mapping[str, Any] | None = None,
+                            continue_final_message: bool = False) -> str:
         """Render ``messages`` with the model's template (ChatML if it has none);
         ``tools`` (OpenAI's tool objects) go to a template that renders them, and
         ``template_kwargs`` (a request's ``chat_template_kwargs``, e.g. Qwen3's
-        ``enable_thinking``) are more variables for it.
+        ``enable_thinking``) are more variables for it; ``continue_final_message``
+        leaves the last message open for the model to continue.
 
         Raises:
             ValueError: malformed messages, template variables that would replace the
@@ -159,7 +161,7 @@ class Tokenizer:
         eos = self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
         return render_chat_template(
             self.chat_template, messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos,
-            tools=tools, context=template_kwargs,
+            tools=tools, context=template_kwargs, continue_final_message=continue_final_message,
         )
 
     @classmethod

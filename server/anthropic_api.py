@@ -31,7 +31,8 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
 
 # The chat field a 400 names, as this API calls it.
 _CHAT_TO_MESSAGES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences",
-                     "response_format": "messages", "parallel_tool_calls": "tool_choice"}
+                     "response_format": "messages", "parallel_tool_calls": "tool_choice",
+                     "continue_final_message": "messages"}
 
 
 def anthropic_error(error: APIError) -> dict[str, Any]:
@@ -173,6 +174,8 @@ class MessagesRequest(_Strict):
                 for t in self.tools] if self.tools else None,
             "tool_choice": chat_choice,
             "parallel_tool_calls": (False if choice is not None and choice.disable_parallel_tool_use else None),
+            # A last assistant message is a prefill: the answer goes on from it.
+            "continue_final_message": self.messages[-1].role == "assistant" or None,
         }
         with messages_params():
             return validate(ChatCompletionRequest, {k: v for k, v in body.items() if v is not None})

@@ -180,8 +180,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         tok = engine.tokenizer
         if body.messages is not None:
             text = apply_template(tok, template_messages(body.messages, tool_format=state.tool_format),
-                                  body.add_generation_prompt is not False,
-                                  template_kwargs=body.chat_template_kwargs)
+                                  body.add_generation_prompt is not False and not body.continue_final_message,
+                                  template_kwargs=body.chat_template_kwargs,
+                                  continue_final_message=bool(body.continue_final_message))
             ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
         else:
             assert body.prompt is not None

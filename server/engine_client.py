@@ -35,7 +35,8 @@ class TokenizerLike(Protocol):
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None,
-                            template_kwargs: Mapping[str, Any] | None = None) -> str: ...
+                            template_kwargs: Mapping[str, Any] | None = None,
+                            continue_final_message: bool = False) -> str: ...
 
 
 class EngineClient(Protocol):

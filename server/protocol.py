@@ -386,6 +386,24 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool | None = True  # vLLM extension
     # vLLM's: more variables for the chat template (Qwen3's enable_thinking, ...).
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the model goes on with the last (assistant) message instead of a new turn.
+    continue_final_message: bool | None = False
+
+    @model_validator(mode="after")
+    def _check_continue(self) -> "ChatCompletionRequest":
+        if self.continue_final_message:
+            if self.messages[-1].role != "assistant":
+                raise bad_request("continue_final_message needs the last message to be the assistant's",
+                                  "continue_final_message")
+            if "add_generation_prompt" in self.model_fields_set and self.add_generation_prompt:
+                raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                                  "add_generation_prompt")
+        return self
+
+    @property
+    def generation_prompt(self) -> bool:
+        """Whether the template opens a new assistant turn after the messages."""
+        return self.add_generation_prompt is not False and not self.continue_final_message
 
     @model_validator(mode="after")
     def _check_tools(self) -> "ChatCompletionRequest":
@@ -458,6 +476,7 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool | None = False
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
@@ -465,6 +484,9 @@ class TokenizeRequest(_Strict):
             raise ValueError("send exactly one of prompt or messages")
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
+        if self.continue_final_message and (not self.messages or self.messages[-1].role != "assistant"):
+            raise bad_request("continue_final_message needs the last message to be the assistant's",
+                              "continue_final_message")
         return self
 
 

@@ -45,15 +45,18 @@ def chat_logprobs(tokenizer: TokenizerLike, lps: list[TokenLogprob], as_ids: boo
 
 def apply_template(tokenizer: TokenizerLike, messages: list[dict[str, Any]],
                    add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None,
-                   template_kwargs: dict[str, Any] | None = None) -> str:
+                   template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False) -> str:
     """Render messages with the model's chat template (and a request's
-    ``chat_template_kwargs``); a template error is a 400."""
+    ``chat_template_kwargs``; the last message left open with ``continue_final_message``);
+    a template error is a 400."""
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                             tools=tools or None, template_kwargs=template_kwargs or None)
+                                             tools=tools or None, template_kwargs=template_kwargs or None,
+                                             continue_final_message=continue_final_message)
     except ValueError as e:
-        if str(e).startswith("chat_template_kwargs"):
-            raise bad_request(str(e), "chat_template_kwargs") from None
+        for field in ("chat_template_kwargs", "continue_final_message"):
+            if str(e).startswith(field):
+                raise bad_request(str(e), field) from None
         raise bad_request(f"Invalid messages: {e}", "messages") from None
 
 
@@ -63,9 +66,9 @@ def render_prompt(tokenizer: TokenizerLike, body: ChatCompletionRequest, fmt: To
     hands the tools to the template; the generic one lists them in the messages."""
     tools = body.tool_specs() if body.tools else None
     messages = template_messages(body.messages, tools, body.parallel_calls, fmt)
-    text = apply_template(tokenizer, messages, body.add_generation_prompt is not False,
+    text = apply_template(tokenizer, messages, body.generation_prompt,
                           [t.openai() for t in tools] if tools and fmt.native else None,
-                          body.chat_template_kwargs)
+                          body.chat_template_kwargs, bool(body.continue_final_message))
     return tokenizer.encode(text, add_special_tokens=False)
 
 

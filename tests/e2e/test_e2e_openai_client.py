@@ -298,3 +298,24 @@ def test_anthropic_messages_answer_as_chat_does(client: openai.OpenAI, server: K
     assert streamed == message.content[0].text
     assert claude.messages.count_tokens(model=MODEL, system=system, messages=MESSAGES).input_tokens == \
         message.usage.input_tokens
+
+
+def test_a_prefilled_answer_continues_the_last_message(client: openai.OpenAI, server: KVServe) -> None:
+    """vLLM's continue_final_message (and Anthropic's prefill): the answer goes on from the
+    last assistant message, as a completion of the prompt /tokenize renders for it."""
+    import anthropic
+
+    prefill = [*MESSAGES, {"role": "assistant", "content": "The three colors are"}]
+    r = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "messages": prefill, "continue_final_message": True},
+                   headers=server.headers, timeout=30.0)
+    ids = r.json()["tokens"]
+    completion = client.completions.create(model=MODEL, prompt=ids, max_tokens=MAX_TOKENS, temperature=0)
+    chat = client.chat.completions.create(model=MODEL, messages=prefill, max_tokens=MAX_TOKENS, temperature=0,
+                                          extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert chat.choices[0].message.content == completion.choices[0].text
+    assert chat.usage.prompt_tokens == len(ids)
+    claude = anthropic.Anthropic(base_url=server.url, api_key=server.api_key, max_retries=0, timeout=120.0)
+    message = claude.messages.create(model=MODEL, messages=prefill, max_tokens=MAX_TOKENS, extra_body=GREEDY)
+    assert message.content[0].text == completion.choices[0].text
+    with pytest.raises(anthropic.BadRequestError, match="continue"):
+        claude.messages.create(model=MODEL, max_tokens=4, messages=[*MESSAGES, {"role": "assistant", "content": " "}])

@@ -146,3 +146,22 @@ def test_the_tokenizer_hands_template_kwargs_over_and_refuses_its_own_names(ours
     for name in ("messages", "tools", "add_generation_prompt", "eos_token"):
         with pytest.raises(ValueError, match=f"may not set '{name}'"):
             ours.apply_chat_template(messages, template_kwargs={name: []})
+
+
+@pytest.mark.parametrize("final", ["The three colors are", "Red, green and ", "  {\"a\": "])
+def test_a_final_message_left_open_renders_like_transformers(ours, reference, final):
+    # vLLM's continue_final_message (and Anthropic's prefill): the model goes on with
+    # the last message instead of starting a new turn.
+    messages = [{"role": "user", "content": "Name three colors."}, {"role": "assistant", "content": final}]
+    expected = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                             continue_final_message=True)
+    assert ours.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True) == expected
+    assert expected.rstrip().endswith(final.strip())  # nothing closes the turn
+
+
+def test_a_final_message_that_cannot_be_left_open_is_refused():
+    with pytest.raises(ValueError, match="final message with text"):
+        render_chat_template(None, [{"role": "assistant", "content": "  "}], continue_final_message=True)
+    with pytest.raises(ValueError, match="cannot be left open"):
+        render_chat_template("{% for m in messages %}{{ m.content | upper }}{% endfor %}",
+                             [{"role": "assistant", "content": "abc"}], continue_final_message=True)

@@ -65,7 +65,8 @@ class FakeTokenizer:
     tool_call_syntax = None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None,
+                            continue_final_message: bool = False) -> str:
         """Each message as ``<|role|>content``; ``template_kwargs`` shown as ``[name=value]``
         after the generation prompt (the real renderer refuses the names it sets itself)."""
         assert tools is None, "the fake's template knows nothing of tools"
@@ -80,6 +81,8 @@ class FakeTokenizer:
         if add_generation_prompt:
             parts.append("<|assistant|>")
         parts += [f"[{k}={v}]" for k, v in sorted((template_kwargs or {}).items())]
+        if continue_final_message:  # the last turn left open: no newline closes it
+            parts[-1] = parts[-1].removesuffix("\n")
         return "".join(parts)
 
 

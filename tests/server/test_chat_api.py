@@ -59,6 +59,21 @@ async def test_chat_template_kwargs_reach_the_template(client: httpx.AsyncClient
     assert_error(await chat(client, chat_template_kwargs=["enable_thinking"]), 400, "chat_template_kwargs")
 
 
+async def test_continue_final_message_goes_on_with_the_last_turn(client: httpx.AsyncClient,
+                                                                  engine: FakeEngine) -> None:
+    prefill = HELLO + [{"role": "assistant", "content": "Sure: "}]
+    r = await chat(client, prefill, max_tokens=1, continue_final_message=True)
+    assert r.status_code == 200, r.text
+    assert engine.tokenizer.decode(engine.requests[-1].prompt_token_ids) == "<|user|>hi\n<|assistant|>Sure: "
+    tokenized = await client.post("/tokenize", json={"messages": prefill, "continue_final_message": True})
+    assert tokenized.json()["tokens"] == engine.requests[-1].prompt_token_ids
+    assert_error(await chat(client, continue_final_message=True), 400, "continue_final_message")
+    assert_error(await chat(client, prefill, continue_final_message=True, add_generation_prompt=True), 400,
+                 "add_generation_prompt")
+    assert_error(await client.post("/tokenize", json={"messages": HELLO, "continue_final_message": True}), 400,
+                 "continue_final_message")
+
+
 async def test_content_parts_and_system(client: httpx.AsyncClient, engine: FakeEngine) -> None:
     messages = [{"role": "system", "content": "be brief"},
                 {"role": "user", "content": [{"type": "text", "text": "a"},

@@ -115,6 +115,14 @@ async def _tool_turns(client: httpx.AsyncClient, engine: FakeEngine) -> None:
                          "<|tool|>sunny\n<|user|>thanks\n<|assistant|>")
 
 
+async def test_a_last_assistant_message_is_a_prefill(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    engine.eos_at = 3
+    r = await create(client, messages=HI + [{"role": "assistant", "content": [{"type": "text", "text": "Sure:"}]}])
+    assert r.status_code == 200, r.text
+    assert prompt_text(engine) == "<|user|>hi\n<|assistant|>Sure:"  # the turn is left open
+    assert r.json()["content"] == [{"type": "text", "text": "hel"}]  # the continuation alone, as Anthropic's
+
+
 async def test_the_anthropic_sdk_reads_it(engine: FakeEngine) -> None:
     engine.eos_at = 11
     app = build_app(engine, api_key="k3y")
