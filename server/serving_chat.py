@@ -9,6 +9,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.outputs import RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams
+from server.answers import AnswerReader, plan_answer
 from server.body import read_model
 from server.engine_client import TokenizerLike
 from server.errors import bad_request
@@ -17,11 +19,10 @@ from server.protocol_responses import (AssistantMessage, ChatChoice, ChatChunkCh
                                        ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
                                        ChatTokenLogprob, DeltaMessage, FunctionCall, ToolCall, TopLogprob,
                                        json_logprob, now, sse)
-from server.reasoning import ReasoningStream
-from server.serving_common import (Choices, first_output, launch, plan_reasoning, run_to_completion,
-                                   stream_response, token_name, vllm_prompt_logprobs)
+from server.serving_common import (Choices, first_output, launch, run_to_completion, stream_response,
+                                   token_name, vllm_prompt_logprobs)
 from server.state import ServerState, new_request_id
-from server.tools import CallStream, ToolFormat, new_call_id
+from server.tools import ToolFormat, new_call_id
 
 
 def _token(tokenizer: TokenizerLike, token_id: int, logprob: float, as_id: bool) -> TopLogprob:
@@ -54,9 +55,11 @@ def apply_template(tokenizer: TokenizerLike, messages: list[dict[str, Any]],
                                              tools=tools or None, template_kwargs=template_kwargs or None,
                                              continue_final_message=continue_final_message)
     except ValueError as e:
-        for field in ("chat_template_kwargs", "continue_final_message"):
-            if str(e).startswith(field):
-                raise bad_request(str(e), field) from None
+        # (the renderer's TemplateArgumentError names the argument at fault; server/
+        # does not import models/, so it is read by its attribute)
+        argument = getattr(e, "argument", None)
+        if argument is not None:
+            raise bad_request(str(e), argument) from None
         raise bad_request(f"Invalid messages: {e}", "messages") from None
 
 
@@ -72,27 +75,30 @@ def render_prompt(tokenizer: TokenizerLike, body: ChatCompletionRequest, fmt: To
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def prepare_chat(state: ServerState, chat: ChatCompletionRequest
+                 ) -> tuple[SamplingParams, AnswerReader, list[int]]:
+    """A chat request's engine params, how its answer is read (``server.answers``) and
+    its prompt; also for the APIs that translate into chat. A 400 names chat's field."""
+    fmt = state.tool_format
+    params, reader = plan_answer(state, chat.sampling_params(fmt), fmt if chat.tool_choice_name() != "none" else None)
+    return params, reader, render_prompt(state.engine.tokenizer, chat, fmt)
+
+
 async def create_chat_completion(state: ServerState, request: Request) -> Response:
     """Validate, run and render one chat completions request."""
     body = await read_model(request, ChatCompletionRequest)
     state.check_model(body.model)
-    fmt = state.tool_format
-    # With --reasoning-parser: the format the answer is split by, and whether a
-    # constrained answer's blanks after its reasoning are trimmed (serving_common).
-    params, thinking, trim = plan_reasoning(state, body.sampling_params(fmt))
+    params, reader, prompt = prepare_chat(state, body)
     tok = state.engine.tokenizer
-    prompt = render_prompt(tok, body, fmt)
     request_id = new_request_id("chatcmpl")
     choices = Choices([len(prompt)], params.n)
     merged = await launch(state, request_id, [prompt], params,
                           {"prompt": "messages", "structured": body.structured_param})
     want_logprobs = params.logprobs is not None
     as_ids = bool(body.return_tokens_as_token_ids)
-    calling = body.tool_choice_name() != "none"
 
     def message(text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
-        reasoning, text = thinking.split(text, trim) if thinking is not None else (None, text)
-        calls = fmt.parse(text) if calling else None
+        reasoning, text, calls = reader.whole(text)
         if calls is None:
             return AssistantMessage(content=text, reasoning_content=reasoning), finish_reason
         return AssistantMessage(content=None, reasoning_content=reasoning, tool_calls=[
@@ -128,21 +134,11 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
             yield chunk(ChatChunkChoice(index=idx,
                                         delta=DeltaMessage(role="assistant", content="")))
 
-    streams = [CallStream(fmt) for _ in choices.states] if calling else None
-    thoughts = [ReasoningStream(thinking, trim) for _ in choices.states] if thinking is not None else None
+    answers = [reader.stream() for _ in choices.states]
 
     def render(prompt_index: int, ro: RequestOutput) -> Iterator[str]:
-        # The reasoning comes off first; what follows it is content, or calls.
         for idx, out, finished in choices.update(prompt_index, ro):
-            reasoning, text = thoughts[idx].feed(out.text) if thoughts else ("", out.text)
-            if finished and thoughts:
-                more, rest = thoughts[idx].finish()
-                reasoning, text = reasoning + more, text + rest
-            text, calls = streams[idx].feed(text) if streams else (text, [])
-            were_calls = False
-            if finished and streams:
-                rest, were_calls = streams[idx].finish()
-                text += rest
+            reasoning, text, calls = answers[idx].feed(out.text, finished)
             if text or reasoning or calls or out.logprobs:
                 lps = chat_logprobs(tok, out.logprobs or [], as_ids) if want_logprobs else None
                 yield chunk(ChatChunkChoice(index=idx, delta=DeltaMessage(
@@ -150,7 +146,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
                     reasoning_content=reasoning or None, tool_calls=calls or None), logprobs=lps))
             if finished:
                 reason = choices.states[idx].finish_reason
-                if were_calls and reason == "stop":
+                if answers[idx].were_calls and reason == "stop":
                     reason = "tool_calls"
                 yield chunk(ChatChunkChoice(index=idx, delta=DeltaMessage(), finish_reason=reason))
 

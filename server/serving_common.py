@@ -8,7 +8,6 @@ endpoint's chunk renderer with the error-event and ``[DONE]`` protocol.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -24,7 +23,6 @@ from server.generation import (AdmittedStream, EngineFault, RequestAborted, clos
                                merge_outputs, race_disconnect)
 from server.engine_client import TokenizerLike
 from server.protocol_responses import SSE_DONE, PromptLogprob, PromptLogprobs, Usage, json_logprob, sse_json
-from server.reasoning import ReasoningFormat
 from server.state import ServerState, start_generation
 
 logger = logging.getLogger(__name__)
@@ -88,19 +86,6 @@ class Choices:
         (a completions ``echo`` with ``max_tokens: 0``)."""
         completion = sum(s.num_tokens for s in self.states) if generated else 0
         return Usage.of(sum(self.prompt_lens), completion, sum(self.cached))
-
-
-def plan_reasoning(state: ServerState, params: SamplingParams
-                   ) -> tuple[SamplingParams, ReasoningFormat | None, bool]:
-    """How a request's answer is read with ``--reasoning-parser``: its params (a
-    constrained answer's grammar waits out the reasoning block where the markers are
-    single tokens), the format to split the answer by (None: all content), and
-    whether to trim the blanks after the block (the grammar let them through)."""
-    if state.reasoning is None or params.structured is None:
-        return params, state.reasoning, False
-    if state.think_tokens is None:
-        return params, None, False  # the grammar holds from the first token: no block
-    return dataclasses.replace(params, think=state.think_tokens), state.reasoning, True
 
 
 def token_name(tokenizer: TokenizerLike, token_id: int, as_id: bool) -> str:

@@ -24,12 +24,9 @@ from server.anthropic_api import (AnthropicUsage, MessagesRequest, anthropic_err
 from server.body import read_model
 from server.errors import APIError
 from server.protocol_responses import DeltaToolCall
-from server.reasoning import ReasoningStream
-from server.serving_chat import render_prompt
-from server.serving_common import (Choices, first_output, launch, plan_reasoning, run_to_completion,
-                                   stream_response)
+from server.serving_chat import prepare_chat, render_prompt
+from server.serving_common import Choices, first_output, launch, run_to_completion, stream_response
 from server.state import ServerState
-from server.tools import CallStream
 
 
 class CountTokensRequest(MessagesRequest):
@@ -76,21 +73,17 @@ async def _create_message(state: ServerState, request: Request) -> Response:
     body = await read_model(request, MessagesRequest)
     state.check_model(body.model)
     chat = body.chat_request()
-    fmt, tok = state.tool_format, state.engine.tokenizer
     with messages_params():
-        params, thinking, trim = plan_reasoning(state, chat.sampling_params(fmt))
-        prompt = render_prompt(tok, chat, fmt)
+        params, reader, prompt = prepare_chat(state, chat)
     message_id = new_block_id("msg")
     choices = Choices([len(prompt)], 1)
-    calling = chat.tool_choice_name() != "none"
     merged = await launch(state, message_id, [prompt], params,
                           {"prompt": "messages", "max_tokens": "max_tokens", "structured": "tools"})
 
     if not body.stream:
         await run_to_completion(request, merged, choices)
         st = choices.states[0]
-        reasoning, text = thinking.split("".join(st.text), trim) if thinking is not None else (None, "".join(st.text))
-        calls = fmt.parse(text) if calling else None
+        reasoning, text, calls = reader.whole("".join(st.text))
         reason, sequence = stop_reason(st.finish_reason, st.stop_reason, calls is not None)
         return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "model": state.model_name,
                              "content": answer_blocks(reasoning, text, calls), "stop_reason": reason,
@@ -98,23 +91,13 @@ async def _create_message(state: ServerState, request: Request) -> Response:
 
     first = await first_output(request, merged)
     events = MessageEvents(message_id, state.model_name, len(prompt), first[1].num_cached_tokens if first else 0)
-    calls_stream = CallStream(fmt) if calling else None
-    thought = ReasoningStream(thinking, trim) if thinking is not None else None
-    were_calls = False
+    answer = reader.stream()
 
     def render(prompt_index: int, ro: RequestOutput) -> Iterator[str]:
-        nonlocal were_calls
         for _, out, finished in choices.update(prompt_index, ro):
-            reasoning, text = thought.feed(out.text) if thought else ("", out.text)
-            if finished and thought:
-                more, rest = thought.finish()
-                reasoning, text = reasoning + more, text + rest
+            reasoning, text, calls = answer.feed(out.text, finished)
             if reasoning:
                 yield from events.thinking(reasoning)
-            text, calls = calls_stream.feed(text) if calls_stream else (text, [])
-            if finished and calls_stream:
-                rest, were_calls = calls_stream.finish()
-                text += rest
             if text:
                 yield from events.text(text)
             for call in calls:
@@ -122,7 +105,7 @@ async def _create_message(state: ServerState, request: Request) -> Response:
 
     def epilogue() -> Iterator[str]:
         st = choices.states[0]
-        yield from events.finish(*stop_reason(st.finish_reason, st.stop_reason, were_calls),
+        yield from events.finish(*stop_reason(st.finish_reason, st.stop_reason, answer.were_calls),
                                  choices.usage().completion_tokens)
 
     return stream_response(state, message_id, first, merged, events.start(), render, epilogue,

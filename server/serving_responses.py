@@ -22,16 +22,14 @@ from engine.outputs import RequestOutput
 from server.body import read_model
 from server.errors import APIError
 from server.protocol_responses import ChatTokenLogprob, DeltaToolCall, Usage, now
-from server.reasoning import ReasoningStream
 from server.response_store import StoredResponse
 from server.responses_api import (OutputFunctionCall, OutputItem, OutputMessage, OutputReasoning,
                                   OutputReasoningText, OutputText, ResponseObject, ResponsesRequest,
                                   new_item_id, responses_params)
-from server.serving_chat import chat_logprobs, render_prompt
-from server.serving_common import (Choices, first_output, launch, plan_reasoning, run_to_completion,
-                                   stream_response)
+from server.serving_chat import chat_logprobs, prepare_chat
+from server.serving_common import Choices, first_output, launch, run_to_completion, stream_response
 from server.state import ServerState
-from server.tools import CallStream, new_call_id
+from server.tools import new_call_id
 
 
 def _previous_conversation(state: ServerState, body: ResponsesRequest) -> list[dict[str, Any]]:
@@ -64,68 +62,52 @@ async def create_response(state: ServerState, request: Request) -> Response:
     state.check_model(body.model)
     history = _previous_conversation(state, body)
     chat = body.chat_request(history)
-    fmt = state.tool_format
     tok = state.engine.tokenizer
     with responses_params():
-        params, thinking, trim = plan_reasoning(state, chat.sampling_params(fmt))
-        prompt = render_prompt(tok, chat, fmt)
+        params, reader, prompt = prepare_chat(state, chat)
     response_id = new_item_id("resp")
     choices = Choices([len(prompt)], 1)
-    calling = chat.tool_choice_name() != "none"
     merged = await launch(state, response_id, [prompt], params,
                           {"prompt": "input", "max_tokens": "max_output_tokens",
-                           "structured": "tools" if calling else "text.format"})
+                           "structured": "tools" if reader.calls is not None else "text.format"})
     stored = bool(body.store) and state.responses.capacity > 0
     response = ResponseObject.start(response_id, now(), state.model_name, body, chat, stored)
 
-    def keep() -> None:
+    def keep(sent: dict[str, Any]) -> None:
+        """Store the response as ``sent``, with the conversation up to it."""
         if stored:
             state.responses.put(response_id, StoredResponse(
-                response.model_dump(mode="json"), history + body.input_messages() + response.conversation()))
+                sent, history + body.input_messages() + response.conversation()))
 
     if not body.stream:
         await run_to_completion(request, merged, choices)
         st = choices.states[0]
-        text, reasoning = "".join(st.text), None
-        if thinking is not None:
-            reasoning, text = thinking.split(text, trim)
-        calls = fmt.parse(text) if calling else None
+        reasoning, text, calls = reader.whole("".join(st.text))
         lps = chat_logprobs(tok, st.logprobs).content if body.wants_logprobs else []
         response.output = answer_items(text, calls, lps, reasoning)
         response.finish(st.finish_reason, choices.usage())
-        keep()
-        return JSONResponse(response.model_dump(mode="json"))
+        sent = response.model_dump(mode="json")
+        keep(sent)
+        return JSONResponse(sent)
 
     first = await first_output(request, merged)
     events = ResponseEvents(response)
-    calls_stream = CallStream(fmt) if calling else None
-    thought = ReasoningStream(thinking, trim) if thinking is not None else None
+    answer = reader.stream()
 
     # Logprobs of text held back until the answer shows whether it is calls: they go
     # out with that text, or nowhere (a function call item has none).
     held: list[ChatTokenLogprob] = []
 
     def render(prompt_index: int, ro: RequestOutput) -> Iterator[str]:
-        # The reasoning comes off first; what follows it is content, or calls.
         for _, out, finished in choices.update(prompt_index, ro):
-            text = out.text
-            if thought is not None:
-                reasoning, text = thought.feed(text)
-                if finished:
-                    more, rest = thought.finish()
-                    reasoning, text = reasoning + more, text + rest
-                if reasoning:
-                    yield from events.reasoning(reasoning)
-            text, calls = calls_stream.feed(text) if calls_stream else (text, [])
+            reasoning, text, calls = answer.feed(out.text, finished)
+            if reasoning:
+                yield from events.reasoning(reasoning)
             if body.wants_logprobs:
                 held.extend(chat_logprobs(tok, out.logprobs or []).content)
-            if finished and calls_stream:
-                rest, _ = calls_stream.finish()
-                text += rest
-            deciding = calls_stream is not None and calls_stream.mode != "text"
-            if deciding and calls_stream.mode == "calls":
+            if answer.in_calls:
                 held.clear()
-            elif text or (held and not deciding):
+            elif text or (held and not answer.deciding):
                 yield from events.text(text, list(held))
                 held.clear()
             for call in calls:
@@ -133,7 +115,7 @@ async def create_response(state: ServerState, request: Request) -> Response:
 
     def epilogue() -> Iterator[str]:
         yield from events.finish(choices.states[0].finish_reason, choices.usage())
-        keep()
+        keep(response.model_dump(mode="json"))
 
     return stream_response(state, response_id, first, merged, events.start(), render, epilogue,
                            on_error=events.failed, done=None)
@@ -174,15 +156,27 @@ class ResponseEvents:
         yield self._event("response.created", response=self.response)
         yield self._event("response.in_progress", response=self.response)
 
+    def _open_part(self, item: OutputReasoning | OutputMessage,
+                   part: OutputReasoningText | OutputText) -> Iterator[str]:
+        """Add ``item`` with its one content ``part`` (still empty)."""
+        yield self._add(item)
+        item.content.append(part)  # type: ignore[arg-type]
+        yield self._event("response.content_part.added", item_id=item.id, output_index=self._index(item),
+                          content_index=0, part=part)
+
+    def _close_part(self, item: OutputReasoning | OutputMessage, done: str, **fields: Any) -> Iterator[str]:
+        """``item``'s ``done`` event (its text, and ``fields``), its part's and its own."""
+        part, index = item.content[0], self._index(item)
+        yield self._event(done, item_id=item.id, output_index=index, content_index=0, text=part.text, **fields)
+        yield self._event("response.content_part.done", item_id=item.id, output_index=index, content_index=0,
+                          part=part)
+        yield self._event("response.output_item.done", output_index=index, item=item)
+
     def reasoning(self, delta: str) -> Iterator[str]:
         """Reasoning text, into the reasoning item (opened at the first piece)."""
         if self.open_reasoning is None:
             self.open_reasoning = OutputReasoning(id=new_item_id("rs"))
-            yield self._add(self.open_reasoning)
-            part = OutputReasoningText()
-            self.open_reasoning.content.append(part)
-            yield self._event("response.content_part.added", item_id=self.open_reasoning.id,
-                              output_index=self._index(self.open_reasoning), content_index=0, part=part)
+            yield from self._open_part(self.open_reasoning, OutputReasoningText())
         self.open_reasoning.content[0].text += delta
         yield self._event("response.reasoning_text.delta", item_id=self.open_reasoning.id,
                           output_index=self._index(self.open_reasoning), content_index=0, delta=delta)
@@ -193,12 +187,7 @@ class ResponseEvents:
             return
         if item.status == "in_progress":
             item.status = "completed"
-        part, index = item.content[0], self._index(item)
-        yield self._event("response.reasoning_text.done", item_id=item.id, output_index=index, content_index=0,
-                          text=part.text)
-        yield self._event("response.content_part.done", item_id=item.id, output_index=index, content_index=0,
-                          part=part)
-        yield self._event("response.output_item.done", output_index=index, item=item)
+        yield from self._close_part(item, "response.reasoning_text.done")
 
     def text(self, delta: str, logprobs: list[ChatTokenLogprob]) -> Iterator[str]:
         """Answer text (and its tokens' logprobs), into the message item (opened at the first)."""
@@ -206,11 +195,7 @@ class ResponseEvents:
             yield from self._close_reasoning()
             yield from self._close_call("completed")
             self.open_message = OutputMessage(id=new_item_id("msg"))
-            yield self._add(self.open_message)
-            part = OutputText()
-            self.open_message.content.append(part)
-            yield self._event("response.content_part.added", item_id=self.open_message.id,
-                              output_index=self._index(self.open_message), content_index=0, part=part)
+            yield from self._open_part(self.open_message, OutputText())
         part = self.open_message.content[0]
         part.text += delta
         part.logprobs.extend(logprobs)
@@ -244,14 +229,8 @@ class ResponseEvents:
 
     def _close_message(self) -> Iterator[str]:
         message, self.open_message = self.open_message, None
-        if message is None:
-            return
-        part, index = message.content[0], self._index(message)
-        yield self._event("response.output_text.done", item_id=message.id, output_index=index,
-                          content_index=0, text=part.text, logprobs=part.logprobs)
-        yield self._event("response.content_part.done", item_id=message.id, output_index=index,
-                          content_index=0, part=part)
-        yield self._event("response.output_item.done", output_index=index, item=message)
+        if message is not None:
+            yield from self._close_part(message, "response.output_text.done", logprobs=message.content[0].logprobs)
 
     def finish(self, finish_reason: str | None, usage: Usage) -> Iterator[str]:
         """Close the open item and send the final response (an answer with no message or
