@@ -86,6 +86,15 @@ def _content_text(where: str, role: str, message: Mapping[str, Any]) -> str:
     raise ValueError(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}")
 
 
+class TemplateArgumentError(ValueError):
+    """A render argument that cannot be used as given (not the messages' fault): its
+    ``argument`` names it as a request does (``chat_template_kwargs``, ``continue_final_message``)."""
+
+    def __init__(self, message: str, argument: str) -> None:
+        super().__init__(message)
+        self.argument = argument
+
+
 # The names every render sets; extra context (a request's chat_template_kwargs) may not.
 RESERVED_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
 
@@ -118,8 +127,8 @@ def render_chat_template(
     context = dict(context or {})
     taken = sorted(set(context) & (RESERVED_NAMES | set(_environment().globals)))
     if taken:
-        raise ValueError(f"chat_template_kwargs may not set {', '.join(map(repr, taken))}: the server sets "
-                         "those names itself")
+        raise TemplateArgumentError(f"chat_template_kwargs may not set {', '.join(map(repr, taken))}: the "
+                                    "server sets those names itself", "chat_template_kwargs")
     source = template if template is not None else DEFAULT_CHAT_TEMPLATE
     normalized = _developer_as_system(normalize_messages(messages), source)
     compiled = _compile(source)
@@ -144,11 +153,12 @@ def _open_final_message(rendered: str, final: str) -> str:
     without them, and its trailing blanks are kept only where the template kept them."""
     core = final.strip()
     if not core:
-        raise ValueError("continue_final_message needs a final message with text to continue")
+        raise TemplateArgumentError("continue_final_message needs a final message with text to continue",
+                                    "continue_final_message")
     at = rendered.rfind(core)
     if at < 0:
-        raise ValueError("continue_final_message: the chat template does not render the final message's text "
-                         "as it is, so it cannot be left open")
+        raise TemplateArgumentError("continue_final_message: the chat template does not render the final "
+                                    "message's text as it is, so it cannot be left open", "continue_final_message")
     end = at + len(core)
     tail = final[len(final.rstrip()):]  # the message's own trailing blanks
     if tail and rendered.startswith(tail, end):

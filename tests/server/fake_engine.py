@@ -22,6 +22,7 @@ from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.stats import FinishedRequestStats, StatLogger, StepStats
 from engine.validation import RequestLimits, check_request
+from models.chat_template import TemplateArgumentError
 from models.kv_cache import cdiv
 
 SCRIPT = "hello world, this is kvserve speaking. " * 8
@@ -71,7 +72,7 @@ class FakeTokenizer:
         after the generation prompt (the real renderer refuses the names it sets itself)."""
         assert tools is None, "the fake's template knows nothing of tools"
         if "messages" in (template_kwargs or {}):
-            raise ValueError("chat_template_kwargs may not set 'messages'")
+            raise TemplateArgumentError("chat_template_kwargs may not set 'messages'", "chat_template_kwargs")
         parts = []
         for m in messages:
             if m.get("role") not in self.ROLES or not isinstance(m.get("content"), str):
