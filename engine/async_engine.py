@@ -57,6 +57,7 @@ class AsyncEngine:
         self.vocab_size = engine.vocab_size
         self.num_kv_blocks = engine.num_blocks
         self.block_size = engine.block_size
+        self.lora_adapters = dict(engine.lora_adapters)
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -132,17 +133,19 @@ class AsyncEngine:
     # -- requests ---------------------------------------------------------
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 group: str | None = None) -> AsyncIterator[RequestOutput]:
+                 group: str | None = None, adapter: str | None = None) -> AsyncIterator[RequestOutput]:
         """Check a request and return the stream of its deltas.
 
         Requests of one ``group`` (default: the request alone) take turns with
-        other groups for admission. Raises ``InvalidRequestError`` (a
+        other groups for admission; ``adapter`` names the LoRA adapter to run
+        (None: the base model). Raises ``InvalidRequestError`` (a
         ``ValueError``) at once if the request can never run. The request
         enters the engine when the stream is first iterated, which raises
         ``EngineDeadError`` if the engine is dead; closing or cancelling the
         stream aborts the request and frees its KV blocks.
         """
-        return self._stream(self.engine.prepare(request_id, prompt_token_ids, params, group=group))
+        return self._stream(self.engine.prepare(request_id, prompt_token_ids, params, group=group,
+                                                adapter=adapter))
 
     async def _stream(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         request_id = request.request_id

@@ -39,6 +39,11 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -
     return h.digest()
 
 
+def adapter_root_hash(adapter: str) -> BlockHash:
+    """The parent hash of a LoRA adapter's first block (the base model's is ``_ROOT_HASH``)."""
+    return hashlib.sha256(b"lora\0" + adapter.encode()).digest()
+
+
 @dataclass
 class KVBlock:
     """Bookkeeping for one physical block (the K/V tensors live in the model runner)."""

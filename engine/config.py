@@ -104,6 +104,22 @@ def parallel_from_torchrun(parallel: ParallelConfig) -> ParallelConfig:
                           master_port=int(os.environ.get("MASTER_PORT", "29500")))
 
 
+@dataclass(frozen=True)
+class LoRAModule:
+    """``--lora-modules NAME=PATH``: a LoRA adapter's served name and its directory."""
+
+    name: str
+    path: str
+
+    @classmethod
+    def parse(cls, text: str) -> "LoRAModule":
+        """``NAME=PATH`` (vLLM's syntax); ``ValueError`` for anything else."""
+        name, sep, path = text.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"a LoRA module is NAME=PATH, got {text!r}")
+        return cls(name.strip(), path.strip())
+
+
 @dataclass
 class EngineConfig:
     """Everything needed to build an engine.
@@ -148,6 +164,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # Tensor parallelism (--tensor-parallel-size): one rank by default.
     parallel: ParallelConfig = ParallelConfig()
+    # LoRA adapters served beside the base model (--lora-modules), each under its name.
+    lora_modules: tuple[LoRAModule, ...] = ()
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -164,4 +182,13 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be {_one_of(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        names = [m.name for m in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"LoRA adapter names must differ, got {', '.join(names)}")
+        if self.served_model_name is not None and self.served_model_name in names:
+            raise ValueError(f"a LoRA adapter cannot take the served model's name {self.served_model_name!r}")
+        if self.lora_modules and self.parallel.tensor_parallel_size > 1:
+            # NOTE: the ranks would need each adapter split as its projections are.
+            raise ValueError("LoRA adapters do not run with tensor parallelism yet "
+                             "(--lora-modules with --tensor-parallel-size > 1)")
 

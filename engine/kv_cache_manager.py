@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.block_pool import BlockHash, BlockPool, hash_block_tokens
+from engine.block_pool import BlockHash, BlockPool, adapter_root_hash, hash_block_tokens
 from engine.request import Request
 from models.kv_cache import cdiv
 
@@ -83,7 +83,7 @@ class KVCacheManager:
             return [], 0
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
-        hashes = self._block_hashes(request.request_id, tokens, max_blocks)
+        hashes = self._block_hashes(request, tokens, max_blocks)
         bs = self.block_size
         block_ids: list[int] = []
         for i in range(max_blocks):
@@ -174,17 +174,22 @@ class KVCacheManager:
         if num_full <= start:
             return
         tokens = request.all_token_ids
-        hashes = self._block_hashes(rid, tokens, num_full)
+        hashes = self._block_hashes(request, tokens, num_full)
         table = self._tables[rid]
         for i in range(start, num_full):
             self.pool.cache_block(table[i], hashes[i], tokens[i * bs:(i + 1) * bs])
         self._num_hashed[rid] = num_full
 
-    def _block_hashes(self, request_id: str, tokens: list[int], num_blocks: int) -> list[BlockHash]:
-        """The chained hashes of the first ``num_blocks`` full blocks of ``tokens``."""
-        hashes = self._hashes.setdefault(request_id, [])
+    def _block_hashes(self, request: Request, tokens: list[int], num_blocks: int) -> list[BlockHash]:
+        """The chained hashes of the first ``num_blocks`` full blocks of ``tokens``.
+
+        A LoRA adapter's blocks chain from a root of their own: the same tokens
+        have other keys and values under another adapter, and must never be shared.
+        """
+        hashes = self._hashes.setdefault(request.request_id, [])
         bs = self.block_size
+        root = adapter_root_hash(request.adapter) if request.adapter is not None else None
         for i in range(len(hashes), num_blocks):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else root
             hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))
         return hashes

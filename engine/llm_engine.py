@@ -22,11 +22,12 @@ from engine.speculative import NgramProposals, Proposer, Speculator
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.stats import FinishedRequestStats, StatLogger, StepStats, StructuredRequestStats
 from engine.structured import BitmaskFiller, GrammarCompiler
-from engine.validation import RequestLimits, check_request
+from engine.validation import InvalidRequestError, RequestLimits, check_request
 from engine.workers import WorkerGroup
 from models.chat_template import read_chat_template
 from models.kv_cache import cdiv, default_dtype
 from models.loader import LoadedModel, load_model
+from models.lora import load_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,14 @@ class LLMEngine:
             self.workers.set_num_blocks(num_blocks)
         self.runner = ModelRunner(loaded, num_blocks, config.block_size, kv_dtype,
                                   peers=self.workers)
+        for module in config.lora_modules:
+            adapter = load_adapter(module.name, module.path, loaded.config, loaded.dtype, loaded.device)
+            self.runner.adapters[module.name] = adapter
+            logger.info("LoRA adapter %r loaded from %s (rank %d)", module.name, module.path, adapter.rank)
+        # Served adapter name -> its directory (/v1/models lists them).
+        self.lora_adapters = {m.name: m.path for m in config.lora_modules}
+        if self.model_name in self.lora_adapters:
+            raise ValueError(f"a LoRA adapter cannot take the served model's name {self.model_name!r}")
         # Ids both the tokenizer and the model's rows know (see RequestLimits).
         self.vocab_size = min(self.tokenizer.vocab_size, loaded.config.vocab_size)
         self.limits = RequestLimits(vocab_size=self.vocab_size, max_model_len=self.max_model_len)
@@ -189,23 +198,27 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------
 
     def prepare(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                arrival_time: float | None = None, group: str | None = None) -> EngineRequest:
+                arrival_time: float | None = None, group: str | None = None,
+                adapter: str | None = None) -> EngineRequest:
         """Check a request against the model's limits (``engine.validation``).
 
         ``group`` (default: the request alone) names the requests that take
         turns together with other groups for admission, e.g. the prompts of one
-        API request. A structured output is compiled here, on the caller's
-        thread. Raises ``InvalidRequestError`` if the request can never run (or
-        its grammar cannot be enforced). Reads only what is fixed at
-        construction, so any thread may call it.
+        API request. ``adapter``: the LoRA adapter to run (one of
+        ``lora_adapters``; None: the base model). A structured output is
+        compiled here, on the caller's thread. Raises ``InvalidRequestError``
+        if the request can never run (or its grammar cannot be enforced).
+        Reads only what is fixed at construction, so any thread may call it.
         """
+        if adapter is not None and adapter not in self.lora_adapters:
+            raise InvalidRequestError(f"no LoRA adapter named {adapter!r} is loaded", "adapter")
         max_tokens = check_request(prompt_token_ids, params, self.limits)
         grammar = self.grammars.compile(params.structured) if params.structured is not None else None
         if params.think is not None:
             self.grammars.blanks()  # worked out once, here rather than on the engine loop
         return EngineRequest(request_id, list(prompt_token_ids), params, max_tokens,
                              time.monotonic() if arrival_time is None else arrival_time,
-                             group or request_id, grammar)
+                             group or request_id, grammar, adapter)
 
     def add(self, request: EngineRequest) -> None:
         """Queue a prepared request (its ``params.n`` samples); ``ValueError`` if its id is in use."""
@@ -217,6 +230,7 @@ class LLMEngine:
                     prompt_token_ids=list(request.prompt_token_ids), sampling_params=params,
                     max_tokens=request.max_tokens, eos_token_ids=self.eos_token_ids,
                     group=request.group, sample_index=i, arrival_time=request.arrival_time,
+                    adapter=request.adapter,
                     grammar=(self.grammars.grammar(request.grammar, params.think)
                              if request.grammar is not None else None))
             for i in range(params.n)
@@ -234,9 +248,9 @@ class LLMEngine:
             self._seq_to_api[seq.request_id] = api
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, adapter: str | None = None) -> None:
         """:meth:`prepare` then :meth:`add`: ``ValueError`` if the request can never run."""
-        self.add(self.prepare(request_id, prompt_token_ids, params, arrival_time))
+        self.add(self.prepare(request_id, prompt_token_ids, params, arrival_time, adapter=adapter))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request (all its samples) and free its blocks now.
@@ -558,15 +572,16 @@ class LLMEngine:
     # -- offline ----------------------------------------------------------
 
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | None = None,
-                 use_tqdm: bool = True) -> list[list[GenerationResult]]:
-        """Run a batch of prompts to completion; one list of ``n`` results per prompt, in order."""
+                 use_tqdm: bool = True, adapter: str | None = None) -> list[list[GenerationResult]]:
+        """Run a batch of prompts to completion (through the LoRA ``adapter``, if one);
+        one list of ``n`` results per prompt, in order."""
         from tqdm import tqdm
 
         params = params or SamplingParams()
         ids = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
         rids = [f"offline-{i}-{time.monotonic_ns()}" for i in range(len(ids))]
         for rid, p in zip(rids, ids):
-            self.add_request(rid, p, params)
+            self.add_request(rid, p, params, adapter=adapter)
         texts = {rid: [""] * params.n for rid in rids}
         tokens = {rid: [[] for _ in range(params.n)] for rid in rids}
         reasons: dict[str, list[str | None]] = {rid: [None] * params.n for rid in rids}

@@ -13,6 +13,7 @@ from models import kv_cache
 from models.attention import SeqSpec, build_attention_metadata
 from models.config import ModelConfig
 from models.loader import LoadedModel
+from models.lora import LoRAAdapter, LoRABatch
 from models.parallel import local_kv_heads
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class Chunk:
     start_pos: int
     block_ids: list[int]
     num_sampled: int
+    adapter: str | None = None  # the LoRA adapter its tokens run (None: the base model)
 
 
 class StepPeers(Protocol):
@@ -73,6 +75,8 @@ class ModelRunner:
         self.peers = peers
         # A tensor-parallel rank caches its own KV heads; the block tables are every rank's.
         tp_size = loaded.tp.world_size if loaded.tp is not None else 1
+        # Loaded LoRA adapters by name (the engine fills it at start-up).
+        self.adapters: dict[str, LoRAAdapter] = {}
         self.kv_caches = kv_cache.allocate(self.config.num_hidden_layers, num_blocks, block_size,
                                            local_kv_heads(self.config, tp_size), self.config.head_dim,
                                            self.kv_dtype, self.device)
@@ -81,7 +85,8 @@ class ModelRunner:
         """Run every scheduled token; each entry's ``num_logits`` rows of logits, in
         scheduled order: its wanted prompt positions' (prompt logprobs), then when it
         samples its last known token's and each proposal's."""
-        return self.run([Chunk(s.token_ids, s.start_pos, s.block_ids, s.num_logits) for s in out.scheduled])
+        return self.run([Chunk(s.token_ids, s.start_pos, s.block_ids, s.num_logits, s.request.adapter)
+                         for s in out.scheduled])
 
     def run(self, chunks: list[Chunk]) -> torch.Tensor:
         """One forward over every chunk; float32 logits of each chunk's last
@@ -95,15 +100,19 @@ class ModelRunner:
             raise self.peers.forward_failed(exc) from exc
 
     def _run(self, chunks: list[Chunk]) -> torch.Tensor:
-        # Decodes (one token) go first: attention batches them in one call.
-        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
+        # Decodes (one token) go first: attention batches them in one call. Among each, the
+        # requests of a LoRA adapter sit side by side: its rows are then one range (LoRABatch).
+        order = sorted(range(len(chunks)), key=lambda i: (len(chunks[i].token_ids) != 1, chunks[i].adapter or ""))
         input_ids: list[int] = []
         positions: list[int] = []
         specs: list[SeqSpec] = []
+        spans: list[tuple[LoRAAdapter | None, int, int]] = []
         last_row: dict[int, int] = {}
         for i in order:
             c = chunks[i]
             end = c.start_pos + len(c.token_ids)
+            if c.adapter is not None:
+                spans.append((self.adapters[c.adapter], len(input_ids), len(c.token_ids)))
             input_ids.extend(c.token_ids)
             positions.extend(range(c.start_pos, end))
             specs.append(SeqSpec(len(c.token_ids), end, c.block_ids))
@@ -118,5 +127,6 @@ class ModelRunner:
             meta,
             self.kv_caches,
             torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            lora=LoRABatch.of_spans(spans),
         )
         return logits.cpu() if dev.type != "cpu" else logits

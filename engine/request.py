@@ -52,6 +52,7 @@ class EngineRequest:
     arrival_time: float
     group: str  # admission takes turns between groups (engine/waiting_queue.py)
     grammar: CompiledGrammar | None = None  # params.structured, compiled (engine/structured.py)
+    adapter: str | None = None  # the LoRA adapter the request runs (None: the base model)
 
 
 @dataclass
@@ -72,6 +73,9 @@ class Request:
     # (engine/waiting_queue.py); empty means a group of its own.
     group: str = ""
     sample_index: int = 0
+    # The LoRA adapter its tokens run (None: the base model). Its KV differs from the
+    # base model's, so it is part of the prefix cache's key.
+    adapter: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -15,8 +15,10 @@ from models.gguf_reader import GGUFFile, GGUFTensor, read_gguf
 # Quantisation types we dequantise (with the `gguf` package's reference code).
 SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+# llama.cpp permutes only llama-arch Q/K (Qwen's RoPE already rotates halves, as HF's).
+PERMUTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -54,8 +56,8 @@ def field_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
 def config_from_gguf(reader: GGUFFile) -> ModelConfig:
     """Translate GGUF metadata into a ModelConfig."""
     arch = field_value(reader, "general.architecture")
-    if arch not in _ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
 
     def get(key: str, default: Any = None) -> Any:
         return field_value(reader, f"{arch}.{key}", default)
@@ -79,7 +81,7 @@ def config_from_gguf(reader: GGUFFile) -> ModelConfig:
     eot = field_value(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
     return ModelConfig(
-        architecture=_ARCHITECTURES[arch],
+        architecture=ARCHITECTURES[arch],
         vocab_size=get("vocab_size") or len(tokens),
         hidden_size=hidden,
         intermediate_size=get("feed_forward_length"),
@@ -129,7 +131,7 @@ def dequantize(tensor: GGUFTensor) -> np.ndarray:
     return data.reshape(shape)
 
 
-def _permute_back(w: np.ndarray, n_head: int) -> np.ndarray:
+def permute_back(w: np.ndarray, n_head: int) -> np.ndarray:
     # llama.cpp's converter interleaves each head's rotary halves of Q and K
     # (its RoPE rotates adjacent pairs): [head, half, 2] -> HF's [head, 2, half].
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -154,16 +156,15 @@ def projection_type(reader: GGUFFile) -> str:
 
 def iter_gguf_weights(reader: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, float32 tensor)`` for every tensor of the file."""
-    # llama.cpp permutes only llama-arch Q/K (Qwen's RoPE already rotates halves, as HF's).
-    permute = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
+    permute = config.architecture in PERMUTED_ARCHITECTURES
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue
         name = hf_name(t.name)
         w = dequantize(t)
         if permute and ".q_proj." in name:
-            w = _permute_back(w, config.num_attention_heads)
+            w = permute_back(w, config.num_attention_heads)
         elif permute and ".k_proj." in name:
-            w = _permute_back(w, config.num_key_value_heads)
+            w = permute_back(w, config.num_key_value_heads)
         # Mapped F32 tensors are read-only views of the file; torch wants writable memory.
         yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=not w.flags.writeable))

@@ -15,6 +15,7 @@ from torch import nn
 from models import ops
 from models.attention import AttentionMetadata, paged_attention
 from models.config import ModelConfig
+from models.lora import LayerLoRA, LoRABatch
 from models.parallel import TensorParallel, embed
 from models.quant import QuantizedLinear
 from models.rope import RotaryEmbedding, interleave_rotary_rows
@@ -63,16 +64,21 @@ class Attention(nn.Module):
         return torch.cat([q, k, qkv[:, q_size + kv_size:]], dim=1)
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor,
-                meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                lora: LayerLoRA | None = None) -> torch.Tensor:
         t = x.shape[0]
         k_cache, v_cache = kv_cache
         qkv = self.qkv_proj(x)
+        if lora is not None:
+            qkv = lora.add("qkv_proj", x, qkv)
         if self.q_norm is not None:
             qkv = self._norm_heads(qkv)
         q, k, v = ops.rotary_and_cache(qkv, rope.rotations, positions, k_cache, v_cache,
                                        meta.slot_mapping, self.num_heads, self.num_kv_heads)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        out = self.o_proj(o.reshape(t, self.q_size))
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale).reshape(t, self.q_size)
+        out = self.o_proj(o)
+        if lora is not None:
+            out = lora.add("o_proj", o, out)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -84,8 +90,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.tp: TensorParallel | None = None  # set by ``parallel.shard_model``
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            gate_up = lora.add("gate_up_proj", x, gate_up)
+        h = ops.silu_and_mul(gate_up)
+        out = self.down_proj(h)
+        if lora is not None:
+            out = lora.add("down_proj", h, out)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -99,16 +111,18 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RotaryEmbedding,
                 positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_cache: tuple[torch.Tensor, torch.Tensor],
+                lora: LayerLoRA | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mlp_out, residual)``: the MLP output is added to the residual stream by the
-        next norm, so each add travels with a norm in one fused pass."""
+        next norm, so each add travels with a norm in one fused pass. ``lora``: the
+        adapters' updates of this layer's projections, for the rows that run one."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, rope, positions, meta, kv_cache)
+        h = self.self_attn(h, rope, positions, meta, kv_cache, lora)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, lora), residual
 
     def packed_int4(self) -> bool:
         """Whether every projection runs kvserve's int4 kernel (so ``forward_fused`` applies)."""
@@ -174,11 +188,12 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+                logits_indices: torch.Tensor | None = None, lora: LoRABatch | None = None) -> torch.Tensor:
         """Run ``input_ids [T]`` at ``positions [T]``; return float32 logits ``[len(logits_indices), V]``.
 
         ``logits_indices`` picks the rows to project through the LM head (all rows if None):
-        the head is the largest matmul, so only sampled positions pay for it.
+        the head is the largest matmul, so only sampled positions pay for it. ``lora``:
+        the rows that run a LoRA adapter (``models.lora``); the others run the base model.
         """
         assert self.rope is not None, "call init_rope() before forward()"
         tp = self.tp
@@ -186,9 +201,12 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         # With int4-packed projections each layer runs as one kernel call (decodes
         # and prompt chunks alike): no per-op Python dispatch. A split layer
-        # runs op by op: the kernel cannot stop for the all-reduces.
+        # runs op by op: the kernel cannot stop for the all-reduces; so does a step
+        # with LoRA rows, which the kernel has no place for. Both paths give a row
+        # the same result, bit for bit (tests/models/test_lora.py), so a request
+        # gets the same logits beside an adapter's as without.
         first = self.model.layers[0]
-        fused = (tp is None and x.dtype == torch.float32 and ops.kernels_enabled(x.device)
+        fused = (tp is None and lora is None and x.dtype == torch.float32 and ops.kernels_enabled(x.device)
                  and first.packed_int4())
         if fused:
             d = meta.num_decodes
@@ -196,8 +214,9 @@ class LlamaForCausalLM(nn.Module):
             for layer, kv in zip(self.model.layers, kv_caches):
                 x, residual = layer.forward_fused(x, residual, self.rope, positions, meta, kv, starts)
         else:
-            for layer, kv in zip(self.model.layers, kv_caches):
-                x, residual = layer(x, residual, self.rope, positions, meta, kv)
+            for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
+                x, residual = layer(x, residual, self.rope, positions, meta, kv,
+                                    lora.layer(i) if lora is not None else None)
         if logits_indices is not None:
             x, residual = x.index_select(0, logits_indices), residual.index_select(0, logits_indices)
         x, _ = self.model.norm(x, residual)

@@ -122,9 +122,13 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
     return app
 
 
-def _model_card(state: ServerState) -> dict[str, Any]:
-    return {"id": state.model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "kvserve", "root": state.model_name, "parent": None,
+def _model_card(state: ServerState, served: str) -> dict[str, Any]:
+    """``served`` as ``/v1/models`` shows it: a LoRA adapter (as vLLM shows one) has its
+    directory as ``root`` and the base model as ``parent``."""
+    adapter = state.adapter(served)
+    return {"id": served, "object": "model", "created": int(time.time()), "owned_by": "kvserve",
+            "root": state.engine.lora_adapters[adapter] if adapter else served,
+            "parent": state.model_name if adapter else None,
             "max_model_len": state.engine.max_model_len}
 
 
@@ -166,12 +170,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [_model_card(state)]})
+        return JSONResponse({"object": "list", "data": [
+            _model_card(state, served) for served in [state.model_name, *engine.lora_adapters]]})
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> JSONResponse:
-        state.check_model(model)
-        return JSONResponse(_model_card(state))
+        return JSONResponse(_model_card(state, state.check_model(model)))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:

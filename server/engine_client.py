@@ -48,6 +48,7 @@ class EngineClient(Protocol):
     vocab_size: int  # token ids in [0, vocab_size) are valid in a prompt, stop_token_ids, logit_bias
     num_kv_blocks: int
     block_size: int
+    lora_adapters: Mapping[str, str]  # served LoRA adapter name -> its directory
 
     @property
     def is_alive(self) -> bool: ...
@@ -66,10 +67,11 @@ class EngineClient(Protocol):
     async def shutdown(self) -> None: ...
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 group: str | None = None) -> AsyncIterator[RequestOutput]:
+                 group: str | None = None, adapter: str | None = None) -> AsyncIterator[RequestOutput]:
         """Raises ``engine.validation.InvalidRequestError`` at once for a request that can
         never run; the returned stream starts the request when first iterated. Requests
-        of one ``group`` take turns with other groups for admission."""
+        of one ``group`` take turns with other groups for admission; ``adapter`` is one
+        of ``lora_adapters`` (None: the base model)."""
         ...
 
     def abort_all(self) -> None:

@@ -87,13 +87,13 @@ def prepare_chat(state: ServerState, chat: ChatCompletionRequest
 async def create_chat_completion(state: ServerState, request: Request) -> Response:
     """Validate, run and render one chat completions request."""
     body = await read_model(request, ChatCompletionRequest)
-    state.check_model(body.model)
+    model = state.check_model(body.model)
     params, reader, prompt = prepare_chat(state, body)
     tok = state.engine.tokenizer
     request_id = new_request_id("chatcmpl")
     choices = Choices([len(prompt)], params.n)
     merged = await launch(state, request_id, [prompt], params,
-                          {"prompt": "messages", "structured": body.structured_param})
+                          {"prompt": "messages", "structured": body.structured_param}, model)
     want_logprobs = params.logprobs is not None
     as_ids = bool(body.return_tokens_as_token_ids)
 
@@ -108,7 +108,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     if not body.stream:
         await run_to_completion(request, merged, choices)
         answers = [message("".join(st.text), st.finish_reason) for st in choices.states]
-        result = ChatCompletionResponse(id=request_id, model=state.model_name,
+        result = ChatCompletionResponse(id=request_id, model=model,
                                         usage=choices.usage(), choices=[
             ChatChoice(index=idx, message=msg, finish_reason=reason,
                        logprobs=chat_logprobs(tok, st.logprobs, as_ids) if want_logprobs else None)
@@ -124,7 +124,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
 
     def chunk(choice: ChatChunkChoice | None, usage: bool = body.continuous_usage) -> str:
         return sse(ChatCompletionChunk(
-            id=request_id, created=created, model=state.model_name,
+            id=request_id, created=created, model=model,
             choices=[choice] if choice else [], usage=choices.usage() if usage else None),
             include_usage=include_usage)
 

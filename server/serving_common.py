@@ -117,7 +117,7 @@ def vllm_prompt_logprobs(tokenizer: TokenizerLike, entries: list[TokenLogprob | 
 
 
 async def launch(state: ServerState, request_id: str, prompts: list[list[int]],
-                 params: SamplingParams, body_fields: Mapping[str, str]) -> AdmittedStream:
+                 params: SamplingParams, body_fields: Mapping[str, str], model: str) -> AdmittedStream:
     """One engine request per prompt, their streams merged; then admission.
 
     Every prompt is checked by the engine first (a 400 names the parameter at
@@ -125,14 +125,18 @@ async def launch(state: ServerState, request_id: str, prompts: list[list[int]],
     the queue bound (503). Nothing has
     entered the engine yet when either is raised: a stream starts on first
     iteration. The prompts form one group, which takes turns with other
-    requests for the engine's admission. The caller must close the result.
+    requests for the engine's admission; ``model`` (``ServerState.check_model``) is
+    the served name that answers, the base model or a LoRA adapter. The caller must
+    close the result.
     A structured output's grammar is compiled in that check, on a worker
     thread: it may take milliseconds (seconds at its limit), which the event
     loop does not wait for.
     """
+    adapter = state.adapter(model)
+
     def start_all() -> list:
         return [start_generation(state.engine, request_id if len(prompts) == 1 else f"{request_id}-{i}",
-                                 ids, params, body_fields, group=request_id)
+                                 ids, params, body_fields, group=request_id, adapter=adapter)
                 for i, ids in enumerate(prompts)]
 
     gens = await asyncio.to_thread(start_all) if params.structured is not None else start_all()

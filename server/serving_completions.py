@@ -64,13 +64,13 @@ class LogprobsWriter:
 async def create_completion(state: ServerState, request: Request) -> Response:
     """Validate, run and render one completions request."""
     body = await read_model(request, CompletionRequest)
-    state.check_model(body.model)
+    model = state.check_model(body.model)
     params = body.sampling_params()
     tok = state.engine.tokenizer
     prompts = [tok.encode(p) if isinstance(p, str) else p for p in body.prompts()]
     request_id = new_request_id("cmpl")
     merged = await launch(state, request_id, prompts, params,
-                          {"prompt": "prompt", "structured": body.structured_param})
+                          {"prompt": "prompt", "structured": body.structured_param}, model)
     # NOTE: echo of a token-id prompt returns its decoded text.
     echoes = [(p if isinstance(p, str) else tok.decode(p)) if body.echo else ""
               for p in body.prompts()]
@@ -97,7 +97,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
 
     if not body.stream:
         await run_to_completion(request, merged, choices)
-        result = CompletionResponse(id=request_id, model=state.model_name,
+        result = CompletionResponse(id=request_id, model=model,
                                     usage=usage(), choices=[])
         for idx, st in enumerate(choices.states):
             echo = echoes[idx // params.n]
@@ -119,7 +119,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     def chunk(idx: int, text: str, finish_reason: str | None = None,
               logprobs: CompletionLogprobs | None = None) -> str:
         return sse(CompletionResponse(
-            id=request_id, created=created, model=state.model_name,
+            id=request_id, created=created, model=model,
             choices=[CompletionChoice(index=idx, text=text, logprobs=logprobs,
                                       finish_reason=finish_reason)],
             usage=usage() if body.continuous_usage else None),
@@ -140,7 +140,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
 
     def epilogue() -> Iterator[str]:
         if include_usage:
-            yield sse(CompletionResponse(id=request_id, created=created, model=state.model_name,
+            yield sse(CompletionResponse(id=request_id, created=created, model=model,
                                          choices=[], usage=usage()), include_usage=True)
 
     return stream_response(state, request_id, first, merged, (), render, epilogue)

@@ -71,26 +71,26 @@ def answer_blocks(reasoning: str | None, text: str, calls: list | None) -> list[
 
 async def _create_message(state: ServerState, request: Request) -> Response:
     body = await read_model(request, MessagesRequest)
-    state.check_model(body.model)
+    model = state.check_model(body.model)
     chat = body.chat_request()
     with messages_params():
         params, reader, prompt = prepare_chat(state, chat)
     message_id = new_block_id("msg")
     choices = Choices([len(prompt)], 1)
     merged = await launch(state, message_id, [prompt], params,
-                          {"prompt": "messages", "max_tokens": "max_tokens", "structured": "tools"})
+                          {"prompt": "messages", "max_tokens": "max_tokens", "structured": "tools"}, model)
 
     if not body.stream:
         await run_to_completion(request, merged, choices)
         st = choices.states[0]
         reasoning, text, calls = reader.whole("".join(st.text))
         reason, sequence = stop_reason(st.finish_reason, st.stop_reason, calls is not None)
-        return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "model": state.model_name,
+        return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "model": model,
                              "content": answer_blocks(reasoning, text, calls), "stop_reason": reason,
                              "stop_sequence": sequence, "usage": AnthropicUsage.of(choices.usage()).model_dump()})
 
     first = await first_output(request, merged)
-    events = MessageEvents(message_id, state.model_name, len(prompt), first[1].num_cached_tokens if first else 0)
+    events = MessageEvents(message_id, model, len(prompt), first[1].num_cached_tokens if first else 0)
     answer = reader.stream()
 
     def render(prompt_index: int, ro: RequestOutput) -> Iterator[str]:

@@ -59,7 +59,7 @@ def answer_items(text: str, calls: list | None, logprobs: list[ChatTokenLogprob]
 async def create_response(state: ServerState, request: Request) -> Response:
     """Validate, run and render one Responses request; store it when asked."""
     body = await read_model(request, ResponsesRequest)
-    state.check_model(body.model)
+    model = state.check_model(body.model)
     history = _previous_conversation(state, body)
     chat = body.chat_request(history)
     tok = state.engine.tokenizer
@@ -69,9 +69,9 @@ async def create_response(state: ServerState, request: Request) -> Response:
     choices = Choices([len(prompt)], 1)
     merged = await launch(state, response_id, [prompt], params,
                           {"prompt": "input", "max_tokens": "max_output_tokens",
-                           "structured": "tools" if reader.calls is not None else "text.format"})
+                           "structured": "tools" if reader.calls is not None else "text.format"}, model)
     stored = bool(body.store) and state.responses.capacity > 0
-    response = ResponseObject.start(response_id, now(), state.model_name, body, chat, stored)
+    response = ResponseObject.start(response_id, now(), model, body, chat, stored)
 
     def keep(sent: dict[str, Any]) -> None:
         """Store the response as ``sent``, with the conversation up to it."""

@@ -51,10 +51,19 @@ class ServerState:
     in_flight: dict[str, float] = field(default_factory=dict)
     _abort_scheduled: bool = False
 
-    def check_model(self, model: str | None) -> None:
-        """404 unless ``model`` is unset or the served name."""
-        if model is not None and model != self.model_name:
-            raise model_not_found(model)
+    def check_model(self, model: str | None) -> str:
+        """The served name that answers a request for ``model``: the base model's when
+        unset, else ``model`` itself when it is the base model's or a LoRA adapter's
+        name (``--lora-modules``); 404 for any other."""
+        if model is None or model == self.model_name:
+            return self.model_name
+        if model in self.engine.lora_adapters:
+            return model
+        raise model_not_found(model)
+
+    def adapter(self, served: str) -> str | None:
+        """The LoRA adapter a request answered by ``served`` runs (None: the base model)."""
+        return served if served != self.model_name else None
 
     def admit(self, request_id: str) -> Callable[[], None]:
         """Take a place for ``request_id`` or raise 503: the engine is dead, or
@@ -108,16 +117,16 @@ def new_request_id(prefix: str) -> str:
 
 def start_generation(engine: EngineClient, request_id: str, prompt_ids: list[int],
                      params: SamplingParams, body_fields: Mapping[str, str],
-                     group: str) -> AsyncIterator[RequestOutput]:
+                     group: str, adapter: str | None = None) -> AsyncIterator[RequestOutput]:
     """``engine.generate``, with the engine's refusal as OpenAI's 400.
 
     ``body_fields`` names the body field behind an engine parameter where the
     two differ: the prompt's (``prompt`` or ``messages``) and the structured
     output's (``response_format``, ``structured_outputs`` or ``tools``), named
     in the error when that parameter is at fault; ``group`` is the API request
-    the prompt belongs to.
+    the prompt belongs to; ``adapter`` the LoRA adapter it runs.
     """
     try:
-        return engine.generate(request_id, prompt_ids, params, group=group)
+        return engine.generate(request_id, prompt_ids, params, group=group, adapter=adapter)
     except InvalidRequestError as e:
         raise bad_request(str(e), body_fields.get(e.param, e.param)) from None

@@ -62,3 +62,47 @@ def smollm2_loaded(smollm2):
     """:func:`smollm2` under the name the engine tests use; engines are built on it with
     ``LLMEngine(config, loaded=smollm2_loaded)``, sharing the weights (each has its own KV cache)."""
     return smollm2
+
+
+# Every projection a PEFT LoRA adapter of a Llama-family model may target.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_lora(path: Path, config, rank: int = 4, alpha: float = 8.0, seed: int = 0,
+               targets: tuple[str, ...] = LORA_TARGETS, std: float = 0.05, **options) -> Path:
+    """A random LoRA adapter in PEFT's layout (``adapter_config.json``,
+    ``adapter_model.safetensors``) for a model of ``config`` (a ``models.config.ModelConfig``
+    or a transformers config): what ``PeftModel.save_pretrained`` writes, without needing
+    PEFT's model. ``options`` go into the config file as they are."""
+    import json
+
+    from safetensors.torch import save_file
+
+    h, layers = config.hidden_size, config.num_hidden_layers
+    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv, i = config.num_attention_heads * d, config.num_key_value_heads * d, config.intermediate_size
+    shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+              "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(layers):
+        for target in targets:
+            out_f, in_f = shapes[target]
+            part = "self_attn" if target.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{part}.{target}"
+            tensors[f"{key}.lora_A.weight"] = std * torch.randn(rank, in_f, generator=gen)
+            tensors[f"{key}.lora_B.weight"] = std * torch.randn(out_f, rank, generator=gen)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config_json = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets),
+                   "bias": "none", "use_dora": False, "use_rslora": False, "modules_to_save": None,
+                   "fan_in_fan_out": False, "task_type": "CAUSAL_LM", **options}
+    (path / "adapter_config.json").write_text(json.dumps(config_json))
+    return path
+
+
+@pytest.fixture(scope="session")
+def make_lora():
+    """``make_lora(path, config, rank=4, alpha=8, seed=0, targets=LORA_TARGETS, **options)``:
+    :func:`write_lora`, for tests in any folder."""
+    return write_lora

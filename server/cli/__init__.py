@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from engine.sampling_params import SamplingParams
-from server.cli.args import build_parser, engine_config
+from server.cli.args import GENERATE_ADAPTER, build_parser, engine_config
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -34,7 +34,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"kvserve: error: {e}") from None
     # One list of n samples per prompt.
-    [samples] = llm.generate([args.prompt], params, use_tqdm=False)
+    [samples] = llm.generate([args.prompt], params, use_tqdm=False,
+                             adapter=GENERATE_ADAPTER if args.lora else None)
     for sample in samples:
         print(sample.text)
     return 0

@@ -6,7 +6,7 @@ import argparse
 import os
 import re
 
-from engine.config import (KV_CACHE_DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS, EngineConfig, ParallelConfig,
+from engine.config import (KV_CACHE_DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS, EngineConfig, LoRAModule, ParallelConfig,
                            SpeculativeConfig, parallel_from_torchrun)
 from server.reasoning import REASONING_PARSERS
 from server.state import DEFAULT_STORED_RESPONSES
@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--chat-template", default=None, metavar="FILE",
                        help="a Jinja2 chat template file to use instead of the model's own")
+    serve.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT directories) served beside the base model: a "
+                            "request whose model is NAME runs the adapter at PATH")
     serve.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSERS,
                        help="how tool calls are prompted and read: hermes (<tool_call> JSON "
                             "</tool_call>, the chat template renders the tools), generic (kvserve's "
@@ -164,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--lora", default=None, metavar="PATH",
+                     help="generate through this LoRA adapter (a PEFT directory)")
 
     chat = sub.add_parser("chat", help="chat with a running server in the terminal")
     chat.add_argument("--url", default="http://127.0.0.1:8000")
@@ -181,6 +186,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The name ``kvserve generate --lora PATH`` serves its adapter under.
+GENERATE_ADAPTER = "lora"
+
+
+def _lora_modules(args: argparse.Namespace) -> tuple[LoRAModule, ...]:
+    """``serve --lora-modules NAME=PATH ...``, or ``generate --lora PATH``."""
+    if getattr(args, "lora", None):
+        return (LoRAModule(GENERATE_ADAPTER, args.lora),)
+    return tuple(LoRAModule.parse(m) for m in getattr(args, "lora_modules", []))
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The ``EngineConfig`` for parsed ``serve``/``generate`` arguments; a bad
     setting exits with its message rather than a traceback."""
@@ -195,6 +211,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             served_model_name=getattr(args, "served_model_name", None),
             quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
             chat_template=getattr(args, "chat_template", None),
+            lora_modules=_lora_modules(args),
             parallel=parallel_from_torchrun(ParallelConfig(
                 tensor_parallel_size=args.tensor_parallel_size, nnodes=getattr(args, "nnodes", 1),
                 node_rank=getattr(args, "node_rank", 0), master_addr=getattr(args, "master_addr", "127.0.0.1"),

@@ -1,7 +1,7 @@
 """End-to-end fixtures: ONE real ``kvserve serve`` process for the whole session.
 
 The server runs the real default model (float32, CPU unless a GPU is present)
-with API-key auth on, so every e2e test (the OpenAI client, /metrics, the auth
+with API-key auth on and one LoRA adapter, so every e2e test (the OpenAI client, /metrics, the auth
 walk, Prometheus) shares a single model load. Tests run one at a time, so no
 request of another test is in flight while a test reads counters.
 """
@@ -14,19 +14,20 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from e2e_helpers import KVServe, free_port
+from e2e_helpers import ADAPTER, SMOLLM2_SHAPE, KVServe, free_port
 
 STARTUP_TIMEOUT = 120.0
 SHUTDOWN_TIMEOUT = 10.0
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVServe]:
-    """A live ``kvserve serve --api-key ...`` on a free port; on teardown SIGTERM must
-    make it exit with status 0 within its shutdown timeout."""
+def server(tmp_path_factory: pytest.TempPathFactory, make_lora) -> Iterator[KVServe]:
+    """A live ``kvserve serve --api-key ... --lora-modules sql=...`` on a free port; on
+    teardown SIGTERM must make it exit with status 0 within its shutdown timeout."""
     log_dir = tmp_path_factory.mktemp("kvserve")
+    adapter = make_lora(log_dir / ADAPTER, SMOLLM2_SHAPE, rank=8, seed=3)
     srv = KVServe(free_port(), log_dir / "server.log", api_key="e2e-" + secrets.token_hex(8),
-                  shutdown_timeout=SHUTDOWN_TIMEOUT)
+                  shutdown_timeout=SHUTDOWN_TIMEOUT, extra=("--lora-modules", f"{ADAPTER}={adapter}"))
     try:
         srv.wait_http_ok(f"{srv.url}/health", STARTUP_TIMEOUT)
         yield srv

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TypeVar
 
 import httpx
@@ -22,6 +23,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "smollm2"
+ADAPTER = "sql"  # the LoRA adapter the shared server (conftest.server) serves beside the base model
+# SmolLM2-135M's shape, for a LoRA adapter that fits it (the loader checks every tensor).
+SMOLLM2_SHAPE = SimpleNamespace(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                                num_key_value_heads=3, head_dim=64, intermediate_size=1536)
 # The ``kvserve`` console script that ``pip install -e .`` puts next to the interpreter.
 KVSERVE = Path(sys.executable).with_name("kvserve")
 

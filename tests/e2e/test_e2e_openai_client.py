@@ -44,7 +44,8 @@ def stream_chat(client: openai.OpenAI, **kwargs: object) -> tuple[list, str]:
 
 
 def test_models_list_shows_the_served_model(client: openai.OpenAI) -> None:
-    assert [m.id for m in client.models.list()] == [MODEL]
+    # The base model, then the LoRA adapter the shared server loads (conftest.ADAPTER).
+    assert [m.id for m in client.models.list()] == [MODEL, "sql"]
     assert client.models.retrieve(MODEL).id == MODEL
 
 

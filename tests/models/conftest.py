@@ -12,6 +12,7 @@ import torch
 
 from models import kv_cache
 from models.attention import SeqSpec, build_attention_metadata
+from models.lora import LoRABatch
 
 # Small enough to build in milliseconds; 4 query heads over 2 KV heads exercises GQA.
 TINY_CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -50,19 +51,22 @@ class PagedRunner:
         table, self.free_blocks = self.free_blocks[:n], self.free_blocks[n:]
         return Seq(table)
 
-    def step(self, work: list[tuple[Seq, list[int]]]) -> list[torch.Tensor]:
+    def step(self, work: list[tuple[Seq, list[int]]], adapters: list | None = None) -> list[torch.Tensor]:
         """One forward over a flat batch: each sequence's new tokens follow its cached ones.
 
-        Decodes (one new token) must come first. Returns, per sequence, float32
-        logits ``[len(new tokens), vocab]``.
+        Decodes (one new token) must come first. ``adapters``: per sequence, the
+        ``models.lora.LoRAAdapter`` its rows run (None: the base model). Returns,
+        per sequence, float32 logits ``[len(new tokens), vocab]``.
         """
-        ids, positions, specs = [], [], []
-        for seq, new in work:
+        ids, positions, specs, spans = [], [], [], []
+        for i, (seq, new) in enumerate(work):
+            spans.append((adapters[i] if adapters else None, len(ids), len(new)))
             ids += new
             positions += range(seq.num_cached, seq.num_cached + len(new))
             specs.append(SeqSpec(len(new), seq.num_cached + len(new), seq.block_table))
         meta = build_attention_metadata(specs, self.block_size)
-        logits = self.model(torch.tensor(ids), torch.tensor(positions), meta, self.kv_caches)
+        logits = self.model(torch.tensor(ids), torch.tensor(positions), meta, self.kv_caches,
+                            lora=LoRABatch.of_spans(spans))
         for seq, new in work:
             seq.num_cached += len(new)
             seq.tokens += new

@@ -114,8 +114,9 @@ class FakeEngine:
     def __init__(self, *, model_name: str = "fake-model", max_model_len: int = 256,
                  block_size: int = 16, num_kv_blocks: int = 64, step_delay: float = 0.0,
                  eos_at: int | None = None, fail_after_steps: int | None = None,
-                 fault: str = "error") -> None:
+                 fault: str = "error", lora_adapters: dict[str, str] | None = None) -> None:
         self.tokenizer = FakeTokenizer()
+        self.lora_adapters = dict(lora_adapters or {})  # served adapter name -> directory
         self.script = SCRIPT  # what every sample types out (ASCII: one byte-token per character)
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -133,6 +134,7 @@ class FakeEngine:
         self._active: dict[str, FakeRequest] = {}
         self._abort_all: set[str] = set()
         self.groups: dict[str, str] = {}  # request id -> the group generate() was given
+        self.adapters: dict[str, str | None] = {}  # request id -> the adapter generate() was given
         self._loggers: list[StatLogger] = []
         self._seen_prompts: list[list[int]] = []
 
@@ -239,11 +241,13 @@ class FakeEngine:
         return self.tokenizer.vocab_size
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 group: str | None = None) -> AsyncIterator[RequestOutput]:
+                 group: str | None = None, adapter: str | None = None) -> AsyncIterator[RequestOutput]:
         """The real engine's check (``InvalidRequestError`` at once), then the stream."""
+        assert adapter is None or adapter in self.lora_adapters, adapter
         limits = RequestLimits(vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         limit = check_request(prompt_token_ids, params, limits)
         self.groups[request_id] = group or request_id
+        self.adapters[request_id] = adapter
         return self._stream(request_id, list(prompt_token_ids), params, limit)
 
     def abort_all(self) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, LoRAModule
 from server import cli
 from server.cli import args as cli_args
 from server.cli import serve as cli_serve
@@ -80,8 +80,8 @@ def test_generate_calls_llm_engine(monkeypatch: pytest.MonkeyPatch,
         def __init__(self, config):
             seen["config"] = config
 
-        def generate(self, prompts, params, use_tqdm=True):
-            seen["prompts"], seen["params"] = prompts, params
+        def generate(self, prompts, params, use_tqdm=True, adapter=None):
+            seen["prompts"], seen["params"], seen["adapter"] = prompts, params, adapter
             return [[types.SimpleNamespace(text="generated text")]]
 
     monkeypatch.setitem(sys.modules, "engine.llm_engine", types.SimpleNamespace(LLMEngine=FakeLLM))
@@ -91,6 +91,11 @@ def test_generate_calls_llm_engine(monkeypatch: pytest.MonkeyPatch,
     assert capsys.readouterr().out == "generated text\n"
     assert seen["prompts"] == ["Hi"] and seen["config"].model == "smollm2"
     assert (seen["params"].max_tokens, seen["params"].temperature) == (7, 0.0)
+    assert seen["adapter"] is None and seen["config"].lora_modules == ()
+
+    # --lora PATH: the engine loads that adapter and the prompt runs through it.
+    assert cli.main(["generate", "--prompt", "Hi", "--lora", "/adapters/sql"]) == 0
+    assert seen["config"].lora_modules == (LoRAModule(seen["adapter"], "/adapters/sql"),)
 
 
 def test_serve_wiring_and_startup_log(monkeypatch: pytest.MonkeyPatch,

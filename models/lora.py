@@ -1,0 +1,312 @@
+"""LoRA adapters: low-rank updates of a loaded model's projections, per request.
+
+An adapter trained with PEFT (a directory holding ``adapter_config.json`` and
+``adapter_model.safetensors``) changes each targeted projection ``W`` of the
+base model into ``W + s * B @ A`` (``A [r, in]``, ``B [out, r]``, ``s =
+lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA). The base weights are never
+changed: a forward adds ``s * (x @ A^T) @ B^T`` to the projection's output for
+the rows of the requests that asked for the adapter (``LoRABatch``), so one
+server answers the base model and any number of adapters in the same batch.
+
+The model stores q/k/v and gate/up fused (``models.llama``); an adapter's
+updates of those are stacked the same way: the ``A`` matrices one above the
+other, the ``B`` matrices block-diagonal, with the q and k rows in the
+interleaved rotary order of the fused weight. The scale is folded into ``B``.
+
+On a CPU with kvserve's kernels both products run ``ops.dense_linear``, whose
+result for a row does not depend on the other rows, so a request's logits are
+the same however it was batched (and beside whichever adapters).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from models import gguf_loader, ops
+from models.config import ModelConfig
+from models.dense import DTYPES, pack_dense
+from models.rope import interleave_rotary_rows
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+# Checkpoint projection -> (the model's fused projection, place in it).
+_TARGETS = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
+_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+
+# PEFT options that change what the adapter computes, with the value that means
+# "plain LoRA". An adapter that sets any other value is refused, not run wrong.
+_PLAIN = {
+    "use_dora": False, "modules_to_save": None, "bias": "none", "lora_bias": False,
+    "fan_in_fan_out": False, "alpha_pattern": {}, "layer_replication": None,
+    "trainable_token_indices": None, "alora_invocation_tokens": None, "target_parameters": None,
+}
+
+
+class LoRAUpdate:
+    """One fused projection's update: ``delta(x) = (x @ A^T) @ B^T``, the scale in ``B``."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.rank, self.out_features = a.shape[0], b.shape[0]
+        # Packed for ops.dense_linear where the kernels run this dtype (see the module's docstring).
+        self.packed = ops.kernels_enabled(a.device) and a.dtype in DTYPES
+        self.a = pack_dense(a) if self.packed else a.contiguous()
+        self.b = pack_dense(b) if self.packed else b.contiguous()
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return ops.dense_linear(ops.dense_linear(x, self.a, self.rank), self.b, self.out_features)
+        return F.linear(F.linear(x, self.a), self.b)
+
+
+@dataclass
+class LoRAAdapter:
+    """A loaded adapter: per decoder layer, the updates of the projections it targets."""
+
+    name: str
+    path: str
+    rank: int  # the largest rank of its projections
+    layers: list[dict[str, LoRAUpdate]]
+
+
+def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.dtype,
+                 device: torch.device) -> LoRAAdapter:
+    """Read the LoRA adapter at ``path``, named ``name``, for a model of ``config`` whose
+    activations are ``dtype`` on ``device``: a PEFT directory, or a llama.cpp GGUF
+    adapter file (``convert_lora_to_gguf.py``'s output).
+
+    Raises ``ValueError`` naming what is wrong: a missing file, an adapter
+    kind or option kvserve does not run (DoRA, biases, ``modules_to_save``,
+    ...), a tensor that updates something other than a decoder projection
+    (the embedding, the LM head), or a shape that does not fit the model.
+    """
+    path = Path(path)
+    if path.suffix == ".gguf" and path.is_file():
+        where, tensors, alpha, rslora = _read_gguf_adapter(name, path, config)
+    else:
+        where, tensors, alpha, rslora = _read_peft_adapter(name, path)
+
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors:
+        m = _TENSOR.search(key)
+        if m is None or m.group(2) not in _TARGETS:
+            raise _not_a_projection(name, key)
+        layer = int(m.group(1))
+        if layer >= config.num_hidden_layers:
+            raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is for layer {layer}, "
+                             f"the model has {config.num_hidden_layers}")
+        pairs.setdefault((layer, m.group(2)), {})[m.group(3)] = tensor.to(torch.float32)
+    if not pairs:
+        raise ValueError(f"LoRA adapter {name!r}: {where} holds no LoRA tensors")
+
+    shapes = _projection_shapes(config)
+    # Per layer, per fused projection: each part's (A, B), in the fused order.
+    updates: list[dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]]] = [
+        {} for _ in range(config.num_hidden_layers)]
+    max_rank = 0
+    for (layer, proj), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {proj} has lora_"
+                             f"{''.join(ab)} without lora_{'B' if 'A' in ab else 'A'}")
+        a, b = ab["A"], ab["B"]
+        out_features, in_features = shapes[proj]
+        r = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or tuple(b.shape) != (out_features, r):
+            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {proj} has lora_A "
+                             f"{tuple(a.shape)} and lora_B {tuple(b.shape)}, expected ({r}, {in_features}) "
+                             f"and ({out_features}, {r}) for this model")
+        max_rank = max(max_rank, r)
+        # No alpha (a GGUF adapter may have none): the update unscaled, as llama.cpp runs it.
+        b = b * (alpha / (math.sqrt(r) if rslora else r) if alpha else 1.0)
+        if proj in ("q_proj", "k_proj"):
+            heads = config.num_attention_heads if proj == "q_proj" else config.num_key_value_heads
+            b = interleave_rotary_rows(b, heads)
+        fused, idx = _TARGETS[proj]
+        updates[layer].setdefault(fused, [None] * _num_parts(fused))[idx] = (a, b)
+    layers = [{fused: _stack(parts, _part_sizes(fused, config), dtype, device)
+               for fused, parts in layer.items()} for layer in updates]
+    return LoRAAdapter(name, str(path), max_rank, layers)
+
+
+def _not_a_projection(name: str, tensor: str) -> ValueError:
+    return ValueError(f"LoRA adapter {name!r}: tensor {tensor!r} does not update a decoder "
+                      "projection (q/k/v/o, gate/up/down); kvserve cannot apply it")
+
+
+def _read_peft_adapter(name: str, path: Path
+                       ) -> tuple[Path, Iterator[tuple[str, torch.Tensor]], float, bool]:
+    """A PEFT directory's weights file, tensors, ``lora_alpha`` and rsLoRA switch."""
+    cfg_file, weights_file = path / CONFIG_FILE, path / WEIGHTS_FILE
+    if not cfg_file.is_file():
+        raise ValueError(f"LoRA adapter {name!r}: {path} has no {CONFIG_FILE} (nor is it a .gguf adapter)")
+    if not weights_file.is_file():
+        # NOTE: PEFT's older adapter_model.bin is a pickle; it is never loaded.
+        raise ValueError(f"LoRA adapter {name!r}: {path} has no {WEIGHTS_FILE} "
+                         "(a .bin adapter is not read: convert it to safetensors)")
+    try:
+        peft = json.loads(cfg_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"LoRA adapter {name!r}: {cfg_file} is not JSON ({e})") from None
+    if not isinstance(peft, dict) or peft.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"LoRA adapter {name!r}: {cfg_file} is not a LoRA adapter "
+                         f"(peft_type {peft.get('peft_type') if isinstance(peft, dict) else None!r})")
+    for key, plain in _PLAIN.items():
+        value = peft.get(key)
+        if value not in (None, plain, {}, []):
+            raise ValueError(f"LoRA adapter {name!r}: {key}={peft[key]!r} is not supported "
+                             f"(kvserve runs plain LoRA: {key}={plain!r})")
+    alpha = peft.get("lora_alpha")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
+        raise ValueError(f"LoRA adapter {name!r}: lora_alpha must be a positive number, got {alpha!r}")
+    return weights_file, _read_tensors(weights_file), float(alpha), bool(peft.get("use_rslora", False))
+
+
+def _read_gguf_adapter(name: str, path: Path, config: ModelConfig
+                       ) -> tuple[Path, Iterator[tuple[str, torch.Tensor]], float, bool]:
+    """A llama.cpp GGUF adapter's tensors under PEFT's names (the q/k rows of B put back
+    in Hugging Face's order, as the loader does for a GGUF model's), and its alpha."""
+    reader = gguf_loader.open_gguf(path)
+    kind = (gguf_loader.field_value(reader, "general.type"), gguf_loader.field_value(reader, "adapter.type"))
+    if kind != ("adapter", "lora"):
+        raise ValueError(f"LoRA adapter {name!r}: {path} is not a GGUF LoRA adapter "
+                         f"(general.type {kind[0]!r}, adapter.type {kind[1]!r})")
+    arch = gguf_loader.field_value(reader, "general.architecture")
+    if gguf_loader.ARCHITECTURES.get(arch) != config.architecture:
+        raise ValueError(f"LoRA adapter {name!r}: {path} is for a {arch!r} model, "
+                         f"the model is {config.architecture}")
+    permuted = config.architecture in gguf_loader.PERMUTED_ARCHITECTURES
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for t in reader.tensors:
+            # blk.3.attn_q.weight.lora_a -> model.layers.3.self_attn.q_proj.lora_A.weight
+            base, _, ab = t.name.rpartition(".lora_")
+            try:
+                key = f"{gguf_loader.hf_name(base).removesuffix('.weight')}.lora_{ab.upper()}.weight"
+            except ValueError:
+                key = ""
+            if ab not in ("a", "b") or _TENSOR.search(key) is None:
+                raise _not_a_projection(name, t.name)
+            w = gguf_loader.dequantize(t)
+            if ab == "b" and permuted and (".q_proj." in key or ".k_proj." in key):
+                heads = config.num_attention_heads if ".q_proj." in key else config.num_key_value_heads
+                w = gguf_loader.permute_back(w, heads)
+            yield key, torch.from_numpy(np.array(w, dtype=np.float32))
+
+    return path, tensors(), float(gguf_loader.field_value(reader, "adapter.lora.alpha", 0.0)), False
+
+
+def _read_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
+
+
+def _projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Checkpoint projection -> (out_features, in_features) of the whole (unsplit) model."""
+    h, d = config.hidden_size, config.head_dim
+    q, kv, i = config.num_attention_heads * d, config.num_key_value_heads * d, config.intermediate_size
+    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+
+
+def _num_parts(fused: str) -> int:
+    return {"qkv_proj": 3, "gate_up_proj": 2}.get(fused, 1)
+
+
+def _part_sizes(fused: str, config: ModelConfig) -> list[int]:
+    """The output rows of each part of a fused projection, in order."""
+    shapes = _projection_shapes(config)
+    names = [ckpt for ckpt, (f, _) in sorted(_TARGETS.items(), key=lambda kv: kv[1][1]) if f == fused]
+    return [shapes[n][0] for n in names]
+
+
+def _stack(parts: list[tuple[torch.Tensor, torch.Tensor] | None], sizes: list[int],
+           dtype: torch.dtype, device: torch.device) -> LoRAUpdate:
+    """One update for a fused projection from its parts' ``(A, B)`` (None: not targeted):
+    the A matrices one above the other, B block-diagonal, parts absent left zero."""
+    a = torch.cat([p[0] for p in parts if p is not None])
+    b = torch.zeros(sum(sizes), a.shape[0])
+    row = col = 0
+    for size, part in zip(sizes, parts):
+        if part is not None:
+            r = part[0].shape[0]
+            b[row:row + size, col:col + r] = part[1]
+            col += r
+        row += size
+    return LoRAUpdate(a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
+
+
+@dataclass(frozen=True)
+class LoRABatch:
+    """Which rows of a flat batch run which adapter (rows of no adapter run the base model)."""
+
+    # (adapter, the row ranges [start, stop) it runs), ranges in row order, adjacent ones merged.
+    groups: tuple[tuple[LoRAAdapter, tuple[tuple[int, int], ...]], ...]
+
+    def add(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` (the projection ``proj`` of layer ``layer`` applied to ``x``) plus each
+        adapter's update on its rows, in place."""
+        for adapter, ranges in self.groups:
+            update = adapter.layers[layer].get(proj)
+            if update is not None:
+                # NOTE: row ranges are views: no gather or scatter (which cost as much
+                # as the two small matmuls at a decode batch's size, measured).
+                for start, stop in ranges:
+                    y[start:stop].add_(update.delta(x[start:stop]))
+        return y
+
+    @classmethod
+    def of_spans(cls, spans: Iterable[tuple[LoRAAdapter | None, int, int]]) -> "LoRABatch | None":
+        """The batch for ``(adapter or None, first row, number of rows)`` spans of a flat
+        batch; None when no row runs an adapter (the step runs the base model alone).
+        Spans of one adapter that follow each other make one range (the engine puts
+        the requests of an adapter side by side)."""
+        ranges: dict[str, list[list[int]]] = {}
+        adapters: dict[str, LoRAAdapter] = {}
+        for adapter, start, count in spans:
+            if adapter is None or count == 0:
+                continue
+            adapters[adapter.name] = adapter
+            own = ranges.setdefault(adapter.name, [])
+            if own and own[-1][1] == start:
+                own[-1][1] += count
+            else:
+                own.append([start, start + count])
+        if not ranges:
+            return None
+        return cls(tuple((adapters[name], tuple((a, b) for a, b in r)) for name, r in ranges.items()))
+
+    def layer(self, index: int) -> "LayerLoRA":
+        """This batch's updates for decoder layer ``index``."""
+        return LayerLoRA(self, index)
+
+
+@dataclass(frozen=True)
+class LayerLoRA:
+    """A ``LoRABatch`` seen from one decoder layer."""
+
+    batch: LoRABatch
+    index: int
+
+    def add(self, proj: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``LoRABatch.add`` for this layer."""
+        return self.batch.add(self.index, proj, x, y)

@@ -1,0 +1,78 @@
+"""LoRA adapters over HTTP: each is a model of its own in /v1/models and in every
+generation API, run by the engine as that adapter (vLLM's ``--lora-modules``)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from api_helpers import MODEL, assert_error, client_for, sse_events
+from fake_engine import FakeEngine
+from server.app import build_app
+
+pytestmark = pytest.mark.anyio
+
+ADAPTERS = {"sql": "/adapters/sql", "poet": "/adapters/poet"}
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine(lora_adapters=ADAPTERS)
+
+
+@pytest.fixture
+async def client(engine: FakeEngine) -> AsyncIterator[httpx.AsyncClient]:
+    app = build_app(engine)
+    async with app.router.lifespan_context(app):
+        async with client_for(app) as c:
+            yield c
+
+
+async def test_models_lists_each_adapter_with_the_base_as_parent(client: httpx.AsyncClient) -> None:
+    cards = {c["id"]: c for c in (await client.get("/v1/models")).json()["data"]}
+    assert list(cards) == [MODEL, "sql", "poet"]
+    assert (cards[MODEL]["root"], cards[MODEL]["parent"]) == (MODEL, None)
+    for name, path in ADAPTERS.items():
+        assert (cards[name]["root"], cards[name]["parent"]) == (path, MODEL)
+        assert cards[name]["max_model_len"] == 256
+    card = (await client.get("/v1/models/sql")).json()
+    assert (card["id"], card["parent"]) == ("sql", MODEL)
+    assert_error(await client.get("/v1/models/chess"), 404)
+
+
+GENERATIONS = [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path,body", GENERATIONS, ids=[p for p, _ in GENERATIONS])
+async def test_every_api_runs_the_adapter_its_model_names(client: httpx.AsyncClient, engine: FakeEngine,
+                                                          path: str, body: dict, stream: bool) -> None:
+    for model, adapter in [("sql", "sql"), ("poet", "poet"), (MODEL, None), (None, None)]:
+        sent = {**body, "stream": stream} | ({"model": model} if model else {})
+        r = await client.post(path, json=sent)
+        assert r.status_code == 200, r.text
+        assert engine.adapters[engine.requests[-1].request_id] == adapter
+        answered = model or MODEL
+        if not stream:
+            assert r.json()["model"] == answered
+        elif path in ("/v1/completions", "/v1/chat/completions"):
+            events = sse_events(r.text)
+            assert {e["model"] for e in events[:-1]} == {answered}
+        else:  # typed events: the model is in the opening one
+            assert f'"model":"{answered}"' in r.text.replace(" ", "")
+
+
+@pytest.mark.parametrize("path,body", GENERATIONS, ids=[p for p, _ in GENERATIONS])
+async def test_an_unknown_model_is_a_404_and_runs_nothing(client: httpx.AsyncClient, engine: FakeEngine,
+                                                          path: str, body: dict) -> None:
+    r = await client.post(path, json={**body, "model": "chess"})
+    assert r.status_code == 404
+    assert "chess" in r.text
+    assert engine.requests == []
