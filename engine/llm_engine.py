@@ -147,7 +147,8 @@ class LLMEngine:
             raise ValueError(f"a LoRA adapter cannot take the served model's name {self.model_name!r}")
         # Ids both the tokenizer and the model's rows know (see RequestLimits).
         self.vocab_size = min(self.tokenizer.vocab_size, loaded.config.vocab_size)
-        self.limits = RequestLimits(vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        self.limits = RequestLimits(vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+                                    hidden_size=loaded.config.hidden_size)
         self.sampler = Sampler(self.vocab_size)
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.vocab_size, sorted(self.eos_token_ids))
@@ -289,7 +290,7 @@ class LLMEngine:
         if sched.scheduled:
             items = [s for s in sched.scheduled if s.sample]
             sampling = [s.request for s in items]
-            logits, masks, unmasked, proposal_masks = self._forward(sched, sampling)
+            logits, hidden, masks, unmasked, proposal_masks = self._forward(sched, sampling)
             if any(s.num_prompt_logits for s in sched.scheduled):
                 logits = self._record_prompt_logprobs(sched.scheduled, logits)
             tokens: dict[str, list[int]] = {}
@@ -305,34 +306,37 @@ class LLMEngine:
             prev_times = {r.request_id: r.last_token_time for r in sampling}
             updated = self.scheduler.update_from_output(sched, tokens)
             outputs = self._process(updated, logprobs, prev_times, stats)
+            if hidden is not None:
+                outputs += self._pool([s.request for s in sched.scheduled if s.pool], hidden, stats)
         self._fill_gauges(stats)
         for stat_logger in self.stat_loggers:
             stat_logger.record(stats)
         return outputs
 
     def _forward(self, sched: SchedulerOutput, sampling: list[Request]
-                 ) -> tuple[torch.Tensor, tuple[list[int], torch.Tensor] | None, list[int],
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[list[int], torch.Tensor] | None, list[int],
                             dict[str, torch.Tensor]]:
-        """Run the model; the constrained rows' token bitmasks are filled meanwhile, on
+        """Run the model: its logits, and the pooled rows' hidden states (``ModelRunner.execute``).
+        The constrained rows' token bitmasks are filled meanwhile, on
         another thread, except for rows that pick their logits' argmax (``picks_argmax``)
         where the grammar leaves a choice (not ``forced``) and have no proposals: those
-        are checked after sampling (returned third) and masked only if need be. A
+        are checked after sampling (returned fourth) and masked only if need be. A
         constrained request with proposals also gets the mask after each proposal
-        (returned fourth, by request id)."""
+        (returned fifth, by request id)."""
         rows = [i for i, r in enumerate(sampling) if r.grammar is not None]
         unmasked = [i for i in rows if not sampling[i].spec_token_ids
                     and picks_argmax(sampling[i].sampling_params) and not sampling[i].grammar.forced]
         rows = [i for i in rows if i not in unmasked]  # a handful of rows: a list will do
         if not rows:
-            return self.runner.execute(sched), None, unmasked, {}
+            return *self.runner.execute(sched), None, unmasked, {}
         specs = [sampling[i].spec_token_ids for i in rows]
         self._masks.start([sampling[i].grammar for i in rows], specs)
         try:
-            logits = self.runner.execute(sched)
+            logits, hidden = self.runner.execute(sched)
         finally:
             masks = self._masks.result()
         if not any(specs):
-            return logits, (rows, masks), unmasked, {}
+            return logits, hidden, (rows, masks), unmasked, {}
         # Each request's rows: the mask now, then one after each proposal.
         firsts, extra, row = [], {}, 0
         for i, spec in zip(rows, specs):
@@ -340,7 +344,7 @@ class LLMEngine:
             if spec:
                 extra[sampling[i].request_id] = masks[row + 1:row + 1 + len(spec)]
             row += 1 + len(spec)
-        return logits, (rows, masks[firsts]), unmasked, extra
+        return logits, hidden, (rows, masks[firsts]), unmasked, extra
 
     def _record_prompt_logprobs(self, scheduled: list[ScheduledRequest], logits: torch.Tensor) -> torch.Tensor:
         """Fill in each request's prompt logprobs from its prompt positions' rows;
@@ -528,6 +532,26 @@ class LLMEngine:
             aborted = self.abort_request(rid)
             assert aborted is not None
             results.append(dataclasses.replace(aborted, outputs=[], error=f"structured output failed: {error}"))
+        return results
+
+    def _pool(self, pooled: list[Request], hidden: torch.Tensor, stats: StepStats) -> list[RequestOutput]:
+        """Finish each embedding request of the step with its answer: its prompt's last
+        hidden state (row i of ``hidden``), cut to ``dimensions``, L2-normalised."""
+        results = []
+        for seq, row in zip(pooled, hidden):
+            params = seq.sampling_params.pooling
+            assert params is not None
+            vector = row[:params.dimensions] if params.dimensions is not None else row
+            if params.normalize:
+                vector = torch.nn.functional.normalize(vector, dim=0)
+            self.scheduler.finish_request(seq.request_id, RequestStatus.FINISHED_STOPPED)
+            api = self._seq_to_api[seq.request_id]
+            stats.num_prompt_tokens += len(api.prompt_token_ids)
+            stats.finished.extend(self._retire(api))
+            results.append(RequestOutput(api.request_id, [CompletionOutput(
+                index=0, text="", token_ids=[], finish_reason=RequestStatus.FINISHED_STOPPED.finish_reason,
+                embedding=vector.tolist())], api.prompt_token_ids, finished=True,
+                num_cached_tokens=seq.num_cached_tokens))
         return results
 
     def _retire(self, api: _ApiRequest) -> list[FinishedRequestStats]:

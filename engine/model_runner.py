@@ -42,6 +42,7 @@ class Chunk:
     block_ids: list[int]
     num_sampled: int
     adapter: str | None = None  # the LoRA adapter its tokens run (None: the base model)
+    pooled: bool = False  # its last token's hidden state is wanted (an embedding)
 
 
 class StepPeers(Protocol):
@@ -81,16 +82,21 @@ class ModelRunner:
                                            local_kv_heads(self.config, tp_size), self.config.head_dim,
                                            self.kv_dtype, self.device)
 
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run every scheduled token; each entry's ``num_logits`` rows of logits, in
-        scheduled order: its wanted prompt positions' (prompt logprobs), then when it
-        samples its last known token's and each proposal's."""
-        return self.run([Chunk(s.token_ids, s.start_pos, s.block_ids, s.num_logits, s.request.adapter)
-                         for s in out.scheduled])
+    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run every scheduled token. Returns each entry's ``num_logits`` rows of logits, in
+        scheduled order (its wanted prompt positions', for prompt logprobs, then when it
+        samples its last known token's and each proposal's), and the float32 hidden
+        states of the pooled entries' last tokens in scheduled order (None: none pooled)."""
+        return self._forward([Chunk(s.token_ids, s.start_pos, s.block_ids, s.num_logits, s.request.adapter,
+                                    s.pool) for s in out.scheduled])
 
     def run(self, chunks: list[Chunk]) -> torch.Tensor:
         """One forward over every chunk; float32 logits of each chunk's last
         ``num_sampled`` tokens, chunk after chunk in the given order."""
+        assert not any(c.pooled for c in chunks)
+        return self._forward(chunks)[0]
+
+    def _forward(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.peers is None:
             return self._run(chunks)
         try:
@@ -99,7 +105,7 @@ class ModelRunner:
         except RuntimeError as exc:  # a collective with a lost rank
             raise self.peers.forward_failed(exc) from exc
 
-    def _run(self, chunks: list[Chunk]) -> torch.Tensor:
+    def _run(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor | None]:
         # Decodes (one token) go first: attention batches them in one call. Among each, the
         # requests of a LoRA adapter sit side by side: its rows are then one range (LoRABatch).
         order = sorted(range(len(chunks)), key=lambda i: (len(chunks[i].token_ids) != 1, chunks[i].adapter or ""))
@@ -119,14 +125,19 @@ class ModelRunner:
             last_row[i] = len(input_ids) - 1
         sample_rows = [row for i, c in enumerate(chunks)
                        for row in range(last_row[i] + 1 - c.num_sampled, last_row[i] + 1)]
+        pooled_rows = [last_row[i] for i, c in enumerate(chunks) if c.pooled]
         dev = self.device
         meta = build_attention_metadata(specs, self.block_size, dev)
-        logits = self.model(
+        out = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
             meta,
             self.kv_caches,
             torch.tensor(sample_rows, dtype=torch.long, device=dev),
             lora=LoRABatch.of_spans(spans),
+            hidden_indices=torch.tensor(pooled_rows, dtype=torch.long, device=dev) if pooled_rows else None,
         )
-        return logits.cpu() if dev.type != "cpu" else logits
+        logits, hidden = out if pooled_rows else (out, None)
+        if dev.type != "cpu":
+            logits, hidden = logits.cpu(), hidden.cpu() if hidden is not None else None
+        return logits, hidden

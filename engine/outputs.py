@@ -28,6 +28,8 @@ class CompletionOutput:
     # On a sample's first delta, when ``prompt_logprobs`` was asked for: one entry per
     # prompt token (its logprob given the tokens before it), the first None.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # An embedding request's answer (``SamplingParams.pooling``), on its only delta.
+    embedding: list[float] | None = None
 
 
 @dataclass

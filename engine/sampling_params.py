@@ -84,6 +84,21 @@ class ThinkTokens:
     opens_in_prompt: bool = False
 
 
+@dataclass(frozen=True)
+class PoolingParams:
+    """An embedding request: instead of generating, the request's answer is its prompt's
+    last hidden state (after the model's final norm: last-token pooling, as vLLM pools a
+    decoder-only model), its first ``dimensions`` values (a Matryoshka model's shorter
+    embedding; None: all), L2-normalised when ``normalize``."""
+
+    dimensions: int | None = None
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dimensions is not None and self.dimensions < 1:
+            raise ValueError(f"dimensions must be at least 1, got {self.dimensions}")
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -120,6 +135,8 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     # With ``structured``: the reasoning block the grammar waits out (ThinkTokens).
     think: ThinkTokens | None = None
+    # An embedding request (PoolingParams): nothing is sampled; None: generate.
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -172,6 +189,10 @@ class SamplingParams:
             raise ValueError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}")
         if self.think is not None and self.structured is None:
             raise ValueError("think only shapes a structured output: set structured too")
+        if self.pooling is not None and (self.n != 1 or self.max_tokens != 1 or self.logprobs is not None
+                                         or self.prompt_logprobs is not None or self.structured is not None):
+            raise ValueError("an embedding request (pooling) samples nothing: n and max_tokens 1, "
+                             "no logprobs, prompt_logprobs or structured output")
         for tok, bias in self.logit_bias.items():
             if not math.isfinite(bias) or not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias for token {tok} must be in [-100, 100], got {bias}")

@@ -59,6 +59,9 @@ class ScheduledRequest:
     # Prompt logprobs: the logits of this many prompt positions are wanted too, the
     # ones right before the sampled rows (or the chunk's last ones when it samples nothing).
     num_prompt_logits: int = 0
+    # An embedding request's last prompt chunk: its last row's hidden state is its answer
+    # (``sample`` is then False: nothing is sampled, and it finishes with this step).
+    pool: bool = False
 
     @property
     def num_logits(self) -> int:
@@ -117,7 +120,9 @@ class Scheduler:
         rid = request.request_id
         assert rid not in self._requests, f"request id {rid!r} is already in use"
         assert request.num_prompt_tokens > 0, f"request {rid!r} has an empty prompt"
-        longest = request.num_prompt_tokens + request.max_tokens
+        # An embedding generates nothing: its prompt is all it holds.
+        generated = request.max_tokens if request.sampling_params.pooling is None else 0
+        longest = request.num_prompt_tokens + generated
         assert longest <= self.config.max_model_len, (rid, longest, self.config.max_model_len)
         # The engine sizes the cache for one max_model_len sequence, so this holds too.
         assert cdiv(longest, self.kv_cache.block_size) <= self.kv_cache.num_blocks, (rid, longest)
@@ -293,14 +298,17 @@ class Scheduler:
             wanted = len(request.prompt_logprobs) - 1
             assert wanted >= start, "a prompt position's logits were skipped"
             num_prompt_logits = max(0, min(start + num_new, request.num_prompt_tokens - 1) - wanted)
+        reaches_end = start + num_new == request.num_tokens
+        pool = reaches_end and request.sampling_params.pooling is not None
         return ScheduledRequest(
             request=request,
             start_pos=start,
             num_new_tokens=num_new + len(spec),
             block_ids=self.kv_cache.get_block_ids(request.request_id),
-            sample=start + num_new == request.num_tokens,
+            sample=reaches_end and not pool,
             spec_token_ids=spec,
             num_prompt_logits=num_prompt_logits,
+            pool=pool,
         )
 
     def _preempt(self, request: Request) -> None:

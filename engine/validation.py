@@ -35,6 +35,7 @@ class RequestLimits:
 
     vocab_size: int
     max_model_len: int
+    hidden_size: int = 0  # an embedding's length (0: not checked)
 
 
 def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: RequestLimits) -> int:
@@ -50,6 +51,17 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
     check_token_ids(list(params.logit_bias), limits.vocab_size, "logit_bias")
     if params.think is not None:
         check_token_ids([params.think.start, params.think.end], limits.vocab_size, "think")
+    if params.pooling is not None:
+        # An embedding generates nothing: its prompt may fill the whole context.
+        dims = params.pooling.dimensions
+        if limits.hidden_size and dims is not None and dims > limits.hidden_size:
+            raise InvalidRequestError(f"dimensions must be at most {limits.hidden_size} (the model's "
+                                      f"embedding length), got {dims}.", "dimensions")
+        if n > limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, your input has "
+                f"{n} tokens. Please shorten it.", "prompt")
+        return 1
     if n >= limit:
         raise InvalidRequestError(
             f"This model's maximum context length is {limit} tokens. However, your prompt has "

@@ -7,6 +7,9 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+# A base model saved without its LM head (transformers' AutoModel, as embedding models
+# are published) runs as its causal-LM class: the same layers.
+_BASE_MODELS = {arch.removesuffix("ForCausalLM") + "Model": arch for arch in SUPPORTED_ARCHITECTURES}
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         if len(archs) != 1:
             raise ValueError(f"config.json must name exactly one architecture, got {archs!r}")
-        arch = archs[0]
+        arch = _BASE_MODELS.get(archs[0], archs[0])
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")

@@ -188,12 +188,15 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                logits_indices: torch.Tensor | None = None, lora: LoRABatch | None = None) -> torch.Tensor:
+                logits_indices: torch.Tensor | None = None, lora: LoRABatch | None = None,
+                hidden_indices: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run ``input_ids [T]`` at ``positions [T]``; return float32 logits ``[len(logits_indices), V]``.
 
         ``logits_indices`` picks the rows to project through the LM head (all rows if None):
         the head is the largest matmul, so only sampled positions pay for it. ``lora``:
         the rows that run a LoRA adapter (``models.lora``); the others run the base model.
+        With ``hidden_indices``, returns ``(logits, hidden)``: ``hidden`` holds those rows'
+        final hidden states (after the final norm, float32), an embedding's source.
         """
         assert self.rope is not None, "call init_rope() before forward()"
         tp = self.tp
@@ -217,14 +220,21 @@ class LlamaForCausalLM(nn.Module):
             for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
                 x, residual = layer(x, residual, self.rope, positions, meta, kv,
                                     lora.layer(i) if lora is not None else None)
+        hidden = None
+        if hidden_indices is not None:
+            # The norm is row by row: these rows' values are what they are in any batch.
+            hidden = self.model.norm(x.index_select(0, hidden_indices),
+                                     residual.index_select(0, hidden_indices))[0].float()
         if logits_indices is not None:
             x, residual = x.index_select(0, logits_indices), residual.index_select(0, logits_indices)
         x, _ = self.model.norm(x, residual)
         if tp is None:
-            return self.lm_head(x).float()
-        # Vocabulary-parallel head: rank 0 gets every rank's slice (others keep their own).
-        logits = tp.gather_rows(self.lm_head(x).float())
-        return logits[:, :self.config.vocab_size] if tp.rank == 0 else logits
+            logits = self.lm_head(x).float()
+        else:
+            # Vocabulary-parallel head: rank 0 gets every rank's slice (others keep their own).
+            logits = tp.gather_rows(self.lm_head(x).float())
+            logits = logits[:, :self.config.vocab_size] if tp.rank == 0 else logits
+        return logits if hidden is None else (logits, hidden)
 
     def use_column_major_weights(self) -> None:
         """Store each projection's weight column-major (same shape, transposed strides).

@@ -209,4 +209,13 @@ def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         # safe_open memory-maps the file: tensors are read as they are copied in.
         with safe_open(str(path / fname), framework="pt") as f:
             for key in f.keys():
-                yield key, f.get_tensor(key)
+                yield _with_model_prefix(key), f.get_tensor(key)
+
+
+# A base model's own tensors, named without the causal LM's "model." (Qwen3-Embedding's
+# checkpoints, and whatever transformers' AutoModel saves).
+_BASE_MODEL_TENSORS = ("layers.", "embed_tokens.", "norm.")
+
+
+def _with_model_prefix(name: str) -> str:
+    return f"model.{name}" if name.startswith(_BASE_MODEL_TENSORS) else name

@@ -30,6 +30,7 @@ from server.protocol import DetokenizeRequest, TokenizeRequest, template_message
 from server.serving_chat import apply_template, create_chat_completion
 from server.serving_common import client_disconnected
 from server.serving_completions import create_completion
+from server.serving_embeddings import create_embedding
 from server.serving_messages import count_message_tokens, create_message
 from server.serving_responses import create_response
 from server.reasoning import reasoning_format
@@ -142,6 +143,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(state, request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await create_embedding(state, request)
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:

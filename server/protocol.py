@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.sampling_params import SamplingParams, StructuredOutput
+from engine.sampling_params import PoolingParams, SamplingParams, StructuredOutput
 from server.errors import APIError, bad_request
 from server.tools import FORMATS, FunctionSpec, ToolFormat, history_content, template_tool_calls, tools_block
 
@@ -465,6 +465,47 @@ class ChatCompletionRequest(_SamplingRequest):
             return dataclasses.replace(params, structured=structured)
         except ValueError as e:
             raise bad_request(str(e), "tools") from None
+
+
+# Inputs in one embeddings request (OpenAI's limit): each becomes an engine request.
+MAX_EMBEDDING_INPUTS = 2048
+
+
+class EmbeddingRequest(_Strict):
+    """``POST /v1/embeddings`` (OpenAI), with vLLM's ``add_special_tokens`` and ``normalize``."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] | None = "float"
+    dimensions: int | None = None
+    user: str | None = None  # accepted and ignored
+    add_special_tokens: bool | None = True
+    normalize: bool | None = True
+
+    @field_validator("input")
+    @classmethod
+    def _non_empty(cls, value: Any) -> Any:
+        if not value or (isinstance(value, list) and any(isinstance(v, (str, list)) and not v for v in value)):
+            raise ValueError("input must not be empty, nor hold an empty text or token list")
+        if isinstance(value, list) and isinstance(value[0], (str, list)) and len(value) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs are allowed in one request, "
+                             f"got {len(value)}")
+        return value
+
+    def inputs(self) -> list[str | list[int]]:
+        """The inputs as a list: each a text or a list of token ids."""
+        value = self.input
+        if isinstance(value, str) or isinstance(value[0], int):
+            return [value]  # type: ignore[list-item]
+        return list(value)  # type: ignore[arg-type]
+
+    def sampling_params(self) -> SamplingParams:
+        """An engine request that samples nothing and answers with its pooled hidden state."""
+        try:
+            pooling = PoolingParams(dimensions=self.dimensions, normalize=self.normalize is not False)
+        except ValueError as e:
+            raise bad_request(str(e), "dimensions") from None
+        return SamplingParams(n=1, temperature=0.0, max_tokens=1, pooling=pooling)
 
 
 class TokenizeRequest(_Strict):

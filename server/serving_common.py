@@ -44,6 +44,7 @@ class ChoiceState:
     stop_reason: str | int | None = None  # the stop string or token that ended it, if one did
     # The prompt's own logprobs (first entry None), when the request asked for them.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    embedding: list[float] | None = None  # an embedding request's answer
 
 
 class Choices:
@@ -75,6 +76,8 @@ class Choices:
                 st.logprobs.extend(out.logprobs)
             if out.prompt_logprobs is not None:
                 st.prompt_logprobs = out.prompt_logprobs
+            if out.embedding is not None:
+                st.embedding = out.embedding
             newly = out.finish_reason is not None and st.finish_reason is None
             if newly:
                 st.finish_reason, st.stop_reason = out.finish_reason, out.stop_reason
@@ -114,6 +117,13 @@ def vllm_prompt_logprobs(tokenizer: TokenizerLike, entries: list[TokenLogprob | 
             tokens.setdefault(str(token_id), entry(token_id, logprob, rank))
         out.append(tokens)
     return out
+
+
+def encode_prompts(tokenizer: TokenizerLike, prompts: list[str | list[int]],
+                   add_special_tokens: bool = True) -> list[list[int]]:
+    """Each prompt as token ids: a text encoded, a list of ids as it is."""
+    return [tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else p
+            for p in prompts]
 
 
 async def launch(state: ServerState, request_id: str, prompts: list[list[int]],

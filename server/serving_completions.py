@@ -13,7 +13,7 @@ from server.engine_client import TokenizerLike
 from server.protocol import CompletionRequest
 from server.protocol_responses import (CompletionChoice, CompletionLogprobs, CompletionResponse, Usage,
                                        json_logprob, now, sse)
-from server.serving_common import (ChoiceState, Choices, first_output, launch, run_to_completion,
+from server.serving_common import (ChoiceState, Choices, encode_prompts, first_output, launch, run_to_completion,
                                    stream_response, token_name, vllm_prompt_logprobs)
 from server.state import ServerState, new_request_id
 
@@ -67,7 +67,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     model = state.check_model(body.model)
     params = body.sampling_params()
     tok = state.engine.tokenizer
-    prompts = [tok.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+    prompts = encode_prompts(tok, body.prompts())
     request_id = new_request_id("cmpl")
     merged = await launch(state, request_id, prompts, params,
                           {"prompt": "prompt", "structured": body.structured_param}, model)

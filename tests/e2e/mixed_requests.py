@@ -1,6 +1,6 @@
 """Seeded random request bodies that mix the API's features (sampling settings, penalties,
 stop strings, n, logprobs, echo, prompt logprobs, streaming with usage, structured outputs, tools,
-the Responses API, Anthropic's Messages API), and a check of each answer: never a 5xx, a 4xx in OpenAI's error shape, a
+the Responses API, Anthropic's Messages API, embeddings), and a check of each answer: never a 5xx, a 4xx in OpenAI's error shape, a
 stream that ends in ``[DONE]`` (a Responses stream: in ``response.completed`` or
 ``response.incomplete``) without an error event, and a body the ``openai`` SDK's types accept. Bugs hide in the
 combinations: logprobs under a grammar (-inf in JSON), a draft's proposals under a grammar
@@ -8,13 +8,15 @@ combinations: logprobs under a grammar (-inf in JSON), a draft's proposals under
 
 from __future__ import annotations
 
+import base64
 import json
 import random
+import struct
 from typing import Any
 
 import httpx
 import pydantic
-from openai.types import Completion
+from openai.types import Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from anthropic.types import Message as AnthropicMessage
 from anthropic.types import RawMessageStreamEvent
@@ -32,6 +34,7 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
 MESSAGES = "/v1/messages"
+EMBEDDINGS = "/v1/embeddings"
 
 
 def _sampling(rng: random.Random, body: dict[str, Any]) -> dict[str, Any]:
@@ -69,6 +72,14 @@ def _structured(rng: random.Random, body: dict[str, Any]) -> dict[str, Any]:
 
 def mixed_request(rng: random.Random) -> tuple[str, dict[str, Any]]:
     """One random (route, body)."""
+    if rng.random() < 0.08:
+        body: dict[str, Any] = {"model": MODEL, "input": rng.choice(
+            ["Once upon a time", ["a", "b c", "Ünïcödé 🙂"], [1, 2, 3], [[1, 2], [3]], ""])}
+        if rng.random() < 0.3:
+            body["dimensions"] = rng.choice([1, 64, 576, 577])
+        if rng.random() < 0.5:
+            body["encoding_format"] = rng.choice(["float", "base64"])
+        return EMBEDDINGS, body
     if rng.random() < 0.4:
         prompt = rng.choice(["Once upon a time", ["a", "b c"], [1, 2, 3], "Ünïcödé 🙂"])
         body = _sampling(rng, {"model": MODEL, "prompt": prompt})
@@ -212,6 +223,16 @@ def check_answer(path: str, body: dict[str, Any], r: httpx.Response) -> str | No
         return None if {"message", "type", "param", "code"} <= error.keys() else where
     chat = path == CHAT
     try:
+        if path == EMBEDDINGS:
+            raw = r.json()
+            if body.get("encoding_format") == "base64":  # the SDK decodes it before validating
+                for item in raw["data"]:
+                    packed = base64.b64decode(item["embedding"])
+                    item["embedding"] = list(struct.unpack(f"<{len(packed) // 4}f", packed))
+            answer = CreateEmbeddingResponse.model_validate(raw)
+            inputs = body["input"]
+            many = isinstance(inputs, list) and isinstance(inputs[0], (str, list))
+            return None if len(answer.data) == (len(inputs) if many else 1) else where
         if path == RESPONSES:
             return _check_responses(body, r, where)
         if path == MESSAGES:

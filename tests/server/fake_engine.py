@@ -13,13 +13,14 @@ or by raising, as a dead engine loop does.
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import PoolingParams, SamplingParams
 from engine.stats import FinishedRequestStats, StatLogger, StepStats
 from engine.validation import RequestLimits, check_request
 from models.chat_template import TemplateArgumentError
@@ -106,6 +107,20 @@ class FakeRequest:
     params: SamplingParams
     samples: list[_Sample] = field(default_factory=list)
     aborted: bool = False
+
+
+FAKE_HIDDEN_SIZE = 8  # the fake model's embedding length
+
+
+def fake_embedding(prompt: list[int], pooling: PoolingParams) -> list[float]:
+    """A vector that depends on the prompt: ``[len, sum, last id, 1, ...]``, cut to
+    ``dimensions`` and L2-normalised as the real engine does."""
+    vector = [float(len(prompt)), float(sum(prompt)), float(prompt[-1])] + [1.0] * (FAKE_HIDDEN_SIZE - 3)
+    vector = vector[:pooling.dimensions or FAKE_HIDDEN_SIZE]
+    if pooling.normalize:
+        norm = math.sqrt(sum(v * v for v in vector))
+        vector = [v / norm for v in vector]
+    return vector
 
 
 class FakeEngine:
@@ -244,7 +259,8 @@ class FakeEngine:
                  group: str | None = None, adapter: str | None = None) -> AsyncIterator[RequestOutput]:
         """The real engine's check (``InvalidRequestError`` at once), then the stream."""
         assert adapter is None or adapter in self.lora_adapters, adapter
-        limits = RequestLimits(vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        limits = RequestLimits(vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+                               hidden_size=FAKE_HIDDEN_SIZE)
         limit = check_request(prompt_token_ids, params, limits)
         self.groups[request_id] = group or request_id
         self.adapters[request_id] = adapter
@@ -298,6 +314,16 @@ class FakeEngine:
                     stats.prefix_cache_hits = cached
                     stats.num_batched_tokens = n_prompt - cached
                     stats.time_to_first_token.append(now - arrival)
+                if params.pooling is not None:  # an embedding: one delta, its answer
+                    sample = req.samples[0]
+                    sample.finish_reason = "stop"
+                    stats.finished.append(self._finished(req, sample, arrival, now))
+                    del self._active[request_id]
+                    self._emit(stats)
+                    yield RequestOutput(request_id, [CompletionOutput(
+                        0, "", [], finish_reason="stop", embedding=fake_embedding(prompt, params.pooling))],
+                        prompt, finished=True, num_cached_tokens=cached)
+                    return
                 running = [s for s in req.samples if s.finish_reason is None]
                 outs = [self._advance(req, s, limit) for s in running]
                 stats.num_generation_tokens = len(outs)

@@ -40,7 +40,7 @@ async def test_every_route_requires_the_key_except_probes(engine: FakeEngine) ->
     assert {p for _, p in endpoints} >= {"/v1/completions", "/v1/chat/completions", "/v1/models",
                                          "/tokenize", "/detokenize", "/tokenizer_info", "/health", "/ready",
                                          "/metrics", "/version", "/v1/responses", "/v1/messages",
-                                         "/v1/messages/count_tokens",
+                                         "/v1/messages/count_tokens", "/v1/embeddings",
                                          f"/v1/responses/{NO_SUCH_RESPONSE}"}
     bodies = {"/v1/completions": {"prompt": "hi", "max_tokens": 1},
               "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}],
@@ -48,6 +48,7 @@ async def test_every_route_requires_the_key_except_probes(engine: FakeEngine) ->
               "/v1/responses": {"input": "hi", "max_output_tokens": 1},
               "/v1/messages": {"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]},
               "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "hi"}]},
+              "/v1/embeddings": {"input": "hi"},
               "/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [104]}}
     async with app.router.lifespan_context(app):
         for method, path in endpoints:

@@ -1,0 +1,41 @@
+"""``/v1/embeddings`` on the real server through the official ``openai`` client (which
+asks for base64 by default and decodes it), the same vectors however they were asked for."""
+
+from __future__ import annotations
+
+import math
+
+import openai
+import pytest
+
+from e2e_helpers import ADAPTER, MODEL, KVServe, idle, metric, wait_until
+
+pytestmark = pytest.mark.slow
+
+TEXTS = ["A cat sat on the mat.", "The stock market fell sharply today.", "A kitten rested on a rug."]
+
+
+def test_embeddings_through_the_openai_client(client: openai.OpenAI, server: KVServe) -> None:
+    before = metric(server.metrics(), "prompt_tokens_total")
+    batch = client.embeddings.create(model=MODEL, input=TEXTS)  # base64 on the wire
+    assert batch.model == MODEL and [d.index for d in batch.data] == [0, 1, 2]
+    vectors = [d.embedding for d in batch.data]
+    assert all(len(v) == 576 and math.isclose(sum(x * x for x in v), 1.0, rel_tol=1e-5) for v in vectors)
+    # The same vectors one by one, and as JSON floats (float32 values either way).
+    for text, vector in zip(TEXTS, vectors):
+        assert client.embeddings.create(model=MODEL, input=text).data[0].embedding == vector
+        floats = client.embeddings.create(model=MODEL, input=text, encoding_format="float").data[0].embedding
+        assert floats == vector
+    short = client.embeddings.create(model=MODEL, input=TEXTS[0], dimensions=64).data[0].embedding
+    assert len(short) == 64 and math.isclose(sum(x * x for x in short), 1.0, rel_tol=1e-5)
+    # A LoRA adapter's embedding is its own.
+    assert client.embeddings.create(model=ADAPTER, input=TEXTS[0]).data[0].embedding != vectors[0]
+
+    samples = wait_until(server.metrics, idle, 10.0)
+    assert idle(samples)
+    # Usage counts the inputs' tokens, and so do the metrics (the five single requests above too).
+    assert batch.usage.prompt_tokens == batch.usage.total_tokens > len(TEXTS)
+    assert metric(samples, "prompt_tokens_total") > before + batch.usage.prompt_tokens
+
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model=MODEL, input="", encoding_format="float")

@@ -1,0 +1,86 @@
+"""``POST /v1/embeddings`` over the fake engine: OpenAI's shape, each input one engine
+request, float and base64 encodings, and the errors."""
+
+from __future__ import annotations
+
+import base64
+import struct
+
+import httpx
+import pytest
+
+from api_helpers import MODEL, assert_error
+from fake_engine import FAKE_HIDDEN_SIZE, FakeEngine
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_one_text_gets_one_normalised_embedding(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    r = await client.post("/v1/embeddings", json={"model": MODEL, "input": "hi"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert (body["object"], body["model"]) == ("list", MODEL)
+    [item] = body["data"]
+    assert (item["object"], item["index"]) == ("embedding", 0)
+    assert len(item["embedding"]) == FAKE_HIDDEN_SIZE
+    assert abs(sum(v * v for v in item["embedding"]) - 1) < 1e-9
+    prompt = engine.requests[-1].prompt_token_ids
+    assert prompt == engine.tokenizer.encode("hi")
+    assert body["usage"] == {"prompt_tokens": len(prompt), "total_tokens": len(prompt)}
+    params = engine.requests[-1].params
+    assert params.pooling is not None and (params.n, params.max_tokens) == (1, 1)
+
+
+async def test_a_list_of_inputs_keeps_its_order(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    for inputs in (["a", "bb", "ccc", "dddd"], [[5], [5, 6], [5, 6, 7], [5, 6, 7, 8]]):
+        body = (await client.post("/v1/embeddings", json={"input": inputs})).json()
+        assert [d["index"] for d in body["data"]] == [0, 1, 2, 3]
+        assert len({tuple(r.prompt_token_ids) for r in engine.requests[-4:]}) == 4
+        # One group: the inputs take turns with other requests together.
+        assert len({engine.groups[r.request_id] for r in engine.requests[-4:]}) == 1
+        # The fake's first value is the prompt's length: the data follow the inputs.
+        lengths = [len(engine.tokenizer.encode(t)) if isinstance(t, str) else len(t) for t in inputs]
+        raw = (await client.post("/v1/embeddings", json={"input": inputs, "normalize": False})).json()
+        assert [d["embedding"][0] for d in raw["data"]] == lengths
+        assert body["usage"]["prompt_tokens"] == sum(lengths)
+    assert_error(await client.post("/v1/embeddings", json={"input": ["a", [5]]}), 400)
+
+
+async def test_base64_is_the_float32_bytes(client: httpx.AsyncClient) -> None:
+    floats = (await client.post("/v1/embeddings", json={"input": "hi"})).json()["data"][0]["embedding"]
+    b64 = (await client.post("/v1/embeddings", json={"input": "hi", "encoding_format": "base64"})).json()
+    raw = base64.b64decode(b64["data"][0]["embedding"])
+    decoded = list(struct.unpack(f"<{len(raw) // 4}f", raw))
+    assert decoded == [struct.unpack("<f", struct.pack("<f", v))[0] for v in floats]
+
+
+async def test_dimensions_cut_then_normalise(client: httpx.AsyncClient) -> None:
+    body = (await client.post("/v1/embeddings", json={"input": "hi", "dimensions": 3})).json()
+    vector = body["data"][0]["embedding"]
+    assert len(vector) == 3 and abs(sum(v * v for v in vector) - 1) < 1e-9
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": ""}, "input"),
+    ({"input": []}, None),
+    ({"input": ["ok", ""]}, "input"),
+    ({"input": [[]]}, "input"),
+    ({"input": "hi", "dimensions": 0}, "dimensions"),
+    ({"input": "hi", "dimensions": FAKE_HIDDEN_SIZE + 1}, "dimensions"),
+    ({"input": "hi", "encoding_format": "int8"}, None),
+    ({"input": [1, 10**9]}, "input"),
+    ({"input": "x" * 300}, "input"),
+    ({"input": ["a"] * 2049}, None),
+    ({"input": 3}, None),
+])
+async def test_bad_input_is_a_400_and_runs_nothing(client: httpx.AsyncClient, engine: FakeEngine,
+                                                  body: dict, param: str | None) -> None:
+    r = await client.post("/v1/embeddings", json=body)
+    err = assert_error(r, 400)
+    if param is not None:
+        assert err["param"] == param, err
+    assert engine.requests == []
+
+
+async def test_an_unknown_model_is_a_404(client: httpx.AsyncClient) -> None:
+    assert_error(await client.post("/v1/embeddings", json={"input": "hi", "model": "chess"}), 404)
