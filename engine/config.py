@@ -187,8 +187,4 @@ class EngineConfig:
             raise ValueError(f"LoRA adapter names must differ, got {', '.join(names)}")
         if self.served_model_name is not None and self.served_model_name in names:
             raise ValueError(f"a LoRA adapter cannot take the served model's name {self.served_model_name!r}")
-        if self.lora_modules and self.parallel.tensor_parallel_size > 1:
-            # NOTE: the ranks would need each adapter split as its projections are.
-            raise ValueError("LoRA adapters do not run with tensor parallelism yet "
-                             "(--lora-modules with --tensor-parallel-size > 1)")
 

@@ -138,7 +138,8 @@ class LLMEngine:
         self.runner = ModelRunner(loaded, num_blocks, config.block_size, kv_dtype,
                                   peers=self.workers)
         for module in config.lora_modules:
-            adapter = load_adapter(module.name, module.path, loaded.config, loaded.dtype, loaded.device)
+            adapter = load_adapter(module.name, module.path, loaded.config, loaded.dtype, loaded.device,
+                                   tp=loaded.tp)
             self.runner.adapters[module.name] = adapter
             logger.info("LoRA adapter %r loaded from %s (rank %d)", module.name, module.path, adapter.rank)
         # Served adapter name -> its directory (/v1/models lists them).

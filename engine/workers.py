@@ -77,6 +77,9 @@ class RankSpec:
     ranks_per_node: int
     master_addr: str
     master_port: int
+    # The LoRA adapters, [name, path] each: every rank loads its part of each; a step
+    # names a chunk's adapter by its place in this list.
+    lora_modules: list[list[str]] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -101,30 +104,37 @@ def rank_spec(config: EngineConfig) -> RankSpec:
                     device=config.device, max_positions=config.max_model_len,
                     kv_cache_dtype=str(kv_dtype).removeprefix("torch."), block_size=config.block_size,
                     world_size=par.tensor_parallel_size, ranks_per_node=par.ranks_per_node,
-                    master_addr=par.master_addr, master_port=par.master_port)
+                    master_addr=par.master_addr, master_port=par.master_port,
+                    lora_modules=[[m.name, m.path] for m in config.lora_modules])
 
 
 # -- the step on the wire ---------------------------------------------------
 
 
-def _encode(chunks: list[Chunk]) -> torch.Tensor:
-    """``[len, start, blocks, sampled] * n``, then each chunk's tokens and block ids."""
+_HEAD = 5  # ints per chunk before the bodies
+
+
+def _encode(chunks: list[Chunk], adapters: list[str]) -> torch.Tensor:
+    """``[len, start, blocks, sampled, adapter] * n`` (``adapter``: 1 + its place in
+    ``adapters``, 0 for none), then each chunk's tokens and block ids."""
     head: list[int] = []
     body: list[int] = []
     for c in chunks:
-        head += [len(c.token_ids), c.start_pos, len(c.block_ids), c.num_sampled]
+        adapter = adapters.index(c.adapter) + 1 if c.adapter is not None else 0
+        head += [len(c.token_ids), c.start_pos, len(c.block_ids), c.num_sampled, adapter]
         body += c.token_ids
         body += c.block_ids
     return torch.tensor(head + body, dtype=torch.long)
 
 
-def _decode(n: int, flat: list[int]) -> list[Chunk]:
-    chunks, at = [], 4 * n
+def _decode(n: int, flat: list[int], adapters: list[str]) -> list[Chunk]:
+    chunks, at = [], _HEAD * n
     for i in range(n):
-        length, start, blocks, sampled = flat[4 * i:4 * i + 4]
+        length, start, blocks, sampled, adapter = flat[_HEAD * i:_HEAD * (i + 1)]
         tokens = flat[at:at + length]
         at += length
-        chunks.append(Chunk(tokens, start, flat[at:at + blocks], sampled))
+        chunks.append(Chunk(tokens, start, flat[at:at + blocks], sampled,
+                            adapters[adapter - 1] if adapter else None))
         at += blocks
     return chunks
 
@@ -225,7 +235,7 @@ class WorkerGroup:
         """Send one forward's chunks to every rank (called just before rank 0's forward)."""
         if self._fault is not None:
             raise RuntimeError(self._fault)
-        payload = _encode(chunks).to(self._device)
+        payload = _encode(chunks, [name for name, _ in self.spec.lora_modules]).to(self._device)
         _broadcast_header(_OP_RUN, len(chunks), payload.numel(), self._device)
         dist.broadcast(payload, src=0)
 
@@ -348,6 +358,7 @@ def _bind_cpus(local_rank: int, ranks_here: int) -> None:
 def run_rank(spec: RankSpec, rank: int) -> None:
     """Load this rank's slice and run forwards as rank 0 sends them, until it says stop."""
     from models.loader import load_model  # noqa: PLC0415
+    from models.lora import load_adapter  # noqa: PLC0415
 
     local_rank = rank % spec.ranks_per_node
     store = dist.TCPStore(spec.master_addr, spec.master_port, is_master=False, timeout=COLLECTIVE_TIMEOUT)
@@ -369,12 +380,15 @@ def run_rank(spec: RankSpec, rank: int) -> None:
     if op != _OP_NUM_BLOCKS:
         return
     runner = ModelRunner(loaded, num_blocks, spec.block_size, getattr(torch, spec.kv_cache_dtype))
+    for name, path in spec.lora_modules:
+        runner.adapters[name] = load_adapter(name, path, loaded.config, loaded.dtype, loaded.device, tp=tp)
     logger.info("rank %d ready: %d KV blocks", rank, num_blocks)
+    names = [name for name, _ in spec.lora_modules]
     while True:
         op, n, payload = _receive(comm)
         if op != _OP_RUN:
             break
-        runner.run(_decode(n, payload.tolist()))
+        runner.run(_decode(n, payload.tolist(), names))
     dist.destroy_process_group()
 
 

@@ -1,7 +1,8 @@
 """LoRA adapters: low-rank updates of a loaded model's projections, per request.
 
 An adapter trained with PEFT (a directory holding ``adapter_config.json`` and
-``adapter_model.safetensors``) changes each targeted projection ``W`` of the
+``adapter_model.safetensors``, or the ``.gguf`` file llama.cpp's
+``convert_lora_to_gguf.py`` makes of one) changes each targeted projection ``W`` of the
 base model into ``W + s * B @ A`` (``A [r, in]``, ``B [out, r]``, ``s =
 lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA). The base weights are never
 changed: a forward adds ``s * (x @ A^T) @ B^T`` to the projection's output for
@@ -34,6 +35,7 @@ from torch.nn import functional as F
 from models import gguf_loader, ops
 from models.config import ModelConfig
 from models.dense import DTYPES, pack_dense
+from models.parallel import RankSlices, TensorParallel, rank_slices
 from models.rope import interleave_rotary_rows
 
 CONFIG_FILE = "adapter_config.json"
@@ -58,7 +60,8 @@ _PLAIN = {
 
 
 class LoRAUpdate:
-    """One fused projection's update: ``delta(x) = (x @ A^T) @ B^T``, the scale in ``B``."""
+    """One fused projection's update: ``delta(x) = (x @ A^T) @ B^T``, the scale in ``B``
+    (``A [rank, in]``: for a fused projection, the sum of its parts' ranks)."""
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
         self.rank, self.out_features = a.shape[0], b.shape[0]
@@ -84,10 +87,15 @@ class LoRAAdapter:
 
 
 def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.dtype,
-                 device: torch.device) -> LoRAAdapter:
+                 device: torch.device, tp: TensorParallel | None = None) -> LoRAAdapter:
     """Read the LoRA adapter at ``path``, named ``name``, for a model of ``config`` whose
     activations are ``dtype`` on ``device``: a PEFT directory, or a llama.cpp GGUF
     adapter file (``convert_lora_to_gguf.py``'s output).
+
+    With ``tp``, only this rank's part is kept, split as the model's projections
+    are (``models.parallel``): the B rows of the column-parallel ones, the A
+    columns of the row-parallel ones (whose partial updates the layer's
+    all-reduce sums with the partial products).
 
     Raises ``ValueError`` naming what is wrong: a missing file, an adapter
     kind or option kvserve does not run (DoRA, biases, ``modules_to_save``,
@@ -137,7 +145,8 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
             b = interleave_rotary_rows(b, heads)
         fused, idx = _TARGETS[proj]
         updates[layer].setdefault(fused, [None] * _num_parts(fused))[idx] = (a, b)
-    layers = [{fused: _stack(parts, _part_sizes(fused, config), dtype, device)
+    part = rank_slices(config, tp) if tp is not None and tp.world_size > 1 else None
+    layers = [{fused: _stack(fused, parts, _part_sizes(fused, config), part, dtype, device)
                for fused, parts in layer.items()} for layer in updates]
     return LoRAAdapter(name, str(path), max_rank, layers)
 
@@ -239,10 +248,11 @@ def _part_sizes(fused: str, config: ModelConfig) -> list[int]:
     return [shapes[n][0] for n in names]
 
 
-def _stack(parts: list[tuple[torch.Tensor, torch.Tensor] | None], sizes: list[int],
-           dtype: torch.dtype, device: torch.device) -> LoRAUpdate:
+def _stack(fused: str, parts: list[tuple[torch.Tensor, torch.Tensor] | None], sizes: list[int],
+           rank_part: RankSlices | None, dtype: torch.dtype, device: torch.device) -> LoRAUpdate:
     """One update for a fused projection from its parts' ``(A, B)`` (None: not targeted):
-    the A matrices one above the other, B block-diagonal, parts absent left zero."""
+    the A matrices one above the other, B block-diagonal, parts absent left zero; with
+    ``rank_part``, this tensor-parallel rank's slice of it."""
     a = torch.cat([p[0] for p in parts if p is not None])
     b = torch.zeros(sum(sizes), a.shape[0])
     row = col = 0
@@ -252,6 +262,13 @@ def _stack(parts: list[tuple[torch.Tensor, torch.Tensor] | None], sizes: list[in
             b[row:row + size, col:col + r] = part[1]
             col += r
         row += size
+    if rank_part is not None:
+        if fused == "qkv_proj":
+            b = b.index_select(0, rank_part.qkv_rows)
+        elif fused == "gate_up_proj":
+            b = b.index_select(0, rank_part.gate_up_rows)
+        else:
+            a = a[:, rank_part.o_cols if fused == "o_proj" else rank_part.down_cols]
     return LoRAUpdate(a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
 
 

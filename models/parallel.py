@@ -108,13 +108,20 @@ def vocab_rows(vocab_size: int, world_size: int) -> int:
     return -(-vocab_size // world_size)
 
 
-def shard_model(model: nn.Module, tp: TensorParallel) -> None:
-    """Keep this rank's slices of a loaded Llama-family model's dense weights, in place.
+@dataclass(frozen=True)
+class RankSlices:
+    """One rank's part of each decoder projection: the output rows it keeps of the
+    column-parallel ones (``qkv_proj``, ``gate_up_proj``), the input columns of the
+    row-parallel ones (``o_proj``, ``down_proj``)."""
 
-    Call after ``load_weights`` and before ``quant.prepare_projections``, once
-    ``check_split`` has accepted the split (``loader.load_model`` checks it).
-    """
-    cfg: ModelConfig = model.config
+    qkv_rows: torch.Tensor
+    gate_up_rows: torch.Tensor
+    o_cols: slice
+    down_cols: slice
+
+
+def rank_slices(cfg: ModelConfig, tp: TensorParallel) -> RankSlices:
+    """``tp.rank``'s slices of a model of ``cfg`` split ``tp.world_size`` ways."""
     n, r = tp.world_size, tp.rank
     d = cfg.head_dim
     hq, hkv = cfg.num_attention_heads // n, cfg.num_key_value_heads // n
@@ -126,12 +133,27 @@ def shard_model(model: nn.Module, tp: TensorParallel) -> None:
                           q + kv + torch.arange(r * hkv * d, (r + 1) * hkv * d)])
     gate_up_rows = torch.cat([torch.arange(r * inter, (r + 1) * inter),
                               cfg.intermediate_size + torch.arange(r * inter, (r + 1) * inter)])
+    return RankSlices(qkv_rows, gate_up_rows, slice(r * hq * d, (r + 1) * hq * d), slice(r * inter, (r + 1) * inter))
+
+
+def shard_model(model: nn.Module, tp: TensorParallel) -> None:
+    """Keep this rank's slices of a loaded Llama-family model's dense weights, in place.
+
+    Call after ``load_weights`` and before ``quant.prepare_projections``, once
+    ``check_split`` has accepted the split (``loader.load_model`` checks it).
+    """
+    cfg: ModelConfig = model.config
+    n, r = tp.world_size, tp.rank
+    d = cfg.head_dim
+    hq, hkv = cfg.num_attention_heads // n, cfg.num_key_value_heads // n
+    inter = cfg.intermediate_size // n
+    part = rank_slices(cfg, tp)
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        _keep_rows(attn.qkv_proj, qkv_rows)
-        _keep_cols(attn.o_proj, slice(r * hq * d, (r + 1) * hq * d))
-        _keep_rows(mlp.gate_up_proj, gate_up_rows)
-        _keep_cols(mlp.down_proj, slice(r * inter, (r + 1) * inter))
+        _keep_rows(attn.qkv_proj, part.qkv_rows)
+        _keep_cols(attn.o_proj, part.o_cols)
+        _keep_rows(mlp.gate_up_proj, part.gate_up_rows)
+        _keep_cols(mlp.down_proj, part.down_cols)
         attn.num_heads, attn.num_kv_heads = hq, hkv
         attn.q_size, attn.kv_size = hq * d, hkv * d
         mlp.intermediate_size = inter

@@ -23,7 +23,7 @@ import openai
 import pytest
 import torch
 
-from e2e_helpers import KVServe, Process, free_port, kvserve_argv, wait_until
+from e2e_helpers import SMOLLM2_SHAPE, KVServe, Process, free_port, kvserve_argv, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -57,23 +57,24 @@ def alive(pid: int) -> bool:
     return "\nState:\tZ" not in status
 
 
-def completions(srv: KVServe) -> list[tuple[list[str], list[float | None], str]]:
+def completions(srv: KVServe, model: str = "smollm2") -> list[tuple[list[str], list[float | None], str]]:
     """The prompt's and the greedy tokens, their logprobs (``echo``: the prompt's too, the
     first None) and the streamed text for each prompt."""
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=300.0)
     out = []
     for prompt in PROMPTS:
-        r = client.completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=0,
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0,
                                       logprobs=5, echo=True)
         streamed = "".join(c.choices[0].text for c in client.completions.create(
-            model="smollm2", prompt=prompt, max_tokens=12, temperature=0, stream=True))
+            model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True))
         assert prompt + streamed == r.choices[0].text
         out.append((r.choices[0].logprobs.tokens, r.choices[0].logprobs.token_logprobs, streamed))
     return out
 
 
-def assert_same_answers(split: KVServe, whole: KVServe) -> None:
-    for (tokens, logprobs, _), (ref_tokens, ref_logprobs, _) in zip(completions(split), completions(whole)):
+def assert_same_answers(split: KVServe, whole: KVServe, model: str = "smollm2") -> None:
+    for (tokens, logprobs, _), (ref_tokens, ref_logprobs, _) in zip(completions(split, model),
+                                                                    completions(whole, model)):
         assert tokens == ref_tokens
         assert logprobs[0] is None and ref_logprobs[0] is None
         assert max(abs(a - b) for a, b in zip(logprobs[1:], ref_logprobs[1:])) < 1e-4, (logprobs, ref_logprobs)
@@ -116,15 +117,22 @@ def assert_lost_rank_reported(srv: KVServe, hurt) -> None:
 
 
 @pytest.fixture(scope="module")
-def whole(tmp_path_factory) -> Iterator[KVServe]:
-    srv = start(tmp_path_factory, "tp1", EXACT)
+def adapter(tmp_path_factory, make_lora) -> list[str]:
+    """A LoRA adapter both servers serve as ``sql`` (each rank keeps its part of it)."""
+    path = make_lora(tmp_path_factory.mktemp("lora") / "sql", SMOLLM2_SHAPE, rank=8, seed=3)
+    return ["--lora-modules", f"sql={path}"]
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory, adapter) -> Iterator[KVServe]:
+    srv = start(tmp_path_factory, "tp1", [*EXACT, *adapter])
     yield srv
     srv.stop(30)
 
 
 @pytest.fixture(scope="module")
-def split3(tmp_path_factory) -> Iterator[KVServe]:
-    srv = start(tmp_path_factory, "tp3", [*EXACT, "--tensor-parallel-size", "3"])
+def split3(tmp_path_factory, adapter) -> Iterator[KVServe]:
+    srv = start(tmp_path_factory, "tp3", [*EXACT, *adapter, "--tensor-parallel-size", "3"])
     yield srv
     srv.kill()
 
@@ -132,6 +140,8 @@ def split3(tmp_path_factory) -> Iterator[KVServe]:
 def test_three_ranks_give_one_ranks_answers(split3, whole):
     assert len(children(split3.proc.pid)) == 2
     assert_same_answers(split3, whole)
+    assert_same_answers(split3, whole, model="sql")  # a LoRA adapter, split as its projections are
+    assert completions(whole, "sql") != completions(whole)
 
 
 def test_a_killed_rank_turns_health_503_and_stops_every_rank(split3):

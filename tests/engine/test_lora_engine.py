@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig, LoRAModule, ParallelConfig
+from engine.config import EngineConfig, LoRAModule
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.validation import InvalidRequestError
@@ -122,8 +122,6 @@ def test_adapter_settings_that_cannot_work_are_refused(loaded, adapters, tmp_pat
         EngineConfig(lora_modules=(adapters[0], LoRAModule("sql", "/elsewhere")))
     with pytest.raises(ValueError, match="served model's name 'sql'"):
         EngineConfig(lora_modules=adapters, served_model_name="sql")
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        EngineConfig(lora_modules=adapters, parallel=ParallelConfig(tensor_parallel_size=2))
     with pytest.raises(ValueError, match="served model's name 'smollm2'"):
         engine(loaded, (LoRAModule("smollm2", adapters[0].path),))
     with pytest.raises(ValueError, match="has no adapter_config.json"):

@@ -50,12 +50,13 @@ def test_a_quantized_split_keeps_whole_groups():
     check_split(config, 8, quantized=False)
 
 
-def run_ranks(world: int, model: Path, quantization: str, out: Path) -> torch.Tensor:
+def run_ranks(world: int, model: Path, quantization: str, out: Path, adapter: Path | None = None) -> torch.Tensor:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = [subprocess.Popen([sys.executable, str(RANKS), str(r), str(world), str(port), str(model),
-                               quantization, str(out)]) for r in range(world)]
+                               quantization, str(out), *([str(adapter)] if adapter else [])])
+             for r in range(world)]
     assert [p.wait(300) for p in procs] == [0] * world
     return torch.load(out, weights_only=True)
 
@@ -72,3 +73,15 @@ def test_two_ranks_compute_the_whole_models_logits(tiny_checkpoint, tmp_path, ar
     assert split.shape == whole.shape == (23, 128)
     torch.testing.assert_close(split, whole, rtol=0, atol=1e-5)
     assert torch.equal(split.argmax(-1), whole.argmax(-1))
+
+
+def test_two_ranks_run_a_lora_adapter_as_one_does(tiny_checkpoint, tmp_path, make_lora):
+    # Each rank keeps the B rows of its heads and features (qkv, gate/up) and the A columns
+    # of its inputs (o, down), whose partial updates the all-reduce sums.
+    path, hf = tiny_checkpoint("llama", intermediate_size=128)
+    adapter = make_lora(tmp_path / "adapter", hf.config, rank=4, seed=5, std=0.2)
+    plain = run_ranks(1, path, "w4a8", tmp_path / "plain.pt")
+    whole = run_ranks(1, path, "w4a8", tmp_path / "whole.pt", adapter)
+    split = run_ranks(2, path, "w4a8", tmp_path / "split.pt", adapter)
+    assert (whole - plain).abs().max() > 0.1  # the adapter matters
+    torch.testing.assert_close(split, whole, rtol=0, atol=1e-5)
