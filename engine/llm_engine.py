@@ -583,6 +583,12 @@ class LLMEngine:
         stats.kv_blocks_total = kv.num_blocks_total
         stats.kv_blocks_used = kv.num_blocks_used
         stats.kv_usage = kv.usage
+        if self.lora_adapters:
+            for queue, counts in ((self.scheduler.running, stats.lora_running),
+                                  (self.scheduler.waiting, stats.lora_waiting)):
+                for seq in queue:
+                    if seq.adapter is not None:
+                        counts[seq.adapter] = counts.get(seq.adapter, 0) + 1
         stats.prefix_cache_queries = kv.prefix_cache_queries - self._last_kv_queries
         stats.prefix_cache_hits = kv.prefix_cache_hits - self._last_kv_hits
         self._last_kv_queries, self._last_kv_hits = kv.prefix_cache_queries, kv.prefix_cache_hits

@@ -45,6 +45,10 @@ class StepStats:
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     kv_usage: float = 0.0
+    # Sequences running and waiting per LoRA adapter (only adapters with any; none
+    # when the engine serves no adapter).
+    lora_running: dict[str, int] = field(default_factory=dict)
+    lora_waiting: dict[str, int] = field(default_factory=dict)
     # Deltas for this step.
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0

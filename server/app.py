@@ -72,7 +72,8 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
     if metrics_require_key and not api_key:
         raise ValueError("metrics_require_key needs an api_key")
     model_name = served_model_name or engine.model_name
-    metrics = PrometheusStatLogger(model_name, kv_blocks_total=engine.num_kv_blocks)
+    metrics = PrometheusStatLogger(model_name, kv_blocks_total=engine.num_kv_blocks,
+                                   lora_adapters=tuple(engine.lora_adapters))
     engine.add_stat_logger(metrics)
     state = ServerState(engine=engine, model_name=model_name, metrics=metrics,
                         api_key=api_key, max_queue=max_queue, responses=ResponseStore(max_stored_responses),

@@ -39,8 +39,9 @@ class PrometheusStatLogger:
     """
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
-                 kv_blocks_total: int | None = None) -> None:
-        """``kv_blocks_total``: the pool's size, exported before the first step reports it."""
+                 kv_blocks_total: int | None = None, lora_adapters: tuple[str, ...] = ()) -> None:
+        """``kv_blocks_total``: the pool's size, exported before the first step reports it;
+        ``lora_adapters``: the served LoRA adapters' names (a series each, from 0)."""
         self.registry = registry if registry is not None else CollectorRegistry()
         r, m = self.registry, model_name
 
@@ -110,6 +111,13 @@ class PrometheusStatLogger:
             "kvserve_spec_decode_num_accepted_tokens_per_pos",
             "Speculative decoding: accepted tokens by position in the proposal (0 = first).",
             ["model_name", "position"], registry=r)
+        self._lora = {
+            state: Gauge(f"kvserve_lora_requests_{state}", f"Sequences {state} per LoRA adapter.",
+                         ["model_name", "lora_name"], registry=r) for state in ("running", "waiting")}
+        self._lora_names = lora_adapters
+        for gauge_ in self._lora.values():
+            for name in lora_adapters:
+                gauge_.labels(m, name).set(0)
 
     def record(self, stats: StepStats) -> None:
         """Apply one engine step's stats."""
@@ -137,6 +145,9 @@ class PrometheusStatLogger:
             self.e2e_request_latency.observe(fin.e2e_latency)
             self.request_queue_time.observe(fin.queue_time)
 
+        for name in self._lora_names:
+            self._lora["running"].labels(self._model_name, name).set(stats.lora_running.get(name, 0))
+            self._lora["waiting"].labels(self._model_name, name).set(stats.lora_waiting.get(name, 0))
         if stats.spec_drafts:
             self.spec_decode_num_drafts.inc(stats.spec_drafts)
             self.spec_decode_num_draft_tokens.inc(stats.spec_draft_tokens)

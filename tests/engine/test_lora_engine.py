@@ -80,6 +80,8 @@ def test_an_adapter_answers_the_same_alone_batched_chunked_and_cached(loaded, ad
     # Every prompt under every adapter at once, arriving over time (prompts beside
     # decodes), in chunks of 16 tokens, twice: the second round hits the prefix cache.
     llm = engine(loaded, adapters, max_num_batched_tokens=16)
+    seen: list = []
+    llm.stat_loggers.append(type("Log", (), {"record": lambda self, stats: seen.append(stats)})())
     for round_ in range(2):
         work = [(f"{adapter}-{i}", prompt, adapter) for adapter in (None, "sql", "poet")
                 for i, prompt in enumerate(ids)]
@@ -90,6 +92,10 @@ def test_an_adapter_answers_the_same_alone_batched_chunked_and_cached(loaded, ad
             if round_ == 1 and len(prompt) > 16:
                 assert got[rid][2] > 0, rid  # served by its own adapter's cached blocks
     assert llm.kv_cache.stats.num_blocks_used == 0
+    # The step stats count each adapter's sequences (the metrics' per-adapter gauges).
+    assert max(s.lora_running.get("sql", 0) for s in seen) == len(ids)
+    assert max(s.lora_waiting.get("poet", 0) for s in seen) >= 1
+    assert all(None not in s.lora_running for s in seen) and seen[-1].lora_running == {}
 
 
 def test_an_adapter_never_reads_another_ones_cached_blocks(loaded, adapters):

@@ -106,3 +106,17 @@ def test_structured_requests_are_counted_by_kind_with_their_compile_time() -> No
     assert value(m, "structured_compile_seconds_count") == 3
     assert value(m, "structured_compile_seconds_sum") == pytest.approx(0.0324)
     assert value(m, "structured_compile_seconds_bucket", le="0.0005") == 1
+
+
+def test_lora_requests_running_and_waiting_per_adapter() -> None:
+    logger = PrometheusStatLogger(MODEL, lora_adapters=("sql", "poet"))
+    m = samples(logger.render().decode())
+    assert [value(m, f"lora_requests_{s}", lora_name=n) for s in ("running", "waiting") for n in ("sql", "poet")] \
+        == [0, 0, 0, 0]  # every adapter exported from the start
+    logger.record(StepStats(lora_running={"sql": 3}, lora_waiting={"sql": 1, "poet": 2}))
+    m = samples(logger.render().decode())
+    assert value(m, "lora_requests_running", lora_name="sql") == 3
+    assert value(m, "lora_requests_running", lora_name="poet") == 0
+    assert value(m, "lora_requests_waiting", lora_name="poet") == 2
+    logger.record(StepStats())  # all done: back to 0
+    assert value(samples(logger.render().decode()), "lora_requests_running", lora_name="sql") == 0
