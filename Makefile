@@ -39,7 +39,7 @@ prometheus:
 	else echo "$(PROMETHEUS_HINT)"; fi
 
 test: setup prometheus
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 serve: setup
 	$(BIN)/kvserve serve

@@ -72,12 +72,14 @@ def completions(srv: KVServe, model: str = "smollm2") -> list[tuple[list[str], l
     return out
 
 
-def assert_same_answers(split: KVServe, whole: KVServe, model: str = "smollm2") -> None:
-    for (tokens, logprobs, _), (ref_tokens, ref_logprobs, _) in zip(completions(split, model),
-                                                                    completions(whole, model)):
+def assert_same_answers(split: KVServe, whole: KVServe, model: str = "smollm2") -> list:
+    """The split server's answers are the whole one's (returned)."""
+    reference = completions(whole, model)
+    for (tokens, logprobs, _), (ref_tokens, ref_logprobs, _) in zip(completions(split, model), reference):
         assert tokens == ref_tokens
         assert logprobs[0] is None and ref_logprobs[0] is None
         assert max(abs(a - b) for a, b in zip(logprobs[1:], ref_logprobs[1:])) < 1e-4, (logprobs, ref_logprobs)
+    return reference
 
 
 def stream_tokens(srv: KVServe) -> Iterator[str]:
@@ -139,9 +141,9 @@ def split3(tmp_path_factory, adapter) -> Iterator[KVServe]:
 
 def test_three_ranks_give_one_ranks_answers(split3, whole):
     assert len(children(split3.proc.pid)) == 2
-    assert_same_answers(split3, whole)
-    assert_same_answers(split3, whole, model="sql")  # a LoRA adapter, split as its projections are
-    assert completions(whole, "sql") != completions(whole)
+    base = assert_same_answers(split3, whole)
+    # A LoRA adapter, each rank holding its part of it, as its projections are split.
+    assert assert_same_answers(split3, whole, model="sql") != base
 
 
 def test_a_killed_rank_turns_health_503_and_stops_every_rank(split3):
