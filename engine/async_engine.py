@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from engine.llm_engine import LLMEngine
@@ -33,6 +33,14 @@ class EngineDeadError(RuntimeError):
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _Change:
+    """A change of the engine's own state (a LoRA adapter in or out), made on its thread."""
+
+    change: Callable[[], None]
+    done: asyncio.Future  # settled on the event loop once the change is made (or refused)
 
 
 _STOP = object()
@@ -57,7 +65,8 @@ class AsyncEngine:
         self.vocab_size = engine.vocab_size
         self.num_kv_blocks = engine.num_blocks
         self.block_size = engine.block_size
-        self.lora_adapters = dict(engine.lora_adapters)
+        # Read by the server, changed by the engine thread (load_adapter, unload_adapter).
+        self.lora_adapters = engine.lora_adapters
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -178,6 +187,33 @@ class AsyncEngine:
             if not finished:
                 self._commands.put(_Abort(request_id))
 
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Serve the LoRA adapter at ``path`` as model ``name`` from now on. Its weights
+        are read on a worker thread; the engine loop only takes them in. ``ValueError``
+        for a bad adapter or a name in use; not with tensor parallelism (the other
+        ranks hold the adapters of the start-up only)."""
+        if self.engine.workers is not None:
+            raise ValueError("LoRA adapters cannot be loaded while serving with tensor parallelism")
+        if name in self.lora_adapters or name == self.model_name:
+            raise ValueError(f"a model named {name!r} is already served")
+        adapter = await asyncio.to_thread(self.engine.read_adapter, name, path)
+        await self._on_engine_thread(lambda: self.engine.install_adapter(adapter, path))
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving LoRA adapter ``name``: new requests for it are refused, running
+        ones finish on it. ``ValueError`` if none has that name."""
+        await self._on_engine_thread(lambda: self.engine.remove_adapter(name))
+
+    async def _on_engine_thread(self, change: Callable[[], None]) -> None:
+        """Run ``change`` on the engine loop's thread, between steps; its error is raised here."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._commands.put(_Change(change, done))
+        if self._dead is not None:  # died meanwhile: the change may never be made
+            raise EngineDeadError("the engine is not running")
+        await done
+
     def abort_all(self) -> None:
         """Abort every unfinished request now (a drain that ran out of time): each
         stream ends with a ``finish_reason="abort"`` delta and the blocks are freed."""
@@ -227,12 +263,33 @@ class AsyncEngine:
                     self.engine.add(cmd)
                 except ValueError as exc:  # an id already in use
                     self._deliver(cmd.request_id, exc)
+            elif isinstance(cmd, _Change):
+                self._apply(cmd)
             else:
                 self._abort_now(cmd.request_id)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return True
+
+    def _apply(self, cmd: "_Change") -> None:
+        try:
+            cmd.change()
+        except ValueError as exc:
+            self._settle(cmd.done, exc)
+        else:
+            self._settle(cmd.done, None)
+
+    def _settle(self, done: asyncio.Future, error: BaseException | None) -> None:
+        def settle() -> None:
+            if not done.done():
+                done.set_exception(error) if error is not None else done.set_result(None)
+
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(settle)
+            except RuntimeError:  # the event loop is closed
+                pass
 
     def _abort_now(self, request_id: str) -> None:
         final = self.engine.abort_request(request_id)
@@ -257,3 +314,11 @@ class AsyncEngine:
     def _fail_all(self, message: str) -> None:
         for rid in list(self._streams):
             self._deliver(rid, RequestOutput(rid, [], [], finished=True, error=message))
+        # Changes still queued will never be made: their callers must not wait forever.
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Change):
+                self._settle(cmd.done, EngineDeadError(message))

@@ -27,7 +27,7 @@ from engine.workers import WorkerGroup
 from models.chat_template import read_chat_template
 from models.kv_cache import cdiv, default_dtype
 from models.loader import LoadedModel, load_model
-from models.lora import load_adapter
+from models.lora import LoRAAdapter, load_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -137,15 +137,18 @@ class LLMEngine:
             self.workers.set_num_blocks(num_blocks)
         self.runner = ModelRunner(loaded, num_blocks, config.block_size, kv_dtype,
                                   peers=self.workers)
+        self._loaded = loaded
+        # Served adapter name -> its directory (/v1/models lists them), and -> the key its
+        # requests carry (``Request.adapter``; the runner's weights are keyed by it). A key
+        # is the name for adapters of the start-up (what the tensor-parallel ranks know them
+        # by), ``name@N`` for the N-th loaded while serving: requests of an adapter unloaded
+        # and loaded again never share the old one's weights or cached blocks.
+        self.lora_adapters: dict[str, str] = {}
+        self._adapter_keys: dict[str, str] = {}
+        self._retired_adapters: set[str] = set()
+        self._adapter_loads = 0
         for module in config.lora_modules:
-            adapter = load_adapter(module.name, module.path, loaded.config, loaded.dtype, loaded.device,
-                                   tp=loaded.tp)
-            self.runner.adapters[module.name] = adapter
-            logger.info("LoRA adapter %r loaded from %s (rank %d)", module.name, module.path, adapter.rank)
-        # Served adapter name -> its directory (/v1/models lists them).
-        self.lora_adapters = {m.name: m.path for m in config.lora_modules}
-        if self.model_name in self.lora_adapters:
-            raise ValueError(f"a LoRA adapter cannot take the served model's name {self.model_name!r}")
+            self.install_adapter(self.read_adapter(module.name, module.path), module.path, key=module.name)
         # Ids both the tokenizer and the model's rows know (see RequestLimits).
         self.vocab_size = min(self.tokenizer.vocab_size, loaded.config.vocab_size)
         self.limits = RequestLimits(vocab_size=self.vocab_size, max_model_len=self.max_model_len,
@@ -212,7 +215,8 @@ class LLMEngine:
         if the request can never run (or its grammar cannot be enforced).
         Reads only what is fixed at construction, so any thread may call it.
         """
-        if adapter is not None and adapter not in self.lora_adapters:
+        key = self._adapter_keys.get(adapter) if adapter is not None else None
+        if adapter is not None and key is None:
             raise InvalidRequestError(f"no LoRA adapter named {adapter!r} is loaded", "adapter")
         max_tokens = check_request(prompt_token_ids, params, self.limits)
         grammar = self.grammars.compile(params.structured) if params.structured is not None else None
@@ -220,7 +224,49 @@ class LLMEngine:
             self.grammars.blanks()  # worked out once, here rather than on the engine loop
         return EngineRequest(request_id, list(prompt_token_ids), params, max_tokens,
                              time.monotonic() if arrival_time is None else arrival_time,
-                             group or request_id, grammar, adapter)
+                             group or request_id, grammar, key)
+
+    # -- LoRA adapters ------------------------------------------------------
+
+    def read_adapter(self, name: str, path: str) -> LoRAAdapter:
+        """Read and check an adapter's weights for this model (``models.lora.load_adapter``:
+        ``ValueError`` naming what is wrong). Reads only what is fixed at construction,
+        so any thread may call it; :meth:`install_adapter` then serves it."""
+        loaded = self._loaded
+        return load_adapter(name, path, loaded.config, loaded.dtype, loaded.device, tp=loaded.tp)
+
+    def install_adapter(self, adapter: LoRAAdapter, path: str, key: str | None = None) -> None:
+        """Serve ``adapter`` under its name from the next request on (engine thread).
+        ``ValueError`` if the name is taken."""
+        if adapter.name == self.model_name:
+            raise ValueError(f"a LoRA adapter cannot take the served model's name {self.model_name!r}")
+        if adapter.name in self.lora_adapters:
+            raise ValueError(f"a LoRA adapter named {adapter.name!r} is already loaded")
+        if key is None:
+            self._adapter_loads += 1
+            key = f"{adapter.name}@{self._adapter_loads}"
+        self.runner.adapters[key] = adapter
+        self._adapter_keys[adapter.name] = key
+        self.lora_adapters[adapter.name] = path
+        logger.info("LoRA adapter %r loaded from %s (rank %d)", adapter.name, path, adapter.rank)
+
+    def remove_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name`` (engine thread): new requests for it are refused;
+        the ones running finish on it, and its weights go with the last of them.
+        ``ValueError`` if no adapter has that name."""
+        key = self._adapter_keys.pop(name, None)
+        if key is None:
+            raise ValueError(f"no LoRA adapter named {name!r} is loaded")
+        del self.lora_adapters[name]
+        self._retired_adapters.add(key)
+        self._drop_retired_adapters()
+        logger.info("LoRA adapter %r unloaded", name)
+
+    def _drop_retired_adapters(self) -> None:
+        in_use = {seq.adapter for api in self._requests.values() for seq in api.seqs}
+        for key in self._retired_adapters - in_use:
+            del self.runner.adapters[key]
+        self._retired_adapters &= in_use
 
     def add(self, request: EngineRequest) -> None:
         """Queue a prepared request (its ``params.n`` samples); ``ValueError`` if its id is in use."""
@@ -562,6 +608,8 @@ class LLMEngine:
             self._seq_to_api.pop(seq.request_id, None)
             if self.speculator is not None:
                 self.speculator.forget(seq.request_id)
+        if self._retired_adapters:
+            self._drop_retired_adapters()
         return [self._finished_stats(seq) for seq in api.seqs]
 
     @staticmethod
@@ -583,12 +631,16 @@ class LLMEngine:
         stats.kv_blocks_total = kv.num_blocks_total
         stats.kv_blocks_used = kv.num_blocks_used
         stats.kv_usage = kv.usage
-        if self.lora_adapters:
+        if self.runner.adapters:
+            # Every served adapter, from 0 (the metrics drop the series of one unloaded).
+            stats.lora_running = dict.fromkeys(self.lora_adapters, 0)
+            stats.lora_waiting = dict.fromkeys(self.lora_adapters, 0)
             for queue, counts in ((self.scheduler.running, stats.lora_running),
                                   (self.scheduler.waiting, stats.lora_waiting)):
                 for seq in queue:
                     if seq.adapter is not None:
-                        counts[seq.adapter] = counts.get(seq.adapter, 0) + 1
+                        name = self.runner.adapters[seq.adapter].name
+                        counts[name] = counts.get(name, 0) + 1
         stats.prefix_cache_queries = kv.prefix_cache_queries - self._last_kv_queries
         stats.prefix_cache_hits = kv.prefix_cache_hits - self._last_kv_hits
         self._last_kv_queries, self._last_kv_hits = kv.prefix_cache_queries, kv.prefix_cache_hits

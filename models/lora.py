@@ -297,20 +297,21 @@ class LoRABatch:
         batch; None when no row runs an adapter (the step runs the base model alone).
         Spans of one adapter that follow each other make one range (the engine puts
         the requests of an adapter side by side)."""
-        ranges: dict[str, list[list[int]]] = {}
-        adapters: dict[str, LoRAAdapter] = {}
+        # By object: an adapter unloaded and loaded again is another one of the same name.
+        ranges: dict[int, list[list[int]]] = {}
+        adapters: dict[int, LoRAAdapter] = {}
         for adapter, start, count in spans:
             if adapter is None or count == 0:
                 continue
-            adapters[adapter.name] = adapter
-            own = ranges.setdefault(adapter.name, [])
+            adapters[id(adapter)] = adapter
+            own = ranges.setdefault(id(adapter), [])
             if own and own[-1][1] == start:
                 own[-1][1] += count
             else:
                 own.append([start, start + count])
         if not ranges:
             return None
-        return cls(tuple((adapters[name], tuple((a, b) for a, b in r)) for name, r in ranges.items()))
+        return cls(tuple((adapters[key], tuple((a, b) for a, b in r)) for key, r in ranges.items()))
 
     def layer(self, index: int) -> "LayerLoRA":
         """This batch's updates for decoder layer ``index``."""

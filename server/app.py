@@ -17,16 +17,17 @@ from typing import Any
 
 from fastapi import FastAPI
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from engine.validation import InvalidRequestError, check_token_ids
 from server.body import read_model
 from server.engine_client import EngineClient
-from server.errors import (ClientDisconnected, bad_request, install_exception_handlers, response_not_found,
+from server.errors import (APIError, ClientDisconnected, bad_request, install_exception_handlers, response_not_found,
                            unavailable)
 from server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from server.middleware import OPEN_PATHS, APIKeyMiddleware, BodySizeLimitMiddleware, DrainMiddleware
-from server.protocol import DetokenizeRequest, TokenizeRequest, template_messages
+from server.protocol import (DetokenizeRequest, LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest,
+                             template_messages)
 from server.serving_chat import apply_template, create_chat_completion
 from server.serving_common import client_disconnected
 from server.serving_completions import create_completion
@@ -54,7 +55,7 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
               max_body_size: int = 4 * MiB, served_model_name: str | None = None,
               metrics_require_key: bool = False, tool_call_parser: str = "auto",
               max_stored_responses: int = DEFAULT_STORED_RESPONSES,
-              reasoning_parser: str = "none") -> FastAPI:
+              reasoning_parser: str = "none", runtime_lora: bool = False) -> FastAPI:
     """Build the HTTP app around ``engine``.
 
     The app's lifespan binds the engine to its event loop (``engine.start``; the loop
@@ -66,7 +67,8 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
     picks the tool-call format (``server.tools.tool_format_for``);
     ``max_stored_responses`` bounds the Responses API answers kept in memory
     for ``previous_response_id`` (0 stores none); ``reasoning_parser`` (``server.reasoning``)
-    splits a thinking model's reasoning from its answer. Call
+    splits a thinking model's reasoning from its answer; ``runtime_lora`` adds vLLM's
+    routes that load and unload LoRA adapters while serving. Call
     ``app.state.kvserve.begin_drain(timeout)`` to start a graceful shutdown.
     """
     if metrics_require_key and not api_key:
@@ -121,7 +123,35 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
         open_paths = OPEN_PATHS - {"/metrics"} if metrics_require_key else OPEN_PATHS
         app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
     _add_routes(app, state)
+    if runtime_lora:
+        _add_lora_routes(app, state)
     return app
+
+
+def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
+    """vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (its answers: a
+    line of text; a 400 for an adapter that cannot be served, a 404 for one not served)."""
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        body = await read_model(request, LoadLoRAAdapterRequest)
+        if body.lora_name == state.model_name or body.lora_name in state.engine.lora_adapters:
+            raise bad_request(f"The model '{body.lora_name}' is already served.", "lora_name")
+        try:
+            await state.engine.load_adapter(body.lora_name, body.lora_path)
+        except ValueError as e:  # the adapter's files (or a load of the same name meanwhile)
+            raise bad_request(str(e), "lora_path") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        body = await read_model(request, UnloadLoRAAdapterRequest)
+        try:
+            await state.engine.unload_adapter(body.lora_name)
+        except ValueError:
+            raise APIError(404, f"The LoRA adapter '{body.lora_name}' cannot be found.", param="lora_name",
+                           code="model_not_found") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
 def _model_card(state: ServerState, served: str) -> dict[str, Any]:

@@ -74,6 +74,14 @@ class EngineClient(Protocol):
         of ``lora_adapters`` (None: the base model)."""
         ...
 
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Serve the LoRA adapter at ``path`` as ``name`` (``ValueError`` if it cannot be)."""
+        ...
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving LoRA adapter ``name`` (``ValueError`` if none has that name)."""
+        ...
+
     def abort_all(self) -> None:
         """Abort every unfinished request; each stream ends with an ``abort`` delta."""
         ...

@@ -114,7 +114,7 @@ class PrometheusStatLogger:
         self._lora = {
             state: Gauge(f"kvserve_lora_requests_{state}", f"Sequences {state} per LoRA adapter.",
                          ["model_name", "lora_name"], registry=r) for state in ("running", "waiting")}
-        self._lora_names = lora_adapters
+        self._lora_names = set(lora_adapters)
         for gauge_ in self._lora.values():
             for name in lora_adapters:
                 gauge_.labels(m, name).set(0)
@@ -145,9 +145,15 @@ class PrometheusStatLogger:
             self.e2e_request_latency.observe(fin.e2e_latency)
             self.request_queue_time.observe(fin.queue_time)
 
-        for name in self._lora_names:
-            self._lora["running"].labels(self._model_name, name).set(stats.lora_running.get(name, 0))
-            self._lora["waiting"].labels(self._model_name, name).set(stats.lora_waiting.get(name, 0))
+        # The engine reports every adapter it serves: one unloaded loses its series.
+        served = set(stats.lora_running) | set(stats.lora_waiting)
+        for name in served | self._lora_names:
+            for state, counts in (("running", stats.lora_running), ("waiting", stats.lora_waiting)):
+                if name in served:
+                    self._lora[state].labels(self._model_name, name).set(counts.get(name, 0))
+                else:
+                    self._lora[state].remove(self._model_name, name)
+        self._lora_names = served
         if stats.spec_drafts:
             self.spec_decode_num_drafts.inc(stats.spec_drafts)
             self.spec_decode_num_draft_tokens.inc(stats.spec_draft_tokens)

@@ -538,6 +538,20 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(_Strict):
+    """``POST /v1/load_lora_adapter`` (vLLM's): serve the adapter at ``lora_path`` as ``lora_name``."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    """``POST /v1/unload_lora_adapter`` (vLLM's); its ``lora_int_id`` is accepted and ignored."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+
+
 def template_messages(messages: list[ChatMessage], tools: list[FunctionSpec] | None = None,
                       parallel: bool = True, tool_format: ToolFormat = FORMATS["generic"]) -> list[dict[str, Any]]:
     """Messages as the plain dicts a chat template expects. With a native

@@ -156,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                        help="LoRA adapters (PEFT directories) served beside the base model: a "
                             "request whose model is NAME runs the adapter at PATH")
+    serve.add_argument("--allow-runtime-lora", action="store_true",
+                       default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+                       help="add vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which load "
+                            "an adapter from a path on this host while serving (default: off; on with "
+                            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, as in vLLM)")
     serve.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSERS,
                        help="how tool calls are prompted and read: hermes (<tool_call> JSON "
                             "</tool_call>, the chat template renders the tools), generic (kvserve's "

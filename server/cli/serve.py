@@ -151,7 +151,8 @@ def _serve(args: argparse.Namespace, engine: AsyncEngine) -> int:
     app = build_app(engine, api_key=args.api_key, max_queue=args.max_queue,
                     max_body_size=args.max_body_size, served_model_name=args.served_model_name,
                     metrics_require_key=args.metrics_require_key, tool_call_parser=args.tool_call_parser,
-                    max_stored_responses=args.max_stored_responses, reasoning_parser=args.reasoning_parser)
+                    max_stored_responses=args.max_stored_responses, reasoning_parser=args.reasoning_parser,
+                    runtime_lora=args.allow_runtime_lora)
     state = app.state.kvserve
     logger.info("kvserve listening on http://%s:%d (model %s, max_model_len %d, auth %s)",
                 args.host, args.port, state.model_name, engine.max_model_len,

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 
-from e2e_helpers import ADAPTER, MODEL, KVServe, idle, wait_until
+from e2e_helpers import ADAPTER, MODEL, SMOLLM2_SHAPE, KVServe, idle, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -58,3 +59,21 @@ def test_chat_with_the_adapter(client: openai.OpenAI) -> None:
     assert [t.logprob for t in r.choices[0].logprobs.content] != [t.logprob for t in base.choices[0].logprobs.content]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="chess", messages=messages, max_tokens=2)
+
+
+def test_an_adapter_loaded_and_unloaded_while_serving(client: openai.OpenAI, server: KVServe, make_lora,
+                                                      tmp_path) -> None:
+    path = make_lora(tmp_path / "poet", SMOLLM2_SHAPE, rank=4, seed=7, targets=("q_proj", "v_proj"))
+    url, headers = server.url, server.headers
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "poet", "lora_path": str(path)},
+                   headers=headers, timeout=60.0)
+    assert r.status_code == 200, r.text
+    assert "poet" in [m.id for m in client.models.list()]
+    poet = completion(client, "poet", PROMPTS[0])
+    assert poet != completion(client, MODEL, PROMPTS[0]) and poet != completion(client, ADAPTER, PROMPTS[0])
+    r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "poet"}, headers=headers, timeout=60.0)
+    assert r.status_code == 200, r.text
+    with pytest.raises(openai.NotFoundError):
+        completion(client, "poet", PROMPTS[0])
+    assert [m.id for m in client.models.list()] == [MODEL, ADAPTER]
+    assert idle(wait_until(server.metrics, idle, 10.0))

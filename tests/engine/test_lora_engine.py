@@ -95,7 +95,7 @@ def test_an_adapter_answers_the_same_alone_batched_chunked_and_cached(loaded, ad
     # The step stats count each adapter's sequences (the metrics' per-adapter gauges).
     assert max(s.lora_running.get("sql", 0) for s in seen) == len(ids)
     assert max(s.lora_waiting.get("poet", 0) for s in seen) >= 1
-    assert all(None not in s.lora_running for s in seen) and seen[-1].lora_running == {}
+    assert seen[-1].lora_running == {"sql": 0, "poet": 0}  # every served adapter, done
 
 
 def test_an_adapter_never_reads_another_ones_cached_blocks(loaded, adapters):
@@ -139,3 +139,37 @@ def test_lora_module_parses_name_equals_path():
     for bad in ["sql", "=/x", "sql="]:
         with pytest.raises(ValueError, match="NAME=PATH"):
             LoRAModule.parse(bad)
+
+
+def test_adapters_load_and_unload_while_serving(loaded, adapters):
+    prompt = loaded.tokenizer.encode(PROMPTS[1])
+    cold = {m.name: run(engine(loaded, adapters, enable_prefix_caching=False), [("r", prompt, m.name)])["r"][:2]
+            for m in adapters}
+    llm = engine(loaded, ())
+    sql, poet = adapters
+    llm.install_adapter(llm.read_adapter("sql", sql.path), sql.path)
+    assert llm.lora_adapters == {"sql": sql.path}
+    assert run(llm, [("a", prompt, "sql")])["a"][:2] == cold["sql"]
+
+    # Unloaded with a request running: that one finishes on it, a new one is refused.
+    llm.add_request("running", prompt, PARAMS, adapter="sql")
+    tokens = [t for ro in llm.step() for o in ro.outputs for t in o.token_ids]
+    llm.remove_adapter("sql")
+    with pytest.raises(InvalidRequestError, match="no LoRA adapter named 'sql'"):
+        llm.add_request("late", prompt, PARAMS, adapter="sql")
+    assert len(llm.runner.adapters) == 1  # still in use
+    while llm.has_unfinished_requests():
+        for ro in llm.step():
+            tokens += [t for o in ro.outputs for t in o.token_ids]
+    assert tokens == cold["sql"][0]
+    assert llm.runner.adapters == {}  # gone with its last request
+
+    # Another adapter under the same name: its own answers, none of the old one's cached blocks.
+    llm.install_adapter(llm.read_adapter("sql", poet.path), poet.path)
+    got = run(llm, [("b", prompt, "sql")])["b"]
+    assert got[:2] == cold["poet"] and got[2] == 0
+    assert run(llm, [("c", prompt, "sql")])["c"][2] > 0  # its own blocks are found
+    with pytest.raises(ValueError, match="already loaded"):
+        llm.install_adapter(llm.read_adapter("sql", sql.path), sql.path)
+    with pytest.raises(ValueError, match="no LoRA adapter named 'chess'"):
+        llm.remove_adapter("chess")

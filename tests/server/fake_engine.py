@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.sampling_params import PoolingParams, SamplingParams
@@ -254,6 +255,18 @@ class FakeEngine:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.vocab_size
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """As the real engine: ``ValueError`` for a path that is not a directory or a name in use."""
+        if name in self.lora_adapters or name == self.model_name:
+            raise ValueError(f"a model named {name!r} is already served")
+        if not Path(path).is_dir():
+            raise ValueError(f"LoRA adapter {name!r}: {path} has no adapter_config.json")
+        self.lora_adapters[name] = path
+
+    async def unload_adapter(self, name: str) -> None:
+        if self.lora_adapters.pop(name, None) is None:
+            raise ValueError(f"no LoRA adapter named {name!r} is loaded")
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  group: str | None = None, adapter: str | None = None) -> AsyncIterator[RequestOutput]:

@@ -76,3 +76,28 @@ async def test_an_unknown_model_is_a_404_and_runs_nothing(client: httpx.AsyncCli
     assert r.status_code == 404
     assert "chess" in r.text
     assert engine.requests == []
+
+
+async def test_adapters_load_and_unload_while_serving_when_allowed(engine: FakeEngine, tmp_path) -> None:
+    # vLLM's routes, only with --allow-runtime-lora (off by default: they read server paths).
+    closed = build_app(engine)
+    async with client_for(closed) as c:
+        assert (await c.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/"})).status_code == 404
+    app = build_app(engine, runtime_lora=True)
+    async with app.router.lifespan_context(app):
+        async with client_for(app) as c:
+            r = await c.post("/v1/load_lora_adapter", json={"lora_name": "chess", "lora_path": str(tmp_path)})
+            assert r.status_code == 200 and r.text == "Success: LoRA adapter 'chess' added successfully."
+            assert "chess" in [m["id"] for m in (await c.get("/v1/models")).json()["data"]]
+            r = await c.post("/v1/completions", json={"model": "chess", "prompt": "hi", "max_tokens": 1})
+            assert r.status_code == 200 and engine.adapters[engine.requests[-1].request_id] == "chess"
+            # The name in use, a path that is no adapter, a missing field: 400s naming the field.
+            for body, param in [({"lora_name": "sql", "lora_path": str(tmp_path)}, "lora_name"),
+                                ({"lora_name": MODEL, "lora_path": str(tmp_path)}, "lora_name"),
+                                ({"lora_name": "new", "lora_path": str(tmp_path / "none")}, "lora_path"),
+                                ({"lora_name": "new"}, "lora_path")]:
+                assert_error(await c.post("/v1/load_lora_adapter", json=body), 400, param)
+            r = await c.post("/v1/unload_lora_adapter", json={"lora_name": "chess"})
+            assert r.status_code == 200 and "removed" in r.text
+            assert_error(await c.post("/v1/completions", json={"model": "chess", "prompt": "hi"}), 404)
+            assert_error(await c.post("/v1/unload_lora_adapter", json={"lora_name": "chess"}), 404, "lora_name")

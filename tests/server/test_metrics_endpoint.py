@@ -118,5 +118,7 @@ def test_lora_requests_running_and_waiting_per_adapter() -> None:
     assert value(m, "lora_requests_running", lora_name="sql") == 3
     assert value(m, "lora_requests_running", lora_name="poet") == 0
     assert value(m, "lora_requests_waiting", lora_name="poet") == 2
-    logger.record(StepStats())  # all done: back to 0
-    assert value(samples(logger.render().decode()), "lora_requests_running", lora_name="sql") == 0
+    logger.record(StepStats(lora_running={"sql": 0}, lora_waiting={"sql": 0}))  # poet unloaded
+    m = samples(logger.render().decode())
+    assert value(m, "lora_requests_running", lora_name="sql") == 0
+    assert ("kvserve_lora_requests_running", (("lora_name", "poet"), ("model_name", MODEL))) not in m
