@@ -93,6 +93,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.metrics_require_key and not args.api_key:
         raise SystemExit("kvserve: error: --metrics-require-key needs --api-key (or $KVSERVE_API_KEY)")
     if args.replicas is not None or args.max_replicas is not None:
+        if args.allow_runtime_lora:
+            # A load would reach the one replica that Ray routes it to.
+            raise SystemExit("kvserve: error: --allow-runtime-lora does not go with --replicas (an adapter "
+                             "would load on one replica only); give every replica --lora-modules")
         return _serve_replicas(args)
     logger.info("loading model %s", config.model)
     par = config.parallel

@@ -27,3 +27,11 @@ def test_replica_metrics_merge_into_one_family_each_labelled_by_replica():
     samples = {(s.name, s.labels["replica"]): s.value for f in families.values() for s in f.samples}
     assert samples == {("kvserve_prompt_tokens_total", "a"): 5.0, ("kvserve_prompt_tokens_total", "b"): 7.0,
                        ("kvserve_kv_cache_blocks_used", "a"): 3.0, ("kvserve_kv_cache_blocks_used", "b"): 0.0}
+
+
+def test_runtime_lora_loading_is_refused_with_replicas():
+    # A load through Ray's proxy would reach one replica: refused before anything starts.
+    from server import cli
+
+    with pytest.raises(SystemExit, match="--allow-runtime-lora does not go with --replicas"):
+        cli.main(["serve", "--replicas", "2", "--allow-runtime-lora"])
