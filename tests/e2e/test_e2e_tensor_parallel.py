@@ -134,16 +134,20 @@ def whole(tmp_path_factory, adapter) -> Iterator[KVServe]:
 
 @pytest.fixture(scope="module")
 def split3(tmp_path_factory, adapter) -> Iterator[KVServe]:
-    srv = start(tmp_path_factory, "tp3", [*EXACT, *adapter, "--tensor-parallel-size", "3"])
+    srv = start(tmp_path_factory, "tp3", [*EXACT, *adapter, "--tensor-parallel-size", "3", "--allow-runtime-lora"])
     yield srv
     srv.kill()
 
 
-def test_three_ranks_give_one_ranks_answers(split3, whole):
+def test_three_ranks_give_one_ranks_answers(split3, whole, adapter):
     assert len(children(split3.proc.pid)) == 2
     base = assert_same_answers(split3, whole)
     # A LoRA adapter, each rank holding its part of it, as its projections are split.
     assert assert_same_answers(split3, whole, model="sql") != base
+    # Loading one while serving would reach rank 0 alone: refused.
+    r = httpx.post(f"{split3.url}/v1/load_lora_adapter", json={"lora_name": "new", "lora_path": adapter[1][4:]},
+                   timeout=30)
+    assert r.status_code == 400 and "tensor parallelism" in r.json()["error"]["message"]
 
 
 def test_a_killed_rank_turns_health_503_and_stops_every_rank(split3):
