@@ -31,7 +31,7 @@ from server.protocol import (DetokenizeRequest, LoadLoRAAdapterRequest, Tokenize
 from server.serving_chat import apply_template, create_chat_completion
 from server.serving_common import client_disconnected
 from server.serving_completions import create_completion
-from server.serving_embeddings import create_embedding
+from server.serving_embeddings import create_embedding, create_rerank, create_score
 from server.serving_messages import count_message_tokens, create_message
 from server.serving_responses import create_response
 from server.reasoning import reasoning_format
@@ -178,6 +178,18 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
         return await create_embedding(state, request)
+
+    # vLLM's paths for both (Cohere's clients post to /v2/rerank).
+    @app.post("/v1/score")
+    @app.post("/score")
+    async def score(request: Request) -> Response:
+        return await create_score(state, request)
+
+    @app.post("/v1/rerank")
+    @app.post("/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(request: Request) -> Response:
+        return await create_rerank(state, request)
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:

@@ -124,9 +124,12 @@ def validation_message(err: ValidationError | RequestValidationError) -> tuple[s
     by_loc: dict[str, list[str]] = {}
     param = None
     for e in err.errors():
-        # FastAPI prefixes locations with "body"/"query"; drop it, keep the field path.
-        loc = [str(x) for x in e.get("loc", ())
-               if x not in ("body", "query", "path") and not _is_union_tag(x)]
+        # FastAPI prefixes locations with "body"/"query"/"path"; drop it, keep the field path
+        # (a body field may itself be named "query": the rerank API's).
+        loc = list(e.get("loc", ()))
+        if isinstance(err, RequestValidationError) and loc and loc[0] in ("body", "query", "path"):
+            loc = loc[1:]
+        loc = [str(x) for x in loc if not _is_union_tag(x)]
         if param is None and loc:
             param = loc[0]
         msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")

@@ -508,6 +508,53 @@ class EmbeddingRequest(_Strict):
         return SamplingParams(n=1, temperature=0.0, max_tokens=1, pooling=pooling)
 
 
+def _texts(value: str | list[str], field: str) -> list[str]:
+    texts = [value] if isinstance(value, str) else value
+    if not texts or any(not t for t in texts):
+        raise bad_request(f"{field} must be a text or a non-empty list of non-empty texts", field)
+    if len(texts) > MAX_EMBEDDING_INPUTS:
+        raise bad_request(f"at most {MAX_EMBEDDING_INPUTS} texts are allowed in {field}, got {len(texts)}", field)
+    return texts
+
+
+class ScoreRequest(_Strict):
+    """``POST /v1/score`` (vLLM's): the similarity of ``text_1`` to each of ``text_2``
+    (one to one, one to many, or pairwise when both are lists of one length)."""
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+    def pairs(self) -> list[tuple[str, str]]:
+        first, second = _texts(self.text_1, "text_1"), _texts(self.text_2, "text_2")
+        if len(first) == 1:
+            return [(first[0], t) for t in second]
+        if len(first) != len(second):
+            raise bad_request(f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, "
+                              "or as many as text_2", "text_2")
+        return list(zip(first, second))
+
+
+class RerankDocument(_Strict):
+    """A document as an object (Cohere's and Jina's clients may send them so)."""
+
+    text: str
+
+
+class RerankRequest(_Strict):
+    """``POST /v1/rerank`` (Jina's and Cohere's, as vLLM and llama.cpp take it): the
+    documents by their relevance to the query, best first."""
+
+    model: str | None = None
+    query: str = Field(min_length=1)
+    documents: list[str | RerankDocument]
+    top_n: int | None = Field(default=None, ge=0)
+    return_documents: bool | None = True
+
+    def texts(self) -> list[str]:
+        return _texts([d if isinstance(d, str) else d.text for d in self.documents], "documents")
+
+
 class TokenizeRequest(_Strict):
     """``POST /tokenize`` (vLLM shape): either ``prompt`` or ``messages``."""
 

@@ -1,4 +1,7 @@
-"""``POST /v1/embeddings``: OpenAI's embeddings, one engine request per input.
+"""``POST /v1/embeddings``: OpenAI's embeddings, one engine request per input; and
+on them vLLM's ``/v1/score`` and the rerank API (Jina's, Cohere's), which rank
+texts by the cosine similarity of their embeddings, as vLLM scores with an
+embedding model.
 
 An embedding is the input's last token's hidden state after the model's final
 norm (``engine.sampling_params.PoolingParams``), as vLLM pools a decoder-only
@@ -8,13 +11,16 @@ model and as embedding models built on one (Qwen3-Embedding) are trained.
 from __future__ import annotations
 
 import base64
+import math
 import struct
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from engine.sampling_params import PoolingParams, SamplingParams
 from server.body import read_model
-from server.protocol import EmbeddingRequest
+from server.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
+from server.protocol_responses import now
 from server.serving_common import Choices, encode_prompts, launch, run_to_completion
 from server.state import ServerState, new_request_id
 
@@ -27,18 +33,73 @@ def encode(vector: list[float], encoding_format: str | None) -> list[float] | st
     return vector
 
 
+async def embed(state: ServerState, request: Request, request_id: str, inputs: list[str | list[int]],
+                params: SamplingParams, model: str, field: str, add_special_tokens: bool = True
+                ) -> tuple[list[list[float]], int]:
+    """Each input's embedding (engine requests of one group) and their prompt tokens;
+    a 400 for an input the engine refuses names ``field``."""
+    prompts = encode_prompts(state.engine.tokenizer, inputs, add_special_tokens)
+    merged = await launch(state, request_id, prompts, params, {"prompt": field}, model)
+    choices = await run_to_completion(request, merged, Choices([len(p) for p in prompts], 1))
+    vectors = []
+    for st in choices.states:
+        assert st.embedding is not None, "an embedding request ends with its embedding"
+        vectors.append(st.embedding)
+    return vectors, choices.usage(generated=False).prompt_tokens
+
+
 async def create_embedding(state: ServerState, request: Request) -> Response:
     """Validate, run and render one embeddings request."""
     body = await read_model(request, EmbeddingRequest)
     model = state.check_model(body.model)
-    prompts = encode_prompts(state.engine.tokenizer, body.inputs(), body.add_special_tokens is not False)
-    request_id = new_request_id("embd")
-    merged = await launch(state, request_id, prompts, body.sampling_params(), {"prompt": "input"}, model)
-    choices = await run_to_completion(request, merged, Choices([len(p) for p in prompts], 1))
-    data = []
-    for index, st in enumerate(choices.states):
-        assert st.embedding is not None, "an embedding request ends with its embedding"
-        data.append({"object": "embedding", "index": index, "embedding": encode(st.embedding, body.encoding_format)})
-    usage = choices.usage(generated=False)
+    vectors, tokens = await embed(state, request, new_request_id("embd"), body.inputs(), body.sampling_params(),
+                                  model, "input", body.add_special_tokens is not False)
+    data = [{"object": "embedding", "index": i, "embedding": encode(v, body.encoding_format)}
+            for i, v in enumerate(vectors)]
     return JSONResponse({"object": "list", "data": data, "model": model,
-                         "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens}})
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    """The cosine similarity of two (normalised) embeddings: their dot product, in float64."""
+    return math.fsum(x * y for x, y in zip(a, b))
+
+
+async def _similarities(state: ServerState, request: Request, request_id: str, pairs: list[tuple[str, str]],
+                        model: str, field: str) -> tuple[list[float], int]:
+    """Each pair's cosine similarity, every distinct text embedded once; and the tokens."""
+    texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+    vectors, tokens = await embed(state, request, request_id, list(texts),
+                                  SamplingParams(n=1, temperature=0.0, max_tokens=1, pooling=PoolingParams()),
+                                  model, field)
+    by_text = dict(zip(texts, vectors))
+    return [cosine(by_text[a], by_text[b]) for a, b in pairs], tokens
+
+
+async def create_score(state: ServerState, request: Request) -> Response:
+    """vLLM's score API: ``text_1`` against each ``text_2``."""
+    body = await read_model(request, ScoreRequest)
+    model = state.check_model(body.model)
+    request_id = new_request_id("score")
+    scores, tokens = await _similarities(state, request, request_id, body.pairs(), model, "text_2")
+    return JSONResponse({"id": request_id, "object": "list", "created": now(), "model": model,
+                         "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+async def create_rerank(state: ServerState, request: Request) -> Response:
+    """The rerank API (Jina's, Cohere's): the documents, most relevant first."""
+    body = await read_model(request, RerankRequest)
+    model = state.check_model(body.model)
+    documents = body.texts()
+    request_id = new_request_id("rerank")
+    scores, tokens = await _similarities(state, request, request_id, [(body.query, d) for d in documents],
+                                         model, "documents")
+    order = sorted(range(len(documents)), key=lambda i: -scores[i])
+    if body.top_n is not None:
+        order = order[:body.top_n]
+    results = [{"index": i, "relevance_score": scores[i],
+                **({"document": {"text": documents[i]}} if body.return_documents is not False else {})}
+               for i in order]
+    return JSONResponse({"id": request_id, "model": model, "results": results,
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import httpx
 import openai
 import pytest
 
@@ -39,3 +40,19 @@ def test_embeddings_through_the_openai_client(client: openai.OpenAI, server: KVS
 
     with pytest.raises(openai.BadRequestError):
         client.embeddings.create(model=MODEL, input="", encoding_format="float")
+
+
+def test_score_and_rerank_are_the_embeddings_cosines(client: openai.OpenAI, server: KVServe) -> None:
+    vectors = [d.embedding for d in client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float").data]
+    cosines = [math.fsum(x * y for x, y in zip(vectors[0], v)) for v in vectors]
+    r = httpx.post(f"{server.url}/v1/score", json={"model": MODEL, "text_1": TEXTS[0], "text_2": TEXTS},
+                   headers=server.headers, timeout=60.0)
+    assert r.status_code == 200, r.text
+    assert [d["score"] for d in r.json()["data"]] == cosines
+    r = httpx.post(f"{server.url}/v1/rerank", json={"model": MODEL, "query": TEXTS[0], "documents": TEXTS[1:]},
+                   headers=server.headers, timeout=60.0)
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert [x["relevance_score"] for x in results] == sorted(cosines[1:], reverse=True)
+    assert [x["document"]["text"] for x in results] == [TEXTS[1 + i] for i in sorted(
+        range(2), key=lambda i: -cosines[1 + i])]

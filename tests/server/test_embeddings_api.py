@@ -84,3 +84,47 @@ async def test_bad_input_is_a_400_and_runs_nothing(client: httpx.AsyncClient, en
 
 async def test_an_unknown_model_is_a_404(client: httpx.AsyncClient) -> None:
     assert_error(await client.post("/v1/embeddings", json={"input": "hi", "model": "chess"}), 404)
+
+
+def _unit(prompt: list[int]) -> list[float]:
+    from fake_engine import fake_embedding
+    from engine.sampling_params import PoolingParams
+
+    return fake_embedding(prompt, PoolingParams())
+
+
+async def test_score_is_the_cosine_of_the_embeddings(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    tok = engine.tokenizer
+    r = await client.post("/v1/score", json={"text_1": "ab", "text_2": ["ab", "abcd", "z"]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    expected = [sum(x * y for x, y in zip(_unit(tok.encode("ab")), _unit(tok.encode(t)))) for t in ["ab", "abcd", "z"]]
+    assert [d["index"] for d in body["data"]] == [0, 1, 2] and body["data"][0]["object"] == "score"
+    assert [d["score"] for d in body["data"]] == pytest.approx(expected, abs=1e-12)
+    assert body["data"][0]["score"] == pytest.approx(1.0)
+    # Each distinct text embedded once, in one group.
+    assert sorted(tuple(r.prompt_token_ids) for r in engine.requests) == sorted(
+        tuple(tok.encode(t)) for t in ["ab", "abcd", "z"])
+    assert body["usage"]["prompt_tokens"] == sum(len(tok.encode(t)) for t in ["ab", "abcd", "z"])
+    pairwise = (await client.post("/score", json={"text_1": ["ab", "z"], "text_2": ["abcd", "z"]})).json()
+    assert [d["score"] for d in pairwise["data"]] == pytest.approx([expected[1], 1.0], abs=1e-12)
+    assert_error(await client.post("/v1/score", json={"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}), 400, "text_2")
+    assert_error(await client.post("/v1/score", json={"text_1": "", "text_2": "a"}), 400, "text_1")
+
+
+async def test_rerank_orders_the_documents_by_score(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    docs = ["z", "abcd", {"text": "abc"}, "ab"]
+    r = await client.post("/v1/rerank", json={"query": "ab", "documents": docs, "top_n": 3})
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    scores = (await client.post("/v1/score", json={"text_1": "ab", "text_2": ["z", "abcd", "abc", "ab"]})).json()
+    by_index = {d["index"]: d["score"] for d in scores["data"]}
+    assert [x["index"] for x in results] == sorted(by_index, key=lambda i: -by_index[i])[:3]
+    assert [x["relevance_score"] for x in results] == [by_index[x["index"]] for x in results]
+    assert results[0] == {"index": 3, "relevance_score": pytest.approx(1.0), "document": {"text": "ab"}}
+    bare = (await client.post("/v2/rerank", json={"query": "ab", "documents": ["z"], "return_documents": False}))
+    assert "document" not in bare.json()["results"][0]
+    for body, param in [({"query": "ab", "documents": []}, "documents"), ({"query": "ab", "documents": ["a", ""]},
+                                                                          "documents"),
+                        ({"query": "", "documents": ["a"]}, "query")]:
+        assert_error(await client.post("/rerank", json=body), 400, param)

@@ -49,6 +49,9 @@ async def test_every_route_requires_the_key_except_probes(engine: FakeEngine) ->
               "/v1/messages": {"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]},
               "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "hi"}]},
               "/v1/embeddings": {"input": "hi"},
+              "/v1/score": {"text_1": "a", "text_2": "b"}, "/score": {"text_1": "a", "text_2": "b"},
+              "/v1/rerank": {"query": "a", "documents": ["b"]}, "/rerank": {"query": "a", "documents": ["b"]},
+              "/v2/rerank": {"query": "a", "documents": ["b"]},
               "/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [104]}}
     async with app.router.lifespan_context(app):
         for method, path in endpoints:
