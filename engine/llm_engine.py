@@ -216,7 +216,8 @@ class LLMEngine:
         Reads only what is fixed at construction, so any thread may call it.
         """
         key = self._adapter_keys.get(adapter) if adapter is not None else None
-        if adapter is not None and key is None:
+        lora = self.runner.adapters.get(key) if key is not None else None
+        if adapter is not None and lora is None:
             raise InvalidRequestError(f"no LoRA adapter named {adapter!r} is loaded", "adapter")
         max_tokens = check_request(prompt_token_ids, params, self.limits)
         grammar = self.grammars.compile(params.structured) if params.structured is not None else None
@@ -224,7 +225,7 @@ class LLMEngine:
             self.grammars.blanks()  # worked out once, here rather than on the engine loop
         return EngineRequest(request_id, list(prompt_token_ids), params, max_tokens,
                              time.monotonic() if arrival_time is None else arrival_time,
-                             group or request_id, grammar, key)
+                             group or request_id, grammar, key, lora)
 
     # -- LoRA adapters ------------------------------------------------------
 
@@ -273,6 +274,11 @@ class LLMEngine:
         request_id, params = request.request_id, request.params
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if request.adapter is not None and request.adapter not in self.runner.adapters:
+            # Unloaded since its check, weights dropped: they serve it, then go again.
+            assert request.lora is not None
+            self.runner.adapters[request.adapter] = request.lora
+            self._retired_adapters.add(request.adapter)
         seqs = [
             Request(request_id=f"{request_id}#{i}" if params.n > 1 else request_id,
                     prompt_token_ids=list(request.prompt_token_ids), sampling_params=params,

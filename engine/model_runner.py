@@ -76,7 +76,7 @@ class ModelRunner:
         self.peers = peers
         # A tensor-parallel rank caches its own KV heads; the block tables are every rank's.
         tp_size = loaded.tp.world_size if loaded.tp is not None else 1
-        # Loaded LoRA adapters by name (the engine fills it at start-up).
+        # Loaded LoRA adapters by the key their requests carry (LLMEngine.install_adapter).
         self.adapters: dict[str, LoRAAdapter] = {}
         self.kv_caches = kv_cache.allocate(self.config.num_hidden_layers, num_blocks, block_size,
                                            local_kv_heads(self.config, tp_size), self.config.head_dim,

@@ -14,6 +14,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.structured import CompiledGrammar, Grammar
+    from models.lora import LoRAAdapter
 
 
 class RequestStatus(enum.Enum):
@@ -52,7 +53,10 @@ class EngineRequest:
     arrival_time: float
     group: str  # admission takes turns between groups (engine/waiting_queue.py)
     grammar: CompiledGrammar | None = None  # params.structured, compiled (engine/structured.py)
-    adapter: str | None = None  # the LoRA adapter the request runs (None: the base model)
+    adapter: str | None = None  # the LoRA adapter the request runs, by its key (None: the base model)
+    # Its weights, held from the check on: an adapter unloaded before the request enters
+    # the engine still serves it (the unload comes after it, as far as it is concerned).
+    lora: LoRAAdapter | None = None
 
 
 @dataclass

@@ -169,6 +169,17 @@ def test_adapters_load_and_unload_while_serving(loaded, adapters):
     got = run(llm, [("b", prompt, "sql")])["b"]
     assert got[:2] == cold["poet"] and got[2] == 0
     assert run(llm, [("c", prompt, "sql")])["c"][2] > 0  # its own blocks are found
+    # Checked, then unloaded before it enters the engine: it still runs on the adapter it
+    # was checked against (its weights come back for it and go again after it).
+    prepared = llm.prepare("raced", prompt, PARAMS, adapter="sql")
+    llm.remove_adapter("sql")
+    assert llm.runner.adapters == {}
+    llm.add(prepared)
+    tokens = []
+    while llm.has_unfinished_requests():
+        tokens += [t for ro in llm.step() for o in ro.outputs for t in o.token_ids]
+    assert tokens == cold["poet"][0] and llm.runner.adapters == {}
+    llm.install_adapter(llm.read_adapter("sql", poet.path), poet.path)
     with pytest.raises(ValueError, match="already loaded"):
         llm.install_adapter(llm.read_adapter("sql", sql.path), sql.path)
     with pytest.raises(ValueError, match="no LoRA adapter named 'chess'"):
