@@ -154,12 +154,12 @@ def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
-def _model_card(state: ServerState, served: str) -> dict[str, Any]:
+def _model_card(state: ServerState, served: str, adapters: dict[str, str]) -> dict[str, Any]:
     """``served`` as ``/v1/models`` shows it: a LoRA adapter (as vLLM shows one) has its
-    directory as ``root`` and the base model as ``parent``."""
+    directory (from ``adapters``) as ``root`` and the base model as ``parent``."""
     adapter = state.adapter(served)
     return {"id": served, "object": "model", "created": int(time.time()), "owned_by": "kvserve",
-            "root": state.engine.lora_adapters[adapter] if adapter else served,
+            "root": adapters.get(adapter, "") if adapter else served,
             "parent": state.model_name if adapter else None,
             "max_model_len": state.engine.max_model_len}
 
@@ -218,12 +218,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
+        # A copy: the engine thread may load or unload an adapter meanwhile (--allow-runtime-lora).
+        adapters = dict(engine.lora_adapters)
         return JSONResponse({"object": "list", "data": [
-            _model_card(state, served) for served in [state.model_name, *engine.lora_adapters]]})
+            _model_card(state, served, adapters) for served in [state.model_name, *adapters]]})
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> JSONResponse:
-        return JSONResponse(_model_card(state, state.check_model(model)))
+        return JSONResponse(_model_card(state, state.check_model(model), dict(engine.lora_adapters)))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
