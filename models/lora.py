@@ -132,8 +132,8 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
                              f"{''.join(ab)} without lora_{'B' if 'A' in ab else 'A'}")
         a, b = ab["A"], ab["B"]
         out_features, in_features = shapes[proj]
-        r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or tuple(b.shape) != (out_features, r):
+        r = a.shape[0] if a.dim() == 2 else 0
+        if r < 1 or b.dim() != 2 or a.shape[1] != in_features or tuple(b.shape) != (out_features, r):
             raise ValueError(f"LoRA adapter {name!r}: layer {layer} {proj} has lora_A "
                              f"{tuple(a.shape)} and lora_B {tuple(b.shape)}, expected ({r}, {in_features}) "
                              f"and ({out_features}, {r}) for this model")

@@ -139,6 +139,10 @@ def test_adapters_kvserve_cannot_run_are_refused_by_name(tiny_checkpoint, make_l
         save_file(tensors, str(p / "adapter_model.safetensors"))
 
     _refused(tmp_path, model, make_lora, r"layer 0 up_proj has lora_A \(4, 64\) and lora_B \(96, 3\)", wrong_rank)
+    _refused(tmp_path, model, make_lora, r"layer 0 q_proj has lora_A \(\)",
+             add_tensor("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", ()))
+    _refused(tmp_path, model, make_lora, r"layer 0 q_proj has lora_A \(0, 64\)",
+             add_tensor("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", (0, 64)))
     _refused(tmp_path, model, make_lora, "has no adapter_model.safetensors",
              lambda p: (p / "adapter_model.safetensors").rename(p / "adapter_model.bin"))
     _refused(tmp_path, model, make_lora, "not a readable safetensors file",
