@@ -22,6 +22,7 @@ from engine.outputs import RequestOutput
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
 from engine.stats import StatLogger
+from engine.validation import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -189,15 +190,24 @@ class AsyncEngine:
 
     async def load_adapter(self, name: str, path: str) -> None:
         """Serve the LoRA adapter at ``path`` as model ``name`` from now on. Its weights
-        are read on a worker thread; the engine loop only takes them in. ``ValueError``
-        for a bad adapter or a name in use; not with tensor parallelism (the other
-        ranks hold the adapters of the start-up only)."""
+        are read on a worker thread; the engine loop only takes them in.
+        ``InvalidRequestError`` naming ``lora_name`` for a name in use (checked before the
+        files are read) and ``lora_path`` for a bad adapter; not with tensor parallelism
+        (the other ranks hold the adapters of the start-up only)."""
         if self.engine.workers is not None:
-            raise ValueError("LoRA adapters cannot be loaded while serving with tensor parallelism")
+            raise InvalidRequestError("LoRA adapters cannot be loaded while serving with tensor parallelism",
+                                      "lora_path")
+        taken = InvalidRequestError(f"The model '{name}' is already served.", "lora_name")
         if name in self.lora_adapters or name == self.model_name:
-            raise ValueError(f"a model named {name!r} is already served")
-        adapter = await asyncio.to_thread(self.engine.read_adapter, name, path)
-        await self._on_engine_thread(lambda: self.engine.install_adapter(adapter, path))
+            raise taken
+        try:
+            adapter = await asyncio.to_thread(self.engine.read_adapter, name, path)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "lora_path") from None
+        try:
+            await self._on_engine_thread(lambda: self.engine.install_adapter(adapter, path))
+        except ValueError:  # loaded under that name meanwhile
+            raise taken from None
 
     async def unload_adapter(self, name: str) -> None:
         """Stop serving LoRA adapter ``name``: new requests for it are refused, running

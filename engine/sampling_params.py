@@ -199,6 +199,12 @@ class SamplingParams:
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise ValueError("seed must fit in a signed 64-bit integer")
 
+    @classmethod
+    def embedding(cls, pooling: PoolingParams | None = None) -> "SamplingParams":
+        """An embedding request's parameters: nothing sampled, ``pooling`` (default: the
+        whole vector, normalised) the answer."""
+        return cls(n=1, temperature=0.0, max_tokens=1, pooling=pooling or PoolingParams())
+
     @property
     def greedy(self) -> bool:
         """True when the next token is always the argmax (no randomness)."""

@@ -176,6 +176,7 @@ class WorkerGroup:
     def __init__(self, spec: RankSpec, store: dist.Store, procs: list[subprocess.Popen],
                  device: torch.device) -> None:
         self.spec = spec
+        self._adapters = [name for name, _ in spec.lora_modules]  # a chunk's adapter goes by its place here
         self._store = store
         self._procs = procs
         self._device = _comm_device(device)
@@ -235,7 +236,7 @@ class WorkerGroup:
         """Send one forward's chunks to every rank (called just before rank 0's forward)."""
         if self._fault is not None:
             raise RuntimeError(self._fault)
-        payload = _encode(chunks, [name for name, _ in self.spec.lora_modules]).to(self._device)
+        payload = _encode(chunks, self._adapters).to(self._device)
         _broadcast_header(_OP_RUN, len(chunks), payload.numel(), self._device)
         dist.broadcast(payload, src=0)
 

@@ -8,6 +8,7 @@ layer runs two matmuls fewer; ``load_weights`` maps checkpoint names onto them.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -15,10 +16,12 @@ from torch import nn
 from models import ops
 from models.attention import AttentionMetadata, paged_attention
 from models.config import ModelConfig
-from models.lora import LayerLoRA, LoRABatch
 from models.parallel import TensorParallel, embed
 from models.quant import QuantizedLinear
 from models.rope import RotaryEmbedding, interleave_rotary_rows
+
+if TYPE_CHECKING:  # models.lora reads the fused layout below
+    from models.lora import LayerLoRA, LoRABatch
 
 
 class RMSNorm(nn.Module):
@@ -161,10 +164,22 @@ class LlamaModel(nn.Module):
 
 
 # Checkpoint projection name -> (fused parameter, shard index).
-_FUSED = {
+FUSED_PARTS = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
+
+
+def fused_part_sizes(fused: str, cfg: ModelConfig) -> list[int]:
+    """The output rows of each checkpoint projection a decoder projection holds, in order
+    (``qkv_proj``: q, k, v; ``gate_up_proj``: gate, up; ``o_proj``, ``down_proj``: one)."""
+    if fused == "qkv_proj":
+        q = cfg.num_attention_heads * cfg.head_dim
+        kv = cfg.num_key_value_heads * cfg.head_dim
+        return [q, kv, kv]
+    if fused == "gate_up_proj":
+        return [cfg.intermediate_size] * 2
+    return [cfg.hidden_size]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -263,7 +278,7 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue
             target, shard = name, None
-            for ckpt, (fused, idx) in _FUSED.items():
+            for ckpt, (fused, idx) in FUSED_PARTS.items():
                 if f".{ckpt}." in name:
                     target, shard = name.replace(ckpt, fused), idx
                     break
@@ -302,7 +317,7 @@ class LlamaForCausalLM(nn.Module):
 def _checkpoint_name(key: str) -> str:
     """``...gate_up_proj.weight#1`` -> ``...up_proj.weight``: the name the checkpoint lacks."""
     name, _, idx = key.partition("#")
-    for ckpt, (fused, i) in _FUSED.items():
+    for ckpt, (fused, i) in FUSED_PARTS.items():
         if idx and f".{fused}." in name and int(idx) == i:
             return name.replace(f".{fused}.", f".{ckpt}.")
     return name
@@ -310,11 +325,6 @@ def _checkpoint_name(key: str) -> str:
 
 def _shard(fused: torch.Tensor, name: str, idx: int, cfg: ModelConfig) -> torch.Tensor:
     """The rows of a fused parameter that one checkpoint projection fills."""
-    if "qkv_proj" in name:
-        q = cfg.num_attention_heads * cfg.head_dim
-        kv = cfg.num_key_value_heads * cfg.head_dim
-        sizes = [q, kv, kv]
-    else:
-        sizes = [cfg.intermediate_size] * 2
+    sizes = fused_part_sizes("qkv_proj" if "qkv_proj" in name else "gate_up_proj", cfg)
     start = sum(sizes[:idx])
     return fused[start:start + sizes[idx]]

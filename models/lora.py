@@ -35,6 +35,7 @@ from torch.nn import functional as F
 from models import gguf_loader, ops
 from models.config import ModelConfig
 from models.dense import DTYPES, pack_dense
+from models.llama import FUSED_PARTS, fused_part_sizes
 from models.parallel import RankSlices, TensorParallel, rank_slices
 from models.rope import interleave_rotary_rows
 
@@ -42,12 +43,7 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 # Checkpoint projection -> (the model's fused projection, place in it).
-_TARGETS = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "o_proj": ("o_proj", 0),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    "down_proj": ("down_proj", 0),
-}
+_TARGETS = {**FUSED_PARTS, "o_proj": ("o_proj", 0), "down_proj": ("down_proj", 0)}
 _TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 # PEFT options that change what the adapter computes, with the value that means
@@ -144,9 +140,9 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
             heads = config.num_attention_heads if proj == "q_proj" else config.num_key_value_heads
             b = interleave_rotary_rows(b, heads)
         fused, idx = _TARGETS[proj]
-        updates[layer].setdefault(fused, [None] * _num_parts(fused))[idx] = (a, b)
+        updates[layer].setdefault(fused, [None] * len(fused_part_sizes(fused, config)))[idx] = (a, b)
     part = rank_slices(config, tp) if tp is not None and tp.world_size > 1 else None
-    layers = [{fused: _stack(fused, parts, _part_sizes(fused, config), part, dtype, device)
+    layers = [{fused: _stack(fused, parts, fused_part_sizes(fused, config), part, dtype, device)
                for fused, parts in layer.items()} for layer in updates]
     return LoRAAdapter(name, str(path), max_rank, layers)
 
@@ -235,17 +231,6 @@ def _projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     q, kv, i = config.num_attention_heads * d, config.num_key_value_heads * d, config.intermediate_size
     return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
             "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
-
-
-def _num_parts(fused: str) -> int:
-    return {"qkv_proj": 3, "gate_up_proj": 2}.get(fused, 1)
-
-
-def _part_sizes(fused: str, config: ModelConfig) -> list[int]:
-    """The output rows of each part of a fused projection, in order."""
-    shapes = _projection_shapes(config)
-    names = [ckpt for ckpt, (f, _) in sorted(_TARGETS.items(), key=lambda kv: kv[1][1]) if f == fused]
-    return [shapes[n][0] for n in names]
 
 
 def _stack(fused: str, parts: list[tuple[torch.Tensor, torch.Tensor] | None], sizes: list[int],

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from importlib import metadata
 from typing import Any
@@ -135,12 +135,10 @@ def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:
         body = await read_model(request, LoadLoRAAdapterRequest)
-        if body.lora_name == state.model_name or body.lora_name in state.engine.lora_adapters:
-            raise bad_request(f"The model '{body.lora_name}' is already served.", "lora_name")
         try:
             await state.engine.load_adapter(body.lora_name, body.lora_path)
-        except ValueError as e:  # the adapter's files (or a load of the same name meanwhile)
-            raise bad_request(str(e), "lora_path") from None
+        except InvalidRequestError as e:
+            raise bad_request(str(e), e.param) from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
@@ -164,44 +162,35 @@ def _model_card(state: ServerState, served: str, adapters: dict[str, str]) -> di
             "max_model_len": state.engine.max_model_len}
 
 
+# The API routes whose handler takes the server's state and the request: paths -> handler.
+_API_ROUTES: list[tuple[tuple[str, ...], Callable[[ServerState, Request], Awaitable[Response]]]] = [
+    (("/v1/completions",), create_completion),
+    (("/v1/chat/completions",), create_chat_completion),
+    (("/v1/embeddings",), create_embedding),
+    (("/v1/score", "/score"), create_score),  # vLLM's paths (Cohere's clients post to /v2/rerank)
+    (("/v1/rerank", "/rerank", "/v2/rerank"), create_rerank),
+    (("/v1/messages",), create_message),
+    (("/v1/messages/count_tokens",), count_message_tokens),
+    (("/v1/responses",), create_response),
+]
+
+
+def _endpoint(handler: Callable[[ServerState, Request], Awaitable[Response]],
+              state: ServerState) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        return await handler(state, request)
+
+    endpoint.__name__ = handler.__name__  # the route's name (and OpenAPI operation id)
+    return endpoint
+
+
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     engine = state.engine
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await create_completion(state, request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await create_chat_completion(state, request)
-
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request) -> Response:
-        return await create_embedding(state, request)
-
-    # vLLM's paths for both (Cohere's clients post to /v2/rerank).
-    @app.post("/v1/score")
-    @app.post("/score")
-    async def score(request: Request) -> Response:
-        return await create_score(state, request)
-
-    @app.post("/v1/rerank")
-    @app.post("/rerank")
-    @app.post("/v2/rerank")
-    async def rerank(request: Request) -> Response:
-        return await create_rerank(state, request)
-
-    @app.post("/v1/messages")
-    async def messages(request: Request) -> Response:
-        return await create_message(state, request)
-
-    @app.post("/v1/messages/count_tokens")
-    async def count_tokens(request: Request) -> Response:
-        return await count_message_tokens(state, request)
-
-    @app.post("/v1/responses")
-    async def responses(request: Request) -> Response:
-        return await create_response(state, request)
+    for paths, handler in _API_ROUTES:
+        endpoint = _endpoint(handler, state)
+        for path in paths:
+            app.add_api_route(path, endpoint, methods=["POST"])
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> JSONResponse:

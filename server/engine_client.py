@@ -75,7 +75,8 @@ class EngineClient(Protocol):
         ...
 
     async def load_adapter(self, name: str, path: str) -> None:
-        """Serve the LoRA adapter at ``path`` as ``name`` (``ValueError`` if it cannot be)."""
+        """Serve the LoRA adapter at ``path`` as ``name``; ``engine.validation.InvalidRequestError``
+        naming ``lora_name`` or ``lora_path`` if it cannot be."""
         ...
 
     async def unload_adapter(self, name: str) -> None:

@@ -505,7 +505,7 @@ class EmbeddingRequest(_Strict):
             pooling = PoolingParams(dimensions=self.dimensions, normalize=self.normalize is not False)
         except ValueError as e:
             raise bad_request(str(e), "dimensions") from None
-        return SamplingParams(n=1, temperature=0.0, max_tokens=1, pooling=pooling)
+        return SamplingParams.embedding(pooling)
 
 
 def _texts(value: str | list[str], field: str) -> list[str]:

@@ -17,7 +17,7 @@ import struct
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine.sampling_params import PoolingParams, SamplingParams
+from engine.sampling_params import SamplingParams
 from server.body import read_model
 from server.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from server.protocol_responses import now
@@ -70,7 +70,7 @@ async def _similarities(state: ServerState, request: Request, request_id: str, p
     """Each pair's cosine similarity, every distinct text embedded once; and the tokens."""
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
     vectors, tokens = await embed(state, request, request_id, list(texts),
-                                  SamplingParams(n=1, temperature=0.0, max_tokens=1, pooling=PoolingParams()),
+                                  SamplingParams.embedding(),
                                   model, field)
     by_text = dict(zip(texts, vectors))
     return [cosine(by_text[a], by_text[b]) for a, b in pairs], tokens

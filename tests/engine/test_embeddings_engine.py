@@ -21,7 +21,7 @@ GENERATE = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 def embed_params(**pooling) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=1, pooling=PoolingParams(**pooling))
+    return SamplingParams.embedding(PoolingParams(**pooling))
 
 
 def run(llm: LLMEngine, work: list[tuple[str, list[int], SamplingParams]], delay: dict[str, int] | None = None

@@ -23,7 +23,7 @@ from pathlib import Path
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.sampling_params import PoolingParams, SamplingParams
 from engine.stats import FinishedRequestStats, StatLogger, StepStats
-from engine.validation import RequestLimits, check_request
+from engine.validation import InvalidRequestError, RequestLimits, check_request
 from models.chat_template import TemplateArgumentError
 from models.kv_cache import cdiv
 
@@ -257,11 +257,12 @@ class FakeEngine:
         return self.tokenizer.vocab_size
 
     async def load_adapter(self, name: str, path: str) -> None:
-        """As the real engine: ``ValueError`` for a path that is not a directory or a name in use."""
+        """As the real engine: ``InvalidRequestError`` for a name in use or a path that is
+        not a directory."""
         if name in self.lora_adapters or name == self.model_name:
-            raise ValueError(f"a model named {name!r} is already served")
+            raise InvalidRequestError(f"The model '{name}' is already served.", "lora_name")
         if not Path(path).is_dir():
-            raise ValueError(f"LoRA adapter {name!r}: {path} has no adapter_config.json")
+            raise InvalidRequestError(f"LoRA adapter {name!r}: {path} has no adapter_config.json", "lora_path")
         self.lora_adapters[name] = path
 
     async def unload_adapter(self, name: str) -> None:
