@@ -138,9 +138,11 @@ class DecoderLayer(nn.Module):
     def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RotaryEmbedding,
                       positions: torch.Tensor, meta: AttentionMetadata,
                       kv_cache: tuple[torch.Tensor, torch.Tensor],
-                      prefill_query_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      prefill_query_start: torch.Tensor | None = None,
+                      lora: LayerLoRA | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward`` in one fused kernel call (see ``packed_int4``); ``prefill_query_start``
-        (the prompt chunks' row offsets after the decodes) when the step has prompt chunks."""
+        (the prompt chunks' row offsets after the decodes) when the step has prompt chunks;
+        ``lora``: the adapters' updates (``LoRABatch.fusable`` ones)."""
         attn, mlp = self.self_attn, self.mlp
         return ops.fused_layer(
             x, residual, self.input_layernorm.weight, self.post_attention_layernorm.weight,
@@ -148,7 +150,8 @@ class DecoderLayer(nn.Module):
             (attn.o_proj.codes, attn.o_proj.group_scales), (mlp.gate_up_proj.codes, mlp.gate_up_proj.group_scales),
             (mlp.down_proj.codes, mlp.down_proj.group_scales), rope.rotations, positions, kv_cache[0], kv_cache[1],
             meta.slot_mapping, meta.block_tables, meta.context_lens, attn.num_heads, attn.num_kv_heads, attn.scale,
-            attn.qkv_proj.int8_activations, meta.num_decodes, prefill_query_start)
+            attn.qkv_proj.int8_activations, meta.num_decodes, prefill_query_start,
+            lora=lora.fused_args() if lora is not None else None)
 
 
 class LlamaModel(nn.Module):
@@ -218,19 +221,19 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids) if tp is None else embed(self.model.embed_tokens, input_ids, tp)
         residual = None
         # With int4-packed projections each layer runs as one kernel call (decodes
-        # and prompt chunks alike): no per-op Python dispatch. A split layer
-        # runs op by op: the kernel cannot stop for the all-reduces; so does a step
-        # with LoRA rows, which the kernel has no place for. Both paths give a row
-        # the same result, bit for bit (tests/models/test_lora.py), so a request
-        # gets the same logits beside an adapter's as without.
+        # and prompt chunks alike, LoRA rows too): no per-op Python dispatch. A
+        # split layer runs op by op: the kernel cannot stop for the all-reduces.
+        # Both paths give a row the same result, bit for bit (tests/models/test_lora.py,
+        # tests/models/test_quant.py), so a request's logits do not depend on the path.
         first = self.model.layers[0]
-        fused = (tp is None and lora is None and x.dtype == torch.float32 and ops.kernels_enabled(x.device)
-                 and first.packed_int4())
+        fused = (tp is None and (lora is None or lora.fusable) and x.dtype == torch.float32
+                 and ops.kernels_enabled(x.device) and first.packed_int4())
         if fused:
             d = meta.num_decodes
             starts = meta.query_start_loc[d:] - meta.query_start_loc[d] if d < meta.num_seqs else None
-            for layer, kv in zip(self.model.layers, kv_caches):
-                x, residual = layer.forward_fused(x, residual, self.rope, positions, meta, kv, starts)
+            for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
+                x, residual = layer.forward_fused(x, residual, self.rope, positions, meta, kv, starts,
+                                                  lora.layer(i) if lora is not None else None)
         else:
             for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
                 x, residual = layer(x, residual, self.rope, positions, meta, kv,

@@ -16,7 +16,9 @@ interleaved rotary order of the fused weight. The scale is folded into ``B``.
 
 On a CPU with kvserve's kernels both products run ``ops.dense_linear``, whose
 result for a row does not depend on the other rows, so a request's logits are
-the same however it was batched (and beside whichever adapters).
+the same however it was batched (and beside whichever adapters). A layer that
+runs as one fused kernel call (``ops.fused_layer``) makes the same calls
+inside it (``LoRABatch.fused_args``), so the path changes no bit either.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import math
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +47,9 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 
 # Checkpoint projection -> (the model's fused projection, place in it).
 _TARGETS = {**FUSED_PARTS, "o_proj": ("o_proj", 0), "down_proj": ("down_proj", 0)}
+# The fused layer kernel's order of a layer's projections (models/csrc/fused_layer.cpp).
+_FUSED_ORDER = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+_NO_UPDATE = torch.empty(0)
 _TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 # PEFT options that change what the adapter computes, with the value that means
@@ -302,6 +308,30 @@ class LoRABatch:
         """This batch's updates for decoder layer ``index``."""
         return LayerLoRA(self, index)
 
+    @cached_property
+    def fusable(self) -> bool:
+        """Whether ``ops.fused_layer`` can run these updates: every one is packed for
+        ``ops.dense_linear`` in float32, the fused kernel's activations."""
+        return all(u.packed and u.a.dtype == torch.float32
+                   for adapter, _ in self.groups for layer in adapter.layers for u in layer.values())
+
+    def fused_args(self, index: int) -> tuple[list[torch.Tensor], list[int]]:
+        """Layer ``index``'s updates as ``ops.fused_layer`` takes them: per row range,
+        ``(A, B)`` of each projection in the kernel's order (empty tensors where the
+        adapter leaves one alone), and the ranges' ``start, stop`` pairs."""
+        tensors: list[torch.Tensor] = []
+        rows: list[int] = []
+        for adapter, ranges in self.groups:
+            updates = adapter.layers[index]
+            pairs: list[torch.Tensor] = []
+            for proj in _FUSED_ORDER:
+                update = updates.get(proj)
+                pairs += (update.a, update.b) if update is not None else (_NO_UPDATE, _NO_UPDATE)
+            for start, stop in ranges:
+                tensors += pairs
+                rows += (start, stop)
+        return tensors, rows
+
 
 @dataclass(frozen=True)
 class LayerLoRA:
@@ -313,3 +343,7 @@ class LayerLoRA:
     def add(self, proj: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``LoRABatch.add`` for this layer."""
         return self.batch.add(self.index, proj, x, y)
+
+    def fused_args(self) -> tuple[list[torch.Tensor], list[int]]:
+        """``LoRABatch.fused_args`` for this layer."""
+        return self.batch.fused_args(self.index)

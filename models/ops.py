@@ -299,8 +299,8 @@ def fused_layer(x: torch.Tensor, residual: torch.Tensor | None, input_norm: torc
                 rotations: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                 num_heads: int, num_kv_heads: int, scale: float, int8_activations: bool = False,
-                num_decodes: int | None = None,
-                prefill_query_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                num_decodes: int | None = None, prefill_query_start: torch.Tensor | None = None,
+                lora: tuple[list[torch.Tensor], list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A whole decoder layer for a step in one kernel call; ``(mlp_out, residual)``.
 
     The step is ``num_decodes`` decodes (one token per sequence) and then, when
@@ -308,14 +308,16 @@ def fused_layer(x: torch.Tensor, residual: torch.Tensor | None, input_norm: torc
     tokens, at those offsets (int64, from 0 to their token count) after the
     decode rows. Float32 activations on CPU, each projection given as
     ``quant.pack_int4``'s ``(codes, scales)``, multiplied as ``grouped_linear``
-    does with ``int8_activations``. The same arithmetic as the layer's op-by-op path.
+    does with ``int8_activations``. ``lora``: LoRA updates for row ranges
+    (``models.lora.LoRABatch.fused_args``). The same arithmetic as the layer's op-by-op path.
     """
     assert _load() is not None, "fused_layer needs the fused CPU kernels"
     out, res = _ext.fused_layer(x, residual, input_norm, post_norm, eps, list(qkv), qkv_bias, list(o_proj),
                                 list(gate_up), list(down), torch.view_as_real(rotations), positions, k_cache,
                                 v_cache, slot_mapping, block_tables.contiguous(), context_lens.contiguous(),
                                 num_heads, num_kv_heads, scale, int8_activations,
-                                x.shape[0] if num_decodes is None else num_decodes, prefill_query_start)
+                                x.shape[0] if num_decodes is None else num_decodes, prefill_query_start,
+                                *(lora or ([], [])))
     return out, res
 
 

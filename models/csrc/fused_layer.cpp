@@ -9,6 +9,30 @@
 #include <vector>
 
 namespace kvserve {
+namespace {
+
+// Projection p's LoRA updates (p: 0 qkv, 1 o, 2 gate_up, 3 down) added to its output:
+// y[start:stop] += (x[start:stop] @ A^T) @ B^T for each adapter's row range
+// (lora_rows: start, stop pairs; lora: per range, (A, B) per projection, dense_linear's
+// packing, the scale in B; an empty A where the adapter leaves p alone). The
+// same dense_linear calls and in-place add as the op-by-op layer's LoRABatch.add, so
+// a row gets the same bits on either path.
+void add_lora(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& lora,
+              const std::vector<int64_t>& lora_rows, int p) {
+  for (size_t i = 0; i < lora_rows.size() / 2; ++i) {
+    const at::Tensor& a = lora[8 * i + 2 * p];
+    const at::Tensor& b = lora[8 * i + 2 * p + 1];
+    if (a.numel() == 0) continue;
+    const int64_t start = lora_rows[2 * i], len = lora_rows[2 * i + 1] - start;
+    at::Tensor t = at::empty({len, b.size(1)}, x.options());  // b [out/16, rank, 16]
+    dense_linear(t, x.narrow(0, start, len), a);
+    at::Tensor u = at::empty({len, y.size(1)}, y.options());
+    dense_linear(u, t, b);
+    y.narrow(0, start, len).add_(u);
+  }
+}
+
+}  // namespace
 
 // One decoder layer for a step's batch, float32 activations, every projection
 // packed (grouped_linear's codes and scales): the same kernels the Python
@@ -16,8 +40,9 @@ namespace kvserve {
 // dispatch. The batch is num_decodes decodes (one token per sequence), then,
 // when prefill_query_start is given, prompt chunks (rows num_decodes + its
 // offsets, the sequences after the decodes in block_tables and context_lens).
-// Returns (mlp_out, residual); ``residual`` is None on the first layer, where x
-// is the embedding output and becomes the residual stream.
+// Rows that run a LoRA adapter get its updates (add_lora). Returns (mlp_out,
+// residual); ``residual`` is None on the first layer, where x is the embedding
+// output and becomes the residual stream.
 std::vector<at::Tensor> fused_layer(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& input_norm,
     const at::Tensor& post_norm, double eps, const std::vector<at::Tensor>& qkv,
@@ -25,9 +50,12 @@ std::vector<at::Tensor> fused_layer(
     const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, const at::Tensor& rotations,
     const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
-    double scale, bool int8_activations, int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start) {
+    double scale, bool int8_activations, int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start,
+    const std::vector<at::Tensor>& lora, const std::vector<int64_t>& lora_rows) {
   TORCH_CHECK(qkv.size() == 2 && o_proj.size() == 2 && gate_up.size() == 2 && down.size() == 2,
               "each projection is (codes, scales)");
+  TORCH_CHECK(lora_rows.size() % 2 == 0 && lora.size() == 4 * lora_rows.size(),
+              "lora: (A, B) of 4 projections per (start, stop) row range");
   const int64_t rows = x.size(0), hidden = x.size(1);
   const int64_t head_dim = rotations.size(1) * 2;
   const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * head_dim;
@@ -44,6 +72,7 @@ std::vector<at::Tensor> fused_layer(
   at::Tensor qkv_out = at::empty({rows, qkv_width}, opts);
   grouped_linear(qkv_out, h, qkv[0], qkv[1], int8_activations, false);
   if (qkv_bias.has_value()) qkv_out.add_(*qkv_bias);
+  add_lora(qkv_out, h, lora, lora_rows, 0);
   rotary_and_cache(qkv_out, rotations, positions, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads);
   const at::Tensor q = qkv_out.narrow(1, 0, num_heads * head_dim).view({rows, num_heads, head_dim});
   at::Tensor attn = at::empty({rows, num_heads, head_dim}, opts);
@@ -62,15 +91,19 @@ std::vector<at::Tensor> fused_layer(
                             context_lens.narrow(0, d, seqs - d), *prefill_query_start, scale);
   }
   at::Tensor o = at::empty({rows, hidden}, opts);
-  grouped_linear(o, attn.view({rows, num_heads * head_dim}), o_proj[0], o_proj[1], int8_activations, false);
+  const at::Tensor attn_rows = attn.view({rows, num_heads * head_dim});
+  grouped_linear(o, attn_rows, o_proj[0], o_proj[1], int8_activations, false);
+  add_lora(o, attn_rows, lora, lora_rows, 1);
   add_rms_norm(h, residual, o, post_norm, eps);
   const int64_t inter = down[0].size(1) * 32;  // down's input width = the intermediate size
   at::Tensor gu = at::empty({rows, 2 * inter}, opts);
   grouped_linear(gu, h, gate_up[0], gate_up[1], int8_activations, false);
+  add_lora(gu, h, lora, lora_rows, 2);
   at::Tensor act = at::empty({rows, inter}, opts);
   silu_and_mul(act, gu);
   at::Tensor out = at::empty({rows, hidden}, opts);
   grouped_linear(out, act, down[0], down[1], int8_activations, false);
+  add_lora(out, act, lora, lora_rows, 3);
   return {out, residual};
 }
 

@@ -53,6 +53,7 @@ std::vector<at::Tensor> fused_layer(
     const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, const at::Tensor& rotations,
     const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
-    double scale, bool int8_activations, int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start);
+    double scale, bool int8_activations, int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start,
+    const std::vector<at::Tensor>& lora, const std::vector<int64_t>& lora_rows);
 
 }  // namespace kvserve

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from models import ops
+from models.llama import DecoderLayer
 from models.loader import load_model
 from models.lora import load_adapter
 
@@ -99,6 +101,44 @@ def test_rows_of_other_adapters_and_chunks_change_nothing(tiny_checkpoint, tiny_
         got[name].append(logits)
     for name, parts in got.items():
         assert torch.equal(torch.cat(parts), want[name]), name
+
+
+@pytest.mark.parametrize("quantization", ["w4a8", "int4"])
+def test_adapter_rows_in_the_fused_layer_kernel_equal_the_op_by_op_layers(
+        tiny_checkpoint, tiny_prompt, make_runner, make_lora, tmp_path, quantization, monkeypatch):
+    # With packed projections a step with adapter rows still runs each layer as one kernel
+    # call, the updates inside it: prompt chunks beside the base model and another
+    # adapter, then decodes, give the op-by-op layers' logits bit for bit.
+    path, _ = tiny_checkpoint()
+    model = load(path, quantization)
+    assert model.model.layers[0].packed_int4()
+    a = adapter_for(model, make_lora(tmp_path / "a", model.config, seed=1), "a")
+    b = adapter_for(model, make_lora(tmp_path / "b", model.config, rank=2, seed=2,
+                                     targets=("k_proj", "down_proj")), "b")
+    other = tiny_prompt[::-1]
+
+    def steps():
+        runner = make_runner(model)
+        seqs = [runner.new_seq(len(tiny_prompt) + 1) for _ in range(3)]
+        adapters = [a, None, b]
+        out = runner.step([(seqs[0], tiny_prompt[:7]), (seqs[1], tiny_prompt[:10]), (seqs[2], other[:5])], adapters)
+        out += runner.step([(seqs[0], tiny_prompt[7:]), (seqs[1], tiny_prompt[10:]), (seqs[2], other[5:])],
+                           adapters)
+        out += runner.step([(s, [int(lg[-1].argmax())]) for s, lg in zip(seqs, out[3:])], adapters)
+        return torch.cat(out)
+
+    calls = []
+    fused_layer = ops.fused_layer
+    monkeypatch.setattr(ops, "fused_layer", lambda *args, **kw: calls.append(kw["lora"]) or fused_layer(*args, **kw))
+    fused = steps()
+    layers = len(model.model.layers)
+    # Every layer of every step ran fused with both adapters' row ranges.
+    assert len(calls) == 3 * layers and all(lora is not None and len(lora[1]) == 4 for lora in calls)
+    calls.clear()
+    monkeypatch.setattr(DecoderLayer, "packed_int4", lambda self: False)
+    plain = steps()
+    assert not calls
+    assert torch.equal(fused, plain)
 
 
 def _refused(tmp_path, model, make_lora, match, edit=None, **options):
