@@ -166,6 +166,10 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     # LoRA adapters served beside the base model (--lora-modules), each under its name.
     lora_modules: tuple[LoRAModule, ...] = ()
+    # vLLM's --max-loras: at most this many adapters have requests running at once
+    # (None: any number); --max-lora-rank: adapters of a larger rank are refused.
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -182,6 +186,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be {_one_of(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         names = [m.name for m in self.lora_modules]
         if len(set(names)) != len(names):
             raise ValueError(f"LoRA adapter names must differ, got {', '.join(names)}")

@@ -131,7 +131,7 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
-                            max_num_batched_tokens=config.max_num_batched_tokens),
+                            max_num_batched_tokens=config.max_num_batched_tokens, max_loras=config.max_loras),
             self.kv_cache)
         if self.workers is not None:
             self.workers.set_num_blocks(num_blocks)
@@ -231,10 +231,15 @@ class LLMEngine:
 
     def read_adapter(self, name: str, path: str) -> LoRAAdapter:
         """Read and check an adapter's weights for this model (``models.lora.load_adapter``:
-        ``ValueError`` naming what is wrong). Reads only what is fixed at construction,
-        so any thread may call it; :meth:`install_adapter` then serves it."""
+        ``ValueError`` naming what is wrong, a rank above ``max_lora_rank`` too). Reads only
+        what is fixed at construction, so any thread may call it; :meth:`install_adapter`
+        then serves it."""
         loaded = self._loaded
-        return load_adapter(name, path, loaded.config, loaded.dtype, loaded.device, tp=loaded.tp)
+        adapter = load_adapter(name, path, loaded.config, loaded.dtype, loaded.device, tp=loaded.tp)
+        limit = self.config.max_lora_rank
+        if limit is not None and adapter.rank > limit:
+            raise ValueError(f"LoRA adapter {name!r} has rank {adapter.rank}, above --max-lora-rank {limit}")
+        return adapter
 
     def install_adapter(self, adapter: LoRAAdapter, path: str, key: str | None = None) -> None:
         """Serve ``adapter`` under its name from the next request on (engine thread).

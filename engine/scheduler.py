@@ -13,6 +13,7 @@ freed and it later re-runs its prompt and the tokens it already generated
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
@@ -32,10 +33,13 @@ class SchedulerConfig:
     # Off means a prompt runs whole in one step, so the budget must hold the
     # longest request.
     enable_chunked_prefill: bool = True
+    # At most this many LoRA adapters have requests running at once (None: any number):
+    # a waiting request of another adapter waits, the ones behind it go ahead.
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_loras"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
@@ -157,9 +161,12 @@ class Scheduler:
         # Admissions in the waiting queue's fair order (preempted requests first).
         # Not after a preemption: blocks are short, and admitting would only thrash.
         admitted: list[str] = []
+        adapters, allowed = self._lora_limit()
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting.peek()
+            request = self.waiting.peek(allowed)
+            if request is None:
+                break
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
             if request.needs_prompt_logits:
                 # Prompt logprobs need the logits of the positions not scored yet: no
@@ -174,7 +181,9 @@ class Scheduler:
                 break
             if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
                 break
-            self.waiting.pop()
+            self.waiting.pop(request)
+            if adapters is not None and request.adapter is not None:
+                adapters.add(request.adapter)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens = num_cached
@@ -190,6 +199,17 @@ class Scheduler:
             preempted=preempted,
             admitted=admitted,
         )
+
+    def _lora_limit(self) -> tuple[set[str] | None, Callable[[Request], bool] | None]:
+        """Under ``max_loras``: the adapters with running requests (admissions add theirs)
+        and which waiting requests may be admitted: the base model's, and an adapter's
+        while it runs or while fewer than ``max_loras`` adapters do. ``(None, None)``
+        without a limit."""
+        limit = self.config.max_loras
+        if limit is None:
+            return None, None
+        adapters = {r.adapter for r in self.running if r.adapter is not None}
+        return adapters, lambda r: r.adapter is None or r.adapter in adapters or len(adapters) < limit
 
     def update_from_output(self, output: SchedulerOutput,
                            sampled: dict[str, list[int]]) -> list[tuple[Request, int]]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from engine.request import Request
 
@@ -52,17 +52,22 @@ class WaitingQueue:
         """Queue a preempted request ahead of everything (the newest preempted first)."""
         self._insert((0, -next(self._arrivals), 0), request)
 
-    def peek(self) -> Request:
-        """The request to admit next."""
-        return self._requests[0]
+    def peek(self, allowed: Callable[[Request], bool] | None = None) -> Request | None:
+        """The request to admit next: the first in order that ``allowed`` accepts (all
+        by default); None when there is none."""
+        if allowed is None:
+            return self._requests[0] if self._requests else None
+        return next((r for r in self._requests if allowed(r)), None)
 
-    def pop(self) -> Request:
-        """Remove and return :meth:`peek`'s request."""
-        request = self._requests[0]
-        key = self._key_of[request.request_id]
-        if key[0] == 1:
-            self._round = key[1]
-        self._remove_at(0)
+    def pop(self, request: Request | None = None) -> Request:
+        """Remove and return ``request`` (default: the first), admitted: the rounds go on
+        from its rank."""
+        at = 0 if request is None else bisect.bisect_left(self._keys, self._key_of[request.request_id])
+        request = self._requests[at]
+        key = self._keys[at]
+        if key[0] == 1:  # (max: one admitted past a skipped one came from a later round)
+            self._round = max(self._round, key[1])
+        self._remove_at(at)
         return request
 
     def remove(self, request: Request) -> None:

@@ -161,6 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="add vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which load "
                             "an adapter from a path on this host while serving (default: off; on with "
                             "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, as in vLLM)")
+    serve.add_argument("--enable-lora", action="store_true",
+                       help="accepted for vLLM's command lines: kvserve serves --lora-modules (and "
+                            "--allow-runtime-lora's loads) without it")
+    serve.add_argument("--max-loras", type=int, default=None, metavar="N",
+                       help="at most N LoRA adapters have requests running at once; a request of "
+                            "another adapter waits, the ones behind it go ahead (default: any number)")
+    serve.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
+                       help="refuse LoRA adapters of a rank above R, at start-up and when loaded "
+                            "while serving (default: any rank)")
     serve.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSERS,
                        help="how tool calls are prompted and read: hermes (<tool_call> JSON "
                             "</tool_call>, the chat template renders the tools), generic (kvserve's "
@@ -216,7 +225,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             served_model_name=getattr(args, "served_model_name", None),
             quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
             chat_template=getattr(args, "chat_template", None),
-            lora_modules=_lora_modules(args),
+            lora_modules=_lora_modules(args), max_loras=getattr(args, "max_loras", None),
+            max_lora_rank=getattr(args, "max_lora_rank", None),
             parallel=parallel_from_torchrun(ParallelConfig(
                 tensor_parallel_size=args.tensor_parallel_size, nnodes=getattr(args, "nnodes", 1),
                 node_rank=getattr(args, "node_rank", 0), master_addr=getattr(args, "master_addr", "127.0.0.1"),

@@ -65,6 +65,11 @@ def test_an_adapter_loaded_and_unloaded_while_serving(client: openai.OpenAI, ser
                                                       tmp_path) -> None:
     path = make_lora(tmp_path / "poet", SMOLLM2_SHAPE, rank=4, seed=7, targets=("q_proj", "v_proj"))
     url, headers = server.url, server.headers
+    # The server's --max-lora-rank 8 refuses a rank-16 adapter.
+    wide = make_lora(tmp_path / "wide", SMOLLM2_SHAPE, rank=16, seed=8, targets=("q_proj",))
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "wide", "lora_path": str(wide)},
+                   headers=headers, timeout=60.0)
+    assert r.status_code == 400 and "has rank 16, above --max-lora-rank 8" in r.json()["error"]["message"], r.text
     r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "poet", "lora_path": str(path)},
                    headers=headers, timeout=60.0)
     assert r.status_code == 200, r.text

@@ -98,6 +98,21 @@ def test_an_adapter_answers_the_same_alone_batched_chunked_and_cached(loaded, ad
     assert seen[-1].lora_running == {"sql": 0, "poet": 0}  # every served adapter, done
 
 
+def test_max_loras_runs_one_adapter_at_a_time_with_the_same_answers(loaded, adapters):
+    ids = [loaded.tokenizer.encode(p) for p in PROMPTS]
+    work = [(f"{adapter}-{i}", prompt, adapter) for adapter in ("sql", None, "poet") for i, prompt in enumerate(ids)]
+    free = run(engine(loaded, adapters), work)
+    llm = engine(loaded, adapters, max_loras=1)
+    seen: list = []
+    llm.stat_loggers.append(type("Log", (), {"record": lambda self, stats: seen.append(stats)})())
+    assert run(llm, work) == free
+    running = [{name for name, n in s.lora_running.items() if n} for s in seen]
+    assert max(len(names) for names in running) == 1
+    assert {"sql"} in running and {"poet"} in running
+    # poet's requests waited while sql's ran, the base model's did not.
+    assert any(s.lora_waiting["poet"] and s.num_running == 2 * len(ids) for s in seen)
+
+
 def test_an_adapter_never_reads_another_ones_cached_blocks(loaded, adapters):
     prompt = loaded.tokenizer.encode(PROMPTS[1])
     assert len(prompt) > 32
@@ -132,6 +147,12 @@ def test_adapter_settings_that_cannot_work_are_refused(loaded, adapters, tmp_pat
         engine(loaded, (LoRAModule("smollm2", adapters[0].path),))
     with pytest.raises(ValueError, match="has no adapter_config.json"):
         engine(loaded, (LoRAModule("missing", str(tmp_path)),))
+    with pytest.raises(ValueError, match="LoRA adapter 'sql' has rank 8, above --max-lora-rank 4"):
+        engine(loaded, adapters, max_lora_rank=4)
+    assert engine(loaded, adapters, max_lora_rank=8).lora_adapters.keys() == {"sql", "poet"}
+    for name in ("max_loras", "max_lora_rank"):
+        with pytest.raises(ValueError, match=f"{name} must be at least 1, got 0"):
+            EngineConfig(**{name: 0})
 
 
 def test_lora_module_parses_name_equals_path():

@@ -60,10 +60,10 @@ class FakeModel:
 
 def make_scheduler(num_blocks: int = 256, block_size: int = 16, max_model_len: int = 1024,
                    max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                   enable_prefix_caching: bool = True) -> Scheduler:
+                   enable_prefix_caching: bool = True, max_loras: int | None = None) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
     config = SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                             max_num_batched_tokens=max_num_batched_tokens)
+                             max_num_batched_tokens=max_num_batched_tokens, max_loras=max_loras)
     return Scheduler(config, kv)
 
 
@@ -263,6 +263,39 @@ def test_max_num_seqs_is_honoured(assert_scheduler_empty):
     assert max(len(o.scheduled) for o in outputs) == 2
     assert all(r.num_output_tokens == 5 for r in requests)
     assert_scheduler_empty(scheduler)
+
+
+@pytest.mark.parametrize("max_loras", [None, 2])
+def test_max_loras_bounds_the_adapters_running_at_once(max_loras, assert_scheduler_empty):
+    # Requests of adapters a, b, c and of the base model. With max_loras 2, c's requests
+    # wait while a and b run, the ones behind them (the base model's, a's) go ahead, and
+    # c's run once a has no request left running.
+    scheduler = make_scheduler(max_loras=max_loras)
+    specs = [("a", 5), ("b", 20), ("c", 3), (None, 3), ("a", 3), ("c", 3)]
+    requests = []
+    for i, (adapter, max_tokens) in enumerate(specs):
+        request = make_request(f"r{i}", prompt(i, 10), max_tokens=max_tokens)
+        request.adapter = adapter
+        scheduler.add_request(request)
+        requests.append(request)
+    outputs = run(scheduler)
+    if max_loras is None:
+        assert outputs[0].admitted == [f"r{i}" for i in range(6)]
+    else:
+        assert outputs[0].admitted == ["r0", "r1", "r3", "r4"]
+        running = [{s.request.adapter for s in out.scheduled} - {None} for out in outputs]
+        assert max(len(adapters) for adapters in running) == 2
+        c_admitted = next(i for i, out in enumerate(outputs) if "r2" in out.admitted)
+        a_last = max(i for i, adapters in enumerate(running) if "a" in adapters)
+        assert c_admitted == a_last + 1 and "r5" in outputs[c_admitted].admitted
+    for request, (_, max_tokens) in zip(requests, specs):
+        assert request.output_token_ids == reference_output(request.prompt_token_ids, max_tokens)
+    assert_scheduler_empty(scheduler)
+
+
+def test_max_loras_must_be_positive():
+    with pytest.raises(ValueError, match="max_loras must be at least 1, got 0"):
+        SchedulerConfig(max_model_len=64, max_loras=0)
 
 
 def test_abort_of_waiting_and_running_requests(assert_scheduler_empty):

@@ -70,3 +70,18 @@ def test_remove_and_a_group_that_empties_starts_over_at_the_round() -> None:
     assert q.pop() is a0
     q.append(req("a-2", "a"))  # group a had nothing waiting: it starts at the round (0)
     assert drain(q) == ["b-0", "a-2"]
+
+
+def test_a_request_skipped_by_peek_keeps_its_place() -> None:
+    # The scheduler skips a request it may not admit yet (--max-loras) and admits one
+    # behind it; the skipped one stays first, and later groups still join behind.
+    q = WaitingQueue()
+    for rid, group in [("a", "x"), ("b", "y"), ("c", "z")]:
+        q.append(req(rid, group))
+    assert q.peek(lambda r: r.request_id != "a").request_id == "b"
+    assert q.peek(lambda r: False) is None
+    assert q.pop(q.peek(lambda r: r.request_id == "c")).request_id == "c"
+    q.append(req("d", "w"))
+    assert q.pop().request_id == "a"
+    assert drain(q) == ["b", "d"]
+    assert WaitingQueue().peek() is None

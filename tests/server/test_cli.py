@@ -54,13 +54,13 @@ def test_serve_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
         "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--max-model-len", "1024",
         "--served-model-name", "mine", "--max-queue", "5", "--max-body-size", "1MiB",
         "--shutdown-timeout", "3", "--dtype", "float32", "--kv-cache-dtype", "int8",
-        "--quantization", "none"])
+        "--quantization", "none", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "64"])
     assert args.api_key == "from-env" and args.max_queue == 5 and args.max_body_size == 1024**2
     assert args.shutdown_timeout == 3.0
     assert cli_args.engine_config(args) == EngineConfig(
         model="/m.gguf", dtype="float32", kv_cache_memory=1_500_000_000, block_size=32,
         max_num_seqs=8, max_num_batched_tokens=512, max_model_len=1024,
-        served_model_name="mine", kv_cache_dtype="int8", quantization="none")
+        served_model_name="mine", kv_cache_dtype="int8", quantization="none", max_loras=2, max_lora_rank=64)
 
 
 def test_bad_settings_exit_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
@@ -69,6 +69,9 @@ def test_bad_settings_exit_with_a_message(capsys: pytest.CaptureFixture[str]) ->
     assert "invalid size" in capsys.readouterr().err
     args = cli_args.build_parser().parse_args(["serve", "--block-size", "3"])
     with pytest.raises(SystemExit, match="block_size"):
+        cli_args.engine_config(args)
+    args = cli_args.build_parser().parse_args(["serve", "--max-loras", "0"])
+    with pytest.raises(SystemExit, match="max_loras must be at least 1"):
         cli_args.engine_config(args)
 
 
