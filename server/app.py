@@ -36,6 +36,7 @@ from server.serving_messages import count_message_tokens, create_message
 from server.serving_responses import create_response
 from server.reasoning import reasoning_format
 from server.response_store import ResponseStore
+from server.responses_api import input_items_page
 from server.state import DEFAULT_STORED_RESPONSES, ServerState
 from server.tools import tool_format_for
 
@@ -198,6 +199,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if stored is None:
             raise response_not_found(response_id)
         return JSONResponse(stored.body)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, limit: int = 20, order: str = "desc",
+                               after: str | None = None) -> JSONResponse:
+        stored = state.responses.get(response_id)
+        if stored is None:
+            raise response_not_found(response_id)
+        return JSONResponse(input_items_page(stored.input_items, limit, order, after))
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> JSONResponse:

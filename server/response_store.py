@@ -18,10 +18,13 @@ MAX_STORED_BYTES = 128 * 1024 * 1024
 class StoredResponse:
     body: dict[str, Any]  # the response as it was sent
     conversation: list[dict[str, Any]]  # every chat message up to and with the answer, no instructions
+    # Every input item up to the answer (earlier responses' inputs and outputs first), as
+    # GET /v1/responses/{id}/input_items lists them.
+    input_items: list[dict[str, Any]] = field(default_factory=list)
     size: int = field(init=False)  # bytes, as JSON text (what the store's byte bound counts)
 
     def __post_init__(self) -> None:
-        self.size = len(json.dumps(self.body)) + len(json.dumps(self.conversation))
+        self.size = sum(len(json.dumps(part)) for part in (self.body, self.conversation, self.input_items))
 
 
 class ResponseStore:

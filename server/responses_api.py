@@ -62,25 +62,42 @@ class MessageItem(_Strict):
     """A message: the client's turns, or an earlier answer sent back."""
 
     type: Literal["message"] = "message"
+    id: str | None = None  # an earlier answer's item id (GET .../input_items lists it)
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[TextPart]
+
+    def item(self) -> dict[str, Any]:
+        """As an input item of ``GET /v1/responses/{id}/input_items``."""
+        kind = "output_text" if self.role == "assistant" else "input_text"
+        parts = ([{"type": kind, "text": self.content}] if isinstance(self.content, str)
+                 else [p.model_dump(exclude_none=True) for p in self.content])
+        return {"id": self.id or new_item_id("msg"), "type": "message", "role": self.role,
+                "status": "completed", "content": parts}
 
 
 class FunctionCallItem(_Strict):
     """An earlier answer's function call, sent back."""
 
     type: Literal["function_call"]
+    id: str | None = None
     call_id: str
     name: str
     arguments: str  # JSON text
+
+    def item(self) -> dict[str, Any]:
+        return {**self.model_dump(), "id": self.id or new_item_id("fc"), "status": "completed"}
 
 
 class FunctionCallOutputItem(_Strict):
     """The result of a function call, for the model to read."""
 
     type: Literal["function_call_output"]
+    id: str | None = None
     call_id: str
     output: str | list[TextPart]
+
+    def item(self) -> dict[str, Any]:
+        return {**self.model_dump(exclude_none=True), "id": self.id or new_item_id("fco"), "status": "completed"}
 
 
 class ReasoningText(_Strict):
@@ -92,11 +109,16 @@ class ReasoningItem(_Strict):
     """An earlier answer's reasoning, sent back: the next assistant turn's ``reasoning_content``."""
 
     type: Literal["reasoning"]
+    id: str | None = None
     content: list[ReasoningText] | None = None
     summary: list[Any] | None = None  # kvserve writes none; a client's own is not the model's text
 
     def text(self) -> str:
         return "".join(part.text for part in self.content or [])
+
+    def item(self) -> dict[str, Any]:
+        return {"id": self.id or new_item_id("rs"), "type": "reasoning", "summary": self.summary or [],
+                "content": [part.model_dump() for part in self.content or []]}
 
 
 def _item_type(item: Any) -> str:
@@ -248,6 +270,13 @@ class ResponsesRequest(_Strict):
     def wants_logprobs(self) -> bool:
         return LOGPROBS_INCLUDE in (self.include or [])
 
+    def input_items(self) -> list[dict[str, Any]]:
+        """The input as OpenAI's input items, each with an id (the client's where it sent
+        one): what ``GET /v1/responses/{id}/input_items`` lists."""
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input).item()]
+        return [item.item() for item in self.input]
+
     def input_messages(self) -> list[dict[str, Any]]:
         """The input items as chat messages: consecutive function calls become one
         assistant turn with ``tool_calls`` (joined to the assistant text before them),
@@ -303,6 +332,26 @@ class ResponsesRequest(_Strict):
         }
         with responses_params():
             return validate(ChatCompletionRequest, {k: v for k, v in body.items() if v is not None})
+
+
+def input_items_page(items: list[dict[str, Any]], limit: int, order: str, after: str | None) -> dict[str, Any]:
+    """``GET /v1/responses/{id}/input_items``: a page of ``items`` (oldest first), OpenAI's
+    list shape. ``order`` ``desc`` (OpenAI's default) lists the newest first; ``after``:
+    the id of the item the page starts after. A bad ``limit``, ``order`` or ``after`` is a 400."""
+    if not 1 <= limit <= 100:
+        raise bad_request(f"limit must be between 1 and 100, got {limit}", "limit")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"order must be asc or desc, got {order!r}", "order")
+    ordered = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise bad_request(f"No input item with id '{after}' in this response", "after")
+        start = ids.index(after) + 1
+    page = ordered[start:start + limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(ordered)}
 
 
 def responses_params() -> AbstractContextManager[None]:

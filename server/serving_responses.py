@@ -32,16 +32,18 @@ from server.state import ServerState
 from server.tools import new_call_id
 
 
-def _previous_conversation(state: ServerState, body: ResponsesRequest) -> list[dict[str, Any]]:
+def _previous(state: ServerState, body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The earlier response's conversation (chat messages) and input items with its
+    output items after them; none without ``previous_response_id``."""
     if body.previous_response_id is None:
-        return []
+        return [], []
     stored = state.responses.get(body.previous_response_id)
     if stored is None:
         raise APIError(400, f"Previous response with id '{body.previous_response_id}' not found "
                             f"(kvserve keeps the newest {state.responses.capacity} stored responses, "
                             "in memory, per server).",
                        param="previous_response_id", code="previous_response_not_found")
-    return stored.conversation
+    return stored.conversation, stored.input_items + stored.body.get("output", [])
 
 
 def answer_items(text: str, calls: list | None, logprobs: list[ChatTokenLogprob],
@@ -60,7 +62,7 @@ async def create_response(state: ServerState, request: Request) -> Response:
     """Validate, run and render one Responses request; store it when asked."""
     body = await read_model(request, ResponsesRequest)
     model = state.check_model(body.model)
-    history = _previous_conversation(state, body)
+    history, earlier_items = _previous(state, body)
     chat = body.chat_request(history)
     tok = state.engine.tokenizer
     with responses_params():
@@ -77,7 +79,8 @@ async def create_response(state: ServerState, request: Request) -> Response:
         """Store the response as ``sent``, with the conversation up to it."""
         if stored:
             state.responses.put(response_id, StoredResponse(
-                sent, history + body.input_messages() + response.conversation()))
+                sent, history + body.input_messages() + response.conversation(),
+                earlier_items + body.input_items()))
 
     if not body.stream:
         await run_to_completion(request, merged, choices)

@@ -160,6 +160,43 @@ async def test_previous_response_id_continues_the_conversation(client: httpx.Asy
     assert err["code"] == "previous_response_not_found"
 
 
+async def test_input_items_list_every_item_up_to_the_answer(client: httpx.AsyncClient,
+                                                           engine: FakeEngine) -> None:
+    engine.eos_at = 5
+    first = (await respond(client, input="hi", instructions="be brief")).json()
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+             {"type": "function_call", "id": "fc_mine", "call_id": "call_1", "name": "weather",
+              "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
+    second = (await respond(client, input=items, previous_response_id=first["id"])).json()
+
+    def listed(response_id: str, **query: Any) -> Any:
+        return client.get(f"/v1/responses/{response_id}/input_items", params=query)
+
+    page = (await listed(first["id"])).json()
+    assert page["object"] == "list" and page["has_more"] is False
+    [hi] = page["data"]
+    assert {k: hi[k] for k in ("type", "role", "content")} == {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}
+    assert hi["id"].startswith("msg_") and page["first_id"] == page["last_id"] == hi["id"]
+    # The second: the first's input and output items, then its own; newest first by default.
+    everything = (await listed(second["id"], order="asc")).json()["data"]
+    assert [i["type"] for i in everything] == ["message", "message", "message", "function_call",
+                                               "function_call_output"]
+    assert everything[0] == hi and everything[1] == first["output"][0]
+    assert everything[3]["id"] == "fc_mine" and everything[4]["output"] == "sunny"
+    assert (await listed(second["id"])).json()["data"] == everything[::-1]
+    # Pages: limit, and after an item's id.
+    head = (await listed(second["id"], order="asc", limit=2)).json()
+    assert head["data"] == everything[:2] and head["has_more"] is True
+    rest = (await listed(second["id"], order="asc", after=head["last_id"])).json()
+    assert rest["data"] == everything[2:] and rest["has_more"] is False
+    for query, param in [({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"order": "up"}, "order"),
+                         ({"after": "msg_nope"}, "after")]:
+        assert_error(await listed(second["id"], **query), 400, param)
+    assert_error(await listed("resp_nope"), 404, "response_id")
+
+
 async def test_store_false_and_the_store_bound(engine: FakeEngine) -> None:
     app = build_app(engine, max_stored_responses=2)
     async with app.router.lifespan_context(app), httpx.AsyncClient(
@@ -193,6 +230,10 @@ async def test_the_openai_sdk_reads_it(engine: FakeEngine) -> None:
             final = await stream.get_final_response()
         assert final.output_text == first.output_text and final.previous_response_id == first.id
         assert (await sdk.responses.retrieve(first.id)).output_text == first.output_text
+        listed = [item async for item in sdk.responses.input_items.list(final.id, order="asc")]
+        assert [(item.type, item.role) for item in listed] == [("message", "user"), ("message", "assistant"),
+                                                               ("message", "user")]
+        assert listed[2].content[0].text == "more" and listed[1].id == first.output[0].id
         await sdk.responses.delete(first.id)
         with pytest.raises(openai.NotFoundError):
             await sdk.responses.retrieve(first.id)
