@@ -41,7 +41,7 @@ async def test_every_route_requires_the_key_except_probes(engine: FakeEngine) ->
                                          "/tokenize", "/detokenize", "/tokenizer_info", "/health", "/ready",
                                          "/metrics", "/version", "/v1/responses", "/v1/messages",
                                          "/v1/messages/count_tokens", "/v1/embeddings",
-                                         f"/v1/responses/{NO_SUCH_RESPONSE}"}
+                                         f"/v1/responses/{NO_SUCH_RESPONSE}", "/completion"}
     bodies = {"/v1/completions": {"prompt": "hi", "max_tokens": 1},
               "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}],
                                        "max_tokens": 1},
@@ -52,6 +52,7 @@ async def test_every_route_requires_the_key_except_probes(engine: FakeEngine) ->
               "/v1/score": {"text_1": "a", "text_2": "b"}, "/score": {"text_1": "a", "text_2": "b"},
               "/v1/rerank": {"query": "a", "documents": ["b"]}, "/rerank": {"query": "a", "documents": ["b"]},
               "/v2/rerank": {"query": "a", "documents": ["b"]},
+              "/completion": {"prompt": "hi", "n_predict": 1}, "/completions": {"prompt": "hi", "n_predict": 1},
               "/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [104]}}
     async with app.router.lifespan_context(app):
         for method, path in endpoints:

@@ -1,0 +1,56 @@
+"""llama.cpp server's own /completion API on the real server: the same answer as
+/v1/completions, streamed or not, a GBNF grammar followed, and llama.cpp's shape."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+
+from e2e_helpers import KVServe
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The capital of France is"
+
+
+def post(server: KVServe, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, headers=server.headers, timeout=120.0)
+
+
+def test_the_answer_is_v1_completions_streamed_or_not(server: KVServe) -> None:
+    ours = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+                                            "logprobs": 2}).json()["choices"][0]
+    whole = post(server, "/completion", {"prompt": PROMPT, "n_predict": 12, "temperature": 0, "n_probs": 2,
+                                         "return_tokens": True})
+    assert whole.status_code == 200, whole.text
+    body = whole.json()
+    assert body["content"] == ours["text"] and body["stop_type"] == "limit"
+    assert [p["logprob"] for p in body["completion_probabilities"]] == ours["logprobs"]["token_logprobs"]
+    assert len(body["tokens"]) == body["tokens_predicted"] == 12
+    assert body["timings"]["predicted_n"] == 12 and body["timings"]["predicted_per_second"] > 0
+    with httpx.stream("POST", f"{server.url}/completion", headers=server.headers, timeout=120.0,
+                      json={"prompt": PROMPT, "n_predict": 12, "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line]
+    assert "".join(e["content"] for e in events) == body["content"]
+    assert [t for e in events for t in e["tokens"]] == body["tokens"]
+    assert events[-1]["stop"] is True and all(e["stop"] is False for e in events[:-1])
+    # A long prompt's blocks come from the prefix cache the second time (tokens_cached).
+    long = {"prompt": " ".join([PROMPT] * 8), "n_predict": 1, "temperature": 0}
+    first, again = post(server, "/completion", long).json(), post(server, "/completion", long).json()
+    assert again["tokens_cached"] > 0 and again["timings"]["cache_n"] == again["tokens_cached"]
+    assert again["content"] == first["content"] and again["tokens_evaluated"] == first["tokens_evaluated"]
+
+
+def test_a_gbnf_grammar_is_followed_and_a_broken_one_is_a_400(server: KVServe) -> None:
+    grammar = 'root ::= ("yes" | "no") ", " [a-z ]{1,12} "."'
+    for seed in range(3):
+        body = post(server, "/completion", {"prompt": "Is the sky blue? Answer:", "n_predict": 24,
+                                            "grammar": grammar, "seed": seed}).json()
+        assert re.fullmatch(r"(yes|no), [a-z ]{1,12}\.", body["content"]), body["content"]
+        assert body["stop_type"] == "eos"
+    r = post(server, "/completion", {"prompt": "hi", "grammar": "root ::= ("})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "grammar", r.text

@@ -1,0 +1,129 @@
+"""POST /completion (llama.cpp server's own API) against the fake engine: its fields reach
+the engine as /v1/completions' do, and the answer comes back in llama.cpp's shape."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from api_helpers import MODEL, assert_error
+from fake_engine import SCRIPT, FakeEngine
+
+pytestmark = pytest.mark.anyio
+
+
+async def complete(client: httpx.AsyncClient, path: str = "/completion", **body) -> httpx.Response:
+    return await client.post(path, json=body)
+
+
+def events(body: str) -> list[dict]:
+    """A llama.cpp stream: ``data: {...}`` events and no ``[DONE]``."""
+    blocks = body.strip().split("\n\n")
+    assert all(b.startswith("data: {") for b in blocks), blocks
+    return [json.loads(b[len("data: "):]) for b in blocks]
+
+
+async def test_an_answer_in_llama_cpps_shape(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    r = await complete(client, prompt="hi", n_predict=12, return_tokens=True)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["content"] == SCRIPT[:12] and body["tokens"] == [ord(c) for c in SCRIPT[:12]]
+    assert (body["stop"], body["stop_type"], body["stopping_word"]) == (True, "limit", "")
+    assert (body["tokens_predicted"], body["tokens_evaluated"], body["tokens_cached"]) == (12, 3, 0)
+    assert body["model"] == MODEL and body["prompt"] == "<s>hi" and body["truncated"] is False
+    assert body["has_new_line"] is False and "completion_probabilities" not in body
+    settings = body["generation_settings"]
+    assert (settings["n_ctx"], settings["n_predict"], settings["temperature"], settings["top_k"]) == (256, 12, 0.8, 40)
+    timings = body["timings"]
+    assert timings["predicted_n"] == 12 and timings["prompt_n"] == 3 and timings["predicted_ms"] >= 0
+    # llama.cpp's defaults where the request says nothing: not OpenAI's.
+    p = engine.requests[-1].params
+    assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.min_p, p.seed) == (12, 0.8, 40, 0.95, 0.05, None)
+    # Without return_tokens the ids stay out, as in llama.cpp; /completions is the same route.
+    body = (await complete(client, "/completions", prompt="hi", n_predict=2)).json()
+    assert body["content"] == SCRIPT[:2] and body["tokens"] == []
+
+
+async def test_fields_reach_the_engine_under_llama_cpps_names(client: httpx.AsyncClient,
+                                                              engine: FakeEngine) -> None:
+    r = await complete(client, prompt="hi", n_predict=4, temperature=0.5, top_k=0, top_p=0.9, min_p=0,
+                       repeat_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.25, seed=7,
+                       ignore_eos=True, logit_bias=[[65, 2.5], ["ab", -1], [66, False]], n_cmpl=1,
+                       cache_prompt=True, samplers=["top_k", "temperature"], typical_p=1.0, mirostat=0)
+    assert r.status_code == 200, r.text
+    p = engine.requests[-1].params
+    assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.min_p, p.seed) == (4, 0.5, 0, 0.9, 0.0, 7)
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.ignore_eos) == (1.1, 0.5, 0.25, True)
+    # A text's every token gets its bias; false is the least bias there is.
+    assert p.logit_bias == {65: 2.5, 97: -1.0, 98: -1.0, 66: -100.0}
+    await complete(client, prompt="hi", n_predict=-1, temperature=-1, seed=-1)
+    p = engine.requests[-1].params
+    assert (p.max_tokens, p.temperature, p.seed) == (None, 0.0, None)  # the rest of the context; greedy
+    await complete(client, prompt="hi", n_predict=3, logit_bias={"65": 1.5})
+    assert engine.requests[-1].params.logit_bias == {65: 1.5}
+
+
+async def test_prompts_of_ids_and_texts(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    # Ids and texts in one list are one prompt (a text after the first gets no BOS).
+    await complete(client, prompt=[104, "ey", 33], n_predict=1)
+    assert engine.requests[-1].prompt_token_ids == [104, 101, 121, 33]
+    await complete(client, prompt=["ab", 33], n_predict=1)
+    assert engine.requests[-1].prompt_token_ids == [256, 97, 98, 33]
+    # A list of texts (or of lists) is several prompts: an array of results.
+    r = await complete(client, prompt=["a", [98, "c"]], n_predict=2)
+    results = r.json()
+    assert [x["index"] for x in results] == [0, 1] and [x["tokens_evaluated"] for x in results] == [2, 2]
+    assert [x["content"] for x in results] == [SCRIPT[:2]] * 2
+
+
+async def test_stops_eos_and_probabilities(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    body = (await complete(client, prompt="hi", n_predict=40, stop=["world"])).json()
+    assert (body["content"], body["stop_type"], body["stopping_word"]) == ("hello ", "word", "world")
+    engine.eos_at = 5
+    body = (await complete(client, prompt="hi", n_predict=40, n_probs=2)).json()
+    assert (body["content"], body["stop_type"], body["tokens_predicted"]) == (SCRIPT[:5], "eos", 6)
+    probs = body["completion_probabilities"]
+    assert len(probs) == 6 and probs[0]["id"] == ord("h") and probs[0]["token"] == "h"
+    assert probs[0]["bytes"] == [ord("h")] and probs[0]["logprob"] == -0.25
+    assert len(probs[0]["top_logprobs"]) == 2 and set(probs[0]["top_logprobs"][0]) == {"id", "token", "bytes",
+                                                                                        "logprob"}
+
+
+async def test_n_predict_0_evaluates_the_prompt_only(client: httpx.AsyncClient) -> None:
+    body = (await complete(client, prompt="hello", n_predict=0)).json()
+    assert (body["content"], body["tokens_predicted"], body["stop_type"]) == ("", 0, "limit")
+    assert body["tokens_evaluated"] == 6
+
+
+async def test_the_stream_is_llama_cpps(client: httpx.AsyncClient) -> None:
+    whole = (await complete(client, prompt="hi", n_predict=9, n_probs=1)).json()
+    r = await complete(client, prompt="hi", n_predict=9, n_probs=1, stream=True)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    got = events(r.text)
+    deltas, last = got[:-1], got[-1]
+    assert all(e["stop"] is False for e in deltas) and last["stop"] is True
+    assert "".join(e["content"] for e in deltas) == whole["content"]
+    assert [t for e in deltas for t in e["tokens"]] == [ord(c) for c in whole["content"]]
+    assert [p for e in deltas for p in e["completion_probabilities"]] == whole["completion_probabilities"]
+    assert (last["content"], last["stop_type"], last["tokens_predicted"]) == ("", "limit", 9)
+    assert "[DONE]" not in r.text
+
+
+async def test_bad_requests_are_400s_naming_llama_cpps_field(client: httpx.AsyncClient) -> None:
+    for body, param in [({"prompt": "hi", "mirostat": 2}, "mirostat"),
+                        ({"prompt": "hi", "typical_p": 0.5}, "typical_p"),
+                        ({"prompt": "hi", "dry_multiplier": 0.8}, "dry_multiplier"),
+                        ({"prompt": "hi", "lora": [{"id": 0, "scale": 0.5}]}, "lora"),
+                        ({"prompt": "hi", "n_predict": -2}, "n_predict"),
+                        ({"prompt": "hi", "n_predict": 10_000}, "prompt"),  # past the context
+                        ({"prompt": "hi", "n_probs": 50}, "n_probs"),
+                        ({"prompt": "hi", "repeat_penalty": 0}, "repeat_penalty"),
+                        ({"prompt": "hi", "logit_bias": [[65]]}, "logit_bias"),
+                        ({"prompt": "hi", "logit_bias": [[65, "up"]]}, "logit_bias"),
+                        ({"prompt": [[]]}, "prompt"), ({"prompt": []}, "prompt"),
+                        ({"prompt": [1.5]}, "prompt"), ({"prompt": [99999]}, "prompt"),
+                        ({"prompt": "hi", "grammar": "root ::= a", "json_schema": {}}, "json_schema")]:
+        assert_error(await client.post("/completion", json=body), 400, param)
+    assert_error(await client.post("/completion", json={"prompt": "hi", "model": "other"}), 404, "model")
