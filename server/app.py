@@ -26,13 +26,13 @@ from server.errors import (APIError, ClientDisconnected, bad_request, install_ex
                            unavailable)
 from server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from server.middleware import OPEN_PATHS, APIKeyMiddleware, BodySizeLimitMiddleware, DrainMiddleware
-from server.protocol import (DetokenizeRequest, LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest,
-                             template_messages)
+from server.protocol import (ApplyTemplateRequest, DetokenizeRequest, LoadLoRAAdapterRequest, TokenizeRequest,
+                             UnloadLoRAAdapterRequest, template_messages)
 from server.serving_chat import apply_template, create_chat_completion
 from server.serving_common import client_disconnected
 from server.serving_completions import create_completion
 from server.serving_embeddings import create_embedding, create_rerank, create_score
-from server.serving_llamacpp import create_llamacpp_completion
+from server.serving_llamacpp import LLAMACPP_DEFAULTS, create_llamacpp_completion
 from server.serving_messages import count_message_tokens, create_message
 from server.serving_responses import create_response
 from server.reasoning import reasoning_format
@@ -178,6 +178,15 @@ _API_ROUTES: list[tuple[tuple[str, ...], Callable[[ServerState, Request], Awaita
 ]
 
 
+def _piece(data: bytes) -> str | list[int]:
+    """A token's text for llama.cpp's ``with_pieces``: a string where its bytes are whole
+    UTF-8, else the bytes (part of a character)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(data)
+
+
 def _endpoint(handler: Callable[[ServerState, Request], Awaitable[Response]],
               state: ServerState) -> Callable[[Request], Awaitable[Response]]:
     async def endpoint(request: Request) -> Response:
@@ -238,11 +247,37 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                                   template_kwargs=body.chat_template_kwargs,
                                   continue_final_message=bool(body.continue_final_message))
             ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        elif body.content is not None:  # llama.cpp's shape
+            ids = tok.encode(body.content, add_special_tokens=body.add_special)
         else:
             assert body.prompt is not None
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
-        return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len,
-                             "tokens": ids})
+        tokens: list[Any] = [{"id": i, "piece": _piece(tok.token_bytes(i))} for i in ids] if body.with_pieces else ids
+        return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": tokens})
+
+    @app.post("/apply-template")
+    async def apply_chat_template(request: Request) -> JSONResponse:
+        """llama.cpp's route: the prompt the chat template makes of ``messages``."""
+        body = await read_model(request, ApplyTemplateRequest)
+        return JSONResponse({"prompt": apply_template(
+            engine.tokenizer, template_messages(body.messages, tool_format=state.tool_format),
+            body.add_generation_prompt, template_kwargs=body.chat_template_kwargs)})
+
+    @app.get("/props")
+    async def props() -> JSONResponse:
+        """llama.cpp's route: what its clients read of the server (the context size, the
+        chat template, the model's name and special tokens)."""
+        tok = engine.tokenizer
+
+        def text(token_id: int | None) -> str:
+            return "" if token_id is None else tok.decode([token_id], skip_special_tokens=False)
+
+        return JSONResponse({
+            "default_generation_settings": {"n_ctx": engine.max_model_len, "model": state.model_name,
+                                            "params": LLAMACPP_DEFAULTS},
+            "model_alias": state.model_name, "chat_template": tok.chat_template or "",
+            "bos_token": text(tok.bos_token_id), "eos_token": text(next(iter(tok.eos_token_ids), None)),
+            "modalities": {"vision": False, "audio": False}, "build_info": f"kvserve {app.version}"})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
@@ -252,7 +287,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             check_token_ids(body.tokens, engine.vocab_size, "tokens")
         except InvalidRequestError as e:
             raise bad_request(str(e), e.param) from None
-        return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
+        text = engine.tokenizer.decode(body.tokens)
+        return JSONResponse({"prompt": text, "content": text})  # vLLM's key and llama.cpp's
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> JSONResponse:

@@ -556,7 +556,8 @@ class RerankRequest(_Strict):
 
 
 class TokenizeRequest(_Strict):
-    """``POST /tokenize`` (vLLM shape): either ``prompt`` or ``messages``."""
+    """``POST /tokenize``: vLLM's ``prompt`` or ``messages``, or llama.cpp's ``content``
+    (with its ``add_special``, default off, and ``with_pieces``)."""
 
     model: str | None = None
     prompt: str | None = None
@@ -565,11 +566,18 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool | None = False
+    content: str | None = None
+    add_special: bool = False
+    with_pieces: bool = False
+    parse_special: bool = True
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("send exactly one of prompt or messages")
+        if sum(x is not None for x in (self.prompt, self.messages, self.content)) != 1:
+            raise ValueError("send exactly one of prompt, messages or content")
+        if not self.parse_special:
+            raise bad_request("parse_special false is not supported: special tokens' texts are always "
+                              "read as the special tokens", "parse_special")
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
         if self.continue_final_message and (not self.messages or self.messages[-1].role != "assistant"):
@@ -583,6 +591,14 @@ class DetokenizeRequest(_Strict):
 
     model: str | None = None
     tokens: list[int]
+
+
+class ApplyTemplateRequest(_Strict):
+    """``POST /apply-template`` (llama.cpp's): the chat template's rendering of ``messages``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class LoadLoRAAdapterRequest(_Strict):

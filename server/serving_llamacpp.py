@@ -33,6 +33,10 @@ _TO_LLAMACPP = {"max_tokens": "n_predict", "logprobs": "n_probs", "n": "n_cmpl",
                 "repetition_penalty": "repeat_penalty"}
 # llama.cpp's "random seed" (LLAMA_DEFAULT_SEED, 0xFFFFFFFF) and -1.
 _RANDOM_SEEDS = (-1, 0xFFFFFFFF)
+# llama.cpp's defaults for what a request leaves out (GET /props shows them).
+LLAMACPP_DEFAULTS: dict[str, Any] = {
+    "n_predict": -1, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0,
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "seed": -1, "n_probs": 0, "ignore_eos": False}
 # Samplers and options kvserve does not have, each with its value that turns it off: a
 # request that turns one on is a 400, not answered by other sampling than it asked for.
 _OFF = {"typical_p": 1.0, "mirostat": 0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
@@ -46,19 +50,19 @@ class LlamaCppCompletionRequest(_Strict):
 
     model: str | None = None
     prompt: str | list[Any]
-    n_predict: int = -1
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n_predict: int = LLAMACPP_DEFAULTS["n_predict"]
+    temperature: float = LLAMACPP_DEFAULTS["temperature"]
+    top_k: int = LLAMACPP_DEFAULTS["top_k"]
+    top_p: float = LLAMACPP_DEFAULTS["top_p"]
+    min_p: float = LLAMACPP_DEFAULTS["min_p"]
+    repeat_penalty: float = LLAMACPP_DEFAULTS["repeat_penalty"]
+    presence_penalty: float = LLAMACPP_DEFAULTS["presence_penalty"]
+    frequency_penalty: float = LLAMACPP_DEFAULTS["frequency_penalty"]
     stop: list[str] = []
-    seed: int = -1
-    ignore_eos: bool = False
+    seed: int = LLAMACPP_DEFAULTS["seed"]
+    ignore_eos: bool = LLAMACPP_DEFAULTS["ignore_eos"]
     logit_bias: list[list[Any]] | dict[str, Any] | None = None
-    n_probs: int = 0
+    n_probs: int = LLAMACPP_DEFAULTS["n_probs"]
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
     stream: bool = False

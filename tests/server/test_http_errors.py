@@ -52,7 +52,8 @@ async def test_every_route_requires_the_key_except_probes(engine: FakeEngine) ->
               "/v1/score": {"text_1": "a", "text_2": "b"}, "/score": {"text_1": "a", "text_2": "b"},
               "/v1/rerank": {"query": "a", "documents": ["b"]}, "/rerank": {"query": "a", "documents": ["b"]},
               "/v2/rerank": {"query": "a", "documents": ["b"]},
-              "/completion": {"prompt": "hi", "n_predict": 1}, "/completions": {"prompt": "hi", "n_predict": 1},
+              "/completion": {"prompt": "hi", "n_predict": 1},
+              "/apply-template": {"messages": [{"role": "user", "content": "hi"}]}, "/completions": {"prompt": "hi", "n_predict": 1},
               "/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [104]}}
     async with app.router.lifespan_context(app):
         for method, path in endpoints:

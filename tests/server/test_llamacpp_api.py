@@ -127,3 +127,27 @@ async def test_bad_requests_are_400s_naming_llama_cpps_field(client: httpx.Async
                         ({"prompt": "hi", "grammar": "root ::= a", "json_schema": {}}, "json_schema")]:
         assert_error(await client.post("/completion", json=body), 400, param)
     assert_error(await client.post("/completion", json={"prompt": "hi", "model": "other"}), 404, "model")
+
+
+async def test_tokenize_detokenize_props_and_apply_template_as_llama_cpp_has_them(
+        client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    # /tokenize with llama.cpp's content: no BOS unless add_special; pieces on request.
+    assert (await client.post("/tokenize", json={"content": "hi"})).json()["tokens"] == [104, 105]
+    r = await client.post("/tokenize", json={"content": "hé", "add_special": True, "with_pieces": True})
+    assert r.json()["tokens"] == [{"id": 256, "piece": "<s>"}, {"id": 104, "piece": "h"},
+                                  {"id": 0xC3, "piece": [0xC3]}, {"id": 0xA9, "piece": [0xA9]}]
+    assert (await client.post("/detokenize", json={"tokens": [104, 105]})).json()["content"] == "hi"
+    props = (await client.get("/props")).json()
+    assert props["default_generation_settings"]["n_ctx"] == 256 and props["model_alias"] == MODEL
+    assert props["default_generation_settings"]["params"]["temperature"] == 0.8
+    assert props["chat_template"] == engine.tokenizer.chat_template and props["bos_token"] == "<s>"
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    prompt = (await client.post("/apply-template", json={"messages": messages})).json()["prompt"]
+    assert prompt == "<|system|>be brief\n<|user|>hi\n<|assistant|>"
+    # The rendered prompt through /completion is the chat request's prompt (after the BOS
+    # a text prompt gets where the tokenizer adds one, as llama.cpp adds it).
+    await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+    chat_prompt = engine.requests[-1].prompt_token_ids
+    await complete(client, prompt=prompt, n_predict=1)
+    assert engine.requests[-1].prompt_token_ids == [engine.tokenizer.BOS] + chat_prompt
+    assert_error(await client.post("/apply-template", json={"messages": []}), 400, "messages")

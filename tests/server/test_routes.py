@@ -37,14 +37,15 @@ async def test_tokenize_messages_matches_chat_prompt(client: httpx.AsyncClient,
 
 
 @pytest.mark.parametrize("body", [{}, {"prompt": "a", "messages": []}, {"messages": []},
-                                  {"prompt": 3}])
+                                  {"prompt": 3}, {"prompt": "a", "content": "a"},
+                                  {"content": "a", "parse_special": False}])
 async def test_tokenize_400(client: httpx.AsyncClient, body: dict) -> None:
     assert_error(await client.post("/tokenize", json=body), 400)
 
 
 async def test_detokenize(client: httpx.AsyncClient) -> None:
     r = await client.post("/detokenize", json={"tokens": [256, 104, 105]})
-    assert r.json() == {"prompt": "hi"}
+    assert r.json() == {"prompt": "hi", "content": "hi"}  # vLLM's key and llama.cpp's
     assert_error(await client.post("/detokenize", json={"tokens": [104, 9999]}), 400,
                  param="tokens", contains="9999")
     assert_error(await client.post("/detokenize", json={"tokens": "hi"}), 400, param="tokens")
