@@ -1,6 +1,6 @@
 """Seeded random request bodies that mix the API's features (sampling settings, penalties,
 stop strings, n, logprobs, echo, prompt logprobs, streaming with usage, structured outputs, tools,
-the Responses API, Anthropic's Messages API, embeddings), and a check of each answer: never a 5xx, a 4xx in OpenAI's error shape, a
+the Responses API, Anthropic's Messages API, embeddings, llama.cpp's /completion), and a check of each answer: never a 5xx, a 4xx in OpenAI's error shape, a
 stream that ends in ``[DONE]`` (a Responses stream: in ``response.completed`` or
 ``response.incomplete``) without an error event, and a body the ``openai`` SDK's types accept. Bugs hide in the
 combinations: logprobs under a grammar (-inf in JSON), a draft's proposals under a grammar
@@ -35,6 +35,7 @@ COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
 MESSAGES = "/v1/messages"
 EMBEDDINGS = "/v1/embeddings"
+LLAMACPP = "/completion"
 
 
 def _sampling(rng: random.Random, body: dict[str, Any]) -> dict[str, Any]:
@@ -89,9 +90,12 @@ def mixed_request(rng: random.Random) -> tuple[str, dict[str, Any]]:
             body["echo"] = True  # with logprobs: the prompt's too
             if rng.random() < 0.5:
                 body["max_tokens"] = 0  # scoring: the prompt alone
+        body = _structured(rng, body)
+        if rng.random() < 0.2 and not {"echo", "response_format", "structured_outputs"} & body.keys():
+            return LLAMACPP, as_llamacpp(body)
         if rng.random() < 0.1:
             body["prompt_logprobs"] = rng.choice([0, 2])  # vLLM's (a 400 with stream)
-        return COMPLETIONS, _structured(rng, body)
+        return COMPLETIONS, body
     messages: list[dict[str, Any]] = []
     if rng.random() < 0.3:
         messages.append({"role": rng.choice(["system", "developer"]), "content": "Be brief."})
@@ -122,6 +126,31 @@ def mixed_request(rng: random.Random) -> tuple[str, dict[str, Any]]:
                                    "logprobs"} & body.keys():
         return MESSAGES, as_messages(body)
     return CHAT, body
+
+
+def as_llamacpp(completion: dict[str, Any]) -> dict[str, Any]:
+    """The same completions request in llama.cpp's /completion words."""
+    names = {"max_tokens": "n_predict", "logprobs": "n_probs", "n": "n_cmpl", "repetition_penalty": "repeat_penalty"}
+    body = {names.get(k, k): v for k, v in completion.items()
+            if k not in ("model", "stream_options", "min_tokens", "include_stop_str_in_output")}
+    if isinstance(body.get("stop"), str):
+        body["stop"] = [body["stop"]]
+    if "logit_bias" in body:
+        body["logit_bias"] = [[int(k), v] for k, v in body["logit_bias"].items()]
+    return body
+
+
+def _check_llamacpp(body: dict[str, Any], r: httpx.Response, where: str) -> str | None:
+    if not body.get("stream"):
+        raw = r.json()
+        results = raw if isinstance(raw, list) else [raw]
+        ok = all(isinstance(x["content"], str) and x["stop"] is True and x["stop_type"] in ("eos", "limit", "word")
+                 for x in results)
+        return None if ok else where
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    if any("error" in e for e in events) or not events or not events[-1]["stop"]:
+        return where
+    return None
 
 
 def as_messages(chat: dict[str, Any]) -> dict[str, Any]:
@@ -237,6 +266,8 @@ def check_answer(path: str, body: dict[str, Any], r: httpx.Response) -> str | No
             return _check_responses(body, r, where)
         if path == MESSAGES:
             return _check_messages(body, r, where)
+        if path == LLAMACPP:
+            return _check_llamacpp(body, r, where)
         if not body.get("stream"):
             answer = r.json()
             if not chat:
