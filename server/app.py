@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from importlib import metadata
 from typing import Any
@@ -54,7 +54,7 @@ def _version() -> str:
 
 
 def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: int | None = None,
-              max_body_size: int = 4 * MiB, served_model_name: str | None = None,
+              max_body_size: int = 4 * MiB, served_model_name: str | Sequence[str] | None = None,
               metrics_require_key: bool = False, tool_call_parser: str = "auto",
               max_stored_responses: int = DEFAULT_STORED_RESPONSES,
               reasoning_parser: str = "none", runtime_lora: bool = False) -> FastAPI:
@@ -65,7 +65,8 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
     (if set) is required on every route except ``/health``, ``/ready`` and
     ``/metrics`` (that one too with ``metrics_require_key``); ``max_queue``
     (if set) bounds the generation requests in flight before new ones get 503;
-    ``served_model_name`` defaults to ``engine.model_name``; ``tool_call_parser``
+    ``served_model_name`` defaults to ``engine.model_name`` (several names: the
+    first answers, the others are accepted for it, as vLLM's); ``tool_call_parser``
     picks the tool-call format (``server.tools.tool_format_for``);
     ``max_stored_responses`` bounds the Responses API answers kept in memory
     for ``previous_response_id`` (0 stores none); ``reasoning_parser`` (``server.reasoning``)
@@ -75,11 +76,12 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
     """
     if metrics_require_key and not api_key:
         raise ValueError("metrics_require_key needs an api_key")
-    model_name = served_model_name or engine.model_name
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or ())
+    model_name = names[0] if names else engine.model_name
     metrics = PrometheusStatLogger(model_name, kv_blocks_total=engine.num_kv_blocks,
                                    lora_adapters=tuple(engine.lora_adapters))
     engine.add_stat_logger(metrics)
-    state = ServerState(engine=engine, model_name=model_name, metrics=metrics,
+    state = ServerState(engine=engine, model_name=model_name, model_aliases=tuple(names[1:]), metrics=metrics,
                         api_key=api_key, max_queue=max_queue, responses=ResponseStore(max_stored_responses),
                         reasoning=reasoning_format(reasoning_parser),
                         tool_format=tool_format_for(tool_call_parser, engine.tokenizer.tool_call_syntax))
@@ -137,6 +139,8 @@ def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:
         body = await read_model(request, LoadLoRAAdapterRequest)
+        if body.lora_name in state.model_aliases:
+            raise bad_request(f"The model '{body.lora_name}' is already served.", "lora_name")
         try:
             await state.engine.load_adapter(body.lora_name, body.lora_path)
         except InvalidRequestError as e:
@@ -159,7 +163,7 @@ def _model_card(state: ServerState, served: str, adapters: dict[str, str]) -> di
     directory (from ``adapters``) as ``root`` and the base model as ``parent``."""
     adapter = state.adapter(served)
     return {"id": served, "object": "model", "created": int(time.time()), "owned_by": "kvserve",
-            "root": adapters.get(adapter, "") if adapter else served,
+            "root": adapters.get(adapter, "") if adapter else state.model_name,
             "parent": state.model_name if adapter else None,
             "max_model_len": state.engine.max_model_len}
 
@@ -230,11 +234,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         # A copy: the engine thread may load or unload an adapter meanwhile (--allow-runtime-lora).
         adapters = dict(engine.lora_adapters)
         return JSONResponse({"object": "list", "data": [
-            _model_card(state, served, adapters) for served in [state.model_name, *adapters]]})
+            _model_card(state, served, adapters) for served in [state.model_name, *state.model_aliases, *adapters]]})
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> JSONResponse:
-        return JSONResponse(_model_card(state, state.check_model(model), dict(engine.lora_adapters)))
+        served = state.check_model(model)
+        return JSONResponse(_model_card(state, model if model in state.model_aliases else served,
+                                        dict(engine.lora_adapters)))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:

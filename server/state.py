@@ -35,6 +35,9 @@ class ServerState:
     engine: EngineClient
     model_name: str
     metrics: PrometheusStatLogger
+    # More names a request may give the base model by (vLLM's --served-model-name A B ...):
+    # answered under model_name.
+    model_aliases: tuple[str, ...] = ()
     api_key: str | None = None
     max_queue: int | None = None
     tool_format: ToolFormat = FORMATS["generic"]
@@ -53,9 +56,9 @@ class ServerState:
 
     def check_model(self, model: str | None) -> str:
         """The served name that answers a request for ``model``: the base model's when
-        unset, else ``model`` itself when it is the base model's or a LoRA adapter's
+        unset or one of its names, else ``model`` itself when it is a LoRA adapter's
         name (``--lora-modules``); 404 for any other."""
-        if model is None or model == self.model_name:
+        if model is None or model == self.model_name or model in self.model_aliases:
             return self.model_name
         if model in self.engine.lora_adapters:
             return model
@@ -63,7 +66,7 @@ class ServerState:
 
     def adapter(self, served: str) -> str | None:
         """The LoRA adapter a request answered by ``served`` runs (None: the base model)."""
-        return served if served != self.model_name else None
+        return served if served != self.model_name and served not in self.model_aliases else None
 
     def admit(self, request_id: str) -> Callable[[], None]:
         """Take a place for ``request_id`` or raise 503: the engine is dead, or

@@ -110,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="the model's name in the API (default: the model's); with several, the "
+                            "first answers and requests may name any of them")
     serve.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
                        help="require 'Authorization: Bearer <key>' (default: $KVSERVE_API_KEY)")
     serve.add_argument("--max-queue", type=int, default=None,
@@ -217,12 +219,15 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     try:
         if args.draft_model is not None and args.speculative is None:
             raise ValueError("--draft-model goes with --speculative draft")
+        taken = set(getattr(args, "served_model_name", None) or ()) & {m.name for m in _lora_modules(args)}
+        if taken:
+            raise ValueError(f"a LoRA adapter cannot take a served model name: {', '.join(sorted(taken))}")
         return EngineConfig(
             model=args.model, dtype=args.dtype, device=args.device,
             kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-            served_model_name=getattr(args, "served_model_name", None),
+            served_model_name=(getattr(args, "served_model_name", None) or [None])[0],
             quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
             chat_template=getattr(args, "chat_template", None),
             lora_modules=_lora_modules(args), max_loras=getattr(args, "max_loras", None),

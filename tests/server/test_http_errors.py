@@ -108,6 +108,24 @@ async def test_served_model_name(engine: FakeEngine) -> None:
         assert_error(await c.post("/v1/completions", json={"model": MODEL, "prompt": "hi"}), 404)
 
 
+
+async def test_several_served_model_names(engine: FakeEngine) -> None:
+    # vLLM's --served-model-name A B: a request may name either; the first answers.
+    app = build_app(engine, served_model_name=["first", "second"], runtime_lora=True)
+    async with app.router.lifespan_context(app), client_for(app) as c:
+        for name in ("first", "second", None):
+            body = {"prompt": "hi", "max_tokens": 1} | ({"model": name} if name else {})
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 200 and r.json()["model"] == "first"
+            assert engine.adapters[engine.requests[-1].request_id] is None  # the base model
+        assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == ["first", "second"]
+        card = (await c.get("/v1/models/second")).json()
+        assert (card["id"], card["root"], card["parent"]) == ("second", "first", None)
+        assert_error(await c.post("/v1/completions", json={"model": MODEL, "prompt": "hi"}), 404)
+        r = await c.post("/v1/load_lora_adapter", json={"lora_name": "second", "lora_path": "/"})
+        assert_error(r, 400, "lora_name")
+
+
 async def test_declared_body_over_limit_is_413(engine: FakeEngine) -> None:
     app = build_app(engine, max_body_size=1024)
     async with client_for(app) as c:
