@@ -12,6 +12,7 @@ as it does there.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -198,11 +199,16 @@ def template_tool_syntax(template: str | None) -> str | None:
 
 
 def read_chat_template(path: str) -> str:
-    """A chat template from a file (``--chat-template``), checked to compile.
+    """A chat template from a file (``--chat-template``), or given as it is (as vLLM
+    takes it: a value that names no file and holds ``{``, ``}`` or a newline is the
+    template itself), checked to compile.
 
     Raises:
         ValueError: the file cannot be read or is not valid Jinja2.
     """
+    if not os.path.exists(path) and any(c in path for c in "{}\n"):
+        _compile(path)
+        return path
     try:
         with open(path, encoding="utf-8") as f:
             template = f.read()

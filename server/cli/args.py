@@ -154,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "is removed (default %(default)s)")
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--chat-template", default=None, metavar="FILE",
-                       help="a Jinja2 chat template file to use instead of the model's own")
+                       help="a Jinja2 chat template to use instead of the model's own: a file, or the "
+                            "template itself")
     serve.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                        help="LoRA adapters (PEFT directories) served beside the base model: a "
                             "request whose model is NAME runs the adapter at PATH")

@@ -162,6 +162,11 @@ def test_the_template_decides_the_format():
         tool_format_for("mistral", None)
     with pytest.raises(ValueError, match="cannot read"):
         read_chat_template(str(HERMES_TEMPLATE) + ".missing")
+    # A template given as it is (vLLM's --chat-template takes either), checked all the same.
+    inline = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert read_chat_template(inline) == inline
+    with pytest.raises(ValueError, match="not valid Jinja2"):
+        read_chat_template("{% for m in messages %}")
 
 
 def test_hermes_history_goes_to_the_template_as_objects():
