@@ -170,6 +170,9 @@ class EngineConfig:
     # (None: any number); --max-lora-rank: adapters of a larger rank are refused.
     max_loras: int | None = None
     max_lora_rank: int | None = None
+    # vLLM's --generation-config: "auto" takes the default sampling of requests that leave
+    # it out from the model's generation_config.json; "vllm" ignores that file's.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -186,6 +189,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be {_one_of(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be auto or vllm, got {self.generation_config!r}")
         for name in ("max_loras", "max_lora_rank"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

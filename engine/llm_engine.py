@@ -25,6 +25,7 @@ from engine.structured import BitmaskFiller, GrammarCompiler
 from engine.validation import InvalidRequestError, RequestLimits, check_request
 from engine.workers import WorkerGroup
 from models.chat_template import read_chat_template
+from models.config import ModelConfig
 from models.kv_cache import cdiv, default_dtype
 from models.loader import LoadedModel, load_model
 from models.lora import LoRAAdapter, load_adapter
@@ -110,6 +111,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer if template is None else loaded.tokenizer.with_chat_template(template)
         self.model_config = loaded.config
         self.model_name = config.served_model_name or config.model
+        self.sampling_defaults = self._sampling_defaults(config, loaded.config)
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         if config.max_model_len and config.max_model_len > loaded.config.max_position_embeddings:
@@ -226,6 +228,21 @@ class LLMEngine:
         return EngineRequest(request_id, list(prompt_token_ids), params, max_tokens,
                              time.monotonic() if arrival_time is None else arrival_time,
                              group or request_id, grammar, key, lora)
+
+    @staticmethod
+    def _sampling_defaults(config: EngineConfig, model: ModelConfig) -> dict[str, float]:
+        """The model's recommended sampling (``generation_config.json``), for requests that
+        leave it out; none with ``generation_config="vllm"`` or when the values are invalid."""
+        defaults = dict(model.sampling_defaults) if config.generation_config == "auto" else {}
+        if defaults:
+            try:
+                SamplingParams(**defaults)
+            except ValueError as e:
+                logger.warning("ignoring the model's generation_config.json sampling %s: %s", defaults, e)
+                return {}
+            logger.info("default sampling from the model's generation_config.json (a request's own values "
+                        "win; --generation-config vllm ignores them): %s", defaults)
+        return defaults
 
     # -- LoRA adapters ------------------------------------------------------
 

@@ -12,6 +12,11 @@ _SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 _BASE_MODELS = {arch.removesuffix("ForCausalLM") + "Model": arch for arch in SUPPORTED_ARCHITECTURES}
 
 
+# generation_config.json's sampling settings a request may leave to the model (vLLM's list,
+# but max_new_tokens: a request's length stays the API's own default).
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3)."""
@@ -33,6 +38,9 @@ class ModelConfig:
     qk_norm: bool = False  # each head's query and key are RMS-normalised before RoPE (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # The sampling settings generation_config.json recommends (SAMPLING_KEYS it sets):
+    # the defaults of requests that leave them out, as vLLM's --generation-config auto.
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -77,6 +85,8 @@ class ModelConfig:
         rope_scaling = cfg.get("rope_scaling")
         if rope_scaling is None and rope.get("rope_type", "default") != "default":
             rope_scaling = rope
+        sampling = {k: v for k, v in (generation_config or {}).items()
+                    if k in SAMPLING_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)}
         eos = (generation_config or {}).get("eos_token_id", cfg.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -97,4 +107,5 @@ class ModelConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            sampling_defaults=sampling,
         )

@@ -49,6 +49,8 @@ class EngineClient(Protocol):
     num_kv_blocks: int
     block_size: int
     lora_adapters: Mapping[str, str]  # served LoRA adapter name -> its directory
+    # The model's recommended sampling (generation_config.json) for requests that leave it out.
+    sampling_defaults: Mapping[str, float]
 
     @property
     def is_alive(self) -> bool: ...

@@ -80,6 +80,7 @@ def prepare_chat(state: ServerState, chat: ChatCompletionRequest
     """A chat request's engine params, how its answer is read (``server.answers``) and
     its prompt; also for the APIs that translate into chat. A 400 names chat's field."""
     fmt = state.tool_format
+    chat = state.with_model_defaults(chat)
     params, reader = plan_answer(state, chat.sampling_params(fmt), fmt if chat.tool_choice_name() != "none" else None)
     return params, reader, render_prompt(state.engine.tokenizer, chat, fmt)
 

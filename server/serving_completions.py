@@ -63,7 +63,7 @@ class LogprobsWriter:
 
 async def create_completion(state: ServerState, request: Request) -> Response:
     """Validate, run and render one completions request."""
-    body = await read_model(request, CompletionRequest)
+    body = state.with_model_defaults(await read_model(request, CompletionRequest))
     model = state.check_model(body.model)
     params = body.sampling_params()
     tok = state.engine.tokenizer

@@ -8,6 +8,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+from pydantic import BaseModel
 
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, ThinkTokens
@@ -22,6 +25,8 @@ from server.tools import FORMATS, ToolFormat
 logger = logging.getLogger(__name__)
 
 DEFAULT_STORED_RESPONSES = 1024
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
 
 
 @dataclass
@@ -63,6 +68,12 @@ class ServerState:
         if model in self.engine.lora_adapters:
             return model
         raise model_not_found(model)
+
+    def with_model_defaults(self, body: RequestT) -> RequestT:
+        """``body`` with the model's recommended sampling (``engine.sampling_defaults``, from
+        its generation_config.json) where the request left a setting out."""
+        unset = {k: v for k, v in self.engine.sampling_defaults.items() if getattr(body, k, 0) is None}
+        return body.model_copy(update=unset) if unset else body
 
     def adapter(self, served: str) -> str | None:
         """The LoRA adapter a request answered by ``served`` runs (None: the base model)."""

@@ -164,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="add vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which load "
                             "an adapter from a path on this host while serving (default: off; on with "
                             "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, as in vLLM)")
+    serve.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
+                       help="auto (default): requests that leave out temperature, top_p, top_k, min_p or "
+                            "repetition_penalty get the model's generation_config.json values, as vLLM's; "
+                            "vllm: the API's own defaults")
     serve.add_argument("--enable-lora", action="store_true",
                        help="accepted for vLLM's command lines: kvserve serves --lora-modules (and "
                             "--allow-runtime-lora's loads) without it")
@@ -233,6 +237,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             chat_template=getattr(args, "chat_template", None),
             lora_modules=_lora_modules(args), max_loras=getattr(args, "max_loras", None),
             max_lora_rank=getattr(args, "max_lora_rank", None),
+            generation_config=getattr(args, "generation_config", "auto"),
             parallel=parallel_from_torchrun(ParallelConfig(
                 tensor_parallel_size=args.tensor_parallel_size, nnodes=getattr(args, "nnodes", 1),
                 node_rank=getattr(args, "node_rank", 0), master_addr=getattr(args, "master_addr", "127.0.0.1"),

@@ -8,6 +8,7 @@ must not depend on what else shares its batch.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -446,3 +447,18 @@ def test_a_chat_template_file_replaces_the_models_own(smollm2_loaded):
     assert smollm2_loaded.tokenizer.tool_call_syntax is None  # the shared weights' tokenizer is untouched
     with pytest.raises(ValueError, match="cannot read the chat template"):
         make_engine(smollm2_loaded, chat_template=str(path) + ".missing")
+
+
+def test_the_models_sampling_defaults_unless_generation_config_vllm(caplog):
+    from models.config import ModelConfig
+
+    model = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                        max_position_embeddings=64, sampling_defaults={"temperature": 0.6, "top_k": 20})
+    assert LLMEngine._sampling_defaults(EngineConfig(), model) == {"temperature": 0.6, "top_k": 20}
+    assert LLMEngine._sampling_defaults(EngineConfig(generation_config="vllm"), model) == {}
+    broken = dataclasses.replace(model, sampling_defaults={"top_p": 1.5})
+    assert LLMEngine._sampling_defaults(EngineConfig(), broken) == {}
+    assert "ignoring the model's generation_config.json sampling" in caplog.text
+    with pytest.raises(ValueError, match="generation_config must be auto or vllm"):
+        EngineConfig(generation_config="hf")

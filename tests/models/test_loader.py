@@ -219,3 +219,15 @@ def test_a_base_model_checkpoint_loads_and_gives_its_last_hidden_state(tiny_chec
     with torch.no_grad():
         expected = base(torch.tensor([tiny_prompt])).last_hidden_state[0]
     torch.testing.assert_close(hidden, expected[[n - 1, 3]], atol=1e-5, rtol=0)
+
+
+def test_generation_config_sampling_becomes_the_models_defaults():
+    from models.config import ModelConfig
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 1, "num_attention_heads": 2}
+    gen = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True, "max_new_tokens": 100,
+           "eos_token_id": 2, "repetition_penalty": 1.05, "min_p": None}
+    config = ModelConfig.from_hf(cfg, gen)
+    assert config.sampling_defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05}
+    assert config.eos_token_ids == (2,) and ModelConfig.from_hf(cfg).sampling_defaults == {}

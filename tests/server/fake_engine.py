@@ -136,6 +136,7 @@ class FakeEngine:
         self.script = SCRIPT  # what every sample types out (ASCII: one byte-token per character)
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.sampling_defaults: dict[str, float] = {}  # the model's generation_config.json's
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         self.step_delay = step_delay

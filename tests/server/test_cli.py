@@ -76,6 +76,8 @@ def test_bad_settings_exit_with_a_message(capsys: pytest.CaptureFixture[str]) ->
     args = cli_args.build_parser().parse_args(["serve", "--served-model-name", "a", "b", "--lora-modules", "b=/x"])
     with pytest.raises(SystemExit, match="a LoRA adapter cannot take a served model name: b"):
         cli_args.engine_config(args)
+    args = cli_args.build_parser().parse_args(["serve", "--generation-config", "vllm"])
+    assert cli_args.engine_config(args).generation_config == "vllm"
     args = cli_args.build_parser().parse_args(["serve", "--served-model-name", "a", "b"])
     assert args.served_model_name == ["a", "b"] and cli_args.engine_config(args).served_model_name == "a"
 

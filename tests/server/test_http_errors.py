@@ -214,3 +214,23 @@ async def test_framework_validation_errors_are_400_not_422(engine: FakeEngine) -
     async with client_for(app) as c:
         assert (await c.get("/v1/_probe", params={"count": 2})).json() == {"count": 2}
         assert_error(await c.get("/v1/_probe", params={"count": "many"}), 400, param="count")
+
+
+async def test_the_models_sampling_defaults_fill_what_a_request_leaves_out(engine: FakeEngine) -> None:
+    # vLLM's --generation-config auto: generation_config.json's values (engine.sampling_defaults).
+    engine.sampling_defaults = {"temperature": 0.6, "top_k": 20}
+    app = build_app(engine)
+    async with app.router.lifespan_context(app), client_for(app) as c:
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        for path, body in [("/v1/chat/completions", chat), ("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+                           ("/v1/responses", {"input": "hi", "max_output_tokens": 1}),
+                           ("/v1/messages", {"max_tokens": 1, "messages": chat["messages"]})]:
+            assert (await c.post(path, json=body)).status_code == 200, path
+            p = engine.requests[-1].params
+            assert (p.temperature, p.top_k) == (0.6, 20), path
+            await c.post(path, json={**body, "temperature": 1.0, "top_k": 5})
+            p = engine.requests[-1].params
+            assert (p.temperature, p.top_k) == (1.0, 5), path  # the request's own values win
+        # llama.cpp's /completion has llama.cpp's own defaults.
+        await c.post("/completion", json={"prompt": "hi", "n_predict": 1})
+        assert engine.requests[-1].params.temperature == 0.8
