@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 
@@ -50,6 +51,48 @@ def _count_arg(text: str) -> int:
     return value
 
 
+def _json_object_arg(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+# vLLM's --speculative-config keys -> kvserve's speculative arguments.
+_SPECULATIVE_KEYS = {"num_speculative_tokens": "num_speculative_tokens", "prompt_lookup_min": "ngram_min",
+                     "prompt_lookup_max": "ngram_max", "model": "draft_model"}
+
+
+def _apply_speculative_config(args: argparse.Namespace) -> None:
+    """``--speculative-config`` (vLLM's JSON) into the speculative arguments it means;
+    ``ValueError`` for what kvserve has not (another method, other keys) or a clash."""
+    spec = getattr(args, "speculative_config", None)
+    if spec is None:
+        return
+    if args.speculative is not None or args.draft_model is not None:
+        raise ValueError("give --speculative-config or --speculative/--draft-model, not both")
+    method = spec.get("method", "draft_model" if "model" in spec else None)
+    if method not in ("ngram", "draft_model"):
+        raise ValueError(f"--speculative-config method {method!r} is not supported: ngram, or a draft "
+                         "model (\"model\")")
+    unknown = set(spec) - set(_SPECULATIVE_KEYS) - {"method"}
+    if unknown:
+        raise ValueError(f"--speculative-config keys not supported: {', '.join(sorted(unknown))}")
+    if method == "draft_model" and "model" not in spec:
+        raise ValueError("--speculative-config: a draft model needs \"model\"")
+    args.speculative = "ngram" if method == "ngram" else "draft"
+    for key, dest in _SPECULATIVE_KEYS.items():
+        if key in spec:
+            kind = str if key == "model" else int
+            if not isinstance(spec[key], kind) or isinstance(spec[key], bool):
+                raise ValueError(f"--speculative-config {key} must be {'a string' if kind is str else 'an integer'}, "
+                                 f"got {spec[key]!r}")
+            setattr(args, dest, spec[key])
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     d, sd = EngineConfig(), SpeculativeConfig()
     p.add_argument("--model", default=d.model,
@@ -70,7 +113,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's)")
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
+                   dest="no_prefix_caching", help="turn the prefix cache off")
+    p.add_argument("--enable-prefix-caching", action="store_false", dest="no_prefix_caching",
+                   help="vLLM's spelling of the default: the prefix cache on")
     p.add_argument("--speculative", default=None, choices=SPECULATIVE_METHODS,
                    help="speculative decoding: ngram = prompt lookup (proposals from the request's "
                         "own prompt and output), draft = proposals from --draft-model; verified in "
@@ -78,6 +124,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, metavar="MODEL",
                    help="with --speculative draft: a smaller model with the same vocabulary "
                         "(a name, directory or .gguf file)")
+    p.add_argument("--speculative-config", type=_json_object_arg, default=None, metavar="JSON",
+                   help="vLLM's form of the speculative flags: {\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4} "
+                        "or {\"model\": DRAFT, \"num_speculative_tokens\": 4}")
     p.add_argument("--num-speculative-tokens", type=int, default=sd.num_speculative_tokens,
                    help="most tokens proposed per step (default %(default)s)")
     p.add_argument("--ngram-min", type=int, default=sd.ngram_min,
@@ -107,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="the model, as in vLLM's `vllm serve MODEL` (the same as --model)")
     _add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
@@ -168,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="auto (default): requests that leave out temperature, top_p, top_k, min_p or "
                             "repetition_penalty get the model's generation_config.json values, as vLLM's; "
                             "vllm: the API's own defaults")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="accepted for vLLM's command lines: tool_choice auto always works here")
+    serve.add_argument("--trust-remote-code", action="store_true",
+                       help="accepted for vLLM's command lines: kvserve never runs a checkpoint's own code")
     serve.add_argument("--enable-lora", action="store_true",
                        help="accepted for vLLM's command lines: kvserve serves --lora-modules (and "
                             "--allow-runtime-lora's loads) without it")
@@ -222,6 +278,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The ``EngineConfig`` for parsed ``serve``/``generate`` arguments; a bad
     setting exits with its message rather than a traceback."""
     try:
+        _apply_speculative_config(args)
+        tag = getattr(args, "model_tag", None)
+        if tag is not None:
+            if args.model not in (EngineConfig().model, tag):
+                raise ValueError(f"give the model once: {tag!r} and --model {args.model!r}")
+            args.model = tag
         if args.draft_model is not None and args.speculative is None:
             raise ValueError("--draft-model goes with --speculative draft")
         taken = set(getattr(args, "served_model_name", None) or ()) & {m.name for m in _lora_modules(args)}

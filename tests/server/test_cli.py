@@ -231,3 +231,31 @@ def test_sigterm_lets_in_flight_finish_then_exits_0() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_vllm_command_lines_run_as_they_are() -> None:
+    # `vllm serve MODEL` with vLLM's spellings of kvserve's settings.
+    parse = cli_args.build_parser().parse_args
+    args = parse(["serve", "/m.gguf", "--no-enable-prefix-caching", "--enable-auto-tool-choice",
+                  "--tool-call-parser", "hermes", "--trust-remote-code", "--enable-lora",
+                  "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
+                                          '"prompt_lookup_max": 5}'])
+    config = cli_args.engine_config(args)
+    assert (config.model, config.enable_prefix_caching) == ("/m.gguf", False)
+    spec = config.speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max) == ("ngram", 3, 1, 5)
+    config = cli_args.engine_config(parse(["serve", "--enable-prefix-caching", "--speculative-config",
+                                           '{"model": "/draft.gguf", "num_speculative_tokens": 2}']))
+    assert config.enable_prefix_caching and config.model == EngineConfig().model
+    assert (config.speculative.method, config.speculative.draft_model) == ("draft", "/draft.gguf")
+    for argv, message in [(["serve", "/a", "--model", "/b"], "give the model once"),
+                          (["serve", "--speculative-config", '{"method": "eagle", "model": "x"}'], "method 'eagle'"),
+                          (["serve", "--speculative-config", '{"method": "ngram", "n": 1}'], "keys not supported: n"),
+                          (["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": "4"}'],
+                           "must be an integer"),
+                          (["serve", "--speculative", "ngram", "--speculative-config", '{"method": "ngram"}'],
+                           "not both")]:
+        with pytest.raises(SystemExit, match=message):
+            cli_args.engine_config(parse(argv))
+    with pytest.raises(SystemExit):
+        parse(["serve", "--speculative-config", "[1]"])
