@@ -643,13 +643,16 @@ class LLMEngine:
     @staticmethod
     def _finished_stats(seq: Request) -> FinishedRequestStats:
         now = time.monotonic()
-        scheduled = seq.first_scheduled_time
+        scheduled, first, finished = seq.first_scheduled_time, seq.first_token_time, seq.finished_time or now
         return FinishedRequestStats(
             finish_reason=seq.status.finish_reason or "abort",
             num_prompt_tokens=seq.num_prompt_tokens,
             num_generation_tokens=seq.num_output_tokens,
-            e2e_latency=(seq.finished_time or now) - seq.arrival_time,
+            e2e_latency=finished - seq.arrival_time,
             queue_time=(scheduled - seq.arrival_time) if scheduled is not None else 0.0,
+            inference_time=finished - scheduled if scheduled is not None else None,
+            prefill_time=first - scheduled if scheduled is not None and first is not None else None,
+            decode_time=(seq.last_token_time or first) - first if first is not None else None,
         )
 
     def _fill_gauges(self, stats: StepStats) -> None:

@@ -19,6 +19,10 @@ class FinishedRequestStats:
     num_generation_tokens: int
     e2e_latency: float  # seconds from arrival to finish
     queue_time: float  # seconds from arrival to first scheduled (0 if never scheduled)
+    # Seconds, None where the sequence never got that far (never scheduled, no token):
+    inference_time: float | None = None  # first scheduled to finish
+    prefill_time: float | None = None  # first scheduled to first token
+    decode_time: float | None = None  # first token to last
 
 
 @dataclass

@@ -92,6 +92,20 @@ class PrometheusStatLogger:
         self.request_queue_time = histogram(
             "request_queue_time_seconds", "Time from arrival to first scheduling.",
             _REQUEST_BUCKETS)
+        # Per finished sequence, as vLLM's: its tokens and where its time went.
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens of each finished sequence.", _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens of each finished sequence.", _TOKEN_BUCKETS)
+        self.request_inference_time = histogram(
+            "request_inference_time_seconds", "Time from first scheduling to finish.", _REQUEST_BUCKETS)
+        self.request_prefill_time = histogram(
+            "request_prefill_time_seconds", "Time from first scheduling to the first token.", _REQUEST_BUCKETS)
+        self.request_decode_time = histogram(
+            "request_decode_time_seconds", "Time from the first token to the last.", _REQUEST_BUCKETS)
+        self.request_time_per_output_token = histogram(
+            "request_time_per_output_token_seconds",
+            "Each sequence's mean time per output token after its first.", _LATENCY_BUCKETS)
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens run through the model per engine step.",
             _TOKEN_BUCKETS)
@@ -144,6 +158,17 @@ class PrometheusStatLogger:
             child.inc()
             self.e2e_request_latency.observe(fin.e2e_latency)
             self.request_queue_time.observe(fin.queue_time)
+            self.request_prompt_tokens.observe(fin.num_prompt_tokens)
+            self.request_generation_tokens.observe(fin.num_generation_tokens)
+            if fin.inference_time is not None:
+                self.request_inference_time.observe(fin.inference_time)
+            if fin.prefill_time is not None:
+                self.request_prefill_time.observe(fin.prefill_time)
+            if fin.decode_time is not None:
+                self.request_decode_time.observe(fin.decode_time)
+                if fin.num_generation_tokens > 1:
+                    self.request_time_per_output_token.observe(
+                        fin.decode_time / (fin.num_generation_tokens - 1))
 
         # The engine reports every adapter it serves: one unloaded loses its series.
         served = set(stats.lora_running) | set(stats.lora_waiting)

@@ -61,6 +61,13 @@ def test_token_counters_equal_summed_usage(client: openai.OpenAI, server: KVServ
     finished = sum(by_reason.values())
     assert finished == 9, by_reason
     assert delta("e2e_request_latency_seconds_count") == finished
+    # Per sequence, as vLLM's: every sequence got a token here, so each has every time.
+    assert delta("request_generation_tokens_sum") == delta("generation_tokens_total")
+    for name in ("request_prompt_tokens", "request_generation_tokens", "request_inference_time_seconds",
+                 "request_prefill_time_seconds", "request_decode_time_seconds"):
+        assert delta(f"{name}_count") == finished, name
+    assert 0 < delta("request_time_per_output_token_seconds_count") <= finished
+    assert delta("request_prefill_time_seconds_sum") <= delta("request_inference_time_seconds_sum")
 
 
 def test_closed_stream_frees_everything(server: KVServe) -> None:

@@ -373,4 +373,6 @@ class FakeEngine:
         return FinishedRequestStats(finish_reason=s.finish_reason or "abort",
                                     num_prompt_tokens=len(req.prompt_token_ids),
                                     num_generation_tokens=s.num_tokens,
-                                    e2e_latency=now - arrival, queue_time=0.0)
+                                    e2e_latency=now - arrival, queue_time=0.0, inference_time=now - arrival,
+                                    prefill_time=0.0 if s.num_tokens else None,
+                                    decode_time=now - arrival if s.num_tokens else None)

@@ -20,7 +20,9 @@ COUNTERS = ["prompt_tokens_total", "generation_tokens_total", "prefix_cache_quer
             "prefix_cache_hits_total", "num_preemptions_total", "request_success_total"]
 HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds",
               "e2e_request_latency_seconds", "request_queue_time_seconds",
-              "iteration_tokens_total"]
+              "iteration_tokens_total", "request_prompt_tokens", "request_generation_tokens",
+              "request_inference_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+              "request_time_per_output_token_seconds"]
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -78,6 +80,12 @@ async def test_counters_equal_summed_usage(client: httpx.AsyncClient, engine: Fa
     # Sequences: 1 + 2 * 2 + 1 + 1; the n=2 ones hit EOS after 5 tokens, others hit max_tokens.
     assert value(m, "request_success_total", finished_reason="length") == 3
     assert value(m, "request_success_total", finished_reason="stop") == 4
+    # Per sequence: its tokens (7 sequences; their generated tokens are all of them) and times.
+    assert value(m, "request_generation_tokens_sum") == value(m, "generation_tokens_total")
+    for name in ("request_prompt_tokens", "request_generation_tokens", "request_inference_time_seconds",
+                 "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "request_time_per_output_token_seconds"):
+        assert value(m, f"{name}_count") == 7, name
     assert value(m, "e2e_request_latency_seconds_count") == 7
     assert value(m, "time_to_first_token_seconds_count") == 5
     assert value(m, "num_requests_running") == 0
