@@ -110,7 +110,8 @@ class Sampler:
 def apply_logits_processors(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Return a copy of ``logits [S, V]`` with every request's processors applied.
 
-    In order: ``logit_bias`` added; while a request has fewer than
+    In order: every token but ``allowed_token_ids`` (where given) set to -inf;
+    ``logit_bias`` added; while a request has fewer than
     ``min_tokens`` outputs, its EOS ids and ``stop_token_ids`` set to -inf;
     repetition penalty over prompt + output tokens (positive logits divided,
     negative multiplied); presence and frequency penalties over output tokens
@@ -119,10 +120,21 @@ def apply_logits_processors(logits: torch.Tensor, requests: list[Request]) -> to
     tokenizer).
     """
     out = logits.clone()
+    _apply_allowed(out, requests)
     _apply_logit_bias(out, requests)
     _apply_min_tokens(out, requests)
     out = _apply_repetition_penalty(out, requests)
     return _apply_presence_frequency(out, requests)
+
+
+def _apply_allowed(logits: torch.Tensor, requests: list[Request]) -> None:
+    for i, r in enumerate(requests):
+        allowed = r.sampling_params.allowed_token_ids
+        if allowed is not None:
+            keep = _long(tuple(allowed), logits)
+            kept = logits[i, keep]
+            logits[i] = float("-inf")
+            logits[i, keep] = kept
 
 
 def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -324,7 +336,8 @@ def _min_tokens_active(request: Request) -> bool:
 
 def _needs_processing(request: Request) -> bool:
     p = request.sampling_params
-    return bool(p.logit_bias or (_min_tokens_active(request) and _stop_ids(request))
+    return bool(p.logit_bias or p.allowed_token_ids is not None
+                or (_min_tokens_active(request) and _stop_ids(request))
                 or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty)
 
 

@@ -130,6 +130,8 @@ class SamplingParams:
     # whole, not served from the prefix cache: its rows' logits are needed.
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # vLLM's: the only tokens that may be sampled (None: any).
+    allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     # What the output must match (engine/structured.py enforces it); None: free text.
     structured: StructuredOutput | None = None
@@ -193,6 +195,8 @@ class SamplingParams:
                                          or self.prompt_logprobs is not None or self.structured is not None):
             raise ValueError("an embedding request (pooling) samples nothing: n and max_tokens 1, "
                              "no logprobs, prompt_logprobs or structured output")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty")
         for tok, bias in self.logit_bias.items():
             if not math.isfinite(bias) or not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias for token {tok} must be in [-100, 100], got {bias}")

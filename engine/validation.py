@@ -49,6 +49,7 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
     check_token_ids(prompt_token_ids, limits.vocab_size, "prompt")
     check_token_ids(params.stop_token_ids, limits.vocab_size, "stop_token_ids")
     check_token_ids(list(params.logit_bias), limits.vocab_size, "logit_bias")
+    check_token_ids(params.allowed_token_ids or [], limits.vocab_size, "allowed_token_ids")
     if params.think is not None:
         check_token_ids([params.think.start, params.think.end], limits.vocab_size, "think")
     if params.pooling is not None:

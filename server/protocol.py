@@ -82,6 +82,21 @@ class StructuredOutputs(_Exact):
         return StructuredOutput(kind, None if kind == "json_object" else given[kind])
 
 
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: the
+    model's context length; None: the whole prompt)."""
+    if keep is None:
+        return ids
+    keep = max_model_len if keep == -1 else keep
+    return ids[-keep:] if len(ids) > keep else ids
+
+
+def _check_truncate(value: int | None) -> int | None:
+    if value is not None and value != -1 and value < 1:
+        raise ValueError(f"truncate_prompt_tokens must be -1 (the context length) or at least 1, got {value}")
+    return value
+
+
 class _SamplingRequest(_Strict):
     """Fields shared by completions and chat completions (OpenAI + vLLM extras)."""
 
@@ -103,6 +118,8 @@ class _SamplingRequest(_Strict):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     min_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
@@ -123,6 +140,8 @@ class _SamplingRequest(_Strict):
     # (vLLM's guided_decoding_backend and the like carry no constraint: ignored.)
     REPLACED_FIELDS: ClassVar[dict[str, str]] = {
         f"guided_{k}": f'structured_outputs: {{"{k}": ...}}' for k in ("json", "regex", "choice", "grammar")}
+
+    _truncate = field_validator("truncate_prompt_tokens")(_check_truncate)
 
     @model_validator(mode="before")
     @classmethod
@@ -208,7 +227,7 @@ class _SamplingRequest(_Strict):
             "stop": self.stop, "stop_token_ids": self.stop_token_ids,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
-            "skip_special_tokens": self.skip_special_tokens,
+            "skip_special_tokens": self.skip_special_tokens, "allowed_token_ids": self.allowed_token_ids,
         }
         # None means "the default", so only pass what the client set.
         kwargs = {k: v for k, v in given.items() if v is not None}
@@ -481,6 +500,9 @@ class EmbeddingRequest(_Strict):
     user: str | None = None  # accepted and ignored
     add_special_tokens: bool | None = True
     normalize: bool | None = True
+    truncate_prompt_tokens: int | None = None  # vLLM's: each input's last N tokens
+
+    _truncate = field_validator("truncate_prompt_tokens")(_check_truncate)
 
     @field_validator("input")
     @classmethod

@@ -14,7 +14,7 @@ from server.answers import AnswerReader, plan_answer
 from server.body import read_model
 from server.engine_client import TokenizerLike
 from server.errors import bad_request
-from server.protocol import ChatCompletionRequest, template_messages
+from server.protocol import ChatCompletionRequest, template_messages, truncate_prompt
 from server.protocol_responses import (AssistantMessage, ChatChoice, ChatChunkChoice,
                                        ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
                                        ChatTokenLogprob, DeltaMessage, FunctionCall, ToolCall, TopLogprob,
@@ -82,7 +82,9 @@ def prepare_chat(state: ServerState, chat: ChatCompletionRequest
     fmt = state.tool_format
     chat = state.with_model_defaults(chat)
     params, reader = plan_answer(state, chat.sampling_params(fmt), fmt if chat.tool_choice_name() != "none" else None)
-    return params, reader, render_prompt(state.engine.tokenizer, chat, fmt)
+    prompt = truncate_prompt(render_prompt(state.engine.tokenizer, chat, fmt), chat.truncate_prompt_tokens,
+                             state.engine.max_model_len)
+    return params, reader, prompt
 
 
 async def create_chat_completion(state: ServerState, request: Request) -> Response:

@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse, Response
 from engine.outputs import RequestOutput, TokenLogprob
 from server.body import read_model
 from server.engine_client import TokenizerLike
-from server.protocol import CompletionRequest
+from server.protocol import CompletionRequest, truncate_prompt
 from server.protocol_responses import (CompletionChoice, CompletionLogprobs, CompletionResponse, Usage,
                                        json_logprob, now, sse)
 from server.serving_common import (ChoiceState, Choices, encode_prompts, first_output, launch, run_to_completion,
@@ -67,13 +67,14 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     model = state.check_model(body.model)
     params = body.sampling_params()
     tok = state.engine.tokenizer
-    prompts = encode_prompts(tok, body.prompts())
+    keep = body.truncate_prompt_tokens
+    prompts = [truncate_prompt(p, keep, state.engine.max_model_len) for p in encode_prompts(tok, body.prompts())]
     request_id = new_request_id("cmpl")
     merged = await launch(state, request_id, prompts, params,
                           {"prompt": "prompt", "structured": body.structured_param}, model)
-    # NOTE: echo of a token-id prompt returns its decoded text.
-    echoes = [(p if isinstance(p, str) else tok.decode(p)) if body.echo else ""
-              for p in body.prompts()]
+    # NOTE: echo of a token-id (or truncated) prompt returns its decoded text.
+    echoes = [(p if isinstance(p, str) and keep is None else tok.decode(ids)) if body.echo else ""
+              for p, ids in zip(body.prompts(), prompts)]
     choices = Choices([len(p) for p in prompts], params.n)
     want_logprobs = params.logprobs is not None
     # echo with max_tokens 0: the prompt alone; the token the engine sampled is dropped.

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 from engine.sampling_params import SamplingParams
 from server.body import read_model
-from server.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
+from server.protocol import EmbeddingRequest, RerankRequest, ScoreRequest, truncate_prompt
 from server.protocol_responses import now
 from server.serving_common import Choices, encode_prompts, launch, run_to_completion
 from server.state import ServerState, new_request_id
@@ -34,11 +34,13 @@ def encode(vector: list[float], encoding_format: str | None) -> list[float] | st
 
 
 async def embed(state: ServerState, request: Request, request_id: str, inputs: list[str | list[int]],
-                params: SamplingParams, model: str, field: str, add_special_tokens: bool = True
-                ) -> tuple[list[list[float]], int]:
-    """Each input's embedding (engine requests of one group) and their prompt tokens;
-    a 400 for an input the engine refuses names ``field``."""
-    prompts = encode_prompts(state.engine.tokenizer, inputs, add_special_tokens)
+                params: SamplingParams, model: str, field: str, add_special_tokens: bool = True,
+                truncate: int | None = None) -> tuple[list[list[float]], int]:
+    """Each input's embedding (engine requests of one group) and their prompt tokens
+    (each input's last ``truncate`` only, where given); a 400 for an input the engine
+    refuses names ``field``."""
+    prompts = [truncate_prompt(p, truncate, state.engine.max_model_len)
+               for p in encode_prompts(state.engine.tokenizer, inputs, add_special_tokens)]
     merged = await launch(state, request_id, prompts, params, {"prompt": field}, model)
     choices = await run_to_completion(request, merged, Choices([len(p) for p in prompts], 1))
     vectors = []
@@ -53,7 +55,7 @@ async def create_embedding(state: ServerState, request: Request) -> Response:
     body = await read_model(request, EmbeddingRequest)
     model = state.check_model(body.model)
     vectors, tokens = await embed(state, request, new_request_id("embd"), body.inputs(), body.sampling_params(),
-                                  model, "input", body.add_special_tokens is not False)
+                                  model, "input", body.add_special_tokens is not False, body.truncate_prompt_tokens)
     data = [{"object": "embedding", "index": i, "embedding": encode(v, body.encoding_format)}
             for i, v in enumerate(vectors)]
     return JSONResponse({"object": "list", "data": data, "model": model,

@@ -41,6 +41,24 @@ def test_logit_bias_is_added():
     assert out.tolist() == [[-98.0, -1.0, 5.5, 3.0]]
 
 
+def test_allowed_token_ids_leave_only_those_tokens():
+    # vLLM's allowed_token_ids: the rest -inf, the allowed ones as they were (then biased).
+    out = apply_logits_processors(logits_of([2.0, -1.0, 0.5, 3.0], [2.0, -1.0, 0.5, 3.0]),
+                                  [make_request(allowed_token_ids=[1, 2], logit_bias={2: 1.0}), make_request()])
+    assert out.tolist() == [[NEG_INF, -1.0, 1.5, NEG_INF], [2.0, -1.0, 0.5, 3.0]]
+    logits = torch.randn(200, 50, generator=torch.Generator().manual_seed(4))
+    sampled = Sampler(50)(logits, [make_request(allowed_token_ids=[7, 9, 11], seed=i) for i in range(200)])
+    assert set(sampled.token_ids) == {7, 9, 11}
+    greedy = Sampler(50)(logits[:1], [make_request(temperature=0.0, allowed_token_ids=[7, 9, 11], logprobs=1)])
+    best = max((7, 9, 11), key=lambda t: logits[0, t])
+    assert greedy.token_ids == [best]
+    # Its logprob is of the distribution over the allowed tokens alone.
+    allowed = torch.log_softmax(logits[0, [7, 9, 11]], 0)
+    assert greedy.logprobs[0].logprob == pytest.approx(allowed[(7, 9, 11).index(best)].item(), abs=1e-6)
+    with pytest.raises(ValueError, match="allowed_token_ids must not be empty"):
+        SamplingParams(allowed_token_ids=[])
+
+
 def test_processors_do_not_modify_their_input():
     logits = logits_of([2.0, -1.0, 0.5, 3.0])
     apply_logits_processors(logits, [make_request(logit_bias={1: 1.0}, repetition_penalty=2.0)])

@@ -270,3 +270,25 @@ async def test_batch_of_token_id_prompts(client: httpx.AsyncClient, engine: Fake
     assert [c["index"] for c in r.json()["choices"]] == [0, 1]
     assert sorted(req.prompt_token_ids for req in engine.requests) == [[104], [105, 106]]
     assert r.json()["usage"]["prompt_tokens"] == 3
+
+
+async def test_truncate_prompt_tokens_and_allowed_token_ids(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    # vLLM's: the prompt's last N tokens (-1: the context length), and the only tokens allowed.
+    r = await complete(client, prompt="hello world", max_tokens=2, truncate_prompt_tokens=5, echo=True,
+                       allowed_token_ids=[104, 101])
+    assert r.status_code == 200, r.text
+    assert engine.requests[-1].prompt_token_ids == list(b"world")
+    assert r.json()["choices"][0]["text"].startswith("world")  # the echo is the prompt that ran
+    assert r.json()["usage"]["prompt_tokens"] == 5
+    assert engine.requests[-1].params.allowed_token_ids == [104, 101]
+    await complete(client, prompt="hi", max_tokens=1, truncate_prompt_tokens=-1)
+    assert engine.requests[-1].prompt_token_ids == [256, 104, 105]
+    await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello"}],
+                                                     "max_tokens": 1, "truncate_prompt_tokens": 4})
+    assert engine.requests[-1].prompt_token_ids == list(b"ant|>")[-4:]  # the rendered prompt's end
+    r = await client.post("/v1/embeddings", json={"input": "hello world", "truncate_prompt_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3
+    for body, param in [({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+                        ({"allowed_token_ids": []}, "allowed_token_ids"),
+                        ({"allowed_token_ids": [99999]}, "allowed_token_ids")]:
+        assert_error(await complete(client, prompt="hi", max_tokens=1, **body), 400, param)
