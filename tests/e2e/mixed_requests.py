@@ -42,7 +42,8 @@ def _sampling(rng: random.Random, body: dict[str, Any]) -> dict[str, Any]:
     options = {"temperature": [0, 0.7, 1.0, 1.5], "top_p": [0.1, 0.9], "top_k": [1, 5, -1], "min_p": [0.0, 0.1],
                "seed": list(range(100)), "n": [1, 2, 3], "stop": ["\n", ["."], [",", "!"]],
                "presence_penalty": [-1.0, 2.0], "frequency_penalty": [-2.0, 0.5], "repetition_penalty": [1.3],
-               "min_tokens": [0, 3, 10], "ignore_eos": [True], "include_stop_str_in_output": [True]}
+               "min_tokens": [0, 3, 10], "ignore_eos": [True], "include_stop_str_in_output": [True],
+               "allowed_token_ids": [list(range(200, 2000)), [2, 28, 30]], "truncate_prompt_tokens": [2, -1]}
     for key, values in options.items():
         if rng.random() < 0.25:
             body[key] = rng.choice(values)
@@ -132,7 +133,8 @@ def as_llamacpp(completion: dict[str, Any]) -> dict[str, Any]:
     """The same completions request in llama.cpp's /completion words."""
     names = {"max_tokens": "n_predict", "logprobs": "n_probs", "n": "n_cmpl", "repetition_penalty": "repeat_penalty"}
     body = {names.get(k, k): v for k, v in completion.items()
-            if k not in ("model", "stream_options", "min_tokens", "include_stop_str_in_output")}
+            if k not in ("model", "stream_options", "min_tokens", "include_stop_str_in_output", "allowed_token_ids",
+                         "truncate_prompt_tokens")}
     if isinstance(body.get("stop"), str):
         body["stop"] = [body["stop"]]
     if "logit_bias" in body:
