@@ -58,7 +58,7 @@ class LlamaCppCompletionRequest(_Strict):
     repeat_penalty: float = LLAMACPP_DEFAULTS["repeat_penalty"]
     presence_penalty: float = LLAMACPP_DEFAULTS["presence_penalty"]
     frequency_penalty: float = LLAMACPP_DEFAULTS["frequency_penalty"]
-    stop: list[str] = []
+    stop: str | list[str] = []
     seed: int = LLAMACPP_DEFAULTS["seed"]
     ignore_eos: bool = LLAMACPP_DEFAULTS["ignore_eos"]
     logit_bias: list[list[Any]] | dict[str, Any] | None = None
@@ -227,7 +227,10 @@ def _probabilities(tok: TokenizerLike, lps: list[TokenLogprob]) -> list[dict[str
 async def create_llamacpp_completion(state: ServerState, request: Request) -> Response:
     """Validate, run and render one llama.cpp ``/completion`` request."""
     body = await read_model(request, LlamaCppCompletionRequest)
-    model = state.check_model(body.model)
+    # llama.cpp's server (one model) reads no model name: another name is the base model
+    # here too, while a served adapter's runs that adapter.
+    served = {state.model_name, *state.model_aliases, *state.engine.lora_adapters}
+    model = state.check_model(body.model if body.model in served else None)
     tok = state.engine.tokenizer
     prompts = body.prompts(tok)
     completion = body.as_completion(prompts, tok)
