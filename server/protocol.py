@@ -120,6 +120,7 @@ class _SamplingRequest(_Strict):
     min_tokens: int | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and the answer's token ids too
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None

@@ -68,22 +68,26 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
-class _OptionalPromptLogprobs(BaseModel):
-    """``prompt_logprobs`` on the wire only when a request asked for them (last, as vLLM
-    sends it), so that every other answer keeps OpenAI's exact shape."""
+class _VllmExtras(BaseModel):
+    """vLLM's extra fields on the wire only when a request asked for them (last, as vLLM
+    sends them), so that every other answer keeps OpenAI's exact shape: ``prompt_logprobs``,
+    and with ``return_token_ids`` the prompt's and the answer's token ids."""
 
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unasked(self, handler: Any) -> dict[str, Any]:
         out = handler(self)
-        value = out.pop("prompt_logprobs", None)
-        if value is not None:
-            out["prompt_logprobs"] = value
+        for name in ("prompt_logprobs", "prompt_token_ids", "token_ids"):
+            value = out.pop(name, None)
+            if value is not None:
+                out[name] = value
         return out
 
 
-class CompletionChoice(_OptionalPromptLogprobs):
+class CompletionChoice(_VllmExtras):
     text: str
     index: int
     logprobs: CompletionLogprobs | None = None
@@ -164,14 +168,14 @@ class DeltaToolCall(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_VllmExtras):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(_OptionalPromptLogprobs):
+class ChatCompletionResponse(_VllmExtras):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=now)
@@ -193,14 +197,14 @@ class DeltaMessage(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_VllmExtras):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_VllmExtras):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int

@@ -19,8 +19,8 @@ from server.protocol_responses import (AssistantMessage, ChatChoice, ChatChunkCh
                                        ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
                                        ChatTokenLogprob, DeltaMessage, FunctionCall, ToolCall, TopLogprob,
                                        json_logprob, now, sse)
-from server.serving_common import (Choices, first_output, launch, run_to_completion, stream_response,
-                                   token_name, vllm_prompt_logprobs)
+from server.serving_common import (Choices, TokenIdDeltas, first_output, launch, run_to_completion,
+                                   stream_response, token_name, vllm_prompt_logprobs)
 from server.state import ServerState, new_request_id
 from server.tools import ToolFormat, new_call_id
 
@@ -114,44 +114,54 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         result = ChatCompletionResponse(id=request_id, model=model,
                                         usage=choices.usage(), choices=[
             ChatChoice(index=idx, message=msg, finish_reason=reason,
-                       logprobs=chat_logprobs(tok, st.logprobs, as_ids) if want_logprobs else None)
+                       logprobs=chat_logprobs(tok, st.logprobs, as_ids) if want_logprobs else None,
+                       token_ids=st.token_ids if body.return_token_ids else None)
             for idx, (st, (msg, reason)) in enumerate(zip(choices.states, answers))],
             # One prompt: every sample's prompt logprobs are the same (vLLM sends them once).
             prompt_logprobs=(vllm_prompt_logprobs(tok, choices.states[0].prompt_logprobs)
-                             if body.prompt_logprobs is not None else None))
+                             if body.prompt_logprobs is not None else None),
+            prompt_token_ids=prompt if body.return_token_ids else None)
         return JSONResponse(result.model_dump(mode="json"))
 
     first = await first_output(request, merged)
     created = now()
     include_usage = body.include_usage
 
-    def chunk(choice: ChatChunkChoice | None, usage: bool = body.continuous_usage) -> str:
+    ids = TokenIdDeltas(bool(body.return_token_ids))
+
+    def chunk(choice: ChatChunkChoice | None, usage: bool = body.continuous_usage,
+              prompt_ids: list[int] | None = None) -> str:
         return sse(ChatCompletionChunk(
             id=request_id, created=created, model=model,
-            choices=[choice] if choice else [], usage=choices.usage() if usage else None),
-            include_usage=include_usage)
+            choices=[choice] if choice else [], usage=choices.usage() if usage else None,
+            prompt_token_ids=prompt_ids), include_usage=include_usage)
 
     def prelude() -> Iterator[str]:
-        # The first chunk of every choice announces the role, as OpenAI's do.
+        # The first chunk of every choice announces the role, as OpenAI's do; with
+        # return_token_ids the very first carries the prompt's ids, as vLLM's does.
         for idx in range(len(choices.states)):
-            yield chunk(ChatChunkChoice(index=idx,
-                                        delta=DeltaMessage(role="assistant", content="")))
+            yield chunk(ChatChunkChoice(index=idx, delta=DeltaMessage(role="assistant", content=""),
+                                        token_ids=ids.take(idx)),
+                        prompt_ids=prompt if ids.enabled and idx == 0 else None)
 
     answers = [reader.stream() for _ in choices.states]
 
     def render(prompt_index: int, ro: RequestOutput) -> Iterator[str]:
         for idx, out, finished in choices.update(prompt_index, ro):
+            ids.add(idx, out.token_ids)
             reasoning, text, calls = answers[idx].feed(out.text, finished)
             if text or reasoning or calls or out.logprobs:
                 lps = chat_logprobs(tok, out.logprobs or [], as_ids) if want_logprobs else None
                 yield chunk(ChatChunkChoice(index=idx, delta=DeltaMessage(
                     content=text if text or not (calls or reasoning) else None,
-                    reasoning_content=reasoning or None, tool_calls=calls or None), logprobs=lps))
+                    reasoning_content=reasoning or None, tool_calls=calls or None), logprobs=lps,
+                    token_ids=ids.take(idx)))
             if finished:
                 reason = choices.states[idx].finish_reason
                 if answers[idx].were_calls and reason == "stop":
                     reason = "tool_calls"
-                yield chunk(ChatChunkChoice(index=idx, delta=DeltaMessage(), finish_reason=reason))
+                yield chunk(ChatChunkChoice(index=idx, delta=DeltaMessage(), finish_reason=reason,
+                                            token_ids=ids.take(idx)))
 
     def epilogue() -> Iterator[str]:
         if include_usage:

@@ -39,6 +39,7 @@ ABORTED_BY_SHUTDOWN = ("The server is shutting down: this request was aborted be
 class ChoiceState:
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or token that ended it, if one did
@@ -72,6 +73,7 @@ class Choices:
             st = self.states[idx]
             st.text.append(out.text)
             st.num_tokens += len(out.token_ids)
+            st.token_ids.extend(out.token_ids)
             if out.logprobs:
                 st.logprobs.extend(out.logprobs)
             if out.prompt_logprobs is not None:
@@ -89,6 +91,23 @@ class Choices:
         (a completions ``echo`` with ``max_tokens: 0``)."""
         completion = sum(s.num_tokens for s in self.states) if generated else 0
         return Usage.of(sum(self.prompt_lens), completion, sum(self.cached))
+
+
+class TokenIdDeltas:
+    """With vLLM's ``return_token_ids``, a stream's token ids: each choice's ids not yet
+    sent go with its next chunk (a token whose text is held back waits for one)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._pending: dict[int, list[int]] = {}
+
+    def add(self, idx: int, token_ids: list[int]) -> None:
+        if self.enabled:
+            self._pending.setdefault(idx, []).extend(token_ids)
+
+    def take(self, idx: int) -> list[int] | None:
+        """Choice ``idx``'s ids for its next chunk (None: not asked for)."""
+        return self._pending.pop(idx, []) if self.enabled else None
 
 
 def token_name(tokenizer: TokenizerLike, token_id: int, as_id: bool) -> str:

@@ -13,8 +13,8 @@ from server.engine_client import TokenizerLike
 from server.protocol import CompletionRequest, truncate_prompt
 from server.protocol_responses import (CompletionChoice, CompletionLogprobs, CompletionResponse, Usage,
                                        json_logprob, now, sse)
-from server.serving_common import (ChoiceState, Choices, encode_prompts, first_output, launch, run_to_completion,
-                                   stream_response, token_name, vllm_prompt_logprobs)
+from server.serving_common import (ChoiceState, Choices, TokenIdDeltas, encode_prompts, first_output, launch,
+                                   run_to_completion, stream_response, token_name, vllm_prompt_logprobs)
 from server.state import ServerState, new_request_id
 
 
@@ -109,20 +109,29 @@ async def create_completion(state: ServerState, request: Request) -> Response:
             result.choices.append(CompletionChoice(
                 index=idx, text=text, logprobs=lps, finish_reason=finish_reason(st),
                 prompt_logprobs=(vllm_prompt_logprobs(tok, st.prompt_logprobs)
-                                 if body.prompt_logprobs is not None else None)))
+                                 if body.prompt_logprobs is not None else None),
+                prompt_token_ids=prompts[idx // params.n] if body.return_token_ids else None,
+                token_ids=([] if echo_only else st.token_ids) if body.return_token_ids else None))
         return JSONResponse(result.model_dump(mode="json"))
 
     first = await first_output(request, merged)
     created = now()
     include_usage = body.include_usage
     echoed = [False] * len(choices.states)
+    ids = TokenIdDeltas(bool(body.return_token_ids))
+    sent_prompt_ids: set[int] = set()
 
     def chunk(idx: int, text: str, finish_reason: str | None = None,
               logprobs: CompletionLogprobs | None = None) -> str:
+        # With return_token_ids: the prompt's ids on a choice's first chunk, and the new ids on each.
+        prompt_ids = None
+        if ids.enabled and idx not in sent_prompt_ids:
+            sent_prompt_ids.add(idx)
+            prompt_ids = prompts[idx // params.n]
         return sse(CompletionResponse(
             id=request_id, created=created, model=model,
-            choices=[CompletionChoice(index=idx, text=text, logprobs=logprobs,
-                                      finish_reason=finish_reason)],
+            choices=[CompletionChoice(index=idx, text=text, logprobs=logprobs, finish_reason=finish_reason,
+                                      prompt_token_ids=prompt_ids, token_ids=ids.take(idx))],
             usage=usage() if body.continuous_usage else None),
             include_usage=include_usage)
 
@@ -133,6 +142,8 @@ async def create_completion(state: ServerState, request: Request) -> Response:
                 # On the choice's first delta, which carries the prompt's logprobs.
                 echoed[idx] = True
                 yield chunk(idx, echoes[prompt_index], logprobs=echo_logprobs(idx, st))
+            if not echo_only:
+                ids.add(idx, out.token_ids)
             if not echo_only and (out.text or out.logprobs):
                 lps = writers[idx].tokens(out.logprobs or []) if want_logprobs else None
                 yield chunk(idx, out.text, logprobs=lps)

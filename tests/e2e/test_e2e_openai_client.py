@@ -320,3 +320,24 @@ def test_a_prefilled_answer_continues_the_last_message(client: openai.OpenAI, se
     assert message.content[0].text == completion.choices[0].text
     with pytest.raises(anthropic.BadRequestError, match="continue"):
         claude.messages.create(model=MODEL, max_tokens=4, messages=[*MESSAGES, {"role": "assistant", "content": " "}])
+
+
+def test_return_token_ids_are_the_prompt_and_the_answer(client: openai.OpenAI, server: KVServe) -> None:
+    # vLLM's return_token_ids through the SDK (extra_body, read back from model_extra), as an
+    # RL rollout reads them: the chat prompt's ids are what /tokenize gives its messages, and
+    # the answer's ids decode to its text.
+    messages = [{"role": "user", "content": "Name a colour."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    tokenized = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, headers=server.headers,
+                           timeout=30).json()["tokens"]
+    assert r.model_extra["prompt_token_ids"] == tokenized
+    ids = r.choices[0].model_extra["token_ids"]
+    assert len(ids) == r.usage.completion_tokens
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}, headers=server.headers,
+                      timeout=30).json()["prompt"]
+    assert text.startswith(r.choices[0].message.content)
+    streamed = [t for chunk in client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True,
+        extra_body={"return_token_ids": True}) for c in chunk.choices for t in c.model_extra["token_ids"]]
+    assert streamed == ids

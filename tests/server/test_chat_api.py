@@ -222,3 +222,21 @@ def test_logprob_bytes_put_a_split_character_back_together(gguf_tokenizer) -> No
     assert all(set(e.token) == {"\ufffd"} for e in lps.content[:2])
     assert bytes(b for e in lps.content for b in e.bytes).decode() == "🙂!"
     assert [t.bytes for e in lps.content for t in e.top_logprobs] == [e.bytes for e in lps.content]
+
+
+async def test_return_token_ids(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    # vLLM's return_token_ids: the prompt's ids once at the top, each choice's answer ids.
+    whole = (await chat(client, max_tokens=6, n=2, return_token_ids=True)).json()
+    prompt = engine.requests[-1].prompt_token_ids
+    assert whole["prompt_token_ids"] == prompt
+    for k, choice in enumerate(whole["choices"]):
+        assert choice["token_ids"] == [ord(c) for c in SCRIPT[k:k + 6]]
+        assert engine.tokenizer.decode(choice["token_ids"]) == choice["message"]["content"]
+    events = [e for e in sse_events((await chat(client, max_tokens=6, n=2, return_token_ids=True,
+                                                stream=True)).text) if e != "[DONE]"]
+    assert events[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in e for e in events[1:])
+    for k, choice in enumerate(whole["choices"]):
+        assert [t for e in events for c in e["choices"] if c["index"] == k for t in c["token_ids"]] == \
+            choice["token_ids"]
+    plain = (await chat(client, max_tokens=2)).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]

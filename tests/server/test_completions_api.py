@@ -292,3 +292,23 @@ async def test_truncate_prompt_tokens_and_allowed_token_ids(client: httpx.AsyncC
                         ({"allowed_token_ids": []}, "allowed_token_ids"),
                         ({"allowed_token_ids": [99999]}, "allowed_token_ids")]:
         assert_error(await complete(client, prompt="hi", max_tokens=1, **body), 400, param)
+
+
+async def test_return_token_ids(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    # vLLM's return_token_ids: the prompt's ids and the answer's, streamed or not; a token
+    # whose text a stop string holds back still has its id sent (with the next chunk).
+    body = {"prompt": ["hi", "a"], "n": 2, "max_tokens": 12, "stop": ["world"], "return_token_ids": True}
+    whole = (await complete(client, **body)).json()
+    for i, choice in enumerate(whole["choices"]):
+        assert choice["prompt_token_ids"] == engine.tokenizer.encode(["hi", "a"][i // 2])
+        # Sample k types SCRIPT from k on; its text stops before "world", its tokens after it.
+        assert choice["text"] + "world" == SCRIPT[i % 2:][:len(choice["text"]) + 5]
+        assert choice["token_ids"] == [ord(c) for c in choice["text"] + "world"]
+    events = [e for e in sse_events((await complete(client, **body, stream=True)).text) if e != "[DONE]"]
+    for i, choice in enumerate(whole["choices"]):
+        mine = [c for e in events for c in e["choices"] if c["index"] == i]
+        assert mine[0]["prompt_token_ids"] == choice["prompt_token_ids"]
+        assert all("prompt_token_ids" not in c for c in mine[1:])
+        assert [t for c in mine for t in c["token_ids"]] == choice["token_ids"]
+    plain = (await complete(client, prompt="hi", max_tokens=2)).json()["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
