@@ -229,6 +229,17 @@ class LLMEngine:
                              time.monotonic() if arrival_time is None else arrival_time,
                              group or request_id, grammar, key, lora)
 
+    def _bad_words_token_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's ``bad_words`` as token sequences: each word as it is and after a space
+        (how it is tokenized mid-text), without special tokens."""
+        found: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for text in (word, word if word.startswith(" ") else " " + word):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids:
+                    found[ids] = None
+        return tuple(found)
+
     @staticmethod
     def _sampling_defaults(config: EngineConfig, model: ModelConfig) -> dict[str, float]:
         """The model's recommended sampling (``generation_config.json``), for requests that
@@ -301,12 +312,13 @@ class LLMEngine:
             assert request.lora is not None
             self.runner.adapters[request.adapter] = request.lora
             self._retired_adapters.add(request.adapter)
+        bad_words = self._bad_words_token_ids(params.bad_words)
         seqs = [
             Request(request_id=f"{request_id}#{i}" if params.n > 1 else request_id,
                     prompt_token_ids=list(request.prompt_token_ids), sampling_params=params,
                     max_tokens=request.max_tokens, eos_token_ids=self.eos_token_ids,
                     group=request.group, sample_index=i, arrival_time=request.arrival_time,
-                    adapter=request.adapter,
+                    adapter=request.adapter, bad_words_token_ids=bad_words,
                     grammar=(self.grammars.grammar(request.grammar, params.think)
                              if request.grammar is not None else None))
             for i in range(params.n)

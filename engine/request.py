@@ -92,6 +92,8 @@ class Request:
     generator: torch.Generator | None = None
     # The sample's structured-output matcher, fed every appended token.
     grammar: Grammar | None = None
+    # ``sampling_params.bad_words`` as token sequences (each word, and with a space before it).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     # Proposed next tokens for the coming step (engine.speculative); the scheduler
     # runs them after the last known token and the engine keeps what the model confirms.
     spec_token_ids: list[int] = field(default_factory=list)

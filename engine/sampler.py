@@ -111,6 +111,7 @@ def apply_logits_processors(logits: torch.Tensor, requests: list[Request]) -> to
     """Return a copy of ``logits [S, V]`` with every request's processors applied.
 
     In order: every token but ``allowed_token_ids`` (where given) set to -inf;
+    each bad word's last token set to -inf where it would complete the word;
     ``logit_bias`` added; while a request has fewer than
     ``min_tokens`` outputs, its EOS ids and ``stop_token_ids`` set to -inf;
     repetition penalty over prompt + output tokens (positive logits divided,
@@ -121,6 +122,7 @@ def apply_logits_processors(logits: torch.Tensor, requests: list[Request]) -> to
     """
     out = logits.clone()
     _apply_allowed(out, requests)
+    _apply_bad_words(out, requests)
     _apply_logit_bias(out, requests)
     _apply_min_tokens(out, requests)
     out = _apply_repetition_penalty(out, requests)
@@ -135,6 +137,17 @@ def _apply_allowed(logits: torch.Tensor, requests: list[Request]) -> None:
             kept = logits[i, keep]
             logits[i] = float("-inf")
             logits[i, keep] = kept
+
+
+def _apply_bad_words(logits: torch.Tensor, requests: list[Request]) -> None:
+    vocab = logits.shape[1]
+    for i, r in enumerate(requests):
+        out = r.output_token_ids
+        for word in r.bad_words_token_ids:
+            *head, last = word
+            # A one-token word always; a longer one where the output ends with all but its last token.
+            if last < vocab and (not head or (len(out) >= len(head) and out[len(out) - len(head):] == head)):
+                logits[i, last] = float("-inf")
 
 
 def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -336,7 +349,7 @@ def _min_tokens_active(request: Request) -> bool:
 
 def _needs_processing(request: Request) -> bool:
     p = request.sampling_params
-    return bool(p.logit_bias or p.allowed_token_ids is not None
+    return bool(p.logit_bias or p.allowed_token_ids is not None or request.bad_words_token_ids
                 or (_min_tokens_active(request) and _stop_ids(request))
                 or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty)
 

@@ -132,6 +132,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # vLLM's: the only tokens that may be sampled (None: any).
     allowed_token_ids: list[int] | None = None
+    # vLLM's: words never generated (their last token is masked where it would complete one).
+    bad_words: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
     # What the output must match (engine/structured.py enforces it); None: free text.
     structured: StructuredOutput | None = None
@@ -145,6 +147,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         if self.top_k == -1:
             self.top_k = 0
@@ -195,6 +198,8 @@ class SamplingParams:
                                          or self.prompt_logprobs is not None or self.structured is not None):
             raise ValueError("an embedding request (pooling) samples nothing: n and max_tokens 1, "
                              "no logprobs, prompt_logprobs or structured output")
+        if any(not w for w in self.bad_words):
+            raise ValueError("bad_words must not hold an empty word")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty")
         for tok, bias in self.logit_bias.items():

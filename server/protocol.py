@@ -121,6 +121,7 @@ class _SamplingRequest(_Strict):
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
     return_token_ids: bool | None = None  # vLLM's: the prompt's and the answer's token ids too
+    bad_words: list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
@@ -229,6 +230,7 @@ class _SamplingRequest(_Strict):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
             "skip_special_tokens": self.skip_special_tokens, "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words,
         }
         # None means "the default", so only pass what the client set.
         kwargs = {k: v for k, v in given.items() if v is not None}

@@ -462,3 +462,17 @@ def test_the_models_sampling_defaults_unless_generation_config_vllm(caplog):
     assert "ignoring the model's generation_config.json sampling" in caplog.text
     with pytest.raises(ValueError, match="generation_config must be auto or vllm"):
         EngineConfig(generation_config="hf")
+
+
+def test_bad_words_are_never_generated(smollm2_loaded):
+    # vLLM's bad_words: each word's tokens (as it is and after a space) never complete it.
+    engine = make_engine(smollm2_loaded)
+    prompt = "The capital of France is"
+    [[free]] = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert "Paris" in free.text
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, bad_words=["Paris", "France"])
+    [[banned]] = engine.generate([prompt], params, use_tqdm=False)
+    assert "Paris" not in banned.text and "France" not in banned.text, banned.text
+    words = engine._bad_words_token_ids(["Paris"])
+    assert len(words) == 2 and all(w for w in words)
+    assert_engine_idle(engine)

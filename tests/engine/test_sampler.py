@@ -242,3 +242,15 @@ def test_logprobs_follow_bias_but_not_temperature():
 def test_sampler_rejects_an_empty_vocabulary():
     with pytest.raises(ValueError, match="vocab_size"):
         Sampler(0)
+
+
+def test_bad_words_mask_the_token_that_would_complete_one():
+    # A one-token word is always masked; a two-token word's last token only after its first.
+    one = make_request(output=[5])
+    one.bad_words_token_ids = ((2,), (1, 3))
+    after = make_request(output=[4, 1])
+    after.bad_words_token_ids = ((1, 3),)
+    out = apply_logits_processors(logits_of(*[[2.0, -1.0, 0.5, 3.0]] * 2), [one, after])
+    assert out.tolist() == [[2.0, -1.0, NEG_INF, 3.0], [2.0, -1.0, 0.5, NEG_INF]]
+    with pytest.raises(ValueError, match="bad_words must not hold an empty word"):
+        SamplingParams(bad_words=[""])

@@ -288,7 +288,9 @@ async def test_truncate_prompt_tokens_and_allowed_token_ids(client: httpx.AsyncC
     assert engine.requests[-1].prompt_token_ids == list(b"ant|>")[-4:]  # the rendered prompt's end
     r = await client.post("/v1/embeddings", json={"input": "hello world", "truncate_prompt_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3
-    for body, param in [({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    await complete(client, prompt="hi", max_tokens=1, bad_words=["zz", " y"])
+    assert engine.requests[-1].params.bad_words == ["zz", " y"]
+    for body, param in [({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"), ({"bad_words": [""]}, "bad_words"),
                         ({"allowed_token_ids": []}, "allowed_token_ids"),
                         ({"allowed_token_ids": [99999]}, "allowed_token_ids")]:
         assert_error(await complete(client, prompt="hi", max_tokens=1, **body), 400, param)
