@@ -227,7 +227,8 @@ class LLMEngine:
             self.grammars.blanks()  # worked out once, here rather than on the engine loop
         return EngineRequest(request_id, list(prompt_token_ids), params, max_tokens,
                              time.monotonic() if arrival_time is None else arrival_time,
-                             group or request_id, grammar, key, lora)
+                             group or request_id, grammar, key, lora,
+                             self._bad_words_token_ids(params.bad_words))
 
     def _bad_words_token_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
         """vLLM's ``bad_words`` as token sequences: each word as it is and after a space
@@ -312,13 +313,12 @@ class LLMEngine:
             assert request.lora is not None
             self.runner.adapters[request.adapter] = request.lora
             self._retired_adapters.add(request.adapter)
-        bad_words = self._bad_words_token_ids(params.bad_words)
         seqs = [
             Request(request_id=f"{request_id}#{i}" if params.n > 1 else request_id,
                     prompt_token_ids=list(request.prompt_token_ids), sampling_params=params,
                     max_tokens=request.max_tokens, eos_token_ids=self.eos_token_ids,
                     group=request.group, sample_index=i, arrival_time=request.arrival_time,
-                    adapter=request.adapter, bad_words_token_ids=bad_words,
+                    adapter=request.adapter, bad_words_token_ids=request.bad_words_token_ids,
                     grammar=(self.grammars.grammar(request.grammar, params.think)
                              if request.grammar is not None else None))
             for i in range(params.n)

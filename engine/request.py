@@ -57,6 +57,8 @@ class EngineRequest:
     # Its weights, held from the check on: an adapter unloaded before the request enters
     # the engine still serves it (the unload comes after it, as far as it is concerned).
     lora: LoRAAdapter | None = None
+    # ``params.bad_words`` as token sequences (Request.bad_words_token_ids), tokenized in the check.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass

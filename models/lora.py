@@ -87,6 +87,20 @@ class LoRAAdapter:
     rank: int  # the largest rank of its projections
     layers: list[dict[str, LoRAUpdate]]
 
+    @cached_property
+    def fusable(self) -> bool:
+        """Whether ``ops.fused_layer`` can run its updates: every one is packed for
+        ``ops.dense_linear`` in float32, the fused kernel's activations."""
+        return all(u.packed and u.a.dtype == torch.float32 for layer in self.layers for u in layer.values())
+
+    @cached_property
+    def fused_layers(self) -> list[list[torch.Tensor]]:
+        """Per decoder layer, ``(A, B)`` of each projection in ``ops.fused_layer``'s order
+        (empty tensors where the adapter leaves one alone)."""
+        return [[t for proj in _FUSED_ORDER
+                 for t in ((layer[proj].a, layer[proj].b) if proj in layer else (_NO_UPDATE, _NO_UPDATE))]
+                for layer in self.layers]
+
 
 def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.dtype,
                  device: torch.device, tp: TensorParallel | None = None) -> LoRAAdapter:
@@ -308,27 +322,19 @@ class LoRABatch:
         """This batch's updates for decoder layer ``index``."""
         return LayerLoRA(self, index)
 
-    @cached_property
+    @property
     def fusable(self) -> bool:
-        """Whether ``ops.fused_layer`` can run these updates: every one is packed for
-        ``ops.dense_linear`` in float32, the fused kernel's activations."""
-        return all(u.packed and u.a.dtype == torch.float32
-                   for adapter, _ in self.groups for layer in adapter.layers for u in layer.values())
+        """Whether ``ops.fused_layer`` can run these updates (``LoRAAdapter.fusable``)."""
+        return all(adapter.fusable for adapter, _ in self.groups)
 
     def fused_args(self, index: int) -> tuple[list[torch.Tensor], list[int]]:
-        """Layer ``index``'s updates as ``ops.fused_layer`` takes them: per row range,
-        ``(A, B)`` of each projection in the kernel's order (empty tensors where the
-        adapter leaves one alone), and the ranges' ``start, stop`` pairs."""
+        """Layer ``index``'s updates as ``ops.fused_layer`` takes them: per row range, its
+        adapter's ``LoRAAdapter.fused_layers`` entry, and the ranges' ``start, stop`` pairs."""
         tensors: list[torch.Tensor] = []
         rows: list[int] = []
         for adapter, ranges in self.groups:
-            updates = adapter.layers[index]
-            pairs: list[torch.Tensor] = []
-            for proj in _FUSED_ORDER:
-                update = updates.get(proj)
-                pairs += (update.a, update.b) if update is not None else (_NO_UPDATE, _NO_UPDATE)
             for start, stop in ranges:
-                tensors += pairs
+                tensors += adapter.fused_layers[index]
                 rows += (start, stop)
         return tensors, rows
 

@@ -38,7 +38,6 @@ ABORTED_BY_SHUTDOWN = ("The server is shutting down: this request was aborted be
 @dataclass
 class ChoiceState:
     text: list[str] = field(default_factory=list)
-    num_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
@@ -46,6 +45,10 @@ class ChoiceState:
     # The prompt's own logprobs (first entry None), when the request asked for them.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     embedding: list[float] | None = None  # an embedding request's answer
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 class Choices:
@@ -72,7 +75,6 @@ class Choices:
             idx = self.index(prompt_index, out)
             st = self.states[idx]
             st.text.append(out.text)
-            st.num_tokens += len(out.token_ids)
             st.token_ids.extend(out.token_ids)
             if out.logprobs:
                 st.logprobs.extend(out.logprobs)

@@ -71,9 +71,7 @@ async def _similarities(state: ServerState, request: Request, request_id: str, p
                         model: str, field: str) -> tuple[list[float], int]:
     """Each pair's cosine similarity, every distinct text embedded once; and the tokens."""
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-    vectors, tokens = await embed(state, request, request_id, list(texts),
-                                  SamplingParams.embedding(),
-                                  model, field)
+    vectors, tokens = await embed(state, request, request_id, texts, SamplingParams.embedding(), model, field)
     by_text = dict(zip(texts, vectors))
     return [cosine(by_text[a], by_text[b]) for a, b in pairs], tokens
 

@@ -25,7 +25,7 @@ from server.engine_client import TokenizerLike
 from server.errors import bad_request, renamed_params
 from server.protocol import CompletionRequest, _Strict
 from server.protocol_responses import json_logprob, sse_json
-from server.serving_common import Choices, first_output, launch, run_to_completion, stream_response
+from server.serving_common import Choices, first_output, launch, run_to_completion, stream_response, token_name
 from server.state import ServerState, new_request_id
 
 # The /v1/completions field a 400 names -> the llama.cpp field it came from.
@@ -76,15 +76,15 @@ class LlamaCppCompletionRequest(_Strict):
     n_keep: int = 0
     samplers: list[str] | None = None
     # Samplers kvserve does not have (_OFF): only their "off" values.
-    typical_p: float = 1.0
-    mirostat: int = 0
-    dry_multiplier: float = 0.0
-    xtc_probability: float = 0.0
-    dynatemp_range: float = 0.0
-    top_n_sigma: float = -1.0
-    post_sampling_probs: bool = False
-    n_indent: int = 0
-    t_max_predict_ms: int = 0
+    typical_p: float = _OFF["typical_p"]
+    mirostat: int = _OFF["mirostat"]
+    dry_multiplier: float = _OFF["dry_multiplier"]
+    xtc_probability: float = _OFF["xtc_probability"]
+    dynatemp_range: float = _OFF["dynatemp_range"]
+    top_n_sigma: float = _OFF["top_n_sigma"]
+    post_sampling_probs: bool = _OFF["post_sampling_probs"]
+    n_indent: int = _OFF["n_indent"]
+    t_max_predict_ms: int = _OFF["t_max_predict_ms"]
 
     def prompts(self, tok: TokenizerLike) -> list[list[int]]:
         """The prompts as token ids (a 400 names ``prompt``). A string, or a list of ids
@@ -177,25 +177,22 @@ def _logit_bias(bias: list[list[Any]] | dict[str, Any] | None, tok: TokenizerLik
 
 
 class _TimedChoices(Choices):
-    """``Choices`` that also keep each choice's token ids and when each prompt's first
-    and last tokens came back (llama.cpp's ``timings``)."""
+    """``Choices`` that also note when each prompt's first and last tokens came back
+    (llama.cpp's ``timings``)."""
 
     def __init__(self, prompt_lens: list[int], n: int) -> None:
         super().__init__(prompt_lens, n)
         self.start = time.perf_counter()
         self.first: list[float | None] = [None] * len(prompt_lens)
         self.last = [self.start] * len(prompt_lens)
-        self.tokens: list[list[int]] = [[] for _ in self.states]
 
     def update(self, prompt_index: int, ro: RequestOutput) -> list:
         changed = super().update(prompt_index, ro)
         moment = time.perf_counter()
-        for idx, out, _ in changed:
-            if out.token_ids:
-                if self.first[prompt_index] is None:
-                    self.first[prompt_index] = moment
-                self.last[prompt_index] = moment
-            self.tokens[idx].extend(out.token_ids)
+        if any(out.token_ids for _, out, _ in changed):
+            if self.first[prompt_index] is None:
+                self.first[prompt_index] = moment
+            self.last[prompt_index] = moment
         return changed
 
     def timings(self, idx: int, predicted: int) -> dict[str, float]:
@@ -218,7 +215,7 @@ def _probabilities(tok: TokenizerLike, lps: list[TokenLogprob]) -> list[dict[str
     ``n_probs`` most likely alternatives."""
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        return {"id": token_id, "token": tok.decode([token_id], skip_special_tokens=False),
+        return {"id": token_id, "token": token_name(tok, token_id, False),
                 "bytes": list(tok.token_bytes(token_id)), "logprob": json_logprob(logprob)}
 
     return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
@@ -227,10 +224,9 @@ def _probabilities(tok: TokenizerLike, lps: list[TokenLogprob]) -> list[dict[str
 async def create_llamacpp_completion(state: ServerState, request: Request) -> Response:
     """Validate, run and render one llama.cpp ``/completion`` request."""
     body = await read_model(request, LlamaCppCompletionRequest)
-    # llama.cpp's server (one model) reads no model name: another name is the base model
-    # here too, while a served adapter's runs that adapter.
-    served = {state.model_name, *state.model_aliases, *state.engine.lora_adapters}
-    model = state.check_model(body.model if body.model in served else None)
+    # llama.cpp's server (one model) reads no model name: any name but a served adapter's
+    # is the base model here too.
+    model = state.check_model(body.model if body.model in state.engine.lora_adapters else None)
     tok = state.engine.tokenizer
     prompts = body.prompts(tok)
     completion = body.as_completion(prompts, tok)
@@ -247,7 +243,7 @@ async def create_llamacpp_completion(state: ServerState, request: Request) -> Re
 
     def final(idx: int, streamed: bool) -> dict[str, Any]:
         st = choices.states[idx]
-        tokens = [] if evaluate_only else choices.tokens[idx]
+        tokens = [] if evaluate_only else st.token_ids
         content = "" if evaluate_only or streamed else "".join(st.text)
         if st.finish_reason == "length" or evaluate_only:
             stop_type, word = "limit", ""
