@@ -181,6 +181,9 @@ _API_ROUTES: list[tuple[tuple[str, ...], Callable[[ServerState, Request], Awaita
     (("/completion", "/completions"), create_llamacpp_completion),  # llama.cpp server's own API
 ]
 
+# Every path of those routes (what ``kvserve run-batch`` lines may post to).
+API_PATHS = frozenset(path for paths, _ in _API_ROUTES for path in paths)
+
 
 def _piece(data: bytes) -> str | list[int]:
     """A token's text for llama.cpp's ``with_pieces``: a string where its bytes are whole

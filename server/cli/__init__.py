@@ -1,5 +1,5 @@
-"""The ``kvserve`` command, the program's front door: ``serve``, ``generate``
-(offline), ``chat`` and ``bench``.
+"""The ``kvserve`` command, the program's front door: ``serve``, ``run-batch``
+and ``generate`` (offline), ``chat`` and ``bench``.
 
 It sits above the HTTP layer: ``serve`` wires the engine to ``server.app``,
 ``chat`` is a client of a running server and ``bench`` runs ``bench/``'s load
@@ -22,6 +22,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from server.cli.serve import cmd_serve
 
     return cmd_serve(args)
+
+
+def _cmd_run_batch(args: argparse.Namespace) -> int:
+    from server.cli.run_batch import cmd_run_batch
+
+    return cmd_run_batch(args)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -65,6 +71,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The chat client's screen is the conversation: only warnings go to the log.
     level = "warning" if args.command == "chat" else getattr(args, "log_level", "info")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    commands = {"serve": _cmd_serve, "generate": _cmd_generate, "chat": _cmd_chat,
+    commands = {"serve": _cmd_serve, "run-batch": _cmd_run_batch, "generate": _cmd_generate, "chat": _cmd_chat,
                 "bench": _cmd_bench}
     return commands[args.command](args)

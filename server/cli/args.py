@@ -150,10 +150,49 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "measured once and cached; else none")
 
 
+def _add_api_args(p: argparse.ArgumentParser) -> None:
+    """What ``serve`` and ``run-batch`` answer with beyond the engine: the model's names,
+    chat template, adapters, parsers and defaults."""
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's name in the API (default: the model's); with several, the "
+                        "first answers and requests may name any of them")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default="none",
+                   help="split a thinking model's <think> reasoning from its answer into "
+                        "reasoning_content: qwen3 or deepseek_r1 (default: none, all content)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja2 chat template to use instead of the model's own: a file, or the "
+                        "template itself")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) served beside the base model: a "
+                        "request whose model is NAME runs the adapter at PATH")
+    p.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
+                   help="auto (default): requests that leave out temperature, top_p, top_k, min_p or "
+                        "repetition_penalty get the model's generation_config.json values, as vLLM's; "
+                        "vllm: the API's own defaults")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: tool_choice auto always works here")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM's command lines: kvserve never runs a checkpoint's own code")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="accepted for vLLM's command lines: kvserve serves --lora-modules (and "
+                        "--allow-runtime-lora's loads) without it")
+    p.add_argument("--max-loras", type=int, default=None, metavar="N",
+                   help="at most N LoRA adapters have requests running at once; a request of "
+                        "another adapter waits, the ones behind it go ahead (default: any number)")
+    p.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
+                   help="refuse LoRA adapters of a rank above R, at start-up and when loaded "
+                        "while serving (default: any rank)")
+    p.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSERS,
+                   help="how tool calls are prompted and read: hermes (<tool_call> JSON "
+                        "</tool_call>, the chat template renders the tools), generic (kvserve's "
+                        "JSON format, tools listed in the system message); auto (default): "
+                        "hermes where the chat template renders tools that way, else generic")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for all subcommands."""
     parser = argparse.ArgumentParser(
-        prog="kvserve", description="kvserve: serve, generate (offline), chat and bench.")
+        prog="kvserve", description="kvserve: serve, run-batch and generate (offline), chat and bench.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
@@ -162,16 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                       help="the model's name in the API (default: the model's); with several, the "
-                            "first answers and requests may name any of them")
     serve.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
                        help="require 'Authorization: Bearer <key>' (default: $KVSERVE_API_KEY)")
     serve.add_argument("--max-queue", type=int, default=None,
                        help="refuse new generation requests with 503 while this many are in flight")
-    serve.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default="none",
-                       help="split a thinking model's <think> reasoning from its answer into "
-                            "reasoning_content: qwen3 or deepseek_r1 (default: none, all content)")
     serve.add_argument("--max-stored-responses", type=_count_arg, default=DEFAULT_STORED_RESPONSES,
                        help="Responses API answers kept in memory for previous_response_id and "
                             "GET /v1/responses/{id} (the newest; 0 stores none)")
@@ -204,40 +237,28 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--downscale-delay", type=float, default=600.0,
                        help="with --max-replicas: seconds of load below the target before a replica "
                             "is removed (default %(default)s)")
-    serve.add_argument("--log-level", default="info")
-    serve.add_argument("--chat-template", default=None, metavar="FILE",
-                       help="a Jinja2 chat template to use instead of the model's own: a file, or the "
-                            "template itself")
-    serve.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
-                       help="LoRA adapters (PEFT directories) served beside the base model: a "
-                            "request whose model is NAME runs the adapter at PATH")
     serve.add_argument("--allow-runtime-lora", action="store_true",
                        default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
                        help="add vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which load "
                             "an adapter from a path on this host while serving (default: off; on with "
                             "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, as in vLLM)")
-    serve.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
-                       help="auto (default): requests that leave out temperature, top_p, top_k, min_p or "
-                            "repetition_penalty get the model's generation_config.json values, as vLLM's; "
-                            "vllm: the API's own defaults")
-    serve.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help="accepted for vLLM's command lines: tool_choice auto always works here")
-    serve.add_argument("--trust-remote-code", action="store_true",
-                       help="accepted for vLLM's command lines: kvserve never runs a checkpoint's own code")
-    serve.add_argument("--enable-lora", action="store_true",
-                       help="accepted for vLLM's command lines: kvserve serves --lora-modules (and "
-                            "--allow-runtime-lora's loads) without it")
-    serve.add_argument("--max-loras", type=int, default=None, metavar="N",
-                       help="at most N LoRA adapters have requests running at once; a request of "
-                            "another adapter waits, the ones behind it go ahead (default: any number)")
-    serve.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
-                       help="refuse LoRA adapters of a rank above R, at start-up and when loaded "
-                            "while serving (default: any rank)")
-    serve.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSERS,
-                       help="how tool calls are prompted and read: hermes (<tool_call> JSON "
-                            "</tool_call>, the chat template renders the tools), generic (kvserve's "
-                            "JSON format, tools listed in the system message); auto (default): "
-                            "hermes where the chat template renders tools that way, else generic")
+    serve.add_argument("--log-level", default="info")
+    _add_api_args(serve)
+
+    batch = sub.add_parser("run-batch", help="answer a file of OpenAI Batch API requests offline, as "
+                           "vLLM's run-batch")
+    batch.add_argument("-i", "--input-file", required=True, metavar="PATH",
+                       help="one request per line: {\"custom_id\", \"method\": \"POST\", \"url\", \"body\"} "
+                            "(url: /v1/chat/completions, /v1/completions, /v1/embeddings, ...); - reads stdin")
+    batch.add_argument("-o", "--output-file", required=True, metavar="PATH",
+                       help="one answer per line, in the input's order: {\"id\", \"custom_id\", \"response\": "
+                            "{\"status_code\", \"request_id\", \"body\"}, \"error\"}; - writes stdout")
+    batch.add_argument("--max-concurrency", type=int, default=None, metavar="N",
+                       help="requests in flight at once (default: twice --max-num-seqs, as vLLM's)")
+    batch.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    batch.add_argument("--log-level", default="info")
+    _add_engine_args(batch)
+    _add_api_args(batch)
 
     gen = sub.add_parser("generate", help="generate offline for one prompt")
     _add_engine_args(gen)

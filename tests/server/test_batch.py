@@ -1,0 +1,122 @@
+"""``kvserve run-batch`` (server/batch.py): OpenAI batch lines answered through the app."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from server import cli
+from engine.stats import StepStats
+from server.app import build_app
+from server.batch import BatchRequest, parse_batch, run_batch
+from fake_engine import FakeEngine
+
+pytestmark = pytest.mark.anyio
+
+
+def line(custom_id: str, url: str = "/v1/completions", **body: Any) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+def test_parse_batch_reads_requests_and_skips_blank_lines() -> None:
+    requests = parse_batch([line("a", prompt="x"), "", "  ", line("b", "/v1/chat/completions", messages=[])])
+    assert requests == [BatchRequest(1, "a", "/v1/completions", {"prompt": "x"}),
+                        BatchRequest(4, "b", "/v1/chat/completions", {"messages": []})]
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("{not json", "line 2: not JSON"),
+    ("[1, 2]", "line 2: a request is a JSON object"),
+    (json.dumps({"method": "POST", "url": "/v1/completions", "body": {}}), "line 2: custom_id"),
+    (line("a"), "line 2: custom_id 'a' is used twice"),
+    (json.dumps({"custom_id": "b", "method": "GET", "url": "/v1/completions", "body": {}}), "method must be POST"),
+    (json.dumps({"custom_id": "b", "method": "POST", "url": "/v1/models", "body": {}}), "url '/v1/models'"),
+    (json.dumps({"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": "x"}), "body must be"),
+])
+def test_parse_batch_names_the_bad_line(bad: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        parse_batch([line("a"), bad])
+
+
+def test_a_bad_input_file_stops_before_the_model_loads(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text(line("a", prompt="x") + "\n" + line("a", prompt="y") + "\n")
+    # Were the model loaded, this would take seconds and print its log; it exits at the check.
+    with pytest.raises(SystemExit, match="line 2: custom_id 'a' is used twice"):
+        cli.main(["run-batch", "-i", str(source), "-o", str(tmp_path / "out.jsonl"), "--model", "no-such-model"])
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+async def answer(engine: FakeEngine, lines: list[str], concurrency: int = 8) -> tuple[list[dict], Any]:
+    out = io.StringIO()
+    summary = await run_batch(build_app(engine), parse_batch(lines), out, concurrency=concurrency, progress=False)
+    return [json.loads(x) for x in out.getvalue().splitlines()], summary
+
+
+async def test_answers_come_in_the_input_order_and_equal_the_servers(client: httpx.AsyncClient) -> None:
+    engine = FakeEngine(step_delay=0.002)
+    bodies = [{"prompt": "abc", "max_tokens": 30 - 5 * i, "temperature": 0} for i in range(5)]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 7}
+    got, summary = await answer(engine, [line(f"q{i}", **b) for i, b in enumerate(bodies)]
+                                + [line("chat", "/v1/chat/completions", **chat)])
+    # The longest request is first and finishes last: the file keeps the input's order anyway.
+    assert [g["custom_id"] for g in got] == ["q0", "q1", "q2", "q3", "q4", "chat"]
+    assert (summary.succeeded, summary.failed) == (6, 0)
+    for g, body in zip(got, bodies + [chat]):
+        assert g["error"] is None and g["response"]["status_code"] == 200
+        assert g["response"]["request_id"] == g["response"]["body"]["id"]
+        assert g["id"].startswith("batch_req_")
+        url = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        direct = (await client.post(url, json=body)).json()
+        assert g["response"]["body"]["choices"] == direct["choices"]
+        assert g["response"]["body"]["usage"] == direct["usage"]
+
+
+async def test_refused_requests_keep_their_status_and_error(client: httpx.AsyncClient) -> None:
+    engine = FakeEngine()
+    got, summary = await answer(engine, [
+        line("bad", prompt="x", max_tokens=-3),
+        line("model", "/v1/chat/completions", model="nope", messages=[{"role": "user", "content": "hi"}]),
+        line("stream", prompt="x", stream=True),
+        line("ok", prompt="x", max_tokens=2),
+    ])
+    assert (summary.succeeded, summary.failed) == (1, 3)
+    bad, model, stream, ok = got
+    direct = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": -3})
+    assert bad["response"]["status_code"] == direct.status_code == 400
+    assert bad["response"]["body"] == direct.json()
+    assert bad["error"] == {"code": "invalid_request_error", "message": direct.json()["error"]["message"]}
+    assert model["response"]["status_code"] == 404 and model["error"]["code"] == "model_not_found"
+    assert stream["response"]["status_code"] == 400 and "stream" in stream["error"]["message"]
+    assert ok["error"] is None and ok["response"]["body"]["usage"]["completion_tokens"] == 2
+    # A streamed request never reached the engine; the others' streams are closed.
+    assert [r.request_id for r in engine.requests] == [ok["response"]["request_id"]]
+    assert engine.num_unfinished_requests == 0
+
+
+class Running:
+    """A stat logger: the most requests the engine ran at once."""
+
+    def __init__(self) -> None:
+        self.most = 0
+
+    def record(self, stats: StepStats) -> None:
+        self.most = max(self.most, stats.num_running)
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+async def test_at_most_concurrency_requests_are_in_flight(concurrency: int) -> None:
+    engine = FakeEngine(step_delay=0.002)
+    running = Running()
+    engine.add_stat_logger(running)
+    lines = [line(f"q{i}", prompt="abc", max_tokens=8 + i) for i in range(10)]
+    got, _ = await answer(engine, lines, concurrency=concurrency)
+    assert len(got) == 10 and all(g["error"] is None for g in got)
+    assert running.most == concurrency
+    # And the app's lifespan ran around them: started, then shut down.
+    assert engine.started and engine.shut_down
