@@ -17,6 +17,7 @@ def _one_of(values: tuple[str, ...]) -> str:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,9 @@ class EngineConfig:
     # vLLM's --generation-config: "auto" takes the default sampling of requests that leave
     # it out from the model's generation_config.json; "vllm" ignores that file's.
     generation_config: str = "auto"
+    # vLLM's --scheduling-policy: "fcfs" (every request's priority is 0) or "priority"
+    # (requests' own priorities order admission and preemption: engine/scheduler.py).
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -189,6 +193,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be {_one_of(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be {_one_of(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         if self.generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be auto or vllm, got {self.generation_config!r}")
         for name in ("max_loras", "max_lora_rank"):

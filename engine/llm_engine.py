@@ -154,7 +154,8 @@ class LLMEngine:
         # Ids both the tokenizer and the model's rows know (see RequestLimits).
         self.vocab_size = min(self.tokenizer.vocab_size, loaded.config.vocab_size)
         self.limits = RequestLimits(vocab_size=self.vocab_size, max_model_len=self.max_model_len,
-                                    hidden_size=loaded.config.hidden_size)
+                                    hidden_size=loaded.config.hidden_size,
+                                    priority_scheduling=config.scheduling_policy == "priority")
         self.sampler = Sampler(self.vocab_size)
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.vocab_size, sorted(self.eos_token_ids))

@@ -129,6 +129,11 @@ class Request:
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
+    def priority(self) -> int:
+        """Its scheduling priority (lower first; 0 unless the engine's policy is priority)."""
+        return self.sampling_params.priority
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

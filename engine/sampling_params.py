@@ -141,6 +141,9 @@ class SamplingParams:
     think: ThinkTokens | None = None
     # An embedding request (PoolingParams): nothing is sampled; None: generate.
     pooling: PoolingParams | None = None
+    # vLLM's scheduling priority: lower values are admitted first and preempted last. Only
+    # an engine with the priority policy takes a value other than 0 (engine.validation).
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -161,6 +164,8 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty"):
             finite(name, getattr(self, name))
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be between 1 and {MAX_N}, got {self.n}")
         if self.temperature < 0:
@@ -209,10 +214,10 @@ class SamplingParams:
             raise ValueError("seed must fit in a signed 64-bit integer")
 
     @classmethod
-    def embedding(cls, pooling: PoolingParams | None = None) -> "SamplingParams":
+    def embedding(cls, pooling: PoolingParams | None = None, priority: int = 0) -> "SamplingParams":
         """An embedding request's parameters: nothing sampled, ``pooling`` (default: the
         whole vector, normalised) the answer."""
-        return cls(n=1, temperature=0.0, max_tokens=1, pooling=pooling or PoolingParams())
+        return cls(n=1, temperature=0.0, max_tokens=1, pooling=pooling or PoolingParams(), priority=priority)
 
     @property
     def greedy(self) -> bool:

@@ -5,9 +5,14 @@ phase. Each scheduled request catches its computed tokens up towards
 ``request.num_tokens`` within the step's budget, so a long prompt is split
 across steps (chunked prefill) while running requests keep decoding. Running
 requests go first, then admissions from the waiting queue. When blocks run
-out, the newest running request is preempted by recompute: its blocks are
+out, the last running request is preempted by recompute: its blocks are
 freed and it later re-runs its prompt and the tokens it already generated
 (mostly prefix-cache hits when its blocks were not evicted meanwhile).
+
+Running requests are kept in admission order within each priority, the lowest
+values first (vLLM's priority policy; every priority is 0 without it), so the
+last one, the victim, is the newest of the lowest priority, and the most
+urgent requests take the step's budget first.
 """
 
 from __future__ import annotations
@@ -188,7 +193,7 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._add_running(request)
             admitted.append(request.request_id)
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
@@ -199,6 +204,16 @@ class Scheduler:
             preempted=preempted,
             admitted=admitted,
         )
+
+    def _add_running(self, request: Request) -> None:
+        """Behind the running requests of its priority and of every more urgent one.
+
+        Admissions come after this step's running loop, so a request placed before
+        others is not skipped this step (it is scheduled as an admission)."""
+        at = len(self.running)
+        while at and self.running[at - 1].priority > request.priority:
+            at -= 1
+        self.running.insert(at, request)
 
     def _lora_limit(self) -> tuple[set[str] | None, Callable[[Request], bool] | None]:
         """Under ``max_loras``: the adapters with running requests (admissions add theirs)
@@ -292,7 +307,8 @@ class Scheduler:
         return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> bool:
-        """Allocate for a running request, preempting the newest running ones until it fits.
+        """Allocate for a running request, preempting the last running ones (the newest of
+        the lowest priority) until it fits.
 
         Returns False when ``request`` itself had to go. Only requests after it
         in ``running`` are preempted, and those are not scheduled yet this step.

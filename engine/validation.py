@@ -36,6 +36,9 @@ class RequestLimits:
     vocab_size: int
     max_model_len: int
     hidden_size: int = 0  # an embedding's length (0: not checked)
+    # The engine orders requests by their priority (--scheduling-policy priority);
+    # otherwise a priority other than 0 is refused rather than ignored.
+    priority_scheduling: bool = False
 
 
 def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: RequestLimits) -> int:
@@ -50,6 +53,9 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
     check_token_ids(params.stop_token_ids, limits.vocab_size, "stop_token_ids")
     check_token_ids(list(params.logit_bias), limits.vocab_size, "logit_bias")
     check_token_ids(params.allowed_token_ids or [], limits.vocab_size, "allowed_token_ids")
+    if params.priority != 0 and not limits.priority_scheduling:
+        raise InvalidRequestError("priority is only honoured by a server started with --scheduling-policy "
+                                  "priority; leave it out or send 0.", "priority")
     if params.think is not None:
         check_token_ids([params.think.start, params.think.end], limits.vocab_size, "think")
     if params.pooling is not None:

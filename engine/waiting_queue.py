@@ -9,6 +9,11 @@ rank ``round + k`` (``round`` is the rank last admitted, so a new group joins
 the current round instead of jumping ahead of older groups), ranks are served
 in order and arrival breaks ties. Preempted requests come before everything
 else, the most recently preempted first, as the scheduler always did.
+
+Above all that stands a request's priority (vLLM's, with ``--scheduling-policy
+priority``; lower first): the order above holds within each priority, and a
+preempted request waits behind new requests of a higher priority (a lower
+value). Without the policy every priority is 0 and this changes nothing.
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ from collections.abc import Callable, Iterator
 
 from engine.request import Request
 
-# (class, rank, arrival): class 0 for preempted requests, 1 for the rest.
-_Key = tuple[int, int, int]
+# (priority, class, rank, arrival): class 0 for preempted requests, 1 for the rest.
+_Key = tuple[int, int, int, int]
 
 
 class WaitingQueue:
@@ -46,11 +51,12 @@ class WaitingQueue:
         group = request.group
         rank = max(self._next_rank.get(group, 0), self._round)
         self._next_rank[group] = rank + 1
-        self._insert((1, rank, next(self._arrivals)), request)
+        self._insert((request.priority, 1, rank, next(self._arrivals)), request)
 
     def push_preempted(self, request: Request) -> None:
-        """Queue a preempted request ahead of everything (the newest preempted first)."""
-        self._insert((0, -next(self._arrivals), 0), request)
+        """Queue a preempted request ahead of everything of its priority (the newest
+        preempted first)."""
+        self._insert((request.priority, 0, -next(self._arrivals), 0), request)
 
     def peek(self, allowed: Callable[[Request], bool] | None = None) -> Request | None:
         """The request to admit next: the first in order that ``allowed`` accepts (all
@@ -65,8 +71,8 @@ class WaitingQueue:
         at = 0 if request is None else bisect.bisect_left(self._keys, self._key_of[request.request_id])
         request = self._requests[at]
         key = self._keys[at]
-        if key[0] == 1:  # (max: one admitted past a skipped one came from a later round)
-            self._round = max(self._round, key[1])
+        if key[1] == 1:  # (max: one admitted past a skipped one came from a later round)
+            self._round = max(self._round, key[2])
         self._remove_at(at)
         return request
 

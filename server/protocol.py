@@ -122,6 +122,7 @@ class _SamplingRequest(_Strict):
     truncate_prompt_tokens: int | None = None
     return_token_ids: bool | None = None  # vLLM's: the prompt's and the answer's token ids too
     bad_words: list[str] | None = None
+    priority: int | None = None  # vLLM's: lower is admitted first (--scheduling-policy priority)
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
@@ -230,7 +231,7 @@ class _SamplingRequest(_Strict):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
             "skip_special_tokens": self.skip_special_tokens, "allowed_token_ids": self.allowed_token_ids,
-            "bad_words": self.bad_words,
+            "bad_words": self.bad_words, "priority": self.priority,
         }
         # None means "the default", so only pass what the client set.
         kwargs = {k: v for k, v in given.items() if v is not None}
@@ -504,6 +505,7 @@ class EmbeddingRequest(_Strict):
     add_special_tokens: bool | None = True
     normalize: bool | None = True
     truncate_prompt_tokens: int | None = None  # vLLM's: each input's last N tokens
+    priority: int | None = None  # vLLM's: lower is admitted first (--scheduling-policy priority)
 
     _truncate = field_validator("truncate_prompt_tokens")(_check_truncate)
 
@@ -530,7 +532,7 @@ class EmbeddingRequest(_Strict):
             pooling = PoolingParams(dimensions=self.dimensions, normalize=self.normalize is not False)
         except ValueError as e:
             raise bad_request(str(e), "dimensions") from None
-        return SamplingParams.embedding(pooling)
+        return SamplingParams.embedding(pooling, priority=self.priority or 0)
 
 
 def _texts(value: str | list[str], field: str) -> list[str]:

@@ -229,6 +229,7 @@ class ResponsesRequest(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     stop: str | list[str] | None = None
+    priority: int | None = None  # vLLM's: lower is admitted first (--scheduling-policy priority)
 
     @model_validator(mode="before")
     @classmethod
@@ -328,7 +329,7 @@ class ResponsesRequest(_Strict):
             "response_format": self.text.format.chat() if self.text and self.text.format else None,
             "seed": self.seed, "top_k": self.top_k, "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty, "stop": self.stop,
+            "frequency_penalty": self.frequency_penalty, "stop": self.stop, "priority": self.priority,
         }
         with responses_params():
             return validate(ChatCompletionRequest, {k: v for k, v in body.items() if v is not None})

@@ -7,8 +7,8 @@ import json
 import os
 import re
 
-from engine.config import (KV_CACHE_DTYPES, QUANTIZATIONS, SPECULATIVE_METHODS, EngineConfig, LoRAModule, ParallelConfig,
-                           SpeculativeConfig, parallel_from_torchrun)
+from engine.config import (KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, SPECULATIVE_METHODS, EngineConfig,
+                           LoRAModule, ParallelConfig, SpeculativeConfig, parallel_from_torchrun)
 from server.reasoning import REASONING_PARSERS
 from server.state import DEFAULT_STORED_RESPONSES
 from server.tools import TOOL_PARSERS
@@ -113,6 +113,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's)")
+    p.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=SCHEDULING_POLICIES,
+                   help="fcfs (default): requests in arrival order, taking turns per API request; "
+                        "priority: a request's priority field orders admission and preemption "
+                        "(lower first), as vLLM's")
     p.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
                    dest="no_prefix_caching", help="turn the prefix cache off")
     p.add_argument("--enable-prefix-caching", action="store_false", dest="no_prefix_caching",
@@ -321,6 +325,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             lora_modules=_lora_modules(args), max_loras=getattr(args, "max_loras", None),
             max_lora_rank=getattr(args, "max_lora_rank", None),
             generation_config=getattr(args, "generation_config", "auto"),
+            scheduling_policy=args.scheduling_policy,
             parallel=parallel_from_torchrun(ParallelConfig(
                 tensor_parallel_size=args.tensor_parallel_size, nnodes=getattr(args, "nnodes", 1),
                 node_rank=getattr(args, "node_rank", 0), master_addr=getattr(args, "master_addr", "127.0.0.1"),

@@ -1,4 +1,5 @@
-"""``kvserve run-batch`` with the real model: a batch file's answers equal the server's."""
+"""``kvserve run-batch`` with the real model: a batch file's answers equal the server's
+(the batch with ``--scheduling-policy priority`` and a priority on every line)."""
 
 from __future__ import annotations
 
@@ -26,11 +27,13 @@ def test_run_batch_answers_a_file_as_the_server_answers_each_line(server: KVServ
     requests = [("chat", "/v1/chat/completions", CHAT), ("completion", "/v1/completions", COMPLETION),
                 ("seeded", "/v1/completions", SEEDED), ("embedding", "/v1/embeddings", EMBEDDING),
                 ("bad", "/v1/completions", BAD)]
-    source = "\n".join(json.dumps({"custom_id": c, "method": "POST", "url": u, "body": b}) for c, u, b in requests)
+    # This run takes priorities (the shared server, fcfs, refuses them): each line has one.
+    source = "\n".join(json.dumps({"custom_id": c, "method": "POST", "url": u, "body": {**b, "priority": i % 3 - 1}})
+                       for i, (c, u, b) in enumerate(requests))
     out = tmp_path / "out.jsonl"
     # The shared server runs float32; so does this process (the input comes on stdin).
     argv = kvserve_argv("run-batch", "-i", "-", "-o", str(out), "--model", MODEL, "--dtype", "float32",
-                        "--no-progress")
+                        "--no-progress", "--scheduling-policy", "priority")
     r = subprocess.run(argv, input=source, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "4 succeeded, 1 failed" in r.stderr, r.stderr
@@ -53,3 +56,5 @@ def test_run_batch_answers_a_file_as_the_server_answers_each_line(server: KVServ
             # Greedy, logprobs and a seeded sample: the same bits in a batch file as on the server.
             assert mine["choices"] == theirs["choices"], custom_id
             assert mine["usage"]["completion_tokens"] == theirs["usage"]["completion_tokens"]
+    refused = httpx.post(f"{server.url}/v1/completions", json={**COMPLETION, "priority": 1}, headers=headers)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority"

@@ -22,6 +22,7 @@ from engine.model_runner import kv_bytes_per_block
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import StepStats
+from engine.validation import InvalidRequestError
 
 pytestmark = pytest.mark.slow
 
@@ -221,6 +222,51 @@ def test_greedy_batch_matches_each_request_alone(smollm2_loaded, prompt_ids, alo
     if setting == "chunked_prefill":
         assert max(s.num_batched_tokens for s in recorder.steps) <= 8
     assert_engine_idle(engine)
+
+
+def test_priorities_change_the_order_not_the_answers(smollm2_loaded, prompt_ids, alone_outputs):
+    # --scheduling-policy priority, a cache too small for the batch: the first wave (priority 2)
+    # runs when a second (priorities 0 and 1) arrives. Preemptions take the least urgent,
+    # admissions follow the priorities, and every answer is still the one it gets alone.
+    engine = make_engine(smollm2_loaded, num_blocks=MAX_MODEL_LEN // BLOCK_SIZE + 1, scheduling_policy="priority")
+    half = len(prompt_ids) // 2
+    priority = {f"r{i}": 2 if i < half else i % 2 for i in range(len(prompt_ids))}
+    victims: list[int] = []
+    preempt = engine.scheduler._preempt
+
+    def recording(request):
+        victims.append(request.priority)
+        preempt(request)
+
+    engine.scheduler._preempt = recording
+    collector, first_token_step = Collector(), {}
+    for step in range(2000):
+        if step in (0, 3):
+            for i in range(0, half) if step == 0 else range(half, len(prompt_ids)):
+                engine.add_request(f"r{i}", prompt_ids[i], dataclasses.replace(GREEDY, priority=priority[f"r{i}"]))
+        if step > 3 and not engine.has_unfinished_requests():
+            break
+        outputs = engine.step()
+        collector.add(outputs)
+        for out in outputs:
+            if any(o.token_ids for o in out.outputs):
+                first_token_step.setdefault(out.request_id, step)
+    for i, alone in enumerate(alone_outputs):
+        got = collector[f"r{i}"]
+        assert (got.token_ids, got.text, got.finish_reason) == (alone.token_ids, alone.text, alone.finish_reason), i
+    assert victims and victims[0] == 2, victims
+    second = {p: [first_token_step[r] for r in first_token_step if int(r[1:]) >= half
+                  and priority[r] == p] for p in (0, 1)}
+    # No request of the second wave starts answering before every more urgent one has.
+    assert max(second[0]) <= min(second[1]), second
+    assert_engine_idle(engine)
+
+
+def test_a_priority_is_refused_without_the_priority_policy(small_engine, tokenizer):
+    with pytest.raises(InvalidRequestError, match="--scheduling-policy priority") as excinfo:
+        small_engine.add_request("p", tokenizer.encode("Hi"), dataclasses.replace(GREEDY, priority=1))
+    assert excinfo.value.param == "priority"
+    assert not small_engine.has_unfinished_requests()
 
 
 def test_finished_request_frees_its_blocks_while_others_run(smollm2_loaded, tokenizer):

@@ -13,6 +13,7 @@ import pytest
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine_builders import make_request
 
@@ -427,3 +428,60 @@ def test_proposals_never_preempt_and_stay_out_of_admissions():
     req.spec_token_ids = [1, 2, 3, 4, 5, 6, 7, 8]  # would need blocks that are not free
     out = scheduler.schedule()
     assert all(not s.spec_token_ids for s in out.scheduled) and not out.preempted
+
+
+def prioritised(request_id: str, tokens: list[int], max_tokens: int, priority: int) -> Request:
+    return Request(request_id=request_id, prompt_token_ids=tokens, max_tokens=max_tokens,
+                   sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0, priority=priority))
+
+
+def test_priorities_order_admissions(assert_scheduler_empty):
+    scheduler = make_scheduler(max_num_seqs=1)
+    priorities = [2, 0, 1, 0, -1]
+    requests = [prioritised(f"r{i}", prompt(i, 6), 3, p) for i, p in enumerate(priorities)]
+    for r in requests:
+        scheduler.add_request(r)
+    outputs = run(scheduler)
+    assert [rid for o in outputs for rid in o.admitted] == ["r4", "r1", "r3", "r2", "r0"]
+    for r in requests:
+        assert r.output_token_ids == reference_output(r.prompt_token_ids, 3)
+    assert_scheduler_empty(scheduler)
+
+
+def test_the_lowest_priority_running_request_is_preempted_not_the_newest(assert_scheduler_empty):
+    # As test_the_newest_running_request_is_preempted_...: 4 blocks of 4 tokens, requests of
+    # 12 tokens. r0 is older but less urgent, so it runs after r1 and is the one preempted.
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_model_len=64)
+    r0, r1 = prioritised("r0", prompt(0, 4), 8, 1), prioritised("r1", prompt(1, 4), 8, 0)
+    model = FakeModel(scheduler.kv_cache)
+    for r in (r0, r1):  # r0 is admitted a step before r1
+        scheduler.add_request(r)
+        out = scheduler.schedule()
+        assert out.admitted == [r.request_id]
+        scheduler.update_from_output(out, model.step(out))
+    assert scheduler.running == [r1, r0]
+    r2 = prioritised("r2", prompt(7, 4), 8, 0)
+    scheduler.add_request(r2)  # waits for blocks
+    while not out.preempted:
+        out = scheduler.schedule()
+        if not out.preempted:
+            scheduler.update_from_output(out, model.step(out))
+    assert out.preempted == ["r0"]
+    assert [s.request.request_id for s in out.scheduled] == ["r1"]
+    # The new urgent request waits ahead of the preempted less urgent one.
+    assert list(scheduler.waiting) == [r2, r0]
+    scheduler.update_from_output(out, model.step(out))
+    outputs = run(scheduler, model)
+    admitted = [rid for o in outputs for rid in o.admitted]
+    assert admitted[0] == "r2" and admitted[-1] == "r0" and admitted.count("r0") == 1
+    for r in (r0, r1, r2):
+        assert r.output_token_ids == reference_output(r.prompt_token_ids, 8)
+    assert_scheduler_empty(scheduler)
+
+
+def test_running_requests_are_ordered_by_priority_then_admission():
+    scheduler = make_scheduler()
+    for i, p in enumerate([3, 1, 3, 0, 1]):
+        scheduler.add_request(prioritised(f"r{i}", prompt(i, 4), 4, p))
+        scheduler.schedule()  # admitted one step at a time: running holds them in this order
+    assert [r.request_id for r in scheduler.running] == ["r3", "r1", "r4", "r0", "r2"]

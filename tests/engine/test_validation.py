@@ -77,3 +77,14 @@ def test_think_tokens_are_checked_and_need_a_structured_output() -> None:
                          LIMITS) == 4
     with pytest.raises(ValueError, match="think only shapes a structured output"):
         SamplingParams(think=ThinkTokens(5, 6))
+
+
+def test_a_priority_needs_the_priority_policy() -> None:
+    err = refusal([1, 2], priority=1)
+    assert err.param == "priority" and "--scheduling-policy priority" in str(err)
+    assert check_request([1, 2], SamplingParams(max_tokens=4, priority=0), LIMITS) == 4
+    with_policy = RequestLimits(vocab_size=100, max_model_len=64, priority_scheduling=True)
+    for priority in (-3, 1, 10**6):
+        assert check_request([1, 2], SamplingParams(max_tokens=4, priority=priority), with_policy) == 4
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        SamplingParams(priority=1.5)  # type: ignore[arg-type]

@@ -85,3 +85,29 @@ def test_a_request_skipped_by_peek_keeps_its_place() -> None:
     assert q.pop().request_id == "a"
     assert drain(q) == ["b", "d"]
     assert WaitingQueue().peek() is None
+
+
+def prio(request_id: str, priority: int, group: str = "") -> Request:
+    return Request(request_id=request_id, prompt_token_ids=[1, 2], max_tokens=1, group=group,
+                   sampling_params=SamplingParams(max_tokens=1, priority=priority))
+
+
+def test_a_lower_priority_value_goes_first_and_groups_take_turns_within_it() -> None:
+    q = WaitingQueue()
+    for i in range(3):
+        q.append(prio(f"batch-{i}", 5, group="batch"))
+    q.append(prio("urgent", -1))
+    for i in range(2):
+        q.append(prio(f"big-{i}", 0, group="big"))
+    q.append(prio("small", 0, group="small"))
+    assert ids(q) == ["urgent", "big-0", "small", "big-1", "batch-0", "batch-1", "batch-2"]
+    assert drain(q) == ["urgent", "big-0", "small", "big-1", "batch-0", "batch-1", "batch-2"]
+
+
+def test_a_preempted_request_goes_first_within_its_priority_only() -> None:
+    q = WaitingQueue()
+    q.append(prio("new-0", 0))
+    q.append(prio("new-1", 1))
+    q.append(prio("new-2", 2))
+    q.push_preempted(prio("preempted-1", 1))
+    assert ids(q) == ["new-0", "preempted-1", "new-1", "new-2"]

@@ -143,6 +143,7 @@ class FakeEngine:
         self.eos_at = eos_at
         self.fail_after_steps = fail_after_steps
         self.fault = fault  # "error": RequestOutput.error; "raise": the loop dies
+        self.priority_scheduling = False  # --scheduling-policy priority: requests' priorities taken
         self.is_alive = True
         self.started = False
         self.shut_down = False
@@ -275,7 +276,7 @@ class FakeEngine:
         """The real engine's check (``InvalidRequestError`` at once), then the stream."""
         assert adapter is None or adapter in self.lora_adapters, adapter
         limits = RequestLimits(vocab_size=self.vocab_size, max_model_len=self.max_model_len,
-                               hidden_size=FAKE_HIDDEN_SIZE)
+                               hidden_size=FAKE_HIDDEN_SIZE, priority_scheduling=self.priority_scheduling)
         limit = check_request(prompt_token_ids, params, limits)
         self.groups[request_id] = group or request_id
         self.adapters[request_id] = adapter

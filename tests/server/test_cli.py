@@ -54,13 +54,23 @@ def test_serve_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
         "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--max-model-len", "1024",
         "--served-model-name", "mine", "--max-queue", "5", "--max-body-size", "1MiB",
         "--shutdown-timeout", "3", "--dtype", "float32", "--kv-cache-dtype", "int8",
-        "--quantization", "none", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "64"])
+        "--quantization", "none", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "64",
+        "--scheduling-policy", "priority"])
     assert args.api_key == "from-env" and args.max_queue == 5 and args.max_body_size == 1024**2
     assert args.shutdown_timeout == 3.0
     assert cli_args.engine_config(args) == EngineConfig(
         model="/m.gguf", dtype="float32", kv_cache_memory=1_500_000_000, block_size=32,
         max_num_seqs=8, max_num_batched_tokens=512, max_model_len=1024,
-        served_model_name="mine", kv_cache_dtype="int8", quantization="none", max_loras=2, max_lora_rank=64)
+        served_model_name="mine", kv_cache_dtype="int8", quantization="none", max_loras=2, max_lora_rank=64,
+        scheduling_policy="priority")
+    # run-batch takes the same engine and API flags.
+    batch = cli_args.build_parser().parse_args([
+        "run-batch", "-i", "in.jsonl", "-o", "-", "--scheduling-policy", "priority", "--max-num-seqs", "8",
+        "--served-model-name", "mine", "--lora-modules", "sql=/adapters/sql", "--max-concurrency", "3"])
+    assert (batch.input_file, batch.output_file, batch.max_concurrency) == ("in.jsonl", "-", 3)
+    assert cli_args.engine_config(batch) == EngineConfig(
+        max_num_seqs=8, served_model_name="mine", scheduling_policy="priority",
+        lora_modules=(LoRAModule("sql", "/adapters/sql"),))
 
 
 def test_bad_settings_exit_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:

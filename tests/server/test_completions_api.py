@@ -296,6 +296,24 @@ async def test_truncate_prompt_tokens_and_allowed_token_ids(client: httpx.AsyncC
         assert_error(await complete(client, prompt="hi", max_tokens=1, **body), 400, param)
 
 
+async def test_priority_reaches_the_engine_from_every_api(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    # vLLM's priority: refused (naming it) unless the engine's policy is priority, then passed on.
+    assert_error(await complete(client, prompt="hi", max_tokens=1, priority=3), 400, "priority")
+    assert_error(await client.post("/v1/embeddings", json={"input": "hi", "priority": 3}), 400, "priority")
+    await complete(client, prompt="hi", max_tokens=1, priority=0)
+    assert engine.requests[-1].params.priority == 0
+    engine.priority_scheduling = True
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    for url, body in [("/v1/completions", {"prompt": "hi", "max_tokens": 1}), ("/v1/chat/completions", chat),
+                      ("/v1/embeddings", {"input": "hi"}), ("/v1/responses", {"input": "hi", "max_output_tokens": 1})]:
+        r = await client.post(url, json={**body, "priority": -7})
+        assert r.status_code == 200, (url, r.text)
+        assert engine.requests[-1].params.priority == -7, url
+    assert_error(await complete(client, prompt="hi", max_tokens=1, priority="high"), 400, "priority")
+    await complete(client, prompt="hi", max_tokens=1)
+    assert engine.requests[-1].params.priority == 0
+
+
 async def test_return_token_ids(client: httpx.AsyncClient, engine: FakeEngine) -> None:
     # vLLM's return_token_ids: the prompt's ids and the answer's, streamed or not; a token
     # whose text a stop string holds back still has its id sent (with the next chunk).
