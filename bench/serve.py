@@ -23,6 +23,17 @@ fixed JSON Schema (``BENCH_SCHEMA``: nested objects, enums, an array of at
 least 12 objects), so each answer is constrained for all its tokens and runs
 to ``--output-len`` like an unconstrained one with ``--ignore-eos``.
 
+``--request-rate R [R ...]`` sends open-loop load instead, as vLLM's
+benchmark does: each rate is a level whose requests arrive at ``R`` per
+second on average, their gaps drawn from a gamma distribution of shape
+``--burstiness`` (1: a Poisson process; below 1 burstier, above 1 steadier),
+whether or not earlier answers have come back; ``inf`` sends them all at
+once. ``--max-concurrency N`` caps the requests in flight (an arrival past
+the cap waits for a place; its latencies count from when it is sent).
+
+``--goodput ttft:MS tpot:MS e2el:MS`` (any of them) adds, per level, the
+requests per second that completed within every one of those limits.
+
 ``--load quote`` (where prompt lookup pays): each prompt asks for a paragraph
 to be rewritten with its typos fixed; the paragraph is a slice of
 bench/data/quality_text.txt with a few letters swapped, so a good answer
@@ -37,6 +48,8 @@ import asyncio
 import datetime
 import ipaddress
 import json
+import logging
+import math
 import os
 import random
 import secrets
@@ -87,6 +100,8 @@ BENCH_SCHEMA = {
     "additionalProperties": False,
 }
 STRUCTURED = ("json",)
+# --goodput's limits (ms): time to first token, time per output token, end-to-end latency.
+SLO_KEYS = ("ttft", "tpot", "e2el")
 LOADS = ("random", "quote")
 QUOTE_SOURCE = Path(__file__).parent / "data" / "quality_text.txt"
 QUOTE_ASK = "Rewrite the following paragraph, fixing its typos. Change nothing else.\n\nParagraph: "
@@ -112,6 +127,8 @@ class BenchConfig:
     progress: bool = True
     structured: str | None = None     # "json": every request constrained to BENCH_SCHEMA
     load: str = "random"              # LOADS: random-tag prompts, or paragraphs to quote
+    burstiness: float = 1.0           # --request-rate arrivals: gamma shape (1: Poisson)
+    goodput: dict[str, float] = field(default_factory=dict)  # SLO_KEYS -> limit in ms
     run_id: str = field(default_factory=lambda: secrets.token_hex(8))
 
     def __post_init__(self) -> None:
@@ -124,6 +141,12 @@ class BenchConfig:
             raise ValueError(f"load must be one of {', '.join(LOADS)}, got {self.load!r}")
         if self.request_timeout <= 0 or self.max_duration <= 0:
             raise ValueError("request_timeout and max_duration must be positive")
+        if not (self.burstiness > 0 and math.isfinite(self.burstiness)):
+            raise ValueError(f"burstiness must be a positive number, got {self.burstiness}")
+        for key, limit in self.goodput.items():
+            if key not in SLO_KEYS or not limit > 0:
+                raise ValueError(f"goodput limits are {', '.join(SLO_KEYS)} with a positive number of ms, "
+                                 f"got {key}:{limit}")
         check_loopback(self.url)
 
     @property
@@ -342,7 +365,63 @@ async def run_level(client: httpx.AsyncClient, cfg: BenchConfig, model: str,
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     finally:
         bar.close()
-    return summarize(results, time.perf_counter() - start, concurrency, not_sent)
+    return summarize(results, time.perf_counter() - start, concurrency, not_sent, slos=cfg.goodput)
+
+
+def arrival_gaps(rate: float, burstiness: float, count: int, rng: random.Random) -> list[float]:
+    """Seconds between ``count`` arrivals at ``rate`` per second on average: gamma-distributed
+    gaps of shape ``burstiness`` and mean ``1 / rate`` (exponential, a Poisson process, at 1);
+    all zero for an infinite rate."""
+    if math.isinf(rate):
+        return [0.0] * count
+    return [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(count)]
+
+
+async def run_rate_level(client: httpx.AsyncClient, cfg: BenchConfig, model: str,
+                         prompts: list[tuple[str, int]], rate: float, max_concurrency: int | None,
+                         level: int) -> dict:
+    """Open loop: ``prompts`` arrive at ``rate`` per second (``arrival_gaps``, drawn from the
+    seed) whatever the answers do, at most ``max_concurrency`` in flight; the level's summary."""
+    gaps = arrival_gaps(rate, cfg.burstiness, len(prompts), random.Random(f"arrivals:{cfg.seed}:{level}"))
+    places = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    bar = tqdm(total=len(prompts), desc=f"{rate:g} req/s", unit="req", disable=not cfg.progress,
+               file=sys.stderr, dynamic_ncols=True)
+    start = time.perf_counter()
+    deadline = start + cfg.max_duration
+
+    async def one(prompt: str, n_tokens: int) -> RequestResult | None:
+        if places is not None:
+            await places.acquire()
+        try:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return None  # waited for a place past the level's time
+            return await send_request(client, cfg, model, prompt, n_tokens, min(cfg.request_timeout, left))
+        finally:
+            if places is not None:
+                places.release()
+            bar.update(1)
+
+    tasks: list[asyncio.Task] = []
+    not_sent = 0
+    arrival = start
+    try:
+        for (prompt, n_tokens), gap in zip(prompts, gaps):
+            arrival += gap
+            if arrival >= deadline:
+                not_sent += 1
+                continue
+            await asyncio.sleep(max(0.0, arrival - time.perf_counter()))
+            tasks.append(asyncio.create_task(one(prompt, n_tokens)))
+        sent = await asyncio.gather(*tasks)
+    finally:
+        bar.close()
+    results = [r for r in sent if r is not None]
+    summary = summarize(results, time.perf_counter() - start, max_concurrency,
+                        not_sent + len(sent) - len(results), slos=cfg.goodput)
+    summary["request_rate"] = rate if math.isfinite(rate) else "inf"
+    summary["burstiness"] = cfg.burstiness
+    return summary
 
 
 async def served_model(client: httpx.AsyncClient, cfg: BenchConfig) -> str:
@@ -358,12 +437,32 @@ def default_num_prompts(concurrency: int) -> int:
     return max(16, 4 * concurrency)
 
 
+def default_rate_prompts(rate: float, max_concurrency: int | None) -> int:
+    """About eight seconds of arrivals (at least 16); at an infinite rate, as a closed level."""
+    if math.isinf(rate):
+        return default_num_prompts(max_concurrency or 4)
+    return max(16, math.ceil(8 * rate))
+
+
 async def run_async(cfg: BenchConfig, levels: list[int], num_prompts: int | None = None,
-                    transport: httpx.AsyncBaseTransport | None = None) -> dict:
-    """Run every level in turn against ``cfg.url``; the JSON-ready report."""
-    if not levels or min(levels) < 1:
+                    transport: httpx.AsyncBaseTransport | None = None,
+                    request_rates: list[float] | None = None) -> dict:
+    """Run every level in turn against ``cfg.url``; the JSON-ready report.
+
+    ``levels`` are the closed-loop concurrency levels; with ``request_rates`` each rate is
+    an open-loop level instead (``run_rate_level``) and ``levels`` is ``[]`` or
+    ``[max_concurrency]``."""
+    if request_rates is not None:
+        if not request_rates or not all(r > 0 for r in request_rates) or len(levels) > 1:
+            raise ValueError(f"request rates must be positive (inf: all at once) with at most one "
+                             f"concurrency cap, got {request_rates} and {levels}")
+    elif not levels:
+        raise ValueError("give concurrency levels or request rates")
+    if levels and min(levels) < 1:
         raise ValueError(f"concurrency levels must be positive integers, got {levels}")
-    limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels) + 4)
+    cap = levels[0] if request_rates is not None and levels else None
+    most = max(levels) if levels else 256  # open loop without a cap: many in flight
+    limits = httpx.Limits(max_connections=most + 4, max_keepalive_connections=most + 4)
     timeout = httpx.Timeout(cfg.request_timeout, connect=30.0)
     # trust_env=False: a proxy from the environment must never see these requests.
     async with httpx.AsyncClient(transport=transport, limits=limits, timeout=timeout,
@@ -376,8 +475,10 @@ async def run_async(cfg: BenchConfig, levels: list[int], num_prompts: int | None
             await send_request(client, cfg, model, prompt, n, cfg.request_timeout,
                                max_tokens=min(cfg.output_len, 16))
         summaries = []
-        for level, concurrency in enumerate(levels):
-            n = num_prompts or default_num_prompts(concurrency)
+        plan = ([(rate, default_rate_prompts(rate, cap)) for rate in request_rates] if request_rates is not None
+                else [(c, default_num_prompts(c)) for c in levels])
+        for level, (load, default_n) in enumerate(plan):
+            n = num_prompts or default_n
             sem = asyncio.Semaphore(8)
 
             async def make(index: int, level: int = level) -> tuple[str, int]:
@@ -385,16 +486,20 @@ async def run_async(cfg: BenchConfig, levels: list[int], num_prompts: int | None
                     return await maker.make(level, index)
 
             prompts = list(await asyncio.gather(*(make(i) for i in range(n))))
-            summaries.append(await run_level(client, cfg, model, prompts, concurrency))
+            if request_rates is not None:
+                summaries.append(await run_rate_level(client, cfg, model, prompts, load, cap, level))
+            else:
+                summaries.append(await run_level(client, cfg, model, prompts, int(load)))
     config = {k: v for k, v in asdict(cfg).items() if k not in ("api_key", "progress")}
     return {"url": cfg.url, "model": model, "tokenizer": dialect, "config": config,
             "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "levels": summaries}
 
 
-def run(cfg: BenchConfig, levels: list[int], num_prompts: int | None = None) -> dict:
+def run(cfg: BenchConfig, levels: list[int], num_prompts: int | None = None,
+        request_rates: list[float] | None = None) -> dict:
     """Blocking ``run_async``."""
-    return asyncio.run(run_async(cfg, levels, num_prompts))
+    return asyncio.run(run_async(cfg, levels, num_prompts, request_rates=request_rates))
 
 
 def report_text(report: dict) -> str:
@@ -405,7 +510,12 @@ def report_text(report: dict) -> str:
             f"{' (ignore_eos)' if c['ignore_eos'] else ''}, temperature {c['temperature']}"
             f"{', structured: ' + c['structured'] if c.get('structured') else ''}"
             f"{', load: ' + c['load'] if c.get('load', 'random') != 'random' else ''}")
-    return head + "\n\n" + format_table(report["levels"])
+    text = head + "\n\n" + format_table(report["levels"])
+    if c.get("goodput"):
+        limits = ", ".join(f"{k} <= {v:g} ms" for k, v in c["goodput"].items())
+        text += "\n\ngoodput (" + limits + "): " + ", ".join(
+            f"{s['request_goodput']:.2f} req/s" for s in report["levels"])
+    return text
 
 
 def build_parser(prog: str = "python -m bench.serve") -> argparse.ArgumentParser:
@@ -414,8 +524,18 @@ def build_parser(prog: str = "python -m bench.serve") -> argparse.ArgumentParser
     d = BenchConfig.__dataclass_fields__
     p.add_argument("--url", default=d["url"].default, help="server base URL (loopback only)")
     p.add_argument("--model", default=None, help="model name (default: ask /v1/models)")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1], metavar="N",
-                   help="one or several levels of requests in flight, e.g. 1 4 16 64")
+    p.add_argument("--concurrency", type=int, nargs="+", default=None, metavar="N",
+                   help="one or several levels of requests in flight, e.g. 1 4 16 64 (default 1)")
+    p.add_argument("--request-rate", type=float, nargs="+", default=None, metavar="R",
+                   help="open-loop levels instead: requests arrive at R per second (inf: all at once), "
+                        "see --burstiness")
+    p.add_argument("--burstiness", type=float, default=d["burstiness"].default,
+                   help="with --request-rate: the gamma shape of the gaps between arrivals "
+                        "(1: Poisson; lower: burstier)")
+    p.add_argument("--max-concurrency", type=int, default=None, metavar="N",
+                   help="with --request-rate: at most N requests in flight")
+    p.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS",
+                   help="also report the requests per second that met every limit: ttft:MS, tpot:MS, e2el:MS")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="requests per level (default max(16, 4 x concurrency))")
     p.add_argument("--input-len", type=int, default=d["input_len"].default)
@@ -441,23 +561,42 @@ def build_parser(prog: str = "python -m bench.serve") -> argparse.ArgumentParser
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m bench.serve") -> int:
+    # httpx logs every request at INFO (``kvserve bench`` logs at INFO): the table is the report.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.num_prompts is not None and args.num_prompts < 1:
         parser.error("--num-prompts must be at least 1")
-    if min(args.concurrency) < 1:
+    if args.request_rate is not None:
+        if args.concurrency is not None:
+            parser.error("--request-rate levels take --max-concurrency, not --concurrency")
+        if min(args.request_rate) <= 0 or any(math.isnan(r) for r in args.request_rate):
+            parser.error("--request-rate must be positive (inf: all at once)")
+        levels = [args.max_concurrency] if args.max_concurrency is not None else []
+    elif args.max_concurrency is not None:
+        parser.error("--max-concurrency goes with --request-rate (closed-loop levels are --concurrency)")
+    else:
+        levels = args.concurrency or [1]
+    if levels and min(levels) < 1:
         parser.error("--concurrency levels must be at least 1")
+    goodput: dict[str, float] = {}
+    for item in args.goodput:
+        key, _, value = item.partition(":")
+        try:
+            goodput[key] = float(value)
+        except ValueError:
+            parser.error(f"--goodput takes KEY:MS ({', '.join(SLO_KEYS)}), got {item!r}")
     try:
         cfg = BenchConfig(url=args.url, model=args.model, input_len=args.input_len,
                           output_len=args.output_len, seed=args.seed, ignore_eos=args.ignore_eos,
                           temperature=args.temperature, api_key=args.api_key,
                           request_timeout=args.request_timeout, max_duration=args.max_duration,
                           warmup=args.warmup, progress=not args.no_progress, structured=args.structured,
-                          load=args.load)
+                          load=args.load, burstiness=args.burstiness, goodput=goodput)
     except ValueError as e:
         parser.error(str(e))
     try:
-        report = run(cfg, args.concurrency, args.num_prompts)
+        report = run(cfg, levels, args.num_prompts, request_rates=args.request_rate)
     except httpx.HTTPError as e:
         print(f"{prog}: error: cannot reach {cfg.url}: {e!r}", file=sys.stderr)
         return 1

@@ -45,10 +45,18 @@ def _dist_ms(values: Sequence[float]) -> dict[str, float]:
             "p50": percentile(ms, 50), "p99": percentile(ms, 99)}
 
 
-def summarize(results: Sequence[RequestResult], duration: float, concurrency: int,
-              not_sent: int = 0) -> dict:
+def meets(result: RequestResult, slos: dict[str, float]) -> bool:
+    """Whether a completed request kept within every limit of ``slos`` (ms): ``ttft``,
+    ``tpot`` (a one-token answer has none, and meets it) and ``e2el``."""
+    got = {"ttft": result.ttft, "tpot": result.tpot, "e2el": result.e2e}
+    return result.ok and all(got[k] is None or got[k] * 1000.0 <= limit for k, limit in slos.items())
+
+
+def summarize(results: Sequence[RequestResult], duration: float, concurrency: int | None,
+              not_sent: int = 0, slos: dict[str, float] | None = None) -> dict:
     """The level's numbers, JSON-ready: counts, throughput, and mean/p50/p99 in ms
-    of TTFT, TPOT, ITL (all gaps of all requests) and end-to-end latency."""
+    of TTFT, TPOT, ITL (all gaps of all requests) and end-to-end latency; with
+    ``slos``, ``request_goodput``: the requests per second that ``meets`` them."""
     good = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in good)
     errors: dict[str, int] = {}
@@ -73,6 +81,7 @@ def summarize(results: Sequence[RequestResult], duration: float, concurrency: in
         "itl_ms": _dist_ms([gap for r in good for gap in r.itl]),
         "e2e_ms": _dist_ms([r.e2e for r in good]),
         "errors": errors,
+        **({"request_goodput": per_s(sum(meets(r, slos) for r in good))} if slos else {}),
     }
 
 
@@ -81,8 +90,17 @@ _COLUMNS = ("concurrency", "ok", "failed", "duration s", "req/s", "output tok/s"
             "ITL mean ms", "ITL p50", "ITL p99", "E2E mean ms", "E2E p50", "E2E p99")
 
 
+def _load(s: dict) -> str:
+    """A level's load: its concurrency, or its request rate (and cap)."""
+    if "request_rate" not in s:
+        return str(s["concurrency"])
+    rate = s["request_rate"]
+    cap = f" (max {s['concurrency']})" if s["concurrency"] else ""
+    return (f"{rate:g}/s" if isinstance(rate, (int, float)) else f"{rate}/s") + cap
+
+
 def _row(s: dict) -> list[str]:
-    cells = [str(s["concurrency"]), str(s["completed"]), str(s["failed"] + s["not_sent"]),
+    cells = [_load(s), str(s["completed"]), str(s["failed"] + s["not_sent"]),
              f"{s['duration_s']:.1f}", f"{s['request_throughput']:.2f}",
              f"{s['output_throughput']:.1f}"]
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
@@ -92,7 +110,9 @@ def _row(s: dict) -> list[str]:
 
 def format_table(levels: Sequence[dict]) -> str:
     """A markdown table, one row per level (``failed`` includes requests not sent)."""
-    lines = ["| " + " | ".join(_COLUMNS) + " |",
+    first = "request rate" if any("request_rate" in s for s in levels) else _COLUMNS[0]
+    columns = (first,) + _COLUMNS[1:]
+    lines = ["| " + " | ".join(columns) + " |",
              "|" + "|".join("---:" for _ in _COLUMNS) + "|"]
     lines += ["| " + " | ".join(_row(s)) + " |" for s in levels]
     return "\n".join(lines)

@@ -185,3 +185,73 @@ def test_structured_json_sends_the_fixed_schema_which_forces_long_answers() -> N
     assert BENCH_SCHEMA["properties"]["items"]["minItems"] >= 12  # answers run to --output-len
     with pytest.raises(ValueError, match="structured"):
         BenchConfig(structured="xml")
+
+
+def test_arrival_gaps_have_the_rates_mean_and_the_burstiness_spread() -> None:
+    import random
+    import statistics
+
+    from bench.serve import arrival_gaps
+
+    poisson = arrival_gaps(4.0, 1.0, 20000, random.Random(1))
+    assert statistics.fmean(poisson) == pytest.approx(0.25, rel=0.03)
+    assert statistics.stdev(poisson) == pytest.approx(0.25, rel=0.05)  # exponential: sd = mean
+    bursty = arrival_gaps(4.0, 0.25, 20000, random.Random(1))
+    assert statistics.fmean(bursty) == pytest.approx(0.25, rel=0.05)
+    assert statistics.stdev(bursty) == pytest.approx(0.5, rel=0.1)  # gamma: sd = mean / sqrt(shape)
+    assert arrival_gaps(float("inf"), 1.0, 5, random.Random(1)) == [0.0] * 5
+    # The same seed, the same arrivals.
+    assert arrival_gaps(2.0, 1.0, 10, random.Random("x")) == arrival_gaps(2.0, 1.0, 10, random.Random("x"))
+
+
+def test_request_rate_levels_send_open_loop_and_cap_what_is_in_flight() -> None:
+    s = FakeSettings(delay=0.02)  # each request takes 8 x 20 ms
+    with serving(s) as url:
+        report = asyncio.run(run_async(config(url), [], 12, request_rates=[50.0, float("inf")]))
+        capped = asyncio.run(run_async(config(url), [2], 8, request_rates=[float("inf")]))
+    fast, burst = report["levels"]
+    assert (fast["request_rate"], burst["request_rate"], fast["concurrency"]) == (50.0, "inf", None)
+    for lv in (fast, burst):
+        assert (lv["completed"], lv["failed"], lv["not_sent"]) == (12, 0, 0)
+    # Open loop: 12 arrivals 20 ms apart on average overlap the 160 ms answers; all at once,
+    # the level takes about one answer's time, not twelve.
+    assert burst["duration_s"] < 12 * 0.16 / 2
+    [lv] = capped["levels"]
+    assert lv["concurrency"] == 2 and lv["completed"] == 8
+    assert lv["duration_s"] >= 4 * 0.16  # 8 requests, 2 at a time
+    # A capped arrival's latencies count from when it was sent: no queueing time in its TTFT.
+    assert lv["ttft_ms"]["p99"] < 160
+
+
+def test_goodput_counts_the_requests_within_every_limit() -> None:
+    from bench.stats import RequestResult, summarize
+
+    fast = RequestResult(ok=True, output_tokens=5, ttft=0.1, e2e=0.5)    # tpot 100 ms
+    slow = RequestResult(ok=True, output_tokens=5, ttft=0.1, e2e=2.1)    # tpot 500 ms
+    late = RequestResult(ok=True, output_tokens=1, ttft=0.9, e2e=0.9)    # no tpot
+    failed = RequestResult(ok=False, error="timeout")
+    s = summarize([fast, slow, late, failed], 2.0, 4, slos={"ttft": 200.0, "tpot": 150.0})
+    assert s["request_goodput"] == pytest.approx(1 / 2.0)  # only fast: late misses ttft
+    s = summarize([fast, slow, late], 2.0, 4, slos={"e2el": 1000.0})
+    assert s["request_goodput"] == pytest.approx(2 / 2.0)
+    assert "request_goodput" not in summarize([fast], 1.0, 1)
+
+
+def test_main_takes_request_rates_and_goodput(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "rate.json"
+    with serving(FakeSettings(delay=0.0)) as url:
+        rc = main(["--url", url, "--request-rate", "100", "inf", "--max-concurrency", "3", "--num-prompts", "6",
+                   "--input-len", "8", "--output-len", "4", "--warmup", "0", "--no-progress",
+                   "--goodput", "ttft:10000", "e2el:10000", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "| request rate |" in text and "| 100/s (max 3) |" in text and "| inf/s (max 3) |" in text
+    assert "goodput (ttft <= 10000 ms, e2el <= 10000 ms):" in text
+    report = json.loads(out.read_text())
+    assert [lv["request_rate"] for lv in report["levels"]] == [100.0, "inf"]
+    assert all(lv["request_goodput"] > 0 for lv in report["levels"])
+    for bad in (["--request-rate", "0"], ["--request-rate", "5", "--concurrency", "2"], ["--max-concurrency", "2"],
+                ["--request-rate", "5", "--goodput", "ttft"], ["--request-rate", "5", "--goodput", "itl:5"],
+                ["--request-rate", "5", "--burstiness", "0"]):
+        with pytest.raises(SystemExit):
+            main(["--url", "http://127.0.0.1:9", *bad])
