@@ -12,10 +12,12 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
@@ -46,6 +48,18 @@ logger = logging.getLogger(__name__)
 MiB = 1024 * 1024
 
 
+@dataclass(frozen=True)
+class CORSSettings:
+    """Which browsers' cross-origin requests are answered (vLLM's ``--allowed-origins``,
+    ``--allow-credentials``, ``--allowed-methods``, ``--allowed-headers``; its defaults:
+    any origin, method and header, no credentials)."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+
+
 def _version() -> str:
     try:
         return metadata.version("kvserve")
@@ -57,7 +71,8 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
               max_body_size: int = 4 * MiB, served_model_name: str | Sequence[str] | None = None,
               metrics_require_key: bool = False, tool_call_parser: str = "auto",
               max_stored_responses: int = DEFAULT_STORED_RESPONSES,
-              reasoning_parser: str = "none", runtime_lora: bool = False) -> FastAPI:
+              reasoning_parser: str = "none", runtime_lora: bool = False, log_requests: bool = False,
+              max_log_len: int | None = None, cors: CORSSettings | None = CORSSettings()) -> FastAPI:
     """Build the HTTP app around ``engine``.
 
     The app's lifespan binds the engine to its event loop (``engine.start``; the loop
@@ -71,7 +86,9 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
     ``max_stored_responses`` bounds the Responses API answers kept in memory
     for ``previous_response_id`` (0 stores none); ``reasoning_parser`` (``server.reasoning``)
     splits a thinking model's reasoning from its answer; ``runtime_lora`` adds vLLM's
-    routes that load and unload LoRA adapters while serving. Call
+    routes that load and unload LoRA adapters while serving; ``log_requests`` logs each
+    generation request (``max_log_len``: its prompt cut to that many characters and ids);
+    ``cors`` answers browsers' cross-origin requests (None: no CORS headers). Call
     ``app.state.kvserve.begin_drain(timeout)`` to start a graceful shutdown.
     """
     if metrics_require_key and not api_key:
@@ -83,6 +100,7 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
     engine.add_stat_logger(metrics)
     state = ServerState(engine=engine, model_name=model_name, model_aliases=tuple(names[1:]), metrics=metrics,
                         api_key=api_key, max_queue=max_queue, responses=ResponseStore(max_stored_responses),
+                        log_requests=log_requests, max_log_len=max_log_len,
                         reasoning=reasoning_format(reasoning_parser),
                         tool_format=tool_format_for(tool_call_parser, engine.tokenizer.tool_call_syntax))
     if state.reasoning is not None:
@@ -120,12 +138,18 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
         return client_disconnected(state, None)
 
     app.add_exception_handler(ClientDisconnected, on_client_disconnect)
-    # Added innermost first: auth runs first, then the drain gate, then the body limit.
+    # Added innermost first: CORS runs first, then auth, then the drain gate, then the body limit.
     app.add_middleware(BodySizeLimitMiddleware, max_body_size=max_body_size)
     app.add_middleware(DrainMiddleware, is_draining=lambda: state.draining)
     if api_key:
         open_paths = OPEN_PATHS - {"/metrics"} if metrics_require_key else OPEN_PATHS
         app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
+    if cors is not None:
+        # Outermost: a browser's preflight (OPTIONS, which carries no key) is answered here,
+        # and every answer, a 401 or 413 too, carries the CORS headers.
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
+                           allow_credentials=cors.allow_credentials, allow_methods=list(cors.allowed_methods),
+                           allow_headers=list(cors.allowed_headers))
     _add_routes(app, state)
     if runtime_lora:
         _add_lora_routes(app, state)

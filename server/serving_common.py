@@ -147,6 +147,21 @@ def encode_prompts(tokenizer: TokenizerLike, prompts: list[str | list[int]],
             for p in prompts]
 
 
+def _cut(items: str | list[int], limit: int | None) -> str:
+    if limit is None or len(items) <= limit:
+        return repr(items)
+    return f"{items[:limit]!r}... ({len(items)} in all)"
+
+
+def log_request(state: ServerState, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                model: str) -> None:
+    """vLLM's request log line (``--enable-log-requests``): the id, the model, the sampling
+    parameters and each prompt's text and token ids, cut to ``state.max_log_len``."""
+    shown = [f"prompt {i}: {_cut(state.engine.tokenizer.decode(ids, skip_special_tokens=False), state.max_log_len)}, "
+             f"prompt_token_ids: {_cut(ids, state.max_log_len)}" for i, ids in enumerate(prompts)]
+    logger.info("Received request %s (model %s): %s, params: %s", request_id, model, "; ".join(shown), params)
+
+
 async def launch(state: ServerState, request_id: str, prompts: list[list[int]],
                  params: SamplingParams, body_fields: Mapping[str, str], model: str) -> AdmittedStream:
     """One engine request per prompt, their streams merged; then admission.
@@ -164,6 +179,8 @@ async def launch(state: ServerState, request_id: str, prompts: list[list[int]],
     loop does not wait for.
     """
     adapter = state.adapter(model)
+    if state.log_requests:
+        log_request(state, request_id, prompts, params, model)
 
     def start_all() -> list:
         return [start_generation(state.engine, request_id if len(prompts) == 1 else f"{request_id}-{i}",

@@ -66,6 +66,17 @@ _SPECULATIVE_KEYS = {"num_speculative_tokens": "num_speculative_tokens", "prompt
                      "prompt_lookup_max": "ngram_max", "model": "draft_model"}
 
 
+def _json_list_arg(text: str) -> list[str]:
+    """vLLM's JSON list of strings (``'["*"]'``); a bare word is a list of one."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = [text]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError("must be a JSON list of strings, e.g. '[\"*\"]'")
+    return value
+
+
 def _apply_speculative_config(args: argparse.Namespace) -> None:
     """``--speculative-config`` (vLLM's JSON) into the speculative arguments it means;
     ``ValueError`` for what kvserve has not (another method, other keys) or a clash."""
@@ -186,6 +197,15 @@ def _add_api_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
                    help="refuse LoRA adapters of a rank above R, at start-up and when loaded "
                         "while serving (default: any rank)")
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="log each generation request: its id, model, sampling parameters and prompt "
+                        "(text and token ids, see --max-log-len), as vLLM's")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="accepted for vLLM's command lines: requests are not logged unless "
+                        "--enable-log-requests")
+    p.add_argument("--max-log-len", type=_count_arg, default=None, metavar="N",
+                   help="with --enable-log-requests: show at most N characters and N token ids of each "
+                        "prompt (default: all)")
     p.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSERS,
                    help="how tool calls are prompted and read: hermes (<tool_call> JSON "
                         "</tool_call>, the chat template renders the tools), generic (kvserve's "
@@ -246,6 +266,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="add vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which load "
                             "an adapter from a path on this host while serving (default: off; on with "
                             "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, as in vLLM)")
+    serve.add_argument("--allowed-origins", type=_json_list_arg, default=["*"], metavar="JSON",
+                       help="origins whose browser pages may call the API (CORS), a JSON list as vLLM's "
+                            "(default [\"*\"]: any)")
+    serve.add_argument("--allow-credentials", action="store_true",
+                       help="CORS: let browsers send cookies and credentials (default: off)")
+    serve.add_argument("--allowed-methods", type=_json_list_arg, default=["*"], metavar="JSON",
+                       help="CORS: the methods allowed (default [\"*\"])")
+    serve.add_argument("--allowed-headers", type=_json_list_arg, default=["*"], metavar="JSON",
+                       help="CORS: the request headers allowed (default [\"*\"])")
     serve.add_argument("--log-level", default="info")
     _add_api_args(serve)
 

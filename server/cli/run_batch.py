@@ -76,6 +76,7 @@ def _run(args: argparse.Namespace, llm: LLMEngine, requests: list[BatchRequest],
     logging.getLogger("httpx").setLevel(logging.WARNING)
     app = build_app(engine, served_model_name=args.served_model_name, tool_call_parser=args.tool_call_parser,
                     reasoning_parser=args.reasoning_parser, max_stored_responses=0,
+                    log_requests=args.enable_log_requests, max_log_len=args.max_log_len, cors=None,
                     max_body_size=sys.maxsize)  # a line's body was read already
     concurrency = args.max_concurrency or 2 * args.max_num_seqs
     result: list[BatchSummary] = []

@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from engine.workers import exit_now, run_node, run_torchrun_rank, torchrun_rank
-from server.app import build_app
+from server.app import CORSSettings, build_app
 from server.cli.args import engine_config
 from server.engine_client import EngineClient
 
@@ -156,7 +156,10 @@ def _serve(args: argparse.Namespace, engine: AsyncEngine) -> int:
                     max_body_size=args.max_body_size, served_model_name=args.served_model_name,
                     metrics_require_key=args.metrics_require_key, tool_call_parser=args.tool_call_parser,
                     max_stored_responses=args.max_stored_responses, reasoning_parser=args.reasoning_parser,
-                    runtime_lora=args.allow_runtime_lora)
+                    runtime_lora=args.allow_runtime_lora, log_requests=args.enable_log_requests,
+                    max_log_len=args.max_log_len,
+                    cors=CORSSettings(tuple(args.allowed_origins), args.allow_credentials,
+                                      tuple(args.allowed_methods), tuple(args.allowed_headers)))
     state = app.state.kvserve
     logger.info("kvserve listening on http://%s:%d (model %s, max_model_len %d, auth %s)",
                 args.host, args.port, state.model_name, engine.max_model_len,

@@ -23,13 +23,15 @@ SHUTDOWN_TIMEOUT = 10.0
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory, make_lora) -> Iterator[KVServe]:
     """A live ``kvserve serve --api-key ... --lora-modules sql=... --allow-runtime-lora`` (with vLLM's
-    ``--enable-lora --max-loras 2 --max-lora-rank 8``) on a free port; on teardown SIGTERM must
+    ``--enable-lora --max-loras 2 --max-lora-rank 8``, requests logged, CORS for one origin) on a free port; on teardown SIGTERM must
     make it exit with status 0 within its shutdown timeout."""
     log_dir = tmp_path_factory.mktemp("kvserve")
     adapter = make_lora(log_dir / ADAPTER, SMOLLM2_SHAPE, rank=8, seed=3)
     srv = KVServe(free_port(), log_dir / "server.log", api_key="e2e-" + secrets.token_hex(8),
                   shutdown_timeout=SHUTDOWN_TIMEOUT, extra=("--lora-modules", f"{ADAPTER}={adapter}", "--allow-runtime-lora",
-                         "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"))
+                         "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+                         "--enable-log-requests", "--max-log-len", "40",
+                         "--allowed-origins", '["http://chat.example"]'))
     try:
         srv.wait_http_ok(f"{srv.url}/health", STARTUP_TIMEOUT)
         yield srv

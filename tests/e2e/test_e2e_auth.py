@@ -62,3 +62,22 @@ def test_unknown_route_is_401_without_key_and_404_with_it(http: httpx.Client,
 def test_probes_and_metrics_are_open(http: httpx.Client, path: str) -> None:
     assert http.get(path).status_code == 200
     assert http.get(path, headers={"Authorization": "Bearer wrong-key"}).status_code == 200
+
+
+def test_a_browsers_preflight_and_the_request_log(http: httpx.Client, server: KVServe) -> None:
+    # --allowed-origins '["http://chat.example"]': that origin's preflight is answered without
+    # the key; another origin gets no CORS header.
+    preflight = {"Origin": "http://chat.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    r = http.options("/v1/chat/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://chat.example"
+    r = http.options("/v1/chat/completions", headers={**preflight, "Origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
+    # --enable-log-requests --max-log-len 40: the request's id, its parameters and its prompt, cut.
+    prompt = "A prompt long enough to be cut in the log: " + "word " * 20
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2},
+                  headers={"Authorization": f"Bearer {server.api_key}", "Origin": "http://chat.example"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://chat.example"
+    [line] = [x for x in server.log(tail=10**7).splitlines() if f"Received request {r.json()['id']}" in x]
+    assert repr(prompt) not in line and "A prompt long enough" in line and "in all)" in line
+    assert "max_tokens=2" in line

@@ -269,3 +269,20 @@ def test_vllm_command_lines_run_as_they_are() -> None:
             cli_args.engine_config(parse(argv))
     with pytest.raises(SystemExit):
         parse(["serve", "--speculative-config", "[1]"])
+
+
+def test_cors_and_request_log_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    args = cli_args.build_parser().parse_args(["serve"])
+    assert (args.allowed_origins, args.allow_credentials, args.allowed_methods, args.allowed_headers) == (
+        ["*"], False, ["*"], ["*"])
+    assert not args.enable_log_requests and args.max_log_len is None
+    args = cli_args.build_parser().parse_args([
+        "serve", "--allowed-origins", '["http://a.example", "http://b.example"]', "--allow-credentials",
+        "--allowed-methods", "POST", "--allowed-headers", '["content-type"]', "--enable-log-requests",
+        "--max-log-len", "10", "--disable-log-requests"])
+    assert args.allowed_origins == ["http://a.example", "http://b.example"] and args.allow_credentials
+    assert args.allowed_methods == ["POST"] and args.allowed_headers == ["content-type"]
+    assert args.enable_log_requests and args.max_log_len == 10
+    with pytest.raises(SystemExit):
+        cli_args.build_parser().parse_args(["serve", "--allowed-origins", '{"a": 1}'])
+    assert "JSON list of strings" in capsys.readouterr().err
