@@ -24,6 +24,7 @@ import re
 from collections.abc import Mapping, Sequence
 import functools
 from functools import lru_cache
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -33,6 +34,36 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
 from models.chat_template import render_chat_template, template_tool_syntax
+
+
+@dataclass(frozen=True)
+class FimTokens:
+    """A code model's fill-in-the-middle markers, as token ids: a prompt is
+    ``prefix <code before> suffix <code after> middle``, and the model writes the
+    code between. ``repo`` and ``file_sep`` (None where the model has none) name a
+    repository and open each file of context before that (Qwen2.5-Coder's layout)."""
+
+    prefix: int
+    suffix: int
+    middle: int
+    repo: int | None = None
+    file_sep: int | None = None
+
+
+# The markers' texts per model family (prefix, suffix, middle), as llama.cpp looks them up
+# when a GGUF file does not declare them: Qwen2.5-Coder and most recent code models,
+# StarCoder, CodeGemma, CodeLlama (and its SentencePiece spelling), DeepSeek-Coder.
+_FIM_TEXTS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+              ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+              ("<fim-prefix>", "<fim-suffix>", "<fim-middle>"),
+              ("<|fim_begin|>", "<|fim_hole|>", "<|fim_end|>"),
+              ("<PRE>", "<SUF>", "<MID>"), ("\u2581<PRE>", "\u2581<SUF>", "\u2581<MID>"),
+              ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"))
+_FIM_REPO_TEXTS = ("<|repo_name|>", "<repo_name>", "<reponame>")
+_FIM_SEP_TEXTS = ("<|file_sep|>", "<file_sep>")
+# GGUF's declared ids (tokenizer.ggml.<key>_token_id) -> FimTokens' fields.
+_GGUF_FIM_KEYS = {"fim_pre": "prefix", "fim_suf": "suffix", "fim_mid": "middle", "fim_rep": "repo",
+                  "fim_sep": "file_sep"}
 
 
 class Tokenizer:
@@ -46,13 +77,17 @@ class Tokenizer:
         eos_token_ids: Sequence[int],
         add_bos_token: bool = False,
         chat_template: str | None = None,
+        fim_token_ids: Mapping[str, int] | None = None,
     ) -> None:
         """Wrap a ``tokenizers.Tokenizer``; its post-processor is never used.
 
         Prefer ``from_gguf_fields`` or ``from_hf_dir``; this is for callers
-        (and tests) that already hold a backend.
+        (and tests) that already hold a backend. ``fim_token_ids``: fill-in-the-middle
+        markers a file declares (``FimTokens``' field names -> ids), over the ones
+        found by their texts.
         """
         self._backend = backend
+        self._fim_token_ids = dict(fim_token_ids or {})
         self.bos_token_id = bos_token_id
         self.eos_token_ids = list(dict.fromkeys(eos_token_ids))
         self.add_bos_token = add_bos_token and bos_token_id is not None
@@ -138,6 +173,26 @@ class Tokenizer:
         other.chat_template = template
         return other
 
+    @functools.cached_property
+    def fim_tokens(self) -> FimTokens | None:
+        """The fill-in-the-middle markers (None: the model has none): the ids the file
+        declares, else the first family of ``_FIM_TEXTS`` whose three texts are tokens."""
+        declared = self._fim_token_ids
+
+        def first(texts: Sequence[str]) -> int | None:
+            return next((i for i in map(self._backend.token_to_id, texts) if i is not None), None)
+
+        found: dict[str, int | None] = {"repo": first(_FIM_REPO_TEXTS), "file_sep": first(_FIM_SEP_TEXTS)}
+        for texts in _FIM_TEXTS:
+            ids = [self._backend.token_to_id(t) for t in texts]
+            if None not in ids:
+                found.update(zip(("prefix", "suffix", "middle"), ids))
+                break
+        found.update(declared)
+        if any(found.get(k) is None for k in ("prefix", "suffix", "middle")):
+            return None
+        return FimTokens(**{k: found.get(k) for k in ("prefix", "suffix", "middle", "repo", "file_sep")})
+
     @property
     def tool_call_syntax(self) -> str | None:
         """How the chat template writes tool calls (``chat_template.template_tool_syntax``)."""
@@ -209,6 +264,8 @@ class Tokenizer:
             eos_token_ids=[i for i in eos_ids if i is not None],
             add_bos_token=field("ggml.add_bos_token", add_bos_default),
             chat_template=field("chat_template"),
+            fim_token_ids={name: field(f"ggml.{key}_token_id") for key, name in _GGUF_FIM_KEYS.items()
+                           if field(f"ggml.{key}_token_id") is not None},
         )
 
     @classmethod

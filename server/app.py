@@ -34,7 +34,7 @@ from server.serving_chat import apply_template, create_chat_completion
 from server.serving_common import client_disconnected
 from server.serving_completions import create_completion
 from server.serving_embeddings import create_embedding, create_rerank, create_score
-from server.serving_llamacpp import LLAMACPP_DEFAULTS, create_llamacpp_completion
+from server.serving_llamacpp import LLAMACPP_DEFAULTS, create_llamacpp_completion, create_llamacpp_infill
 from server.serving_messages import count_message_tokens, create_message
 from server.serving_responses import create_response
 from server.reasoning import reasoning_format
@@ -203,6 +203,7 @@ _API_ROUTES: list[tuple[tuple[str, ...], Callable[[ServerState, Request], Awaita
     (("/v1/messages/count_tokens",), count_message_tokens),
     (("/v1/responses",), create_response),
     (("/completion", "/completions"), create_llamacpp_completion),  # llama.cpp server's own API
+    (("/infill",), create_llamacpp_infill),
 ]
 
 # Every path of those routes (what ``kvserve run-batch`` lines may post to).

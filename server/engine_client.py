@@ -32,6 +32,9 @@ class TokenizerLike(Protocol):
     # "hermes" where the chat template renders tools that way, "unknown" for
     # another syntax, None when it knows nothing of tools.
     tool_call_syntax: str | None
+    # A code model's fill-in-the-middle markers (``models.tokenizer.FimTokens``: prefix, suffix,
+    # middle, repo, file_sep ids); None when it has none.
+    fim_tokens: Any
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None,

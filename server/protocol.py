@@ -257,6 +257,7 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool | None = False
+    # The code after the completion: a fill-in-the-middle prompt (server.fim; a code model's).
     suffix: str | None = None
     best_of: int | None = None
 
@@ -271,19 +272,14 @@ class CompletionRequest(_SamplingRequest):
                              f"got {len(items)}; split them over several requests")
         return p
 
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, suffix: str | None) -> str | None:
-        if suffix:
-            raise ValueError("suffix is not supported")
-        return suffix
-
     @model_validator(mode="after")
     def _check_combinations(self) -> "CompletionRequest":
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise ValueError("best_of is not supported (it must be unset or equal to n)")
         if self.echo_only and (self.min_tokens or 0) > 0:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens (0)")
+        if self.suffix and self.echo:
+            raise ValueError("echo does not go with suffix (the prompt runs around the suffix)")
         return self
 
     @property

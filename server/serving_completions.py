@@ -10,6 +10,7 @@ from starlette.responses import JSONResponse, Response
 from engine.outputs import RequestOutput, TokenLogprob
 from server.body import read_model
 from server.engine_client import TokenizerLike
+from server.fim import suffix_prompt
 from server.protocol import CompletionRequest, truncate_prompt
 from server.protocol_responses import (CompletionChoice, CompletionLogprobs, CompletionResponse, Usage,
                                        json_logprob, now, sse)
@@ -69,6 +70,8 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     tok = state.engine.tokenizer
     keep = body.truncate_prompt_tokens
     prompts = [truncate_prompt(p, keep, state.engine.max_model_len) for p in encode_prompts(tok, body.prompts())]
+    if body.suffix:
+        prompts = [suffix_prompt(tok, p, body.suffix) for p in prompts]
     request_id = new_request_id("cmpl")
     merged = await launch(state, request_id, prompts, params,
                           {"prompt": "prompt", "structured": body.structured_param}, model)

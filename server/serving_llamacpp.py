@@ -23,6 +23,7 @@ from engine.sampling_params import SamplingParams
 from server.body import read_model, validate
 from server.engine_client import TokenizerLike
 from server.errors import bad_request, renamed_params
+from server.fim import infill_prompt
 from server.protocol import CompletionRequest, _Strict
 from server.protocol_responses import json_logprob, sse_json
 from server.serving_common import Choices, first_output, launch, run_to_completion, stream_response, token_name
@@ -86,11 +87,12 @@ class LlamaCppCompletionRequest(_Strict):
     n_indent: int = _OFF["n_indent"]
     t_max_predict_ms: int = _OFF["t_max_predict_ms"]
 
-    def prompts(self, tok: TokenizerLike) -> list[list[int]]:
+    def prompts(self, tok: TokenizerLike, n_ctx: int) -> list[list[int]]:
         """The prompts as token ids (a 400 names ``prompt``). A string, or a list of ids
         and strings (one prompt, its texts tokenized in place); several prompts as a
         list of strings or of such lists. A BOS, where the model adds one, goes before
-        a prompt that starts with a text, as llama.cpp does."""
+        a prompt that starts with a text, as llama.cpp does. (``n_ctx``, the context
+        length, shapes ``/infill``'s prompt.)"""
         p = self.prompt
         if isinstance(p, str) or any(isinstance(x, int) and not isinstance(x, bool) for x in p):
             many = [p]
@@ -135,6 +137,30 @@ class LlamaCppCompletionRequest(_Strict):
                 "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
                 "stop": list(params.stop), "ignore_eos": params.ignore_eos, "n_probs": self.n_probs,
                 "grammar": self.grammar or "", "stream": self.stream}
+
+
+class InfillChunk(_Strict):
+    """A file of context for ``/infill`` (llama.cpp's ``input_extra`` entries)."""
+
+    text: str = ""
+    filename: str = "tmp"
+
+
+class LlamaCppInfillRequest(LlamaCppCompletionRequest):
+    """``POST /infill``: ``/completion``'s fields, and the code around the gap:
+    ``input_prefix``, ``input_suffix``, ``input_extra`` (files of context) and an
+    optional ``prompt`` (text that goes right after the prefix)."""
+
+    prompt: str = ""  # type: ignore[assignment]
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[InfillChunk] = []
+
+    def prompts(self, tok: TokenizerLike, n_ctx: int) -> list[list[int]]:
+        """One prompt, laid out as llama.cpp's (``server.fim.infill_prompt``)."""
+        extra = [(chunk.filename, chunk.text) for chunk in self.input_extra]
+        return [infill_prompt(tok, self.input_prefix, self.input_suffix, self.prompt, extra, n_ctx,
+                              self.n_predict)]
 
 
 def _tokens(tok: TokenizerLike, prompt: Any) -> list[int]:
@@ -223,12 +249,21 @@ def _probabilities(tok: TokenizerLike, lps: list[TokenLogprob]) -> list[dict[str
 
 async def create_llamacpp_completion(state: ServerState, request: Request) -> Response:
     """Validate, run and render one llama.cpp ``/completion`` request."""
-    body = await read_model(request, LlamaCppCompletionRequest)
+    return await _complete(state, request, await read_model(request, LlamaCppCompletionRequest))
+
+
+async def create_llamacpp_infill(state: ServerState, request: Request) -> Response:
+    """llama.cpp's ``/infill``: a fill-in-the-middle prompt (``server.fim``), then as
+    ``/completion``."""
+    return await _complete(state, request, await read_model(request, LlamaCppInfillRequest))
+
+
+async def _complete(state: ServerState, request: Request, body: LlamaCppCompletionRequest) -> Response:
     # llama.cpp's server (one model) reads no model name: any name but a served adapter's
     # is the base model here too.
     model = state.check_model(body.model if body.model in state.engine.lora_adapters else None)
     tok = state.engine.tokenizer
-    prompts = body.prompts(tok)
+    prompts = body.prompts(tok, state.engine.max_model_len)
     completion = body.as_completion(prompts, tok)
     with renamed_params(_TO_LLAMACPP):
         params = completion.sampling_params()

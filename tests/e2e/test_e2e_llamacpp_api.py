@@ -54,3 +54,12 @@ def test_a_gbnf_grammar_is_followed_and_a_broken_one_is_a_400(server: KVServe) -
         assert body["stop_type"] == "eos"
     r = post(server, "/completion", {"prompt": "hi", "grammar": "root ::= ("})
     assert r.status_code == 400 and r.json()["error"]["param"] == "grammar", r.text
+
+
+def test_fill_in_the_middle_needs_a_code_models_markers(server: KVServe) -> None:
+    # SmolLM2 has no fill-in-the-middle tokens: /infill and a completions suffix say so.
+    r = post(server, "/infill", {"input_prefix": "def f(", "input_suffix": "):", "n_predict": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input_prefix"
+    assert "fill-in-the-middle" in r.json()["error"]["message"]
+    r = post(server, "/v1/completions", {"prompt": "def f(", "suffix": "):", "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"

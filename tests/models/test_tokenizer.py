@@ -171,6 +171,8 @@ def write_gguf(path: Path, model: str, tokens: list[str], types: list[int], **fi
         writer.add_token_merges(fields["merges"])
     if "scores" in fields:
         writer.add_token_scores(fields["scores"])
+    for key, token_id in zip(("fim_pre", "fim_suf", "fim_mid"), fields.get("fim", ())):
+        writer.add_uint32(f"tokenizer.ggml.{key}_token_id", token_id)
     writer.add_bos_token_id(fields.get("bos", 0))
     writer.add_eos_token_id(fields.get("eos", 0))
     writer.write_header_to_file()
@@ -276,3 +278,42 @@ def test_token_bytes_of_added_tokens_are_their_text(tmp_path):
               "tokenizer.ggml.eos_token_id": 3}
     tok = Tokenizer.from_gguf_fields(fields)
     assert [tok.token_bytes(i) for i in range(5)] == [b"a", b"b", b"ab", b"<|end|>", "é!".encode()]
+
+
+# --- Fill-in-the-middle markers ------------------------------------------------
+
+
+def with_added(ours: Tokenizer, texts: list[str], **kwargs: Any) -> Tokenizer:
+    """SmolLM2's tokenizer with ``texts`` added as special tokens (ids from 49152 on)."""
+    backend = tokenizers.Tokenizer.from_str(ours.to_json())
+    backend.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in texts])
+    return Tokenizer(backend, bos_token_id=ours.bos_token_id, eos_token_ids=ours.eos_token_ids, **kwargs)
+
+
+def test_fim_markers_are_found_by_their_family_or_declared(ours):
+    # SmolLM2 has <repo_name> and <file_sep> but no fill-in-the-middle markers.
+    assert ours.fim_tokens is None
+    base = ours.vocab_size
+    qwen = with_added(ours, ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|repo_name|>", "<|file_sep|>"])
+    fim = qwen.fim_tokens
+    assert (fim.prefix, fim.middle, fim.suffix, fim.repo, fim.file_sep) == tuple(range(base, base + 5))
+    assert qwen.encode("<|fim_prefix|>a", add_special_tokens=False)[0] == fim.prefix
+    # StarCoder's spelling; SmolLM2's own <repo_name> and <file_sep> go with it.
+    star = with_added(ours, ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"]).fim_tokens
+    assert (star.prefix, star.suffix, star.middle) == (base, base + 1, base + 2)
+    assert (star.repo, star.file_sep) == (ours.encode("<repo_name>", False)[0], ours.encode("<file_sep>", False)[0])
+    # Two of three are not enough; a file's declared ids win over the texts.
+    assert with_added(ours, ["<|fim_prefix|>", "<|fim_suffix|>"]).fim_tokens is None
+    declared = with_added(ours, ["<|fim_prefix|>", "<|fim_suffix|>"],
+                          fim_token_ids={"prefix": 5, "suffix": 6, "middle": 7}).fim_tokens
+    assert (declared.prefix, declared.suffix, declared.middle) == (5, 6, 7)
+
+
+def test_gguf_fim_token_ids_are_read(tmp_path):
+    tokens = ["<s>", "</s>", "<pre>", "<suf>", "<mid>", "a", "b"]
+    types = [gguf.TokenType.CONTROL] * 5 + [gguf.TokenType.NORMAL] * 2
+    fields = write_gguf(tmp_path / "fim.gguf", "gpt2", tokens, types, pre="default", merges=[],
+                        fim=(2, 3, 4))
+    tok = Tokenizer.from_gguf_fields(fields)
+    assert (tok.fim_tokens.prefix, tok.fim_tokens.suffix, tok.fim_tokens.middle) == (2, 3, 4)
+    assert tok.fim_tokens.repo is None

@@ -26,6 +26,7 @@ from engine.stats import FinishedRequestStats, StatLogger, StepStats
 from engine.validation import InvalidRequestError, RequestLimits, check_request
 from models.chat_template import TemplateArgumentError
 from models.kv_cache import cdiv
+from models.tokenizer import FimTokens
 
 SCRIPT = "hello world, this is kvserve speaking. " * 8
 
@@ -34,11 +35,16 @@ class FakeEngineDeadError(RuntimeError):
     """Stands in for ``engine.async_engine.EngineDeadError``."""
 
 
+# A code model's markers in the fake's vocabulary (set as a FakeTokenizer's fim_tokens).
+FAKE_FIM = FimTokens(prefix=260, suffix=261, middle=262)
+
+
 class FakeTokenizer:
-    """Byte-level tokenizer: ids 0-255 are bytes, 256 is BOS, 257 is EOS."""
+    """Byte-level tokenizer: ids 0-255 are bytes, 256 is BOS, 257 is EOS; 260-262 are
+    fill-in-the-middle markers where a test sets ``fim_tokens = FAKE_FIM``."""
 
     BOS, EOS = 256, 257
-    vocab_size = 260
+    vocab_size = 263
     eos_token_ids = [EOS]
     bos_token_id = BOS
     # The jinja2 source /tokenizer_info shows (apply_chat_template renders it in Python).
@@ -66,6 +72,7 @@ class FakeTokenizer:
         return bytes([token_id]) if token_id < 256 else self.decode([token_id], False).encode()
 
     tool_call_syntax = None
+    fim_tokens = None  # a test may set a models.tokenizer.FimTokens
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, template_kwargs: dict | None = None,

@@ -7,7 +7,7 @@ import pytest
 from starlette.routing import Route
 
 from api_helpers import MODEL, assert_error, client_for
-from fake_engine import FakeEngine
+from fake_engine import FAKE_FIM, FakeEngine
 from server.app import build_app
 from server.middleware import OPEN_PATHS
 
@@ -35,6 +35,7 @@ def _all_endpoints(app) -> list[tuple[str, str]]:
 
 
 async def test_every_route_requires_the_key_except_probes(engine: FakeEngine) -> None:
+    engine.tokenizer.fim_tokens = FAKE_FIM  # /infill needs a code model's markers
     app = build_app(engine, api_key=KEY)
     endpoints = _all_endpoints(app)
     assert {p for _, p in endpoints} >= {"/v1/completions", "/v1/chat/completions", "/v1/models",
@@ -53,6 +54,7 @@ async def test_every_route_requires_the_key_except_probes(engine: FakeEngine) ->
               "/v1/rerank": {"query": "a", "documents": ["b"]}, "/rerank": {"query": "a", "documents": ["b"]},
               "/v2/rerank": {"query": "a", "documents": ["b"]},
               "/completion": {"prompt": "hi", "n_predict": 1},
+              "/infill": {"input_prefix": "def f(", "input_suffix": "):", "n_predict": 1},
               "/apply-template": {"messages": [{"role": "user", "content": "hi"}]}, "/completions": {"prompt": "hi", "n_predict": 1},
               "/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [104]}}
     async with app.router.lifespan_context(app):

@@ -9,7 +9,8 @@ import httpx
 import pytest
 
 from api_helpers import MODEL, assert_error
-from fake_engine import SCRIPT, FakeEngine
+from fake_engine import FAKE_FIM, SCRIPT, FakeEngine
+from models.tokenizer import FimTokens
 
 pytestmark = pytest.mark.anyio
 
@@ -153,3 +154,57 @@ async def test_tokenize_detokenize_props_and_apply_template_as_llama_cpp_has_the
     await complete(client, prompt=prompt, n_predict=1)
     assert engine.requests[-1].prompt_token_ids == [engine.tokenizer.BOS] + chat_prompt
     assert_error(await client.post("/apply-template", json={"messages": []}), 400, "messages")
+
+
+async def test_infill_lays_out_llama_cpps_prompt(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    assert_error(await complete(client, "/infill", input_prefix="def f(", input_suffix="):"), 400, "input_prefix")
+    BOS = engine.tokenizer.BOS
+    engine.tokenizer.fim_tokens = FAKE_FIM  # no repository or file separator tokens
+    r = await complete(client, "/infill", input_prefix="def f(", input_suffix="):", prompt="x",
+                       input_extra=[{"filename": "a.py", "text": "y = 1"}], n_predict=-1, temperature=0)
+    assert r.status_code == 200, r.text
+    # Without a file separator token the chunks are joined by a snippet line.
+    assert engine.requests[-1].prompt_token_ids == [
+        *b"\n\n--- snippet ---\n\ny = 1", BOS, 260, *b"def f(", *b"x", 261, *b"):", 262]
+    assert r.json()["content"] and r.json()["stop_type"] == "limit"  # /completion's answer
+    # With them: the repository's name, each file's name, then the file being edited.
+    engine.tokenizer.fim_tokens = FimTokens(260, 261, 262, repo=258, file_sep=259)
+    r = await complete(client, "/infill", input_prefix="a", input_suffix="b",
+                       input_extra=[{"filename": "a.py", "text": "y = 1"}, {"text": "z"}], n_predict=4)
+    assert r.status_code == 200, r.text
+    assert engine.requests[-1].prompt_token_ids == [
+        258, *b"myproject\n", 259, *b"a.py\n", *b"y = 1", 259, *b"tmp\n", *b"z", 259, *b"filename\n",
+        BOS, 260, *b"a", 261, *b"b", 262]
+    assert engine.requests[-1].params.max_tokens == 4
+    assert_error(await complete(client, "/infill", input_prefix="a", input_extra=[{"text": 5}]), 400)
+
+
+async def test_infill_trims_the_prefix_suffix_and_context_as_llama_cpp(client: httpx.AsyncClient,
+                                                                       engine: FakeEngine) -> None:
+    engine.tokenizer.fim_tokens = FAKE_FIM
+    # n_ctx 256: the batch is half of it, 128 tokens.
+    prefix, suffix = "p" * 150 + "q" * 250, "s" * 20 + "t" * 100
+    context = "c" * 100 + "d" * 200
+    r = await complete(client, "/infill", input_prefix=prefix, input_suffix=suffix, prompt="xy",
+                       input_extra=[{"text": context}], n_predict=10)
+    assert r.status_code == 200, r.text
+    # The prefix's last 3/4 of the batch (96), the suffix's first quarter less the prompt and
+    # two markers (28), the context's last n_ctx - batch - 2 x n_predict (108).
+    assert engine.requests[-1].prompt_token_ids == [
+        *b"d" * 108, engine.tokenizer.BOS, 260, *b"q" * 96, *b"xy", 261, *b"s" * 20 + b"t" * 8, 262]
+
+
+async def test_completions_suffix_is_a_fill_in_the_middle_prompt(client: httpx.AsyncClient,
+                                                                  engine: FakeEngine) -> None:
+    body = {"prompt": "def f(", "suffix": "):\n    pass", "max_tokens": 3}
+    assert_error(await client.post("/v1/completions", json=body), 400, "suffix")
+    engine.tokenizer.fim_tokens = FAKE_FIM
+    r = await client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert engine.requests[-1].prompt_token_ids == [
+        engine.tokenizer.BOS, 260, *b"def f(", 261, *b"):\n    pass", 262]
+    assert r.json()["usage"]["prompt_tokens"] == len(engine.requests[-1].prompt_token_ids)
+    r = await client.post("/v1/completions", json={"prompt": [[104, 105], [106]], "suffix": "!", "max_tokens": 1})
+    assert r.status_code == 200 and [q.prompt_token_ids for q in engine.requests[-2:]] == [
+        [engine.tokenizer.BOS, 260, 104, 105, 261, 33, 262], [engine.tokenizer.BOS, 260, 106, 261, 33, 262]]
+    assert_error(await client.post("/v1/completions", json={**body, "echo": True}), 400)

@@ -47,7 +47,7 @@ async def test_malformed_bodies(client: httpx.AsyncClient, raw: bytes, contains:
     ({"prompt": []}, "prompt"),
     ({"prompt": ["ok", ""]}, "prompt"),
     ({"prompt": [[1], []]}, "prompt"),
-    ({"prompt": [1, 260]}, "prompt"),
+    ({"prompt": [1, 263]}, "prompt"),
     ({"prompt": [-1]}, "prompt"),
     ({"prompt": "hi", "stop_token_ids": [999]}, "stop_token_ids"),
     ({"prompt": "hi", "logit_bias": {"4096": 1}}, "logit_bias"),
