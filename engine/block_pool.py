@@ -39,9 +39,15 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -
     return h.digest()
 
 
-def adapter_root_hash(adapter: str) -> BlockHash:
-    """The parent hash of a LoRA adapter's first block (the base model's is ``_ROOT_HASH``)."""
-    return hashlib.sha256(b"lora\0" + adapter.encode()).digest()
+def root_hash(adapter: str | None, cache_salt: str | None) -> BlockHash | None:
+    """The parent hash of a sequence's first block: None (``_ROOT_HASH``) for the base
+    model unsalted; a LoRA adapter's own root, since the same tokens have other keys and
+    values under it; a request's ``cache_salt`` (vLLM's) chained onto either, so that only
+    requests of the same salt share blocks (a tenant cannot time another's cache hits)."""
+    root = hashlib.sha256(b"lora\0" + adapter.encode()).digest() if adapter is not None else None
+    if cache_salt is not None:
+        root = hashlib.sha256((root or _ROOT_HASH) + b"salt\0" + cache_salt.encode()).digest()
+    return root
 
 
 @dataclass

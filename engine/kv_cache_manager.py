@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.block_pool import BlockHash, BlockPool, adapter_root_hash, hash_block_tokens
+from engine.block_pool import BlockHash, BlockPool, hash_block_tokens, root_hash
 from engine.request import Request
 from models.kv_cache import cdiv
 
@@ -185,10 +185,11 @@ class KVCacheManager:
 
         A LoRA adapter's blocks chain from a root of their own: the same tokens
         have other keys and values under another adapter, and must never be shared.
+        So do a salted request's (``cache_salt``): only the same salt shares them.
         """
         hashes = self._hashes.setdefault(request.request_id, [])
         bs = self.block_size
-        root = adapter_root_hash(request.adapter) if request.adapter is not None else None
+        root = root_hash(request.adapter, request.sampling_params.cache_salt)
         for i in range(len(hashes), num_blocks):
             parent = hashes[-1] if hashes else root
             hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))

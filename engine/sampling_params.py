@@ -144,6 +144,10 @@ class SamplingParams:
     # vLLM's scheduling priority: lower values are admitted first and preempted last. Only
     # an engine with the priority policy takes a value other than 0 (engine.validation).
     priority: int = 0
+    # vLLM's cache_salt: the prefix cache shares this request's blocks only with requests
+    # of the same salt (None: with every unsalted request), so tenants cannot probe each
+    # other's prompts by timing cache hits.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -166,6 +170,8 @@ class SamplingParams:
             finite(name, getattr(self, name))
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError("cache_salt must be a non-empty string if given")
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be between 1 and {MAX_N}, got {self.n}")
         if self.temperature < 0:
@@ -214,10 +220,12 @@ class SamplingParams:
             raise ValueError("seed must fit in a signed 64-bit integer")
 
     @classmethod
-    def embedding(cls, pooling: PoolingParams | None = None, priority: int = 0) -> "SamplingParams":
+    def embedding(cls, pooling: PoolingParams | None = None, priority: int = 0,
+                  cache_salt: str | None = None) -> "SamplingParams":
         """An embedding request's parameters: nothing sampled, ``pooling`` (default: the
         whole vector, normalised) the answer."""
-        return cls(n=1, temperature=0.0, max_tokens=1, pooling=pooling or PoolingParams(), priority=priority)
+        return cls(n=1, temperature=0.0, max_tokens=1, pooling=pooling or PoolingParams(), priority=priority,
+                   cache_salt=cache_salt)
 
     @property
     def greedy(self) -> bool:

@@ -123,6 +123,7 @@ class _SamplingRequest(_Strict):
     return_token_ids: bool | None = None  # vLLM's: the prompt's and the answer's token ids too
     bad_words: list[str] | None = None
     priority: int | None = None  # vLLM's: lower is admitted first (--scheduling-policy priority)
+    cache_salt: str | None = None  # vLLM's: prefix-cache hits only among requests of the same salt
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
@@ -231,7 +232,7 @@ class _SamplingRequest(_Strict):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
             "skip_special_tokens": self.skip_special_tokens, "allowed_token_ids": self.allowed_token_ids,
-            "bad_words": self.bad_words, "priority": self.priority,
+            "bad_words": self.bad_words, "priority": self.priority, "cache_salt": self.cache_salt,
         }
         # None means "the default", so only pass what the client set.
         kwargs = {k: v for k, v in given.items() if v is not None}
@@ -502,6 +503,7 @@ class EmbeddingRequest(_Strict):
     normalize: bool | None = True
     truncate_prompt_tokens: int | None = None  # vLLM's: each input's last N tokens
     priority: int | None = None  # vLLM's: lower is admitted first (--scheduling-policy priority)
+    cache_salt: str | None = None  # vLLM's: prefix-cache hits only among requests of the same salt
 
     _truncate = field_validator("truncate_prompt_tokens")(_check_truncate)
 
@@ -528,7 +530,10 @@ class EmbeddingRequest(_Strict):
             pooling = PoolingParams(dimensions=self.dimensions, normalize=self.normalize is not False)
         except ValueError as e:
             raise bad_request(str(e), "dimensions") from None
-        return SamplingParams.embedding(pooling, priority=self.priority or 0)
+        try:
+            return SamplingParams.embedding(pooling, priority=self.priority or 0, cache_salt=self.cache_salt)
+        except ValueError as e:
+            raise sampling_error(e) from None
 
 
 def _texts(value: str | list[str], field: str) -> list[str]:

@@ -230,6 +230,7 @@ class ResponsesRequest(_Strict):
     frequency_penalty: float | None = None
     stop: str | list[str] | None = None
     priority: int | None = None  # vLLM's: lower is admitted first (--scheduling-policy priority)
+    cache_salt: str | None = None  # vLLM's: prefix-cache hits only among requests of the same salt
 
     @model_validator(mode="before")
     @classmethod
@@ -330,6 +331,7 @@ class ResponsesRequest(_Strict):
             "seed": self.seed, "top_k": self.top_k, "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "stop": self.stop, "priority": self.priority,
+            "cache_salt": self.cache_salt,
         }
         with responses_params():
             return validate(ChatCompletionRequest, {k: v for k, v in body.items() if v is not None})

@@ -183,3 +183,25 @@ def test_reset_prefix_cache():
     kv.free("r0")
     assert kv.reset_prefix_cache()
     assert kv.get_computed_blocks(make_request("r1", range(40))) == ([], 0)
+
+
+def salted(request_id: str, tokens, salt: str | None, adapter: str | None = None):
+    r = make_request(request_id, tokens)
+    r.sampling_params.cache_salt = salt
+    r.adapter = adapter
+    return r
+
+
+def test_a_cache_salt_shares_blocks_only_with_the_same_salt():
+    kv = KVCacheManager(num_blocks=32, block_size=BS)
+    prompt = list(range(1000, 1065))  # 4 full blocks and one token
+    assert admit(kv, salted("plain", prompt, None)) == 0
+    assert admit(kv, salted("a0", prompt, "tenant-a")) == 0  # not the unsalted blocks
+    assert admit(kv, salted("b0", prompt, "tenant-b")) == 0  # nor another salt's
+    assert admit(kv, salted("a1", prompt, "tenant-a")) == 64
+    assert admit(kv, salted("plain1", prompt, None)) == 64
+    assert kv.get_block_ids("a1")[:4] == kv.get_block_ids("a0")[:4] != kv.get_block_ids("plain")[:4]
+    # A salt and an adapter both key the chain: the adapter's salted blocks are their own.
+    assert admit(kv, salted("lora-a", prompt, "tenant-a", adapter="sql")) == 0
+    assert admit(kv, salted("lora-a1", prompt, "tenant-a", adapter="sql")) == 64
+    assert admit(kv, salted("lora", prompt, None, adapter="sql")) == 0

@@ -145,3 +145,19 @@ def test_prefix_hits_under_chunked_prefill_give_the_uncached_output(smollm2_load
     assert engine.kv_cache.stats.prefix_cache_hits > 0
     for rid in prompts:
         assert results[rid].token_ids == uncached[rid].token_ids
+
+
+def test_a_cache_salt_hits_only_its_own_salts_blocks(smollm2_loaded, prompts, uncached):
+    # vLLM's cache_salt: another tenant's (or the unsalted) cached prefix is no hit, the
+    # same salt's is; the answers are the uncached ones either way.
+    engine = make_engine(smollm2_loaded)
+    salt = {name: SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, cache_salt=name)
+            for name in ("tenant-a", "tenant-b")}
+    run(engine, {"plain": prompts["a"]})
+    a = run(engine, {"a": prompts["b"]}, salt["tenant-a"])["a"]
+    b = run(engine, {"b": prompts["b"]}, salt["tenant-b"])["b"]
+    a_again = run(engine, {"a2": prompts["a"]}, salt["tenant-a"])["a2"]
+    assert a.num_cached_tokens[0] == 0 and b.num_cached_tokens[0] == 0
+    assert a_again.num_cached_tokens[0] == PREFIX_LEN
+    assert (a.token_ids, b.token_ids) == (uncached["b"].token_ids,) * 2
+    assert a_again.token_ids == uncached["a"].token_ids

@@ -314,6 +314,18 @@ async def test_priority_reaches_the_engine_from_every_api(client: httpx.AsyncCli
     assert engine.requests[-1].params.priority == 0
 
 
+async def test_cache_salt_reaches_the_engine_from_every_api(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    for url, body in [("/v1/completions", {"prompt": "hi", "max_tokens": 1}), ("/v1/chat/completions", chat),
+                      ("/v1/embeddings", {"input": "hi"}), ("/v1/responses", {"input": "hi", "max_output_tokens": 1})]:
+        r = await client.post(url, json={**body, "cache_salt": "tenant-7"})
+        assert r.status_code == 200, (url, r.text)
+        assert engine.requests[-1].params.cache_salt == "tenant-7", url
+        assert_error(await client.post(url, json={**body, "cache_salt": ""}), 400, "cache_salt")
+    await complete(client, prompt="hi", max_tokens=1)
+    assert engine.requests[-1].params.cache_salt is None
+
+
 async def test_return_token_ids(client: httpx.AsyncClient, engine: FakeEngine) -> None:
     # vLLM's return_token_ids: the prompt's ids and the answer's, streamed or not; a token
     # whose text a stop string holds back still has its id sent (with the next chunk).
