@@ -18,11 +18,11 @@ from typing import Any
 
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from engine.validation import InvalidRequestError, check_token_ids
-from server.body import read_model
+from server.body import parse_json, read_model
 from server.engine_client import EngineClient
 from server.errors import (APIError, ClientDisconnected, bad_request, install_exception_handlers, response_not_found,
                            unavailable)
@@ -192,6 +192,27 @@ def _model_card(state: ServerState, served: str, adapters: dict[str, str]) -> di
             "max_model_len": state.engine.max_model_len}
 
 
+# /invocations: the first field of these a body has -> the API it is a request of.
+_INVOCATION_KINDS: tuple[tuple[str, Callable[[ServerState, Request], Awaitable[Response]]], ...] = (
+    ("messages", create_chat_completion), ("prompt", create_completion), ("input", create_embedding),
+    ("text_1", create_score), ("query", create_rerank))
+
+
+async def create_invocation(state: ServerState, request: Request) -> Response:
+    """SageMaker's ``POST /invocations``: the request is told by its fields (as vLLM tells
+    it): ``messages`` a chat, ``prompt`` a completion, ``input`` embeddings, ``text_1`` a
+    score, ``query`` a rerank; then that route answers (it reads the same, cached, body)."""
+    try:
+        body = parse_json(await request.body())
+    except ClientDisconnect:
+        raise ClientDisconnected() from None
+    for field_name, handler in _INVOCATION_KINDS:
+        if field_name in body:
+            return await handler(state, request)
+    raise bad_request("cannot tell what this request is: send messages (chat), prompt (completions), input "
+                      "(embeddings), text_1 and text_2 (score) or query and documents (rerank)")
+
+
 # The API routes whose handler takes the server's state and the request: paths -> handler.
 _API_ROUTES: list[tuple[tuple[str, ...], Callable[[ServerState, Request], Awaitable[Response]]]] = [
     (("/v1/completions",), create_completion),
@@ -204,6 +225,7 @@ _API_ROUTES: list[tuple[tuple[str, ...], Callable[[ServerState, Request], Awaita
     (("/v1/responses",), create_response),
     (("/completion", "/completions"), create_llamacpp_completion),  # llama.cpp server's own API
     (("/infill",), create_llamacpp_infill),
+    (("/invocations",), create_invocation),  # Amazon SageMaker's one route (as vLLM's)
 ]
 
 # Every path of those routes (what ``kvserve run-batch`` lines may post to).
@@ -339,6 +361,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                              "chat_template": tok.chat_template, "model_max_length": engine.max_model_len})
 
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])  # Amazon SageMaker's health check (as vLLM's)
     async def health() -> Response:
         if not engine.is_alive:
             return unavailable("The engine loop has stopped.").response()

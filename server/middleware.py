@@ -15,7 +15,7 @@ from server.errors import APIError, bad_request, body_too_large, unauthorized, u
 
 # Probes and scrapes stay open without a key (load balancers and Prometheus
 # usually have none) and while draining (they report the drain themselves).
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/ready", "/metrics"})
 
 
 async def _send_error(err: APIError, scope: Scope, receive: Receive, send: Send) -> None:

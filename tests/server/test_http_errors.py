@@ -55,6 +55,7 @@ async def test_every_route_requires_the_key_except_probes(engine: FakeEngine) ->
               "/v2/rerank": {"query": "a", "documents": ["b"]},
               "/completion": {"prompt": "hi", "n_predict": 1},
               "/infill": {"input_prefix": "def f(", "input_suffix": "):", "n_predict": 1},
+              "/invocations": {"prompt": "hi", "max_tokens": 1},
               "/apply-template": {"messages": [{"role": "user", "content": "hi"}]}, "/completions": {"prompt": "hi", "n_predict": 1},
               "/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [104]}}
     async with app.router.lifespan_context(app):

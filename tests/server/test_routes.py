@@ -69,3 +69,29 @@ async def test_health_ready_version(engine: FakeEngine) -> None:
             assert (await c.get("/ready")).status_code == 200
             assert (await c.get("/version")).json()["version"]
         assert engine.shut_down
+
+
+async def test_sagemaker_invocations_are_told_by_their_fields(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    chat = (await client.post("/invocations", json={"messages": [{"role": "user", "content": "hi"}],
+                                                    "max_tokens": 2})).json()
+    assert chat["object"] == "chat.completion"
+    assert (await client.post("/invocations", json={"prompt": "hi", "max_tokens": 2})).json()["object"] == \
+        "text_completion"
+    assert (await client.post("/invocations", json={"input": "hi"})).json()["object"] == "list"
+    score = (await client.post("/invocations", json={"text_1": "a", "text_2": "b"})).json()
+    assert score["data"][0]["object"] == "score"
+    rerank = (await client.post("/invocations", json={"query": "a", "documents": ["b", "c"]})).json()
+    assert len(rerank["results"]) == 2
+    # Each route's own checks still answer: a bad chat body is the chat route's 400.
+    assert_error(await client.post("/invocations", json={"messages": [], "max_tokens": 2}), 400, "messages")
+    err = assert_error(await client.post("/invocations", json={"model": MODEL}), 400)
+    assert "messages (chat)" in err["message"]
+    assert_error(await client.post("/invocations", content=b"[1]"), 400)
+
+
+async def test_sagemaker_ping_is_health(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    for method in ("GET", "POST"):
+        r = await client.request(method, "/ping")
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+    engine.is_alive = False
+    assert_error(await client.get("/ping"), 503)
