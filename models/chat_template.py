@@ -181,7 +181,8 @@ def _developer_as_system(messages: list[dict[str, Any]], template: str) -> list[
 def template_tool_syntax(template: str | None) -> str | None:
     """How a chat template writes tool calls, when it renders ``tools`` itself:
     ``"hermes"`` (``<tool_call>`` JSON ``</tool_call>``, as Qwen2.5 and Hermes
-    templates), ``"unknown"`` for a syntax kvserve does not read, None when the
+    templates), ``"llama3_json"`` (one ``{"name", "parameters"}`` object, results in
+    ``ipython`` turns: Llama 3.1/3.2), ``"unknown"`` for a syntax kvserve does not read, None when the
     template knows nothing of tools.
 
     Raises:
@@ -195,7 +196,12 @@ def template_tool_syntax(template: str | None) -> str | None:
         raise ValueError(f"chat template is not valid Jinja2: {exc}") from exc
     if "tools" not in names:
         return None
-    return "hermes" if "<tool_call>" in template else "unknown"
+    if "<tool_call>" in template:
+        return "hermes"
+    # Llama 3.1/3.2: calls as {"name": ..., "parameters": ...}, results in ipython turns.
+    if '"parameters"' in template and "ipython" in template:
+        return "llama3_json"
+    return "unknown"
 
 
 def read_chat_template(path: str) -> str:

@@ -29,7 +29,7 @@ class TokenizerLike(Protocol):
 
     def token_bytes(self, token_id: int) -> bytes: ...
 
-    # "hermes" where the chat template renders tools that way, "unknown" for
+    # "hermes" or "llama3_json" where the chat template renders tools that way, "unknown" for
     # another syntax, None when it knows nothing of tools.
     tool_call_syntax: str | None
     # A code model's fill-in-the-middle markers (``models.tokenizer.FimTokens``: prefix, suffix,

@@ -7,6 +7,9 @@ A ``ToolFormat`` is one way of writing calls; the server picks one per model
   writes calls as ``<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>``
   (Qwen2.5, Qwen3, Hermes and the templates that copy them). The template gets
   ``tools`` and the messages' own ``tool_calls`` and ``tool_call_id``.
+* ``llama3_json`` where the template writes calls as Llama 3.1/3.2's do:
+  one JSON object ``{"name": ..., "parameters": {...}}`` per answer, results in
+  ``ipython`` turns (the template renders both).
 * ``generic``, kvserve's own, for every other template (the default model's
   knows nothing of tools): the tools are listed in the system message
   (``tools_block``), and a call is the answer's whole text, one JSON object
@@ -71,10 +74,11 @@ def tools_block(tools: list[FunctionSpec], parallel: bool) -> str:
     return "\n".join(lines)
 
 
-def _call_schema(tools: list[FunctionSpec]) -> dict[str, Any]:
+def _call_schema(tools: list[FunctionSpec], key: str = "arguments") -> dict[str, Any]:
+    """One call of one of ``tools``: ``{"name": ..., key: <its arguments>}``."""
     options = [{"type": "object",
-                "properties": {"name": {"const": t.name}, "arguments": t.parameters},
-                "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+                "properties": {"name": {"const": t.name}, key: t.parameters},
+                "required": ["name", key], "additionalProperties": False} for t in tools]
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
@@ -98,6 +102,17 @@ def _lark_json(schema: dict[str, Any]) -> str:
     return json.dumps({**schema, "x-guidance": JSON_OPTIONS})
 
 
+def _json_answer(schema: dict[str, Any], choice: str, opening: str) -> StructuredOutput:
+    """An answer that is the calls' JSON ``schema`` (``required`` or a named tool) or, with
+    ``auto``, either that or a text that does not start with a character of ``opening``
+    (a Lark character class: llguidance's dialect)."""
+    if choice != "auto":
+        return StructuredOutput("json", schema)
+    return StructuredOutput("grammar", "start: TEXT | calls\n"
+                                       f"TEXT: /[^{opening}][\\s\\S]*/\n"
+                                       f"calls: %json {_lark_json(schema)}\n")
+
+
 def _chosen(tools: list[FunctionSpec], choice: str) -> list[FunctionSpec] | None:
     if choice == "none":
         return None
@@ -117,7 +132,11 @@ class ParsedCall:
     complete: bool
 
 
-_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+def _name_pattern(key: str) -> re.Pattern[str]:
+    return re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"' + key + r'"\s*:\s*')
+
+
+_NAME = {key: _name_pattern(key) for key in ("arguments", "parameters")}
 
 
 def _value_end(text: str, start: int) -> int | None:
@@ -148,9 +167,10 @@ def _value_end(text: str, start: int) -> int | None:
     return None
 
 
-def _scan_call(text: str, pos: int) -> tuple[ParsedCall | None, int | None]:
-    """The call object starting at ``pos`` so far, and where it closes (None: not yet)."""
-    m = _NAME.match(text, pos)
+def _scan_call(text: str, pos: int, key: str = "arguments") -> tuple[ParsedCall | None, int | None]:
+    """The call object starting at ``pos`` so far (its arguments under ``key``), and where
+    it closes (None: not yet)."""
+    m = _NAME[key].match(text, pos)
     if m is None:  # the call's name has not all arrived
         return None, None
     name = json.loads(f'"{m.group(1)}"')
@@ -198,13 +218,7 @@ class GenericFormat(ToolFormat):
         chosen = _chosen(tools, choice)
         if chosen is None:
             return None
-        schema = calls_schema(chosen, parallel)
-        if choice != "auto":
-            return StructuredOutput("json", schema)
-        # Lark (llguidance's dialect): a text answer, or the calls' JSON.
-        return StructuredOutput("grammar", "start: TEXT | calls\n"
-                                           "TEXT: /[^\\[{][\\s\\S]*/\n"
-                                           f"calls: %json {_lark_json(schema)}\n")
+        return _json_answer(calls_schema(chosen, parallel), choice, "\\[{")
 
     def opens(self, head: str) -> bool | None:
         return head[0] in "{["
@@ -301,7 +315,41 @@ _HERMES_END = re.compile(r"\s*" + re.escape(HERMES_CLOSE))
 _BLANKS = re.compile(r"\s*")
 
 
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (GenericFormat(), HermesFormat())}
+class Llama3JsonFormat(ToolFormat):
+    """Llama 3.1/3.2's JSON calls (vLLM's ``llama3_json``): the answer is one object
+    ``{"name": ..., "parameters": {...}}``. Their templates render the tools, an earlier
+    turn's call in that JSON and its result as an ``ipython`` turn, and take one call per
+    turn, so an answer makes one call."""
+
+    name = "llama3_json"
+    native = True
+    key = "parameters"
+
+    def grammar(self, tools: list[FunctionSpec], choice: str, parallel: bool) -> StructuredOutput | None:
+        chosen = _chosen(tools, choice)
+        if chosen is None:
+            return None
+        return _json_answer(_call_schema(chosen, self.key), choice, "{")
+
+    def opens(self, head: str) -> bool | None:
+        return head[0] == "{"
+
+    def scan(self, text: str) -> list[ParsedCall] | None:
+        if not text.startswith("{"):
+            return None
+        call, _ = _scan_call(text, 0, self.key)
+        return [call] if call is not None else []
+
+    def parse(self, text: str) -> list[ParsedCall] | None:
+        try:
+            json.loads(text)
+        except ValueError:
+            return None
+        calls = self.scan(text)
+        return calls if calls and calls[0].complete else None
+
+
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (GenericFormat(), HermesFormat(), Llama3JsonFormat())}
 TOOL_PARSERS = ("auto", *FORMATS)
 
 

@@ -208,9 +208,10 @@ def _add_api_args(p: argparse.ArgumentParser) -> None:
                         "prompt (default: all)")
     p.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSERS,
                    help="how tool calls are prompted and read: hermes (<tool_call> JSON "
-                        "</tool_call>, the chat template renders the tools), generic (kvserve's "
-                        "JSON format, tools listed in the system message); auto (default): "
-                        "hermes where the chat template renders tools that way, else generic")
+                        "</tool_call>, the chat template renders the tools), llama3_json (Llama 3.1/3.2's "
+                        "{\"name\", \"parameters\"} object), generic (kvserve's JSON format, tools listed "
+                        "in the system message); auto (default): the chat template's own where kvserve "
+                        "reads it, else generic")
 
 
 def build_parser() -> argparse.ArgumentParser:

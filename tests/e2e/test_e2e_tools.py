@@ -1,6 +1,7 @@
 """Tool calling through the real server and the official ``openai`` SDK, unmodified: in
 kvserve's generic format (the default model's own template knows nothing of tools), and in
-the hermes format, with a chat template that renders tools (``--chat-template``)."""
+the hermes and llama3_json formats, each with a chat template that renders tools that way
+(``--chat-template``)."""
 
 from __future__ import annotations
 
@@ -65,10 +66,29 @@ def hermes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     assert rc == 0, srv.describe()
 
 
-@pytest.fixture(params=["generic", "hermes"])
+LLAMA3_TEMPLATE = Path(__file__).parents[1] / "data" / "llama3_json_chat_template.jinja"
+
+
+@pytest.fixture(scope="module")
+def llama3_json(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    """A third server, whose chat template renders tools as Llama 3.1/3.2's do (the
+    llama3_json format, found by --tool-call-parser auto)."""
+    srv = KVServe(free_port(), tmp_path_factory.mktemp("llama3") / "server.log",
+                  api_key="e2e-" + secrets.token_hex(8), shutdown_timeout=10.0,
+                  extra=["--chat-template", str(LLAMA3_TEMPLATE)])
+    try:
+        srv.wait_http_ok(f"{srv.url}/health", 120.0)
+        assert "tool calls: llama3_json format" in srv.log(tail=10**6), srv.describe()
+        yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key=srv.api_key, max_retries=0, timeout=120.0)
+    finally:
+        rc = srv.stop(30.0)
+    assert rc == 0, srv.describe()
+
+
+@pytest.fixture(params=["generic", "hermes", "llama3_json"])
 def tool_client(request: pytest.FixtureRequest) -> openai.OpenAI:
-    """The client of the default server (generic format) or of the hermes one."""
-    return request.getfixturevalue("client" if request.param == "generic" else "hermes")
+    """The client of the default server (generic format), of the hermes one or of the llama3_json one."""
+    return request.getfixturevalue({"generic": "client"}.get(request.param, request.param))
 
 
 def check_calls(calls) -> None:

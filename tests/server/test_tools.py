@@ -1,4 +1,4 @@
-"""server.tools: the generic and hermes tool-call formats, their grammars, and the streamed calls."""
+"""server.tools: the generic, hermes and llama3_json tool-call formats, their grammars, and the streamed calls."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from server.protocol import ChatMessage, template_messages
 from models.chat_template import read_chat_template, render_chat_template, template_tool_syntax
 from server.tools import FORMATS, CallStream, FunctionSpec, calls_schema, tool_format_for
 
-GENERIC, HERMES = FORMATS["generic"], FORMATS["hermes"]
+GENERIC, HERMES, LLAMA3 = FORMATS["generic"], FORMATS["hermes"], FORMATS["llama3_json"]
 parse_calls, scan_calls = GENERIC.parse, GENERIC.scan
 HERMES_TEMPLATE = Path(__file__).parents[1] / "data" / "hermes_chat_template.jinja"
+LLAMA3_TEMPLATE = Path(__file__).parents[1] / "data" / "llama3_json_chat_template.jinja"
 
 WEATHER = FunctionSpec("get_weather", "Weather in a city.",
                        {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
@@ -194,3 +195,51 @@ def test_an_answer_that_starts_with_blanks_is_text_as_the_grammar_has_it():
             assert stream.feed(lead + calls[:5]) == (lead + calls[:5], [])
             assert stream.feed(calls[5:]) == (calls[5:], [])
             assert stream.finish() == ("", False)
+
+
+LLAMA3_ONE = '{"name": "get_weather", "parameters": {"city": "Pa\\"ris}", "days": [1, 2]}}'
+
+
+def test_llama3_json_answers_parse_and_stream_into_one_call():
+    [call] = LLAMA3.parse(LLAMA3_ONE)
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": 'Pa"ris}', "days": [1, 2]}
+    assert LLAMA3.parse(ONE) is None  # "arguments" is the generic format's key
+    assert LLAMA3.parse(LLAMA3_ONE[:-2]) is None and LLAMA3.parse("It is sunny.") is None
+    stream, deltas = CallStream(LLAMA3), []
+    for i in range(0, len(LLAMA3_ONE), 4):
+        text, calls = stream.feed(LLAMA3_ONE[i:i + 4])
+        assert text == ""
+        deltas += calls
+    assert stream.finish() == ("", True)
+    assert [(d.index, d.function.name) for d in deltas if d.id] == [(0, "get_weather")]
+    assert "".join(d.function.arguments or "" for d in deltas) == call.arguments
+    for lead in (" ", "Sure"):  # text, as the grammar's text branch has it
+        assert LLAMA3.scan(lead + LLAMA3_ONE) is None
+
+
+def test_llama3_json_grammars_make_one_call_of_the_chosen_tools():
+    from llguidance import LLMatcher
+
+    from engine.structured import llguidance_grammar
+
+    required = LLAMA3.grammar([WEATHER, TIME], "required", True)
+    assert required.kind == "json" and len(required.value["anyOf"]) == 2  # one object, never an array
+    assert required.value["anyOf"][0]["required"] == ["name", "parameters"]
+    named = LLAMA3.grammar([WEATHER, TIME], "get_time", True)
+    assert named.value["properties"]["name"] == {"const": "get_time"}
+    auto = LLAMA3.grammar([WEATHER], "auto", True)
+    assert auto.kind == "grammar" and "TEXT" in auto.value and '"parameters"' in auto.value
+    assert LLAMA3.grammar([WEATHER], "none", True) is None
+    for grammar in (required, auto):
+        assert LLMatcher.validate_grammar(llguidance_grammar(grammar)) == ""
+
+
+def test_the_llama3_template_is_read_and_renders_calls_and_results():
+    template = read_chat_template(str(LLAMA3_TEMPLATE))
+    assert template_tool_syntax(template) == "llama3_json"
+    assert tool_format_for("auto", "llama3_json") is LLAMA3 and tool_format_for("llama3_json", None) is LLAMA3
+    out = template_messages(history(), [WEATHER], parallel=True, tool_format=LLAMA3)
+    text = render_chat_template(template, out, tools=[WEATHER.openai()])
+    assert '{"name": "get_weather", "parameters": {"city": "Rome"}}<|im_end|>' in text
+    assert '<|im_start|>ipython\n{"output": "{\\"temp\\": 20}"}<|im_end|>' in text
+    assert '"name": "get_weather", "description": "Weather in a city."' in text
