@@ -255,3 +255,18 @@ def test_main_takes_request_rates_and_goodput(tmp_path: Path, capsys: pytest.Cap
                 ["--request-rate", "5", "--burstiness", "0"]):
         with pytest.raises(SystemExit):
             main(["--url", "http://127.0.0.1:9", *bad])
+
+
+def test_the_priority_bench_sends_urgent_requests_into_a_busy_server(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.priority import main as priority_main
+
+    s = FakeSettings(delay=0.005)
+    with serving(s) as url:
+        assert priority_main(["--url", url, "--background", "6", "--background-tokens", "4", "--urgent", "2",
+                              "--delay", "0.01", "--priority"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["priority"] is True and len(report["urgent_ttft_ms"]) == 2
+    assert report["background_ttft_mean_ms"] >= 0
+    urgent = [b for b in s.bodies if b["prompt"].startswith("Urgent")]
+    assert len(urgent) == 2 and all(b["priority"] == -1 and b["max_tokens"] == 8 for b in urgent)
+    assert all("priority" not in b for b in s.bodies if b["prompt"].startswith("Background"))
