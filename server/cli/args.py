@@ -276,6 +276,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="CORS: the methods allowed (default [\"*\"])")
     serve.add_argument("--allowed-headers", type=_json_list_arg, default=["*"], metavar="JSON",
                        help="CORS: the request headers allowed (default [\"*\"])")
+    serve.add_argument("--ssl-keyfile", default=None, metavar="FILE",
+                       help="serve HTTPS with this PEM private key (and --ssl-certfile)")
+    serve.add_argument("--ssl-certfile", default=None, metavar="FILE", help="the PEM certificate for HTTPS")
+    serve.add_argument("--ssl-ca-certs", default=None, metavar="FILE",
+                       help="with HTTPS: the CA certificates that client certificates are checked against")
+    serve.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+                       help="with --ssl-ca-certs: client certificates 0 not asked for (default), "
+                            "1 optional, 2 required (Python's ssl.CERT_*)")
     serve.add_argument("--log-level", default="info")
     _add_api_args(serve)
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import ssl
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import FrameType
 
 import uvicorn
@@ -41,18 +43,33 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+@dataclass(frozen=True)
+class TLSSettings:
+    """HTTPS as vLLM's ``--ssl-keyfile``, ``--ssl-certfile``, ``--ssl-ca-certs`` and
+    ``--ssl-cert-reqs`` set it (uvicorn's own settings): a PEM key and certificate, and
+    for client certificates the CAs that sign them and whether one is required
+    (``ssl.CERT_NONE`` 0, ``CERT_OPTIONAL`` 1, ``CERT_REQUIRED`` 2)."""
+
+    keyfile: str
+    certfile: str
+    ca_certs: str | None = None
+    cert_reqs: int = ssl.CERT_NONE
+
+
 # Seconds uvicorn waits past --shutdown-timeout before it cancels what is left:
 # by then the drain has aborted every request, and their clients are being told.
 ABORT_GRACE_SECONDS = 5.0
 
 
 def make_server(app: FastAPI, host: str, port: int, shutdown_timeout: float, log_level: str,
-                on_drain: Callable[[], None]) -> DrainingServer:
+                on_drain: Callable[[], None], tls: TLSSettings | None = None) -> DrainingServer:
     """A server whose signal calls ``on_drain`` (which aborts what still runs after
     ``shutdown_timeout``: ``ServerState.begin_drain``); uvicorn itself cancels
-    connections only ``ABORT_GRACE_SECONDS`` later, as a backstop."""
+    connections only ``ABORT_GRACE_SECONDS`` later, as a backstop. ``tls``: HTTPS."""
+    ssl_options = {} if tls is None else {"ssl_keyfile": tls.keyfile, "ssl_certfile": tls.certfile,
+                                          "ssl_ca_certs": tls.ca_certs, "ssl_cert_reqs": tls.cert_reqs}
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout + ABORT_GRACE_SECONDS)
+                            timeout_graceful_shutdown=shutdown_timeout + ABORT_GRACE_SECONDS, **ssl_options)
     return DrainingServer(config, on_drain)
 
 
@@ -92,7 +109,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config(args)
     if args.metrics_require_key and not args.api_key:
         raise SystemExit("kvserve: error: --metrics-require-key needs --api-key (or $KVSERVE_API_KEY)")
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise SystemExit("kvserve: error: HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    if args.ssl_ca_certs and not args.ssl_certfile:
+        raise SystemExit("kvserve: error: --ssl-ca-certs (client certificates) needs --ssl-keyfile and --ssl-certfile")
     if args.replicas is not None or args.max_replicas is not None:
+        if args.ssl_keyfile or args.ssl_certfile:
+            # Each replica answers Ray Serve's proxy over plain HTTP on this host.
+            raise SystemExit("kvserve: error: --ssl-keyfile/--ssl-certfile do not go with --replicas; "
+                             "terminate TLS in front of Ray Serve's proxy")
         if args.allow_runtime_lora:
             # A load would reach the one replica that Ray routes it to.
             raise SystemExit("kvserve: error: --allow-runtime-lora does not go with --replicas (an adapter "
@@ -161,8 +186,10 @@ def _serve(args: argparse.Namespace, engine: AsyncEngine) -> int:
                     cors=CORSSettings(tuple(args.allowed_origins), args.allow_credentials,
                                       tuple(args.allowed_methods), tuple(args.allowed_headers)))
     state = app.state.kvserve
-    logger.info("kvserve listening on http://%s:%d (model %s, max_model_len %d, auth %s)",
-                args.host, args.port, state.model_name, engine.max_model_len,
+    tls = TLSSettings(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs) \
+        if args.ssl_keyfile or args.ssl_certfile else None
+    logger.info("kvserve listening on %s://%s:%d (model %s, max_model_len %d, auth %s)",
+                "https" if tls else "http", args.host, args.port, state.model_name, engine.max_model_len,
                 "on" if args.api_key else "off")
     logger.info("tool calls: %s format (%s)", state.tool_format.name,
                 "the chat template renders tools" if state.tool_format.native
@@ -175,5 +202,5 @@ def _serve(args: argparse.Namespace, engine: AsyncEngine) -> int:
     def drain() -> None:
         state.begin_drain(args.shutdown_timeout)
 
-    server = make_server(app, args.host, args.port, args.shutdown_timeout, args.log_level, drain)
+    server = make_server(app, args.host, args.port, args.shutdown_timeout, args.log_level, drain, tls)
     return serve_app(engine, server)

@@ -154,7 +154,7 @@ def test_serve_wiring_and_startup_log(monkeypatch: pytest.MonkeyPatch,
         def handle_exit(self, sig, frame) -> None:
             made["exit"] = sig
 
-    def make_server(app, host, port, timeout, log_level, on_drain):
+    def make_server(app, host, port, timeout, log_level, on_drain, tls=None):
         made.update(app=app, host=host, port=port, timeout=timeout)
         on_drain()
         return StubServer()
@@ -286,3 +286,61 @@ def test_cors_and_request_log_flags(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         cli_args.build_parser().parse_args(["serve", "--allowed-origins", '{"a": 1}'])
     assert "JSON list of strings" in capsys.readouterr().err
+
+
+def _certificate(directory: Path, name: str, ca: tuple[Path, Path] | None = None) -> tuple[Path, Path]:
+    """A PEM key and certificate for 127.0.0.1 (self-signed, or signed by ``ca``), made with openssl."""
+    key, cert = directory / f"{name}.key", directory / f"{name}.pem"
+    if ca is None:
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                        str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                       check=True, capture_output=True)
+    else:
+        csr = directory / f"{name}.csr"
+        subprocess.run(["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr),
+                        "-subj", f"/CN={name}"], check=True, capture_output=True)
+        subprocess.run(["openssl", "x509", "-req", "-in", str(csr), "-CA", str(ca[1]), "-CAkey", str(ca[0]),
+                        "-CAcreateserial", "-out", str(cert), "-days", "1"], check=True, capture_output=True)
+    return key, cert
+
+
+def test_https_and_client_certificates(tmp_path: Path) -> None:
+    import ssl
+
+    from fake_engine import FakeEngine
+    from server.app import build_app
+
+    key, cert = _certificate(tmp_path, "server")
+    ca = _certificate(tmp_path, "ca")
+    client = _certificate(tmp_path, "client", ca=ca)
+    for tls, client_cert in ((cli_serve.TLSSettings(str(key), str(cert)), None),
+                             (cli_serve.TLSSettings(str(key), str(cert), str(ca[1]), ssl.CERT_REQUIRED), client)):
+        port = _free_port()
+        server = cli_serve.make_server(build_app(FakeEngine()), "127.0.0.1", port, 1.0, "warning", lambda: None, tls)
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 10
+            while not server.started:
+                assert thread.is_alive() and time.monotonic() < deadline
+                time.sleep(0.02)
+            trusted = ssl.create_default_context(cafile=str(cert))
+            if client_cert is not None:
+                with pytest.raises(httpx.TransportError):  # no client certificate: the handshake fails
+                    httpx.get(f"https://127.0.0.1:{port}/health", verify=trusted, timeout=5)
+                trusted.load_cert_chain(str(client_cert[1]), str(client_cert[0]))
+            r = httpx.get(f"https://127.0.0.1:{port}/health", verify=trusted, timeout=5)
+            assert r.status_code == 200
+            with pytest.raises(httpx.TransportError):  # plain HTTP is not spoken
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+        finally:
+            server.should_exit = True
+            thread.join(10)
+
+
+def test_https_flags_go_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli_serve, "LLMEngine", lambda config: pytest.fail("no engine should load"))
+    for flags, message in ((["--ssl-keyfile", "k.pem"], "needs both"), (["--ssl-ca-certs", "ca.pem"], "needs"),
+                           (["--ssl-keyfile", "k", "--ssl-certfile", "c", "--replicas", "2"], "--replicas")):
+        with pytest.raises(SystemExit, match=message):
+            cli.main(["serve", *flags])
