@@ -155,7 +155,8 @@ class LLMEngine:
         self.vocab_size = min(self.tokenizer.vocab_size, loaded.config.vocab_size)
         self.limits = RequestLimits(vocab_size=self.vocab_size, max_model_len=self.max_model_len,
                                     hidden_size=loaded.config.hidden_size,
-                                    priority_scheduling=config.scheduling_policy == "priority")
+                                    priority_scheduling=config.scheduling_policy == "priority",
+                                    default_max_tokens=self._default_max_tokens(config, loaded.config))
         self.sampler = Sampler(self.vocab_size)
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.vocab_size, sorted(self.eos_token_ids))
@@ -256,6 +257,16 @@ class LLMEngine:
             logger.info("default sampling from the model's generation_config.json (a request's own values "
                         "win; --generation-config vllm ignores them): %s", defaults)
         return defaults
+
+    @staticmethod
+    def _default_max_tokens(config: EngineConfig, model: ModelConfig) -> int | None:
+        """generation_config.json's max_new_tokens (with ``generation_config="auto"``): the
+        longest answer of a request that sets no length."""
+        if config.generation_config != "auto" or model.max_new_tokens is None:
+            return None
+        logger.info("default answer length from the model's generation_config.json: at most %d tokens "
+                    "where a request sets none", model.max_new_tokens)
+        return model.max_new_tokens
 
     # -- LoRA adapters ------------------------------------------------------
 

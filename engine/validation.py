@@ -39,6 +39,9 @@ class RequestLimits:
     # The engine orders requests by their priority (--scheduling-policy priority);
     # otherwise a priority other than 0 is refused rather than ignored.
     priority_scheduling: bool = False
+    # The longest answer of a request that sets no max_tokens (the model's generation_config
+    # max_new_tokens); None: the rest of the context.
+    default_max_tokens: int | None = None
 
 
 def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: RequestLimits) -> int:
@@ -74,7 +77,11 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
             f"This model's maximum context length is {limit} tokens. However, your prompt has "
             f"{n} tokens, which leaves no room for the completion. Please shorten the prompt.",
             "prompt")
-    max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
+    room = limit - n
+    if params.max_tokens is not None:
+        max_tokens = params.max_tokens
+    else:
+        max_tokens = min(room, limits.default_max_tokens or room)
     if n + max_tokens > limit:
         raise InvalidRequestError(
             f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -82,7 +89,11 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
             "Please reduce the length of the prompt or max_tokens.", "prompt")
     if params.min_tokens > max_tokens:
         # Only reachable without max_tokens (SamplingParams checks the pair): the
-        # completion can hold the rest of the context, and no more.
+        # completion can hold the rest of the context, or the model's default length.
+        if max_tokens < room:
+            raise InvalidRequestError(
+                f"min_tokens ({params.min_tokens}) exceeds this model's default answer length "
+                f"({max_tokens}, its generation_config's max_new_tokens); set max_tokens too.", "min_tokens")
         raise InvalidRequestError(
             f"This model's maximum context length is {limit} tokens. However, you asked for "
             f"at least {params.min_tokens} completion tokens after a prompt of {n} tokens, "

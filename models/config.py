@@ -12,8 +12,8 @@ _SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 _BASE_MODELS = {arch.removesuffix("ForCausalLM") + "Model": arch for arch in SUPPORTED_ARCHITECTURES}
 
 
-# generation_config.json's sampling settings a request may leave to the model (vLLM's list,
-# but max_new_tokens: a request's length stays the API's own default).
+# generation_config.json's sampling settings a request may leave to the model (vLLM's list;
+# its max_new_tokens is ModelConfig.max_new_tokens).
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
@@ -41,6 +41,9 @@ class ModelConfig:
     # The sampling settings generation_config.json recommends (SAMPLING_KEYS it sets):
     # the defaults of requests that leave them out, as vLLM's --generation-config auto.
     sampling_defaults: dict[str, float] = field(default_factory=dict)
+    # generation_config.json's max_new_tokens: the longest answer of a request that sets no
+    # length (as vLLM's --generation-config auto; None: up to the context).
+    max_new_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -87,6 +90,9 @@ class ModelConfig:
             rope_scaling = rope
         sampling = {k: v for k, v in (generation_config or {}).items()
                     if k in SAMPLING_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        longest = (generation_config or {}).get("max_new_tokens")
+        if not isinstance(longest, int) or isinstance(longest, bool) or longest < 1:
+            longest = None
         eos = (generation_config or {}).get("eos_token_id", cfg.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -108,4 +114,5 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sampling_defaults=sampling,
+            max_new_tokens=longest,
         )

@@ -182,8 +182,8 @@ def _add_api_args(p: argparse.ArgumentParser) -> None:
                         "request whose model is NAME runs the adapter at PATH")
     p.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
                    help="auto (default): requests that leave out temperature, top_p, top_k, min_p or "
-                        "repetition_penalty get the model's generation_config.json values, as vLLM's; "
-                        "vllm: the API's own defaults")
+                        "repetition_penalty get the model's generation_config.json values, and its "
+                        "max_new_tokens bounds an answer of no set length, as vLLM's; vllm: the API's own defaults")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice auto always works here")
     p.add_argument("--trust-remote-code", action="store_true",

@@ -508,6 +508,24 @@ def test_the_models_sampling_defaults_unless_generation_config_vllm(caplog):
     assert "ignoring the model's generation_config.json sampling" in caplog.text
     with pytest.raises(ValueError, match="generation_config must be auto or vllm"):
         EngineConfig(generation_config="hf")
+    longest = dataclasses.replace(model, max_new_tokens=7)
+    assert LLMEngine._default_max_tokens(EngineConfig(), longest) == 7
+    assert LLMEngine._default_max_tokens(EngineConfig(generation_config="vllm"), longest) is None
+    assert LLMEngine._default_max_tokens(EngineConfig(), model) is None
+
+
+def test_the_models_max_new_tokens_bounds_a_request_that_sets_no_length(smollm2_loaded, tokenizer):
+    engine = make_engine(smollm2_loaded)
+    engine.limits = dataclasses.replace(engine.limits, default_max_tokens=5)  # as generation_config's
+    prompt = tokenizer.encode("Once upon a time")
+    rest = dataclasses.replace(GREEDY, max_tokens=None, ignore_eos=True)
+    engine.add_request("default", prompt, rest)
+    engine.add_request("own", prompt, dataclasses.replace(rest, max_tokens=9))
+    done = run_until_done(engine)
+    assert len(done["default"].token_ids) == 5 and done["default"].finish_reason == "length"
+    assert len(done["own"].token_ids) == 9  # a request's own length wins
+    with pytest.raises(InvalidRequestError, match="default answer length"):
+        engine.add_request("min", prompt, dataclasses.replace(rest, min_tokens=6))
 
 
 def test_bad_words_are_never_generated(smollm2_loaded):

@@ -231,3 +231,5 @@ def test_generation_config_sampling_becomes_the_models_defaults():
     config = ModelConfig.from_hf(cfg, gen)
     assert config.sampling_defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05}
     assert config.eos_token_ids == (2,) and ModelConfig.from_hf(cfg).sampling_defaults == {}
+    assert config.max_new_tokens == 100 and ModelConfig.from_hf(cfg).max_new_tokens is None
+    assert ModelConfig.from_hf(cfg, {"max_new_tokens": 0}).max_new_tokens is None
