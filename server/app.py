@@ -77,7 +77,7 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
 
     The app's lifespan binds the engine to its event loop (``engine.start``; the loop
     itself runs wherever ``engine.run_loop`` is called) and shuts it down; ``api_key``
-    (if set) is required on every route except ``/health``, ``/ready`` and
+    (if set) is required on every route except ``/health`` (and ``/ping``), ``/ready`` and
     ``/metrics`` (that one too with ``metrics_require_key``); ``max_queue``
     (if set) bounds the generation requests in flight before new ones get 503;
     ``served_model_name`` defaults to ``engine.model_name`` (several names: the
