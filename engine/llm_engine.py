@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -15,7 +16,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner, num_blocks_for_budget
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.request import EngineRequest, Request, RequestStatus
-from engine.sampler import Sampler, SamplerOutput, picks_argmax, prompt_logprobs
+from engine.sampler import Sampler, SamplerOutput, dry_breakers, picks_argmax, prompt_logprobs
 from engine.sampling_params import SamplingParams
 from engine.draft import DraftProposer
 from engine.speculative import NgramProposals, Proposer, Speculator
@@ -159,6 +160,8 @@ class LLMEngine:
                                     default_max_tokens=self._default_max_tokens(config, loaded.config))
         self.sampler = Sampler(self.vocab_size)
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
+        self._dry_breakers_found: dict[tuple[str, ...], dict[int, tuple[tuple[int, ...], ...]]] = {}
+        self._dry_breakers_lock = threading.Lock()
         self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.vocab_size, sorted(self.eos_token_ids))
         self._masks = BitmaskFiller(self.vocab_size)
         self.speculator = (Speculator(config.speculative, self.max_model_len, self._proposer(config.speculative, draft))
@@ -227,10 +230,25 @@ class LLMEngine:
         grammar = self.grammars.compile(params.structured) if params.structured is not None else None
         if params.think is not None:
             self.grammars.blanks()  # worked out once, here rather than on the engine loop
+        breakers = self._dry_breakers(tuple(params.dry_sequence_breakers)) if params.dry_active else {}
         return EngineRequest(request_id, list(prompt_token_ids), params, max_tokens,
                              time.monotonic() if arrival_time is None else arrival_time,
                              group or request_id, grammar, key, lora,
-                             self._bad_words_token_ids(params.bad_words))
+                             self._bad_words_token_ids(params.bad_words), breakers)
+
+    def _dry_breakers(self, breakers: tuple[str, ...]) -> dict[int, tuple[tuple[int, ...], ...]]:
+        """DRY's sequence breakers as tokens (``engine.sampler.dry_breakers``), found once
+        per set of breakers (a scan of the vocabulary), the last 32 sets kept."""
+        with self._dry_breakers_lock:
+            found = self._dry_breakers_found.get(breakers)
+            if found is None:
+                vocab = [self.tokenizer.token_bytes(t) for t in range(self.vocab_size)]
+                found = dry_breakers(vocab, lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+                                     breakers)
+                if len(self._dry_breakers_found) >= 32:
+                    self._dry_breakers_found.pop(next(iter(self._dry_breakers_found)))
+                self._dry_breakers_found[breakers] = found
+            return found
 
     def _bad_words_token_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
         """vLLM's ``bad_words`` as token sequences: each word as it is and after a space
@@ -331,6 +349,7 @@ class LLMEngine:
                     max_tokens=request.max_tokens, eos_token_ids=self.eos_token_ids,
                     group=request.group, sample_index=i, arrival_time=request.arrival_time,
                     adapter=request.adapter, bad_words_token_ids=request.bad_words_token_ids,
+                    dry_breakers=request.dry_breakers,
                     grammar=(self.grammars.grammar(request.grammar, params.think)
                              if request.grammar is not None else None))
             for i in range(params.n)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -59,6 +60,8 @@ class EngineRequest:
     lora: LoRAAdapter | None = None
     # ``params.bad_words`` as token sequences (Request.bad_words_token_ids), tokenized in the check.
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # ``params.dry_sequence_breakers`` as tokens (Request.dry_breakers), found in the check.
+    dry_breakers: Mapping[int, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -96,6 +99,8 @@ class Request:
     grammar: Grammar | None = None
     # ``sampling_params.bad_words`` as token sequences (each word, and with a space before it).
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # With DRY on: ``sampling_params.dry_sequence_breakers`` as tokens (engine.sampler.dry_breakers).
+    dry_breakers: Mapping[int, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
     # Proposed next tokens for the coming step (engine.speculative); the scheduler
     # runs them after the last known token and the engine keeps what the model confirms.
     spec_token_ids: list[int] = field(default_factory=list)

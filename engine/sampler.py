@@ -7,26 +7,33 @@ Per step, in vLLM's order:
    the masks while the forward ran);
 1. logits processors (``apply_logits_processors``): logit bias, min_tokens
    masking of EOS and stop token ids, repetition penalty, presence and
-   frequency penalties;
+   frequency penalties, llama.cpp's DRY penalty;
 2. logprobs, when a request asks for them, from the processed logits;
 3. greedy rows take the argmax; random rows are divided by their temperature,
-   masked by top-k, top-p and min-p (``apply_top_k_top_p``, ``apply_min_p``)
-   and sampled with the exponential race ``argmax(probs / q)``, q ~ Exp(1).
+   masked by llama.cpp's top-n-sigma, then top-k, llama.cpp's locally typical
+   sampling, top-p (``apply_top_k_top_p``), min-p (``apply_min_p``) and
+   llama.cpp's XTC (``apply_xtc``), and sampled with the exponential race
+   ``argmax(probs / q)``, q ~ Exp(1). (llama.cpp divides by the temperature last;
+   here, as in vLLM, it comes first, which moves what typical-p, top-p, min-p
+   and XTC keep at temperatures other than 1.)
 
-A seeded request draws its ``q`` from its own generator (on the CPU, a full
-vocabulary row per step), so its tokens do not depend on which other requests
-share the batch, on its row position, or on the device.
+A seeded request draws its XTC coin (when XTC is on) and its ``q`` from its own
+generator (on the CPU, in that order, a full vocabulary row of ``q`` per sampled
+token), so its tokens do not depend on which other requests share the batch, on
+its row position, or on the device.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from engine.outputs import TokenLogprob
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_DRY_BREAKER_CHARS, SamplingParams
 from models import ops
 
 # NOTE: as in vLLM, temperatures this small are treated as greedy: dividing by
@@ -59,9 +66,10 @@ class Sampler:
         ``num_rows`` of its rows draws (nothing for a greedy request)."""
         assert request.generator is not None
         request.generator.set_state(state)
-        if not _is_greedy(request.sampling_params):
+        params = request.sampling_params
+        if not _is_greedy(params):
             for _ in range(num_rows):
-                _seeded_noise(request.generator, self.vocab_size)
+                _seeded_draws(request.generator, self.vocab_size, params.xtc_active)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request],
                  grammar_masks: tuple[list[int], torch.Tensor] | None = None) -> SamplerOutput:
@@ -116,9 +124,10 @@ def apply_logits_processors(logits: torch.Tensor, requests: list[Request]) -> to
     ``min_tokens`` outputs, its EOS ids and ``stop_token_ids`` set to -inf;
     repetition penalty over prompt + output tokens (positive logits divided,
     negative multiplied); presence and frequency penalties over output tokens
-    (``logit -= presence * (count > 0) + frequency * count``). Token ids
-    outside ``[0, V)`` are ignored (the server validates them against the
-    tokenizer).
+    (``logit -= presence * (count > 0) + frequency * count``); DRY over the
+    last ``dry_penalty_last_n`` tokens of prompt + output (``dry_penalties``).
+    Token ids outside ``[0, V)`` are ignored (the server validates them against
+    the tokenizer).
     """
     out = logits.clone()
     _apply_allowed(out, requests)
@@ -126,7 +135,9 @@ def apply_logits_processors(logits: torch.Tensor, requests: list[Request]) -> to
     _apply_logit_bias(out, requests)
     _apply_min_tokens(out, requests)
     out = _apply_repetition_penalty(out, requests)
-    return _apply_presence_frequency(out, requests)
+    out = _apply_presence_frequency(out, requests)
+    _apply_dry(out, requests)
+    return out
 
 
 def _apply_allowed(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -190,6 +201,114 @@ def _apply_presence_frequency(logits: torch.Tensor, requests: list[Request]) -> 
     return logits - presence * (counts > 0) - frequency * counts
 
 
+def _apply_dry(logits: torch.Tensor, requests: list[Request]) -> None:
+    vocab = logits.shape[1]
+    entries = [(i, tok, penalty) for i, r in enumerate(requests) if r.sampling_params.dry_active
+               for tok, penalty in dry_penalties(r.all_token_ids, r.sampling_params, r.dry_breakers).items()
+               if tok < vocab]
+    if entries:
+        rows, toks, penalties = zip(*entries)
+        # (row, token) pairs are unique (dict keys), so plain indexed -= is exact.
+        logits[_long(rows, logits), _long(toks, logits)] -= torch.tensor(penalties, device=logits.device)
+
+
+# A breaker's head token -> the tokens that must follow it to complete the breaker (none:
+# the head holds a whole breaker). Built by ``dry_breakers``.
+DryBreakers = Mapping[int, tuple[tuple[int, ...], ...]]
+# As llama.cpp: a breaker's tail is cut to this many tokens, which keeps the scan linear.
+_MAX_DRY_TAIL_TOKENS = 20
+# log(float32 max): base ** exponent stays finite below this exponent of e.
+_FLOAT_MAX_LOG = 88.7228391
+
+
+def dry_breakers(vocab_bytes: Sequence[bytes], encode: Callable[[str], list[int]],
+                 breakers: Sequence[str]) -> dict[int, tuple[tuple[int, ...], ...]]:
+    """Which tokens end a repeat for DRY, as llama.cpp finds them: a token whose text
+    holds a breaker is a breaker alone; a token whose text ends with the start of one
+    is a breaker's head, followed by the rest of the breaker as ``encode`` tokenizes it.
+
+    ``vocab_bytes[t]`` is token t's text as bytes (special tokens included)."""
+    found: dict[int, dict[tuple[int, ...], None]] = {}
+    for breaker in breakers:
+        text = breaker[:MAX_DRY_BREAKER_CHARS].encode("utf-8")
+        first = text[:1]
+        for token, word in enumerate(vocab_bytes):
+            if text in word:
+                found.setdefault(token, {})[()] = None
+                continue
+            # Where the token's text ends with a proper prefix of the breaker.
+            pos = word.find(first, max(0, len(word) - len(text) + 1))
+            while pos != -1:
+                if text.startswith(word[pos:]):
+                    rest = text[len(word) - pos:].decode("utf-8", errors="ignore")
+                    tail = tuple(encode(rest)[:_MAX_DRY_TAIL_TOKENS]) if rest else ()
+                    if tail:
+                        found.setdefault(token, {})[tail] = None
+                pos = word.find(first, pos + 1)
+    return {token: tuple(tails) for token, tails in found.items()}
+
+
+def dry_penalties(tokens: Sequence[int], params: SamplingParams, breakers: DryBreakers) -> dict[int, float]:
+    """llama.cpp's DRY ("don't repeat yourself") for one row: token -> what its logit loses.
+
+    Over the last ``dry_penalty_last_n`` of ``tokens`` (-1: all), for each earlier place
+    where the context's end repeats (the longest run of tokens ending there that equals
+    the run ending the context, cut at the last breaker), the token that followed that
+    place would lengthen the repeat: if the run is at least ``dry_allowed_length`` long,
+    that token loses ``dry_multiplier * dry_base ** (run - dry_allowed_length)`` (the
+    longest run it would lengthen counts). A token that is a breaker alone never loses.
+    """
+    if not params.dry_active:
+        return {}
+    allowed = params.dry_allowed_length
+    window = len(tokens) if params.dry_penalty_last_n == -1 else min(len(tokens), params.dry_penalty_last_n)
+    if window <= allowed:
+        return {}
+    ctx = list(tokens[len(tokens) - window:])
+    # A repeat reaches back no further than the end of the last breaker in the context.
+    limit = window
+    for back in range(window):
+        tails = breakers.get(ctx[window - 1 - back])
+        if tails is None:
+            continue
+        fits = [len(t) for t in tails if len(t) <= back and tuple(ctx[window - back:window - back + len(t)]) == t]
+        if fits:
+            limit = back - max(fits)
+            break
+    if limit < allowed:
+        return {}
+    # The Z-function of the context read backwards: z[k], how many tokens ending k places
+    # before the end equal the tokens ending the context. Linear, however long the repeats.
+    rev = ctx[::-1]
+    z = [0] * window
+    left = right = 0
+    for k in range(1, window):
+        n = min(right - k, z[k - left]) if k < right else 0
+        while k + n < window and rev[n] == rev[k + n]:
+            n += 1
+        z[k] = n
+        if k + n > right:
+            left, right = k, k + n
+    # The token after each such run would lengthen it (rev[k - 1] follows the run at k).
+    longest: dict[int, int] = {}
+    for k in range(1, window):
+        run = min(z[k], limit)
+        if run >= allowed:
+            follower = rev[k - 1]
+            if run > longest.get(follower, 0):
+                longest[follower] = run
+    max_exponent = int(_FLOAT_MAX_LOG / math.log(params.dry_base)) if params.dry_base > 1.000001 else 0
+    out: dict[int, float] = {}
+    for token, length in longest.items():
+        if () in breakers.get(token, ()):
+            continue
+        exponent = length - allowed
+        if max_exponent > 0:
+            exponent = min(exponent, max_exponent)
+        out[token] = params.dry_multiplier * params.dry_base ** exponent
+    return out
+
+
 def _token_counts(logits: torch.Tensor, rows: list[list[int]]) -> torch.Tensor:
     """How often each token id occurs in each row: float ``[S, V]``."""
     num_rows, vocab = logits.shape
@@ -207,15 +326,16 @@ def _token_counts(logits: torch.Tensor, rows: list[list[int]]) -> torch.Tensor:
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
-    """Return ``logits [S, V]`` with -inf outside each row's top-k and nucleus.
+                      top_p: torch.Tensor | None, typical_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Return ``logits [S, V]`` with -inf outside each row's top-k, typical set and nucleus.
 
     ``top_k [S]`` (long, 1..V) keeps the k largest logits and any tied with
-    the k-th; ``top_p [S]`` (0 < p <= 1) then keeps the smallest set of most
-    likely tokens whose probability reaches p (always at least one). Either
-    may be None to skip it.
+    the k-th; ``typical_p [S]`` (0 < p <= 1) then keeps the locally typical
+    tokens (``apply_typical_p``); ``top_p [S]`` (0 < p <= 1) then keeps the
+    smallest set of most likely tokens whose probability reaches p (always at
+    least one). Any may be None to skip it.
     """
-    if top_p is None:
+    if top_p is None and typical_p is None:
         if top_k is None:
             return logits
         # No nucleus: a top-k of the largest k is enough, no full sort.
@@ -226,12 +346,33 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     if top_k is not None:
         kth = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # 0 for the most likely token: it always stays
-    # top_p == 1 disables the nucleus; float rounding must not trim the tail then.
-    threshold = torch.where(top_p >= 1, torch.full_like(top_p, float("inf")), top_p).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(mass_before >= threshold, float("-inf"))
+    if typical_p is not None:
+        sorted_logits = apply_typical_p(sorted_logits, typical_p)
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # 0 for the most likely token: it always stays
+        # top_p == 1 disables the nucleus; float rounding must not trim the tail then.
+        threshold = torch.where(top_p >= 1, torch.full_like(top_p, float("inf")), top_p).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(mass_before >= threshold, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_typical_p(logits: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:
+    """Return ``logits [S, V]`` with -inf outside each row's locally typical set (Meister
+    et al.; llama.cpp's ``typ_p``): tokens in order of how far their surprise
+    ``-log p`` is from the row's entropy, kept until their probability exceeds
+    ``typical_p [S]`` (the token that crosses it stays; 1 keeps all)."""
+    log_probs = logits.log_softmax(dim=-1)
+    probs = log_probs.exp()
+    entropy = -torch.nansum(probs * log_probs, dim=-1, keepdim=True)  # 0 * -inf = nan: no mass
+    distance = (-log_probs - entropy).abs()  # inf for masked tokens: they come last
+    distance, by_distance = distance.sort(dim=-1)
+    mass = probs.gather(1, by_distance).cumsum(dim=-1)
+    # Kept: those before the first whose running mass exceeds p, and that one.
+    cut = torch.where(typical_p >= 1, torch.full_like(typical_p, float("inf")), typical_p).unsqueeze(1)
+    drop_sorted = (mass - probs.gather(1, by_distance)) > cut
+    drop = torch.empty_like(drop_sorted).scatter_(1, by_distance, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -241,41 +382,86 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+def apply_top_n_sigma(logits: torch.Tensor, top_n_sigma: torch.Tensor) -> torch.Tensor:
+    """Return ``logits [S, V]`` with -inf below each row's largest logit minus ``top_n_sigma``
+    standard deviations of its logits (Tang et al.; llama.cpp's ``top_n_sigma``; the
+    deviation over the tokens not masked yet). A row's n <= 0 keeps all."""
+    finite = torch.isfinite(logits)
+    count = finite.sum(dim=-1, keepdim=True)
+    values = torch.where(finite, logits, torch.zeros_like(logits))
+    mean = values.sum(dim=-1, keepdim=True) / count
+    std = (torch.where(finite, logits - mean, torch.zeros_like(logits)).square().sum(dim=-1, keepdim=True)
+           / count).sqrt()
+    floor = logits.max(dim=-1, keepdim=True).values - top_n_sigma.unsqueeze(1) * std
+    floor = torch.where(top_n_sigma.unsqueeze(1) > 0, floor, torch.full_like(floor, float("-inf")))
+    return logits.masked_fill(logits < floor, float("-inf"))
+
+
+def apply_xtc(logits: torch.Tensor, threshold: torch.Tensor, excluded: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's XTC ("exclude top choices"): where ``excluded [S]`` (the row's coin came
+    up), every token at least ``threshold [S]`` likely is set to -inf but the least likely
+    of them, when two or more are; other rows stay as they are."""
+    probs = logits.softmax(dim=-1)
+    above = probs >= threshold.unsqueeze(1)
+    # The least likely token above the threshold stays: the smallest probability among them.
+    weakest = torch.where(above, probs, torch.full_like(probs, float("inf"))).min(dim=-1, keepdim=True).values
+    drop = above & (probs > weakest) & excluded.unsqueeze(1) & (above.sum(dim=-1, keepdim=True) >= 2)
+    return logits.masked_fill(drop, float("-inf"))
+
+
 def _sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Sample one token per row of processed ``logits [R, V]`` (non-greedy rows only)."""
     num_rows, vocab = logits.shape
     device = logits.device
     params = [r.sampling_params for r in requests]
+    coins, noise = _draws(requests, vocab, device)
     logits = logits / torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+    if any(p.top_n_sigma > 0 for p in params):
+        logits = apply_top_n_sigma(logits, torch.tensor([p.top_n_sigma for p in params], device=device))
     top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
     top_p = [p.top_p for p in params]
+    typical_p = [p.typical_p for p in params]
     logits = apply_top_k_top_p(
         logits,
         torch.tensor(top_k, device=device) if any(k < vocab for k in top_k) else None,
         torch.tensor(top_p, device=device) if any(p < 1 for p in top_p) else None,
+        torch.tensor(typical_p, device=device) if any(p < 1 for p in typical_p) else None,
     )
     if any(p.min_p > 0 for p in params):
         logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
+    if coins is not None:
+        excluded = torch.tensor([p.xtc_active and c < p.xtc_probability for p, c in zip(params, coins)],
+                                device=device)
+        logits = apply_xtc(logits, torch.tensor([p.xtc_threshold for p in params], device=device), excluded)
     probs = logits.softmax(dim=-1)
-    return ops.argmax(probs / _exponential_noise(requests, vocab, device))
+    return ops.argmax(probs / noise)
 
 
-def _exponential_noise(requests: list[Request], vocab: int, device: torch.device) -> torch.Tensor:
-    """Exp(1) noise ``[R, V]``: seeded rows from their own generator, others shared."""
+def _draws(requests: list[Request], vocab: int, device: torch.device) -> tuple[list[float] | None, torch.Tensor]:
+    """Each row's XTC coin (None when no row has XTC on) and Exp(1) noise ``[R, V]``:
+    a seeded row's from its own generator, coin first, others' from the shared one."""
     noise = torch.empty(len(requests), vocab, device=device)
     seeded = [i for i, r in enumerate(requests) if r.generator is not None]
     if len(seeded) < len(requests):
         noise.exponential_()
+    xtc = [r.sampling_params.xtc_active for r in requests]
+    coins = torch.rand(len(requests)).tolist() if any(xtc) else None
     # The loop over rows is unavoidable: each seeded request owns a generator.
     for i in seeded:
-        noise[i] = _seeded_noise(requests[i].generator, vocab).to(device)
+        coin, row = _seeded_draws(requests[i].generator, vocab, xtc[i])
+        noise[i] = row.to(device)
+        if coin is not None:
+            assert coins is not None
+            coins[i] = coin
     # Exp(1) can return exactly 0, and p / 0 would pick a masked token (0 / 0 = nan).
-    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return coins, noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
 
-def _seeded_noise(generator: torch.Generator, vocab: int) -> torch.Tensor:
-    """One row's Exp(1) noise from a request's own generator (what ``replay_noise`` redraws)."""
-    return torch.empty(vocab).exponential_(generator=generator)
+def _seeded_draws(generator: torch.Generator, vocab: int, xtc: bool) -> tuple[float | None, torch.Tensor]:
+    """One sampled row's draws from a request's own generator (what ``replay_noise``
+    redraws): its XTC coin when ``xtc``, then its Exp(1) noise."""
+    coin = float(torch.rand(1, generator=generator)) if xtc else None
+    return coin, torch.empty(vocab).exponential_(generator=generator)
 
 
 def _logprobs(logits: torch.Tensor, token_ids: list[int],
@@ -351,7 +537,7 @@ def _needs_processing(request: Request) -> bool:
     p = request.sampling_params
     return bool(p.logit_bias or p.allowed_token_ids is not None or request.bad_words_token_ids
                 or (_min_tokens_active(request) and _stop_ids(request))
-                or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty)
+                or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.dry_active)
 
 
 def _long(values: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:

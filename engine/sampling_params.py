@@ -19,6 +19,11 @@ STRUCTURED_KINDS = ("json_object", "json", "regex", "choice", "grammar")
 MAX_GRAMMAR_BYTES = 64 * 1024
 MAX_CHOICES = 256
 
+# llama.cpp's DRY defaults: the strings that end a repeat (a newline, a colon, a quote, an asterisk).
+DRY_SEQUENCE_BREAKERS = ("\n", ":", "\"", "*")
+MAX_DRY_SEQUENCE_BREAKERS = 16
+MAX_DRY_BREAKER_CHARS = 40  # as llama.cpp: a longer breaker is cut to this many characters
+
 
 @dataclass(frozen=True)
 class StructuredOutput:
@@ -148,6 +153,25 @@ class SamplingParams:
     # of the same salt (None: with every unsalted request), so tenants cannot probe each
     # other's prompts by timing cache hits.
     cache_salt: str | None = None
+    # llama.cpp's samplers beyond vLLM's (each off by default; engine/sampler.py has the order).
+    # Locally typical sampling: the most typical tokens (log-probability nearest the entropy)
+    # whose probability reaches typical_p (1: off).
+    typical_p: float = 1.0
+    # Top-n-sigma: only logits within top_n_sigma standard deviations of the largest (<= 0: off).
+    top_n_sigma: float = -1.0
+    # XTC: with probability xtc_probability, every token at least xtc_threshold likely is
+    # dropped but the least likely of them (a threshold above 0.5 turns it off).
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    # DRY: a token that would extend a repeat of the context longer than dry_allowed_length
+    # tokens loses dry_multiplier * dry_base ** (length - dry_allowed_length) from its logit;
+    # a repeat ends at any of dry_sequence_breakers. dry_penalty_last_n: how many of the
+    # last tokens (prompt included) are searched, -1 all. dry_multiplier 0: off.
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: list[str] = field(default_factory=lambda: list(DRY_SEQUENCE_BREAKERS))
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -155,6 +179,7 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.bad_words = list(self.bad_words or [])
+        self.dry_sequence_breakers = list(self.dry_sequence_breakers)
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         if self.top_k == -1:
             self.top_k = 0
@@ -166,7 +191,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a finite number, got {value}")
 
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
-                     "presence_penalty", "frequency_penalty"):
+                     "presence_penalty", "frequency_penalty", "typical_p", "top_n_sigma",
+                     "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base"):
             finite(name, getattr(self, name))
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
@@ -188,6 +214,7 @@ class SamplingParams:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2 <= self.frequency_penalty <= 2:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        self._validate_llamacpp_samplers()
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:
@@ -218,6 +245,38 @@ class SamplingParams:
                 raise ValueError(f"logit_bias for token {tok} must be in [-100, 100], got {bias}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise ValueError("seed must fit in a signed 64-bit integer")
+
+    def _validate_llamacpp_samplers(self) -> None:
+        if not 0 < self.typical_p <= 1:
+            raise ValueError(f"typical_p must be in (0, 1], got {self.typical_p}")
+        if not 0 <= self.xtc_probability <= 1:
+            raise ValueError(f"xtc_probability must be in [0, 1], got {self.xtc_probability}")
+        if not 0 <= self.xtc_threshold <= 1:
+            raise ValueError(f"xtc_threshold must be in [0, 1], got {self.xtc_threshold}")
+        if self.dry_multiplier < 0:
+            raise ValueError(f"dry_multiplier must be >= 0, got {self.dry_multiplier}")
+        if self.dry_base < 1:
+            raise ValueError(f"dry_base must be >= 1, got {self.dry_base}")
+        if self.dry_allowed_length < 1:
+            raise ValueError(f"dry_allowed_length must be >= 1, got {self.dry_allowed_length}")
+        if self.dry_penalty_last_n < -1:
+            raise ValueError(f"dry_penalty_last_n must be -1 (all) or >= 0, got {self.dry_penalty_last_n}")
+        breakers = self.dry_sequence_breakers
+        if len(breakers) > MAX_DRY_SEQUENCE_BREAKERS:
+            raise ValueError(f"at most {MAX_DRY_SEQUENCE_BREAKERS} dry_sequence_breakers are allowed, "
+                             f"got {len(breakers)}")
+        if any(not isinstance(b, str) or not b for b in breakers):
+            raise ValueError("dry_sequence_breakers must be non-empty strings")
+
+    @property
+    def dry_active(self) -> bool:
+        """Whether DRY changes any logit (as llama.cpp: a multiplier and a window)."""
+        return self.dry_multiplier > 0 and self.dry_penalty_last_n != 0
+
+    @property
+    def xtc_active(self) -> bool:
+        """Whether XTC may drop tokens (and so draws its coin each sampled token)."""
+        return self.xtc_probability > 0 and self.xtc_threshold <= 0.5
 
     @classmethod
     def embedding(cls, pooling: PoolingParams | None = None, priority: int = 0,

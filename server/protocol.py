@@ -137,6 +137,20 @@ class _SamplingRequest(_Strict):
     structured_outputs: StructuredOutputs | None = None
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
+    # llama.cpp's samplers, by its names (SamplingParams says what each does).
+    typical_p: float | None = None
+    top_n_sigma: float | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: list[str] | None = None
+
+    # llama.cpp's samplers kvserve does not have, each with the value that turns it off:
+    # ignoring one turned on would answer with other sampling than was asked for.
+    UNSUPPORTED_SAMPLERS: ClassVar[dict[str, Any]] = {"mirostat": 0, "dynatemp_range": 0.0}
 
     # Fields that ask for a constraint in another API's words. Unknown fields are
     # ignored, but ignoring one of these would answer without the constraint asked
@@ -154,6 +168,9 @@ class _SamplingRequest(_Strict):
             for name, instead in cls.REPLACED_FIELDS.items():
                 if data.get(name) is not None:
                     raise bad_request(f"{name} is not supported; use {instead}", name)
+            for name, off in cls.UNSUPPORTED_SAMPLERS.items():
+                if data.get(name) not in (None, off):
+                    raise bad_request(f"{name} is not supported (only {off!r}, which turns it off)", name)
         return data
 
     @model_validator(mode="after")
@@ -233,6 +250,11 @@ class _SamplingRequest(_Strict):
             "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
             "skip_special_tokens": self.skip_special_tokens, "allowed_token_ids": self.allowed_token_ids,
             "bad_words": self.bad_words, "priority": self.priority, "cache_salt": self.cache_salt,
+            "typical_p": self.typical_p, "top_n_sigma": self.top_n_sigma,
+            "xtc_probability": self.xtc_probability, "xtc_threshold": self.xtc_threshold,
+            "dry_multiplier": self.dry_multiplier, "dry_base": self.dry_base,
+            "dry_allowed_length": self.dry_allowed_length, "dry_penalty_last_n": self.dry_penalty_last_n,
+            "dry_sequence_breakers": self.dry_sequence_breakers,
         }
         # None means "the default", so only pass what the client set.
         kwargs = {k: v for k, v in given.items() if v is not None}

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.outputs import RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import DRY_SEQUENCE_BREAKERS, SamplingParams
 from server.body import read_model, validate
 from server.engine_client import TokenizerLike
 from server.errors import bad_request, renamed_params
@@ -37,12 +37,18 @@ _RANDOM_SEEDS = (-1, 0xFFFFFFFF)
 # llama.cpp's defaults for what a request leaves out (GET /props shows them).
 LLAMACPP_DEFAULTS: dict[str, Any] = {
     "n_predict": -1, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0,
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "seed": -1, "n_probs": 0, "ignore_eos": False}
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "seed": -1, "n_probs": 0, "ignore_eos": False,
+    "typical_p": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1,
+    "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
+    "dry_sequence_breakers": list(DRY_SEQUENCE_BREAKERS)}
 # Samplers and options kvserve does not have, each with its value that turns it off: a
 # request that turns one on is a 400, not answered by other sampling than it asked for.
-_OFF = {"typical_p": 1.0, "mirostat": 0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
-        "dynatemp_range": 0.0, "top_n_sigma": -1.0, "post_sampling_probs": False, "n_indent": 0,
+_OFF = {"mirostat": 0, "dynatemp_range": 0.0, "post_sampling_probs": False, "n_indent": 0,
         "t_max_predict_ms": 0}
+# Sampler fields with the same name and meaning in the engine (SamplingParams).
+_SAME_NAME = ("min_p", "presence_penalty", "frequency_penalty", "typical_p", "top_n_sigma", "xtc_probability",
+              "xtc_threshold", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+              "dry_sequence_breakers")
 
 
 class LlamaCppCompletionRequest(_Strict):
@@ -59,6 +65,15 @@ class LlamaCppCompletionRequest(_Strict):
     repeat_penalty: float = LLAMACPP_DEFAULTS["repeat_penalty"]
     presence_penalty: float = LLAMACPP_DEFAULTS["presence_penalty"]
     frequency_penalty: float = LLAMACPP_DEFAULTS["frequency_penalty"]
+    typical_p: float = LLAMACPP_DEFAULTS["typical_p"]
+    top_n_sigma: float = LLAMACPP_DEFAULTS["top_n_sigma"]
+    xtc_probability: float = LLAMACPP_DEFAULTS["xtc_probability"]
+    xtc_threshold: float = LLAMACPP_DEFAULTS["xtc_threshold"]
+    dry_multiplier: float = LLAMACPP_DEFAULTS["dry_multiplier"]
+    dry_base: float = LLAMACPP_DEFAULTS["dry_base"]
+    dry_allowed_length: int = LLAMACPP_DEFAULTS["dry_allowed_length"]
+    dry_penalty_last_n: int = LLAMACPP_DEFAULTS["dry_penalty_last_n"]
+    dry_sequence_breakers: list[str] = list(DRY_SEQUENCE_BREAKERS)
     stop: str | list[str] = []
     seed: int = LLAMACPP_DEFAULTS["seed"]
     ignore_eos: bool = LLAMACPP_DEFAULTS["ignore_eos"]
@@ -77,12 +92,8 @@ class LlamaCppCompletionRequest(_Strict):
     n_keep: int = 0
     samplers: list[str] | None = None
     # Samplers kvserve does not have (_OFF): only their "off" values.
-    typical_p: float = _OFF["typical_p"]
     mirostat: int = _OFF["mirostat"]
-    dry_multiplier: float = _OFF["dry_multiplier"]
-    xtc_probability: float = _OFF["xtc_probability"]
     dynatemp_range: float = _OFF["dynatemp_range"]
-    top_n_sigma: float = _OFF["top_n_sigma"]
     post_sampling_probs: bool = _OFF["post_sampling_probs"]
     n_indent: int = _OFF["n_indent"]
     t_max_predict_ms: int = _OFF["t_max_predict_ms"]
@@ -118,8 +129,7 @@ class LlamaCppCompletionRequest(_Strict):
             # -1: the rest of the context; 0: the prompt evaluated, nothing generated.
             "max_tokens": None if self.n_predict == -1 else self.n_predict, "echo": self.n_predict == 0,
             "temperature": max(self.temperature, 0.0), "top_k": max(self.top_k, 0), "top_p": self.top_p,
-            "min_p": self.min_p, "repetition_penalty": self.repeat_penalty,
-            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repeat_penalty, **{name: getattr(self, name) for name in _SAME_NAME},
             "stop": self.stop, "seed": None if self.seed in _RANDOM_SEEDS else self.seed,
             "ignore_eos": self.ignore_eos, "logit_bias": _logit_bias(self.logit_bias, tok),
             "logprobs": self.n_probs or None, "grammar": self.grammar, "json_schema": self.json_schema,
@@ -133,8 +143,8 @@ class LlamaCppCompletionRequest(_Strict):
         """What ran, in llama.cpp's names (its ``generation_settings``)."""
         return {"n_ctx": n_ctx, "model": model, "n_predict": self.n_predict, "seed": self.seed,
                 "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
-                "min_p": params.min_p, "repeat_penalty": params.repetition_penalty,
-                "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
+                "repeat_penalty": params.repetition_penalty,
+                **{name: getattr(params, name) for name in _SAME_NAME},
                 "stop": list(params.stop), "ignore_eos": params.ignore_eos, "n_probs": self.n_probs,
                 "grammar": self.grammar or "", "stream": self.stream}
 

@@ -56,6 +56,22 @@ def test_a_gbnf_grammar_is_followed_and_a_broken_one_is_a_400(server: KVServe) -
     assert r.status_code == 400 and r.json()["error"]["param"] == "grammar", r.text
 
 
+def test_llama_cpps_samplers_run_as_the_same_request_to_v1_completions(server: KVServe) -> None:
+    # A looping prompt, greedy: DRY changes the answer, and /completion's DRY is /v1/completions'.
+    loop = "one two three, one two three, one two three, one two three,"
+    samplers = {"dry_multiplier": 1.0, "dry_allowed_length": 2, "dry_sequence_breakers": ["\n"]}
+    plain = post(server, "/completion", {"prompt": loop, "n_predict": 16, "temperature": 0}).json()["content"]
+    dry = post(server, "/completion", {"prompt": loop, "n_predict": 16, "temperature": 0, **samplers})
+    assert dry.status_code == 200, dry.text
+    assert dry.json()["content"] != plain
+    ours = post(server, "/v1/completions", {"prompt": loop, "max_tokens": 16, "temperature": 0, **samplers}).json()
+    assert ours["choices"][0]["text"] == dry.json()["content"]
+    # Seeded sampling with XTC, typical-p and top-n-sigma: the same answer twice.
+    seeded = {"prompt": "Once upon a time", "n_predict": 16, "seed": 5, "xtc_probability": 0.5,
+              "typical_p": 0.9, "top_n_sigma": 2.0}
+    assert post(server, "/completion", seeded).json()["content"] == post(server, "/completion", seeded).json()["content"]
+
+
 def test_fill_in_the_middle_needs_a_code_models_markers(server: KVServe) -> None:
     # SmolLM2 has no fill-in-the-middle tokens: /infill and a completions suffix say so.
     r = post(server, "/infill", {"input_prefix": "def f(", "input_suffix": "):", "n_predict": 4})

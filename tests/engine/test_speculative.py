@@ -127,8 +127,12 @@ def test_sampling_logprobs_and_processors_are_the_same_with_speculation(smollm2_
                 # Logits processors: each proposed position sees the proposals before it.
                 SamplingParams(temperature=0, max_tokens=50, presence_penalty=0.5, frequency_penalty=0.3,
                                logit_bias={13: -2.0}),
-                SamplingParams(temperature=0, max_tokens=40, min_tokens=30, repetition_penalty=1.2)]
-    batch = [prompts[0], prompts[1], prompts[0], prompts[2], prompts[0], prompts[2]]
+                SamplingParams(temperature=0, max_tokens=40, min_tokens=30, repetition_penalty=1.2),
+                # llama.cpp's samplers: XTC's coin comes from the generator too, DRY reads the proposals.
+                SamplingParams(temperature=0.9, seed=21, max_tokens=50, xtc_probability=0.5, typical_p=0.9,
+                               top_n_sigma=2.0, dry_multiplier=0.3, dry_allowed_length=4),
+                SamplingParams(temperature=0, max_tokens=40, dry_multiplier=0.5, dry_allowed_length=3)]
+    batch = [prompts[0], prompts[1], prompts[0], prompts[2], prompts[0], prompts[2], prompts[0], prompts[1]]
 
     def outputs(engine: LLMEngine) -> list:
         for i, (p, sp) in enumerate(zip(batch, settings)):

@@ -326,6 +326,30 @@ async def test_cache_salt_reaches_the_engine_from_every_api(client: httpx.AsyncC
     assert engine.requests[-1].params.cache_salt is None
 
 
+async def test_llama_cpps_samplers_reach_the_engine_from_completions_and_chat(client: httpx.AsyncClient,
+                                                                              engine: FakeEngine) -> None:
+    # llama.cpp's own sampler fields, as its OpenAI-compatible endpoints take them.
+    fields = {"typical_p": 0.8, "top_n_sigma": 1.0, "xtc_probability": 0.3, "xtc_threshold": 0.15,
+              "dry_multiplier": 0.8, "dry_base": 2.0, "dry_allowed_length": 3, "dry_penalty_last_n": 128,
+              "dry_sequence_breakers": ["\n", "###"]}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    for url, body in [("/v1/completions", {"prompt": "hi", "max_tokens": 1}), ("/v1/chat/completions", chat)]:
+        r = await client.post(url, json={**body, **fields})
+        assert r.status_code == 200, (url, r.text)
+        p = engine.requests[-1].params
+        assert {name: getattr(p, name) for name in fields} == fields, url
+        # The samplers kvserve lacks are refused when turned on, not ignored; off is fine.
+        for name, on in [("mirostat", 2), ("dynatemp_range", 0.5)]:
+            assert_error(await client.post(url, json={**body, name: on}), 400, name)
+            assert (await client.post(url, json={**body, name: 0})).status_code == 200
+        for name, bad in [("typical_p", 1.5), ("xtc_threshold", -0.1), ("dry_base", 0.9),
+                          ("dry_allowed_length", 0), ("dry_sequence_breakers", [""]), ("top_n_sigma", "inf")]:
+            assert_error(await client.post(url, json={**body, name: bad}), 400, name)
+    await complete(client, prompt="hi", max_tokens=1)
+    p = engine.requests[-1].params
+    assert (p.typical_p, p.top_n_sigma, p.xtc_probability, p.dry_multiplier) == (1.0, -1.0, 0.0, 0.0)
+
+
 async def test_return_token_ids(client: httpx.AsyncClient, engine: FakeEngine) -> None:
     # vLLM's return_token_ids: the prompt's ids and the answer's, streamed or not; a token
     # whose text a stop string holds back still has its id sent (with the next chunk).

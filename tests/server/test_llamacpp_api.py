@@ -59,6 +59,19 @@ async def test_fields_reach_the_engine_under_llama_cpps_names(client: httpx.Asyn
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.ignore_eos) == (1.1, 0.5, 0.25, True)
     # A text's every token gets its bias; false is the least bias there is.
     assert p.logit_bias == {65: 2.5, 97: -1.0, 98: -1.0, 66: -100.0}
+    # llama.cpp's defaults for its own samplers: each off but its settings as llama.cpp's.
+    assert (p.typical_p, p.top_n_sigma, p.xtc_probability, p.xtc_threshold) == (1.0, -1.0, 0.0, 0.1)
+    assert (p.dry_multiplier, p.dry_base, p.dry_allowed_length, p.dry_penalty_last_n) == (0.0, 1.75, 2, -1)
+    assert p.dry_sequence_breakers == ["\n", ":", '"', "*"]
+    r = await complete(client, prompt="hi", n_predict=2, typical_p=0.9, top_n_sigma=1.5, xtc_probability=0.5,
+                       xtc_threshold=0.2, dry_multiplier=0.8, dry_base=2, dry_allowed_length=3,
+                       dry_penalty_last_n=64, dry_sequence_breakers=["\n\n"])
+    p = engine.requests[-1].params
+    assert (p.typical_p, p.top_n_sigma, p.xtc_probability, p.xtc_threshold) == (0.9, 1.5, 0.5, 0.2)
+    assert (p.dry_multiplier, p.dry_base, p.dry_allowed_length, p.dry_penalty_last_n) == (0.8, 2.0, 3, 64)
+    assert p.dry_sequence_breakers == ["\n\n"]
+    settings = r.json()["generation_settings"]
+    assert (settings["typical_p"], settings["dry_multiplier"], settings["dry_sequence_breakers"]) == (0.9, 0.8, ["\n\n"])
     await complete(client, prompt="hi", n_predict=-1, temperature=-1, seed=-1)
     p = engine.requests[-1].params
     assert (p.max_tokens, p.temperature, p.seed) == (None, 0.0, None)  # the rest of the context; greedy
@@ -114,8 +127,14 @@ async def test_the_stream_is_llama_cpps(client: httpx.AsyncClient) -> None:
 
 async def test_bad_requests_are_400s_naming_llama_cpps_field(client: httpx.AsyncClient) -> None:
     for body, param in [({"prompt": "hi", "mirostat": 2}, "mirostat"),
-                        ({"prompt": "hi", "typical_p": 0.5}, "typical_p"),
-                        ({"prompt": "hi", "dry_multiplier": 0.8}, "dry_multiplier"),
+                        ({"prompt": "hi", "dynatemp_range": 0.5}, "dynatemp_range"),
+                        ({"prompt": "hi", "typical_p": 0}, "typical_p"),
+                        ({"prompt": "hi", "dry_multiplier": -1}, "dry_multiplier"),
+                        ({"prompt": "hi", "dry_base": 0.5}, "dry_base"),
+                        ({"prompt": "hi", "dry_allowed_length": 0}, "dry_allowed_length"),
+                        ({"prompt": "hi", "dry_penalty_last_n": -2}, "dry_penalty_last_n"),
+                        ({"prompt": "hi", "dry_sequence_breakers": ["\n", ""]}, "dry_sequence_breakers"),
+                        ({"prompt": "hi", "xtc_probability": 1.5}, "xtc_probability"),
                         ({"prompt": "hi", "lora": [{"id": 0, "scale": 0.5}]}, "lora"),
                         ({"prompt": "hi", "n_predict": -2}, "n_predict"),
                         ({"prompt": "hi", "n_predict": 10_000}, "prompt"),  # past the context

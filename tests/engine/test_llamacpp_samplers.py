@@ -1,0 +1,300 @@
+"""llama.cpp's samplers beyond vLLM's: DRY, XTC, top-n-sigma and locally typical sampling.
+
+Each is checked against a reference: typical-p against transformers' warper, the
+others against straight ports of llama.cpp's loops (src/llama-sampling.cpp), written
+here as plainly as llama.cpp writes them; in the engine, DRY on the real model
+against the same step run with the reference's penalties as a logit bias, and
+seeded requests with every sampler the same alone, batched and preempted.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_runner import kv_bytes_per_block
+from engine.sampler import (apply_top_k_top_p, apply_top_n_sigma, apply_typical_p, apply_xtc, dry_breakers,
+                            dry_penalties)
+from engine.sampling_params import SamplingParams
+
+# --------------------------------------------------------------------------- references
+
+
+def llama_cpp_dry(tokens: list[int], multiplier: float, base: float, allowed: int, last_n: int,
+                  breakers: dict[int, list[tuple[int, ...]]]) -> dict[int, float]:
+    """llama.cpp's ``llama_sampler_dry_apply``: restart sequences, the reverse Z-algorithm,
+    the longest repeat each next token would extend, and the penalty."""
+    if multiplier == 0 or base < 1 or last_n == 0:
+        return {}
+    n = min(len(tokens), len(tokens) if last_n == -1 else last_n)
+    if n <= allowed:
+        return {}
+
+    def rat(i: int) -> int:  # i tokens from the end
+        return tokens[len(tokens) - 1 - i]
+
+    rep_limit = n
+    for i in range(n):
+        longest = -1
+        for tail in breakers.get(rat(i), []):
+            if longest < len(tail) <= i and all(tail[o] == rat(i - o - 1) for o in range(len(tail))):
+                longest = len(tail)
+        if longest >= 0:
+            rep_limit = i - longest
+            break
+    if rep_limit < allowed:
+        return {}
+    count = [0] * n
+    last, rt, lt = n - 1, 0, 0
+    for k in range(1, n):
+        if k > rt:
+            m = 0
+            while m + k < n and rat(m) == rat(m + k):
+                m += 1
+            count[last - k] = min(m, rep_limit)
+            if m > 0:
+                lt, rt = k, k + m - 1
+        else:
+            p, right = k - lt, rt - k + 1
+            if count[last - p] < right:
+                count[last - k] = min(count[last - p], rep_limit)
+            else:
+                i = rt + 1
+                while i < n and rat(i) == rat(i - k):
+                    i += 1
+                count[last - k] = min(i - k, rep_limit)
+                lt, rt = k, i - 1
+    max_repeat: dict[int, int] = {}
+    for i in range(n - 1):
+        if count[i] >= allowed:
+            token = rat(n - 2 - i)
+            max_repeat[token] = max(max_repeat.get(token, 0), count[i])
+    max_exponent = int(88.7228391 / math.log(base)) if base > 1.000001 else 0
+    out = {}
+    for token, length in max_repeat.items():
+        if any(len(t) == 0 for t in breakers.get(token, [])):
+            continue
+        exponent = length - allowed
+        if max_exponent > 0 and exponent > max_exponent:
+            exponent = max_exponent
+        out[token] = multiplier * base ** exponent
+    return out
+
+
+def llama_cpp_xtc(probs: list[float], threshold: float) -> set[int]:
+    """The tokens llama.cpp's XTC drops once its coin came up (probabilities of a row)."""
+    order = sorted(range(len(probs)), key=lambda t: -probs[t])
+    pos_last = 0
+    for i, t in enumerate(order):
+        if probs[t] >= threshold:
+            pos_last = i
+        else:
+            break
+    return set(order[:pos_last])
+
+
+def params(**kw) -> SamplingParams:
+    return SamplingParams(**kw)
+
+
+# --------------------------------------------------------------------------- DRY
+
+
+def test_dry_follows_llama_cpps_example_and_its_loops():
+    # llama.cpp's comment: "a b c c b c y a b c" ends with "a b c", which also stands at the
+    # start (so c, which followed it, would make 4) and "b c" before y (so y would make 3).
+    a, b, c, y = 1, 2, 3, 4
+    got = dry_penalties([a, b, c, c, b, c, y, a, b, c], params(dry_multiplier=0.8), {})
+    assert got == {c: 0.8 * 1.75 ** 1, y: 0.8 * 1.75 ** 0}
+    # A single-token breaker ends every repeat at it; a token that is a breaker is never penalised.
+    assert dry_penalties([a, b, c, y, a, b, c], params(dry_multiplier=1.0), {y: ((),)}) == {}
+    assert dry_penalties([a, b, y, a, b], params(dry_multiplier=1.0), {y: ((),)}) == {}
+    # Off: no multiplier, no window; a window shorter than the repeat hides it.
+    assert dry_penalties([a, b, c, a, b], params(), {}) == {}
+    assert dry_penalties([a, b, c, a, b], params(dry_multiplier=1.0, dry_penalty_last_n=0), {}) == {}
+    assert dry_penalties([a, b, c, a, b], params(dry_multiplier=1.0, dry_penalty_last_n=4), {}) == {}
+    assert dry_penalties([a, b, c, a, b], params(dry_multiplier=1.0, dry_penalty_last_n=5), {}) == {c: 1.0}
+
+
+def test_dry_equals_llama_cpps_z_algorithm_on_random_contexts():
+    rng = random.Random(0)
+    checked = penalised = 0
+    for trial in range(3000):
+        alphabet = rng.randint(2, 6)
+        tokens = [rng.randrange(alphabet) for _ in range(rng.randint(0, 60))]
+        if rng.random() < 0.3:  # a loop, as a model stuck in one writes
+            period = rng.randint(1, 5)
+            tokens += (tokens[-period:] or [0]) * rng.randint(2, 8)
+        breakers: dict[int, list[tuple[int, ...]]] = {}
+        for _ in range(rng.randint(0, 3)):
+            head = rng.randrange(alphabet + 1)
+            tail = tuple(rng.randrange(alphabet) for _ in range(rng.choice([0, 0, 1, 2])))
+            if tail not in breakers.setdefault(head, []):
+                breakers[head].append(tail)
+        p = params(dry_multiplier=rng.choice([0.5, 0.8, 2.0]), dry_base=rng.choice([1.0, 1.1, 1.75, 3.0]),
+                   dry_allowed_length=rng.randint(1, 4), dry_penalty_last_n=rng.choice([-1, 5, 12, 40]))
+        want = llama_cpp_dry(tokens, p.dry_multiplier, p.dry_base, p.dry_allowed_length, p.dry_penalty_last_n,
+                             breakers)
+        got = dry_penalties(tokens, p, {h: tuple(t) for h, t in breakers.items()})
+        assert got == want, (trial, tokens, breakers, p)
+        checked += 1
+        penalised += bool(want)
+    assert penalised > checked // 3  # the contexts did repeat
+
+
+def test_dry_breakers_are_found_as_llama_cpp_finds_them():
+    vocab = [b"a", b"\n", b"x\ny", b"b", b"c", b"xb", b":c", b"b:c!", b""]
+
+    def encode(text: str) -> list[int]:  # longest match first, over the vocabulary above
+        out, rest = [], text.encode()
+        while rest:
+            token = max((t for t, w in enumerate(vocab) if w and rest.startswith(w)), key=lambda t: len(vocab[t]))
+            out.append(token)
+            rest = rest[len(vocab[token]):]
+        return out
+
+    # "\n" lies inside tokens 1 and 2; "b:c" inside 7, and tokens ending in its start
+    # ("b") are heads followed by the rest (":c", token 6).
+    assert dry_breakers(vocab, encode, ["\n", "b:c"]) == {1: ((),), 2: ((),), 7: ((),), 3: ((6,),), 5: ((6,),)}
+    assert dry_breakers(vocab, encode, []) == {}
+
+
+# --------------------------------------------------------------------------- truncations
+
+
+def test_typical_p_keeps_what_transformers_keeps():
+    from transformers.generation.logits_process import TypicalLogitsWarper
+
+    torch.manual_seed(0)
+    logits = torch.randn(8, 300) * torch.tensor([0.5, 1, 2, 4, 1, 2, 3, 1]).unsqueeze(1)
+    logits[5, :100] = float("-inf")  # already masked tokens stay masked, and count for nothing
+    masses = [0.2, 0.5, 0.9, 0.95, 0.3, 0.7, 0.99, 1.0]
+    got = apply_typical_p(logits, torch.tensor(masses))
+    for row, mass in enumerate(masses):
+        if mass == 1.0:
+            assert torch.equal(got[row], logits[row])
+            continue
+        want = TypicalLogitsWarper(mass=mass)(torch.zeros(1, 1, dtype=torch.long), logits[row:row + 1].clone())[0]
+        assert torch.equal(got[row], want), row
+        assert 1 <= torch.isfinite(got[row]).sum() < torch.isfinite(logits[row]).sum()
+    # Inside the sampler's sort, after top-k: the same as typical-p alone on the top-k's logits.
+    top_k = apply_top_k_top_p(logits, torch.full((8,), 50), None)
+    both = apply_top_k_top_p(logits, torch.full((8,), 50), None, torch.tensor(masses))
+    assert torch.equal(torch.isinf(both), torch.isinf(apply_typical_p(top_k, torch.tensor(masses))))
+
+
+def test_top_n_sigma_keeps_logits_within_n_deviations_of_the_largest():
+    torch.manual_seed(1)
+    logits = torch.randn(5, 400) * 2
+    logits[2, ::3] = float("-inf")
+    n = torch.tensor([1.0, 2.0, 0.5, 0.0, -1.0])
+    got = apply_top_n_sigma(logits, n)
+    for row in range(5):
+        finite = logits[row][torch.isfinite(logits[row])].double()
+        if n[row] <= 0:
+            assert torch.equal(got[row], logits[row])
+            continue
+        floor = finite.max() - n[row].double() * finite.std(unbiased=False)
+        want = logits[row].double() >= floor
+        assert torch.equal(torch.isfinite(got[row]), want), row
+        assert torch.equal(got[row][want], logits[row][want])
+
+
+def test_xtc_drops_the_likely_tokens_but_the_least_of_them_as_llama_cpp():
+    torch.manual_seed(2)
+    logits = torch.randn(6, 12) * torch.tensor([0.3, 0.6, 1.0, 3.0, 0.3, 5.0]).unsqueeze(1)
+    threshold = torch.tensor([0.1, 0.1, 0.05, 0.1, 0.5, 0.1])
+    excluded = torch.tensor([True, True, True, True, False, True])
+    got = apply_xtc(logits, threshold, excluded)
+    dropped_any = 0
+    for row in range(6):
+        probs = logits[row].softmax(-1).tolist()
+        drop = llama_cpp_xtc(probs, float(threshold[row])) if excluded[row] else set()
+        assert {t for t in range(12) if got[row, t] == float("-inf")} == drop, row
+        dropped_any += bool(drop)
+    assert dropped_any >= 3
+
+
+# --------------------------------------------------------------------------- in the engine
+
+BLOCK_SIZE = 16
+
+
+def make_engine(loaded, num_blocks: int = 64, max_model_len: int = 512) -> LLMEngine:
+    budget = num_blocks * kv_bytes_per_block(loaded.config, loaded.dtype, BLOCK_SIZE)
+    return LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory=budget, block_size=BLOCK_SIZE,
+                                  max_model_len=max_model_len, kv_cache_dtype="float32"), loaded=loaded)
+
+
+def generate(engine: LLMEngine, prompts: list[list[int]], settings: list[SamplingParams]) -> list[tuple]:
+    for i, (p, sp) in enumerate(zip(prompts, settings)):
+        engine.add_request(f"q{i}", p, sp)
+    got: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            o = out.outputs[0]
+            g = got.setdefault(out.request_id, [[], []])
+            g[0] += o.token_ids
+            g[1] += [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs or []]
+    assert engine.kv_cache.stats.num_blocks_used == 0
+    return [tuple(map(tuple, got[f"q{i}"])) for i in range(len(prompts))]
+
+
+@pytest.mark.slow
+def test_dry_in_the_engine_is_the_reference_penalty_on_the_models_logits(smollm2_loaded):
+    """Each greedy DRY token (and its logprobs) equals that step run without DRY but with
+    the reference's penalties as a logit bias (the same float32 subtraction), the
+    breakers found in the real vocabulary and the prompt part of the context."""
+    tok = smollm2_loaded.tokenizer
+    engine = make_engine(smollm2_loaded)
+    prompt = tok.encode("Say it again and again: the cat sat on the mat. the cat sat on the mat. the cat sat")
+    dry = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3, dry_multiplier=1.0,
+                         dry_base=1.5, dry_allowed_length=2)
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    [(tokens, logprobs)] = generate(engine, [prompt], [dry])
+    [(undamped, _)] = generate(engine, [prompt], [plain])
+    assert tokens != undamped  # DRY changed the answer: the model repeats itself without it
+    vocab = [tok.token_bytes(t) for t in range(engine.vocab_size)]
+    breakers = dry_breakers(vocab, lambda s: tok.encode(s, add_special_tokens=False), dry.dry_sequence_breakers)
+    newline = tok.encode("\n", add_special_tokens=False)[0]
+    assert breakers[newline] == ((),)
+    as_lists = {h: list(t) for h, t in breakers.items()}
+    penalised = 0
+    for step in range(len(tokens)):
+        context = prompt + list(tokens[:step])
+        penalties = llama_cpp_dry(context, 1.0, 1.5, 2, -1, as_lists)
+        assert all(p <= 100 for p in penalties.values())  # a logit bias can say it
+        penalised += bool(penalties)
+        bias = {t: -p for t, p in penalties.items()}
+        [(one, one_logprobs)] = generate(engine, [context], [SamplingParams(temperature=0, max_tokens=1,
+                                                                             logprobs=3, logit_bias=bias)])
+        assert one == (tokens[step],) and one_logprobs[0] == logprobs[step], step
+    assert penalised >= len(tokens) // 3  # the prompt and the answer repeat: DRY was at work
+
+
+@pytest.mark.slow
+def test_seeded_requests_with_llama_cpps_samplers_are_the_same_alone_batched_and_preempted(smollm2_loaded):
+    tok = smollm2_loaded.tokenizer
+    prompts = [tok.encode(t) for t in ("Once upon a time, in a quiet village,", "The recipe for bread is simple:",
+                                       "List three colours: red,")]
+    settings = [
+        SamplingParams(temperature=1.0, seed=1, max_tokens=40, xtc_probability=0.5, xtc_threshold=0.1,
+                       dry_multiplier=0.8),
+        SamplingParams(temperature=0.8, seed=2, max_tokens=40, typical_p=0.7, top_n_sigma=1.5, logprobs=2),
+        SamplingParams(temperature=1.2, seed=3, max_tokens=40, xtc_probability=1.0, xtc_threshold=0.05,
+                       top_k=40, top_p=0.9, min_p=0.05, typical_p=0.9, dry_multiplier=1.0, dry_penalty_last_n=32),
+    ]
+    alone = [generate(make_engine(smollm2_loaded), [p], [s])[0] for p, s in zip(prompts, settings)]
+    assert generate(make_engine(smollm2_loaded), prompts, settings) == alone
+    # A cache this small preempts: the requests re-run, their generators still in step.
+    small = make_engine(smollm2_loaded, num_blocks=7, max_model_len=64)
+    assert generate(small, prompts, settings) == alone
+    assert small.scheduler.num_preemptions_total > 0
+    # XTC's coin is drawn (from the request's generator) and changes what is sampled.
+    without = settings[2].__class__(**{**settings[2].__dict__, "xtc_probability": 0.0})
+    assert generate(make_engine(smollm2_loaded), [prompts[2]], [without])[0] != alone[2]
