@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.sampling_params import SamplingParams
 
 MiB = 1024 * 1024
 
@@ -18,6 +21,13 @@ def _one_of(values: tuple[str, ...]) -> str:
 
 SPECULATIVE_METHODS = ("ngram", "draft")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# What --override-generation-config may set: the defaults of requests that leave these
+# out (SamplingParams' names; max_new_tokens bounds an answer of no set length).
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                          "frequency_penalty", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
+                          "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+                          "dry_sequence_breakers", "max_new_tokens")
+_INTEGER_KEYS = ("top_k", "dry_allowed_length", "dry_penalty_last_n", "max_new_tokens")
 
 
 @dataclass(frozen=True)
@@ -174,6 +184,9 @@ class EngineConfig:
     # vLLM's --generation-config: "auto" takes the default sampling of requests that leave
     # it out from the model's generation_config.json; "vllm" ignores that file's.
     generation_config: str = "auto"
+    # vLLM's --override-generation-config: default sampling (GENERATION_CONFIG_KEYS) for
+    # requests that leave it out, over the model's generation_config.json values.
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
     # vLLM's --scheduling-policy: "fcfs" (every request's priority is 0) or "priority"
     # (requests' own priorities order admission and preemption: engine/scheduler.py).
     scheduling_policy: str = "fcfs"
@@ -198,6 +211,7 @@ class EngineConfig:
                              f"got {self.scheduling_policy!r}")
         if self.generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be auto or vllm, got {self.generation_config!r}")
+        self._check_override_generation_config()
         for name in ("max_loras", "max_lora_rank"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -206,4 +220,27 @@ class EngineConfig:
             raise ValueError(f"LoRA adapter names must differ, got {', '.join(names)}")
         if self.served_model_name is not None and self.served_model_name in names:
             raise ValueError(f"a LoRA adapter cannot take the served model's name {self.served_model_name!r}")
+
+    def _check_override_generation_config(self) -> None:
+        override = self.override_generation_config
+        unknown = sorted(set(override) - set(GENERATION_CONFIG_KEYS))
+        if unknown:
+            raise ValueError(f"override_generation_config cannot set {', '.join(unknown)}; it sets "
+                             f"{', '.join(GENERATION_CONFIG_KEYS)}")
+        for key, value in override.items():
+            if key == "dry_sequence_breakers":
+                ok, kind = isinstance(value, list) and all(isinstance(v, str) for v in value), "a list of strings"
+            elif key in _INTEGER_KEYS:
+                ok, kind = isinstance(value, int) and not isinstance(value, bool), "an integer"
+            else:
+                ok, kind = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+            if not ok:
+                raise ValueError(f"override_generation_config's {key} must be {kind}, got {value!r}")
+        if override.get("max_new_tokens", 1) < 1:
+            raise ValueError(f"override_generation_config's max_new_tokens must be >= 1, "
+                             f"got {override['max_new_tokens']}")
+        try:
+            SamplingParams(**{k: v for k, v in override.items() if k != "max_new_tokens"})
+        except ValueError as e:
+            raise ValueError(f"override_generation_config: {e}") from None
 

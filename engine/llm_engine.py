@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -262,24 +263,40 @@ class LLMEngine:
         return tuple(found)
 
     @staticmethod
-    def _sampling_defaults(config: EngineConfig, model: ModelConfig) -> dict[str, float]:
-        """The model's recommended sampling (``generation_config.json``), for requests that
-        leave it out; none with ``generation_config="vllm"`` or when the values are invalid."""
-        defaults = dict(model.sampling_defaults) if config.generation_config == "auto" else {}
+    def _sampling_defaults(config: EngineConfig, model: ModelConfig) -> dict[str, Any]:
+        """The default sampling of requests that leave it out: the model's recommended
+        values (``generation_config.json``; none with ``generation_config="vllm"`` or when
+        they are invalid), under ``override_generation_config``'s, as vLLM's."""
+        defaults: dict[str, Any] = dict(model.sampling_defaults) if config.generation_config == "auto" else {}
         if defaults:
             try:
                 SamplingParams(**defaults)
             except ValueError as e:
                 logger.warning("ignoring the model's generation_config.json sampling %s: %s", defaults, e)
-                return {}
-            logger.info("default sampling from the model's generation_config.json (a request's own values "
-                        "win; --generation-config vllm ignores them): %s", defaults)
+                defaults = {}
+            else:
+                logger.info("default sampling from the model's generation_config.json (a request's own values "
+                            "win; --generation-config vllm ignores them): %s", defaults)
+        override = {k: v for k, v in config.override_generation_config.items() if k != "max_new_tokens"}
+        if override:
+            logger.info("default sampling from --override-generation-config (a request's own values win): %s",
+                        override)
+            defaults.update(override)
+            try:  # each part was valid alone; together they may not be (top_k from one, ...)
+                SamplingParams(**defaults)
+            except ValueError as e:
+                raise ValueError(f"--override-generation-config with the model's generation_config.json: {e}") from None
         return defaults
 
     @staticmethod
     def _default_max_tokens(config: EngineConfig, model: ModelConfig) -> int | None:
-        """generation_config.json's max_new_tokens (with ``generation_config="auto"``): the
-        longest answer of a request that sets no length."""
+        """The longest answer of a request that sets no length: ``override_generation_config``'s
+        max_new_tokens, else generation_config.json's (with ``generation_config="auto"``)."""
+        override = config.override_generation_config.get("max_new_tokens")
+        if override is not None:
+            logger.info("default answer length from --override-generation-config: at most %d tokens "
+                        "where a request sets none", override)
+            return override
         if config.generation_config != "auto" or model.max_new_tokens is None:
             return None
         logger.info("default answer length from the model's generation_config.json: at most %d tokens "

@@ -53,7 +53,7 @@ class EngineClient(Protocol):
     block_size: int
     lora_adapters: Mapping[str, str]  # served LoRA adapter name -> its directory
     # The model's recommended sampling (generation_config.json) for requests that leave it out.
-    sampling_defaults: Mapping[str, float]
+    sampling_defaults: Mapping[str, Any]
 
     @property
     def is_alive(self) -> bool: ...

@@ -184,6 +184,11 @@ def _add_api_args(p: argparse.ArgumentParser) -> None:
                    help="auto (default): requests that leave out temperature, top_p, top_k, min_p or "
                         "repetition_penalty get the model's generation_config.json values, and its "
                         "max_new_tokens bounds an answer of no set length, as vLLM's; vllm: the API's own defaults")
+    p.add_argument("--override-generation-config", type=_json_object_arg, default={}, metavar="JSON",
+                   help="vLLM's: default sampling for requests that leave it out, over the model's "
+                        "generation_config.json, e.g. '{\"temperature\": 0.7, \"dry_multiplier\": 0.8}' "
+                        "(temperature, top_p, top_k, min_p, the penalties, llama.cpp's samplers, "
+                        "max_new_tokens)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice auto always works here")
     p.add_argument("--trust-remote-code", action="store_true",
@@ -363,6 +368,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             lora_modules=_lora_modules(args), max_loras=getattr(args, "max_loras", None),
             max_lora_rank=getattr(args, "max_lora_rank", None),
             generation_config=getattr(args, "generation_config", "auto"),
+            override_generation_config=getattr(args, "override_generation_config", {}),
             scheduling_policy=args.scheduling_policy,
             parallel=parallel_from_torchrun(ParallelConfig(
                 tensor_parallel_size=args.tensor_parallel_size, nnodes=getattr(args, "nnodes", 1),

@@ -512,6 +512,19 @@ def test_the_models_sampling_defaults_unless_generation_config_vllm(caplog):
     assert LLMEngine._default_max_tokens(EngineConfig(), longest) == 7
     assert LLMEngine._default_max_tokens(EngineConfig(generation_config="vllm"), longest) is None
     assert LLMEngine._default_max_tokens(EngineConfig(), model) is None
+    # vLLM's --override-generation-config: over the model's values; alone with "vllm".
+    override = {"temperature": 0.9, "dry_multiplier": 0.8, "max_new_tokens": 3}
+    assert LLMEngine._sampling_defaults(EngineConfig(override_generation_config=override), model) == {
+        "temperature": 0.9, "top_k": 20, "dry_multiplier": 0.8}
+    assert LLMEngine._sampling_defaults(EngineConfig(generation_config="vllm", override_generation_config=override),
+                                        model) == {"temperature": 0.9, "dry_multiplier": 0.8}
+    assert LLMEngine._default_max_tokens(EngineConfig(override_generation_config=override), longest) == 3
+    assert LLMEngine._default_max_tokens(EngineConfig(generation_config="vllm", override_generation_config=override),
+                                         model) == 3
+    for bad, match in [({"max_tokens": 5}, "cannot set max_tokens"), ({"top_p": 2}, "top_p must be in"),
+                       ({"max_new_tokens": 0}, "max_new_tokens must be"), ({"dry_base": "x"}, "dry_base")]:
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(override_generation_config=bad)
 
 
 def test_the_models_max_new_tokens_bounds_a_request_that_sets_no_length(smollm2_loaded, tokenizer):

@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.sampling_params import PoolingParams, SamplingParams
@@ -143,7 +144,7 @@ class FakeEngine:
         self.script = SCRIPT  # what every sample types out (ASCII: one byte-token per character)
         self.model_name = model_name
         self.max_model_len = max_model_len
-        self.sampling_defaults: dict[str, float] = {}  # the model's generation_config.json's
+        self.sampling_defaults: dict[str, Any] = {}  # generation_config.json and --override-generation-config
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         self.step_delay = step_delay

@@ -88,6 +88,10 @@ def test_bad_settings_exit_with_a_message(capsys: pytest.CaptureFixture[str]) ->
         cli_args.engine_config(args)
     args = cli_args.build_parser().parse_args(["serve", "--generation-config", "vllm"])
     assert cli_args.engine_config(args).generation_config == "vllm"
+    args = cli_args.build_parser().parse_args(
+        ["serve", "--override-generation-config", '{"dry_multiplier": 0.8, "max_new_tokens": 64}'])
+    assert cli_args.engine_config(args).override_generation_config == {"dry_multiplier": 0.8, "max_new_tokens": 64}
+    assert cli_args.engine_config(cli_args.build_parser().parse_args(["serve"])).override_generation_config == {}
     args = cli_args.build_parser().parse_args(["serve", "--served-model-name", "a", "b"])
     assert args.served_model_name == ["a", "b"] and cli_args.engine_config(args).served_model_name == "a"
 

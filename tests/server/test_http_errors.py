@@ -221,7 +221,9 @@ async def test_framework_validation_errors_are_400_not_422(engine: FakeEngine) -
 
 async def test_the_models_sampling_defaults_fill_what_a_request_leaves_out(engine: FakeEngine) -> None:
     # vLLM's --generation-config auto: generation_config.json's values (engine.sampling_defaults).
-    engine.sampling_defaults = {"temperature": 0.6, "top_k": 20}
+    # --override-generation-config adds its own (llama.cpp's samplers among them).
+    engine.sampling_defaults = {"temperature": 0.6, "top_k": 20, "dry_multiplier": 0.8,
+                                "dry_sequence_breakers": ["\n"]}
     app = build_app(engine)
     async with app.router.lifespan_context(app), client_for(app) as c:
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
@@ -230,7 +232,7 @@ async def test_the_models_sampling_defaults_fill_what_a_request_leaves_out(engin
                            ("/v1/messages", {"max_tokens": 1, "messages": chat["messages"]})]:
             assert (await c.post(path, json=body)).status_code == 200, path
             p = engine.requests[-1].params
-            assert (p.temperature, p.top_k) == (0.6, 20), path
+            assert (p.temperature, p.top_k, p.dry_multiplier, p.dry_sequence_breakers) == (0.6, 20, 0.8, ["\n"]), path
             await c.post(path, json={**body, "temperature": 1.0, "top_k": 5})
             p = engine.requests[-1].params
             assert (p.temperature, p.top_k) == (1.0, 5), path  # the request's own values win
