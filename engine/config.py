@@ -26,8 +26,8 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                           "frequency_penalty", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
                           "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
-                          "dry_sequence_breakers", "max_new_tokens")
-_INTEGER_KEYS = ("top_k", "dry_allowed_length", "dry_penalty_last_n", "max_new_tokens")
+                          "dry_sequence_breakers", "repeat_last_n", "max_new_tokens")
+_INTEGER_KEYS = ("top_k", "dry_allowed_length", "dry_penalty_last_n", "repeat_last_n", "max_new_tokens")
 
 
 @dataclass(frozen=True)

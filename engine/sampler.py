@@ -124,7 +124,8 @@ def apply_logits_processors(logits: torch.Tensor, requests: list[Request]) -> to
     ``min_tokens`` outputs, its EOS ids and ``stop_token_ids`` set to -inf;
     repetition penalty over prompt + output tokens (positive logits divided,
     negative multiplied); presence and frequency penalties over output tokens
-    (``logit -= presence * (count > 0) + frequency * count``); DRY over the
+    (``logit -= presence * (count > 0) + frequency * count``), or all three over
+    the last ``repeat_last_n`` tokens of prompt + output (llama.cpp's way); DRY over the
     last ``dry_penalty_last_n`` tokens of prompt + output (``dry_penalties``).
     Token ids outside ``[0, V)`` are ignored (the server validates them against
     the tokenizer).
@@ -184,7 +185,7 @@ def _apply_repetition_penalty(logits: torch.Tensor, requests: list[Request]) -> 
     penalties = [r.sampling_params.repetition_penalty for r in requests]
     if all(p == 1.0 for p in penalties):
         return logits
-    tokens = [r.all_token_ids if p != 1.0 else [] for r, p in zip(requests, penalties)]
+    tokens = [_penalised_tokens(r, r.all_token_ids) if p != 1.0 else [] for r, p in zip(requests, penalties)]
     seen = _token_counts(logits, tokens) > 0
     penalty = torch.tensor(penalties, device=logits.device).unsqueeze(1)
     penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
@@ -195,7 +196,7 @@ def _apply_presence_frequency(logits: torch.Tensor, requests: list[Request]) -> 
     params = [r.sampling_params for r in requests]
     if all(p.presence_penalty == 0 and p.frequency_penalty == 0 for p in params):
         return logits
-    counts = _token_counts(logits, [r.output_token_ids for r in requests])
+    counts = _token_counts(logits, [_penalised_tokens(r, r.output_token_ids) for r in requests])
     presence = torch.tensor([p.presence_penalty for p in params], device=logits.device).unsqueeze(1)
     frequency = torch.tensor([p.frequency_penalty for p in params], device=logits.device).unsqueeze(1)
     return logits - presence * (counts > 0) - frequency * counts
@@ -307,6 +308,18 @@ def dry_penalties(tokens: Sequence[int], params: SamplingParams, breakers: DryBr
             exponent = min(exponent, max_exponent)
         out[token] = params.dry_multiplier * params.dry_base ** exponent
     return out
+
+
+def _penalised_tokens(request: Request, default: list[int]) -> list[int]:
+    """The tokens a penalty counts: ``default`` (vLLM's choice for that penalty) or, with
+    ``repeat_last_n`` (llama.cpp's), the last that many of prompt and output."""
+    n = request.sampling_params.repeat_last_n
+    if n is None:
+        return default
+    if n == 0:
+        return []
+    tokens = request.all_token_ids
+    return tokens[-n:] if n > 0 else tokens
 
 
 def _token_counts(logits: torch.Tensor, rows: list[list[int]]) -> torch.Tensor:

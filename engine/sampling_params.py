@@ -153,6 +153,11 @@ class SamplingParams:
     # of the same salt (None: with every unsalted request), so tenants cannot probe each
     # other's prompts by timing cache hits.
     cache_salt: str | None = None
+    # Which tokens the penalties count. None: vLLM's (and OpenAI's) way, the repetition
+    # penalty over prompt and output, presence and frequency over the output. An int:
+    # llama.cpp's repeat_last_n, all three over the last that many tokens of prompt and
+    # output (-1: all of them; 0: no penalty).
+    repeat_last_n: int | None = None
     # llama.cpp's samplers beyond vLLM's (each off by default; engine/sampler.py has the order).
     # Locally typical sampling: the most typical tokens (log-probability nearest the entropy)
     # whose probability reaches typical_p (1: off).
@@ -259,6 +264,8 @@ class SamplingParams:
             raise ValueError(f"dry_base must be >= 1, got {self.dry_base}")
         if self.dry_allowed_length < 1:
             raise ValueError(f"dry_allowed_length must be >= 1, got {self.dry_allowed_length}")
+        if self.repeat_last_n is not None and self.repeat_last_n < -1:
+            raise ValueError(f"repeat_last_n must be -1 (all) or >= 0, got {self.repeat_last_n}")
         if self.dry_penalty_last_n < -1:
             raise ValueError(f"dry_penalty_last_n must be -1 (all) or >= 0, got {self.dry_penalty_last_n}")
         breakers = self.dry_sequence_breakers

@@ -147,6 +147,7 @@ class _SamplingRequest(_Strict):
     dry_allowed_length: int | None = None
     dry_penalty_last_n: int | None = None
     dry_sequence_breakers: list[str] | None = None
+    repeat_last_n: int | None = None  # the penalties over the last N tokens, prompt included
 
     # llama.cpp's samplers kvserve does not have, each with the value that turns it off:
     # ignoring one turned on would answer with other sampling than was asked for.
@@ -254,7 +255,7 @@ class _SamplingRequest(_Strict):
             "xtc_probability": self.xtc_probability, "xtc_threshold": self.xtc_threshold,
             "dry_multiplier": self.dry_multiplier, "dry_base": self.dry_base,
             "dry_allowed_length": self.dry_allowed_length, "dry_penalty_last_n": self.dry_penalty_last_n,
-            "dry_sequence_breakers": self.dry_sequence_breakers,
+            "dry_sequence_breakers": self.dry_sequence_breakers, "repeat_last_n": self.repeat_last_n,
         }
         # None means "the default", so only pass what the client set.
         kwargs = {k: v for k, v in given.items() if v is not None}

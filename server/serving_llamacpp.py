@@ -40,7 +40,7 @@ LLAMACPP_DEFAULTS: dict[str, Any] = {
     "presence_penalty": 0.0, "frequency_penalty": 0.0, "seed": -1, "n_probs": 0, "ignore_eos": False,
     "typical_p": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1,
     "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
-    "dry_sequence_breakers": list(DRY_SEQUENCE_BREAKERS)}
+    "dry_sequence_breakers": list(DRY_SEQUENCE_BREAKERS), "repeat_last_n": 64}
 # Samplers and options kvserve does not have, each with its value that turns it off: a
 # request that turns one on is a 400, not answered by other sampling than it asked for.
 _OFF = {"mirostat": 0, "dynatemp_range": 0.0, "post_sampling_probs": False, "n_indent": 0,
@@ -48,7 +48,7 @@ _OFF = {"mirostat": 0, "dynatemp_range": 0.0, "post_sampling_probs": False, "n_i
 # Sampler fields with the same name and meaning in the engine (SamplingParams).
 _SAME_NAME = ("min_p", "presence_penalty", "frequency_penalty", "typical_p", "top_n_sigma", "xtc_probability",
               "xtc_threshold", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
-              "dry_sequence_breakers")
+              "dry_sequence_breakers", "repeat_last_n")
 
 
 class LlamaCppCompletionRequest(_Strict):
@@ -74,6 +74,7 @@ class LlamaCppCompletionRequest(_Strict):
     dry_allowed_length: int = LLAMACPP_DEFAULTS["dry_allowed_length"]
     dry_penalty_last_n: int = LLAMACPP_DEFAULTS["dry_penalty_last_n"]
     dry_sequence_breakers: list[str] = list(DRY_SEQUENCE_BREAKERS)
+    repeat_last_n: int = LLAMACPP_DEFAULTS["repeat_last_n"]
     stop: str | list[str] = []
     seed: int = LLAMACPP_DEFAULTS["seed"]
     ignore_eos: bool = LLAMACPP_DEFAULTS["ignore_eos"]

@@ -18,8 +18,9 @@ import torch
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import kv_bytes_per_block
-from engine.sampler import (apply_top_k_top_p, apply_top_n_sigma, apply_typical_p, apply_xtc, dry_breakers,
-                            dry_penalties)
+from engine.request import Request
+from engine.sampler import (apply_logits_processors, apply_top_k_top_p, apply_top_n_sigma, apply_typical_p,
+                            apply_xtc, dry_breakers, dry_penalties)
 from engine.sampling_params import SamplingParams
 
 # --------------------------------------------------------------------------- references
@@ -162,6 +163,27 @@ def test_dry_breakers_are_found_as_llama_cpp_finds_them():
     # ("b") are heads followed by the rest (":c", token 6).
     assert dry_breakers(vocab, encode, ["\n", "b:c"]) == {1: ((),), 2: ((),), 7: ((),), 3: ((6,),), 5: ((6,),)}
     assert dry_breakers(vocab, encode, []) == {}
+
+
+# --------------------------------------------------------------------------- repeat_last_n
+
+
+def test_repeat_last_n_counts_the_last_tokens_of_prompt_and_answer_for_every_penalty():
+    def processed(**kw) -> list[float]:
+        sp = SamplingParams(temperature=0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25, **kw)
+        request = Request("r", [1, 2, 2, 3], sp, max_tokens=8)
+        request.output_token_ids = [4, 2, 5]
+        return apply_logits_processors(torch.full((1, 8), 4.0), [request])[0].tolist()
+
+    # vLLM's way: repetition over prompt and answer, presence and frequency over the answer.
+    assert processed() == [4.0, 2.0, 2 - 0.75, 2.0, 2 - 0.75, 2 - 0.75, 4.0, 4.0]
+    # llama.cpp's: all three over the last 4 tokens of 1 2 2 3 | 4 2 5, that is 3 4 2 5, once each.
+    assert processed(repeat_last_n=4) == [4.0, 4.0, 2 - 0.75, 2 - 0.75, 2 - 0.75, 2 - 0.75, 4.0, 4.0]
+    # All of them: 1 once, 2 three times.
+    assert processed(repeat_last_n=-1) == [4.0, 2 - 0.75, 2 - 0.5 - 0.75, 2 - 0.75, 2 - 0.75, 2 - 0.75, 4.0, 4.0]
+    assert processed(repeat_last_n=0) == [4.0] * 8
+    with pytest.raises(ValueError, match="repeat_last_n"):
+        SamplingParams(repeat_last_n=-2)
 
 
 # --------------------------------------------------------------------------- truncations
