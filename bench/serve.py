@@ -59,6 +59,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 from tqdm import tqdm
@@ -129,6 +130,8 @@ class BenchConfig:
     load: str = "random"              # LOADS: random-tag prompts, or paragraphs to quote
     burstiness: float = 1.0           # --request-rate arrivals: gamma shape (1: Poisson)
     goodput: dict[str, float] = field(default_factory=dict)  # SLO_KEYS -> limit in ms
+    # Fields merged into every request's body last (a sampler's settings, say): they win.
+    extra_body: dict[str, Any] = field(default_factory=dict)
     run_id: str = field(default_factory=lambda: secrets.token_hex(8))
 
     def __post_init__(self) -> None:
@@ -329,6 +332,7 @@ async def send_request(client: httpx.AsyncClient, cfg: BenchConfig, model: str, 
     if cfg.structured == "json":
         body["response_format"] = {"type": "json_schema",
                                    "json_schema": {"name": "bench_record", "schema": BENCH_SCHEMA}}
+    body.update(cfg.extra_body)
     result = RequestResult(ok=False, prompt_tokens=prompt_tokens)
     try:
         await asyncio.wait_for(_stream(client, cfg, body, result), timeout)
@@ -555,9 +559,22 @@ def build_parser(prog: str = "python -m bench.serve") -> argparse.ArgumentParser
     p.add_argument("--load", choices=LOADS, default="random",
                    help="random: random-tag prompts; quote: paragraphs the answer must rewrite "
                         "(where speculative prompt lookup pays)")
+    p.add_argument("--extra-body", type=_json_object, default={}, metavar="JSON",
+                   help="fields merged into every request's body, e.g. '{\"dry_multiplier\": 0.8}' "
+                        "(they win over the bench's own)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the report here")
     p.add_argument("--no-progress", action="store_true")
     return p
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m bench.serve") -> int:
@@ -592,7 +609,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.serve") -> 
                           temperature=args.temperature, api_key=args.api_key,
                           request_timeout=args.request_timeout, max_duration=args.max_duration,
                           warmup=args.warmup, progress=not args.no_progress, structured=args.structured,
-                          load=args.load, burstiness=args.burstiness, goodput=goodput)
+                          load=args.load, burstiness=args.burstiness, goodput=goodput,
+                          extra_body=args.extra_body)
     except ValueError as e:
         parser.error(str(e))
     try:

@@ -154,6 +154,18 @@ def test_main_prints_the_table_and_writes_json(tmp_path: Path,
     assert report["config"]["output_len"] == 4 and "api_key" not in report["config"]
 
 
+def test_extra_body_goes_into_every_request_and_wins(capsys: pytest.CaptureFixture[str]) -> None:
+    s = FakeSettings()
+    with serving(s) as url:
+        rc = main(["--url", url, "--num-prompts", "3", "--output-len", "2", "--warmup", "1", "--no-progress",
+                   "--extra-body", '{"dry_multiplier": 0.8, "temperature": 0.5}'])
+    assert rc == 0 and len(s.bodies) == 4
+    assert all(b["dry_multiplier"] == 0.8 and b["temperature"] == 0.5 for b in s.bodies)
+    with pytest.raises(SystemExit):
+        main(["--url", url, "--extra-body", "[1]"])
+    assert "must be a JSON object" in capsys.readouterr().err
+
+
 def test_kvserve_bench_serve_dispatches(capsys: pytest.CaptureFixture[str]) -> None:
     from server.cli import main as kvserve
 
