@@ -26,7 +26,8 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                           "frequency_penalty", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
                           "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
-                          "dry_sequence_breakers", "repeat_last_n", "max_new_tokens")
+                          "dry_sequence_breakers", "repeat_last_n", "dynatemp_range", "dynatemp_exponent",
+                          "temperature_last", "max_new_tokens")
 _INTEGER_KEYS = ("top_k", "dry_allowed_length", "dry_penalty_last_n", "repeat_last_n", "max_new_tokens")
 
 
@@ -230,6 +231,8 @@ class EngineConfig:
         for key, value in override.items():
             if key == "dry_sequence_breakers":
                 ok, kind = isinstance(value, list) and all(isinstance(v, str) for v in value), "a list of strings"
+            elif key == "temperature_last":
+                ok, kind = isinstance(value, bool), "true or false"
             elif key in _INTEGER_KEYS:
                 ok, kind = isinstance(value, int) and not isinstance(value, bool), "an integer"
             else:

@@ -13,9 +13,11 @@ Per step, in vLLM's order:
    masked by llama.cpp's top-n-sigma, then top-k, llama.cpp's locally typical
    sampling, top-p (``apply_top_k_top_p``), min-p (``apply_min_p``) and
    llama.cpp's XTC (``apply_xtc``), and sampled with the exponential race
-   ``argmax(probs / q)``, q ~ Exp(1). (llama.cpp divides by the temperature last;
-   here, as in vLLM, it comes first, which moves what typical-p, top-p, min-p
-   and XTC keep at temperatures other than 1.)
+   ``argmax(probs / q)``, q ~ Exp(1). (llama.cpp divides by the temperature
+   last, after the truncations: a request with ``temperature_last`` or a dynamic
+   temperature, ``dynatemp_range``, gets that order; here, as in vLLM, it comes
+   first otherwise, which moves what typical-p, top-p, min-p and XTC keep at
+   temperatures other than 1.)
 
 A seeded request draws its XTC coin (when XTC is on) and its ``q`` from its own
 generator (on the CPU, in that order, a full vocabulary row of ``q`` per sampled
@@ -428,7 +430,11 @@ def _sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     device = logits.device
     params = [r.sampling_params for r in requests]
     coins, noise = _draws(requests, vocab, device)
-    logits = logits / torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+    # A row whose temperature comes last (llama.cpp's order, or a dynamic temperature) is
+    # truncated on its logits as they are, and divided after.
+    late = [p.temperature_last or p.dynatemp_range > 0 for p in params]
+    first = [1.0 if last else p.temperature for p, last in zip(params, late)]
+    logits = logits / torch.tensor(first, device=device).unsqueeze(1)
     if any(p.top_n_sigma > 0 for p in params):
         logits = apply_top_n_sigma(logits, torch.tensor([p.top_n_sigma for p in params], device=device))
     top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
@@ -446,8 +452,39 @@ def _sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         excluded = torch.tensor([p.xtc_active and c < p.xtc_probability for p, c in zip(params, coins)],
                                 device=device)
         logits = apply_xtc(logits, torch.tensor([p.xtc_threshold for p in params], device=device), excluded)
+    if any(late):
+        rows = torch.tensor([i for i, last in enumerate(late) if last], device=device)
+        logits[rows] = apply_temperature_last(logits[rows], [p for p, last in zip(params, late) if last])
     probs = logits.softmax(dim=-1)
     return ops.argmax(probs / noise)
+
+
+def apply_temperature_last(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Divide each row of truncated ``logits [R, V]`` by its temperature, llama.cpp's last
+    step: ``temperature``, or with ``dynatemp_range`` a temperature between
+    ``temperature -/+ dynatemp_range`` (not below 0) that grows with the entropy of the
+    tokens left, ``min + (max - min) * (entropy / log(count)) ** dynatemp_exponent``.
+    A row of one token left is kept as it is; a temperature of 0 keeps only the largest."""
+    temps = []
+    finite = torch.isfinite(logits)
+    counts = finite.sum(dim=-1).tolist()
+    log_probs = logits.log_softmax(dim=-1)
+    entropies = (-torch.nansum(log_probs.exp() * log_probs, dim=-1)).tolist()
+    for p, count, entropy in zip(params, counts, entropies):
+        if p.dynatemp_range <= 0:
+            temps.append(p.temperature)
+        elif count <= 1:
+            temps.append(1.0)
+        else:
+            low, high = max(0.0, p.temperature - p.dynatemp_range), p.temperature + p.dynatemp_range
+            temps.append(low + (high - low) * (entropy / math.log(count)) ** p.dynatemp_exponent)
+    out = logits.clone()
+    for i, t in enumerate(temps):
+        if t > 0:
+            out[i] = logits[i] / t
+        else:
+            out[i] = torch.where(logits[i] == logits[i].max(), logits[i], float("-inf"))
+    return out
 
 
 def _draws(requests: list[Request], vocab: int, device: torch.device) -> tuple[list[float] | None, torch.Tensor]:

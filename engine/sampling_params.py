@@ -162,6 +162,14 @@ class SamplingParams:
     # Locally typical sampling: the most typical tokens (log-probability nearest the entropy)
     # whose probability reaches typical_p (1: off).
     typical_p: float = 1.0
+    # llama.cpp's order: the temperature divides the logits after the truncations
+    # (top-k ... XTC), not before them as in vLLM.
+    temperature_last: bool = False
+    # Dynamic temperature: between temperature -/+ dynatemp_range (not below 0), higher the
+    # flatter the distribution left after the truncations (dynatemp_exponent shapes how);
+    # it comes last, as in llama.cpp. 0: the plain temperature.
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
     # Top-n-sigma: only logits within top_n_sigma standard deviations of the largest (<= 0: off).
     top_n_sigma: float = -1.0
     # XTC: with probability xtc_probability, every token at least xtc_threshold likely is
@@ -197,7 +205,8 @@ class SamplingParams:
 
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty", "typical_p", "top_n_sigma",
-                     "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base"):
+                     "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base",
+                     "dynatemp_range", "dynatemp_exponent"):
             finite(name, getattr(self, name))
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
@@ -254,6 +263,10 @@ class SamplingParams:
     def _validate_llamacpp_samplers(self) -> None:
         if not 0 < self.typical_p <= 1:
             raise ValueError(f"typical_p must be in (0, 1], got {self.typical_p}")
+        if self.dynatemp_range < 0:
+            raise ValueError(f"dynatemp_range must be >= 0, got {self.dynatemp_range}")
+        if self.dynatemp_exponent <= 0:
+            raise ValueError(f"dynatemp_exponent must be > 0, got {self.dynatemp_exponent}")
         if not 0 <= self.xtc_probability <= 1:
             raise ValueError(f"xtc_probability must be in [0, 1], got {self.xtc_probability}")
         if not 0 <= self.xtc_threshold <= 1:

@@ -148,10 +148,13 @@ class _SamplingRequest(_Strict):
     dry_penalty_last_n: int | None = None
     dry_sequence_breakers: list[str] | None = None
     repeat_last_n: int | None = None  # the penalties over the last N tokens, prompt included
+    dynatemp_range: float | None = None
+    dynatemp_exponent: float | None = None
+    temperature_last: bool | None = None  # llama.cpp's order: the truncations, then the temperature
 
     # llama.cpp's samplers kvserve does not have, each with the value that turns it off:
     # ignoring one turned on would answer with other sampling than was asked for.
-    UNSUPPORTED_SAMPLERS: ClassVar[dict[str, Any]] = {"mirostat": 0, "dynatemp_range": 0.0}
+    UNSUPPORTED_SAMPLERS: ClassVar[dict[str, Any]] = {"mirostat": 0}
 
     # Fields that ask for a constraint in another API's words. Unknown fields are
     # ignored, but ignoring one of these would answer without the constraint asked
@@ -256,6 +259,8 @@ class _SamplingRequest(_Strict):
             "dry_multiplier": self.dry_multiplier, "dry_base": self.dry_base,
             "dry_allowed_length": self.dry_allowed_length, "dry_penalty_last_n": self.dry_penalty_last_n,
             "dry_sequence_breakers": self.dry_sequence_breakers, "repeat_last_n": self.repeat_last_n,
+            "dynatemp_range": self.dynatemp_range, "dynatemp_exponent": self.dynatemp_exponent,
+            "temperature_last": self.temperature_last,
         }
         # None means "the default", so only pass what the client set.
         kwargs = {k: v for k, v in given.items() if v is not None}

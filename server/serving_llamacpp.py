@@ -40,15 +40,15 @@ LLAMACPP_DEFAULTS: dict[str, Any] = {
     "presence_penalty": 0.0, "frequency_penalty": 0.0, "seed": -1, "n_probs": 0, "ignore_eos": False,
     "typical_p": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1,
     "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
-    "dry_sequence_breakers": list(DRY_SEQUENCE_BREAKERS), "repeat_last_n": 64}
+    "dry_sequence_breakers": list(DRY_SEQUENCE_BREAKERS), "repeat_last_n": 64, "dynatemp_range": 0.0,
+    "dynatemp_exponent": 1.0}
 # Samplers and options kvserve does not have, each with its value that turns it off: a
 # request that turns one on is a 400, not answered by other sampling than it asked for.
-_OFF = {"mirostat": 0, "dynatemp_range": 0.0, "post_sampling_probs": False, "n_indent": 0,
-        "t_max_predict_ms": 0}
+_OFF = {"mirostat": 0, "post_sampling_probs": False, "n_indent": 0, "t_max_predict_ms": 0}
 # Sampler fields with the same name and meaning in the engine (SamplingParams).
 _SAME_NAME = ("min_p", "presence_penalty", "frequency_penalty", "typical_p", "top_n_sigma", "xtc_probability",
               "xtc_threshold", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
-              "dry_sequence_breakers", "repeat_last_n")
+              "dry_sequence_breakers", "repeat_last_n", "dynatemp_range", "dynatemp_exponent")
 
 
 class LlamaCppCompletionRequest(_Strict):
@@ -75,6 +75,8 @@ class LlamaCppCompletionRequest(_Strict):
     dry_penalty_last_n: int = LLAMACPP_DEFAULTS["dry_penalty_last_n"]
     dry_sequence_breakers: list[str] = list(DRY_SEQUENCE_BREAKERS)
     repeat_last_n: int = LLAMACPP_DEFAULTS["repeat_last_n"]
+    dynatemp_range: float = LLAMACPP_DEFAULTS["dynatemp_range"]
+    dynatemp_exponent: float = LLAMACPP_DEFAULTS["dynatemp_exponent"]
     stop: str | list[str] = []
     seed: int = LLAMACPP_DEFAULTS["seed"]
     ignore_eos: bool = LLAMACPP_DEFAULTS["ignore_eos"]
@@ -94,7 +96,6 @@ class LlamaCppCompletionRequest(_Strict):
     samplers: list[str] | None = None
     # Samplers kvserve does not have (_OFF): only their "off" values.
     mirostat: int = _OFF["mirostat"]
-    dynatemp_range: float = _OFF["dynatemp_range"]
     post_sampling_probs: bool = _OFF["post_sampling_probs"]
     n_indent: int = _OFF["n_indent"]
     t_max_predict_ms: int = _OFF["t_max_predict_ms"]
@@ -131,6 +132,8 @@ class LlamaCppCompletionRequest(_Strict):
             "max_tokens": None if self.n_predict == -1 else self.n_predict, "echo": self.n_predict == 0,
             "temperature": max(self.temperature, 0.0), "top_k": max(self.top_k, 0), "top_p": self.top_p,
             "repetition_penalty": self.repeat_penalty, **{name: getattr(self, name) for name in _SAME_NAME},
+            # llama.cpp's chain divides by the temperature after its truncations.
+            "temperature_last": True,
             "stop": self.stop, "seed": None if self.seed in _RANDOM_SEEDS else self.seed,
             "ignore_eos": self.ignore_eos, "logit_bias": _logit_bias(self.logit_bias, tok),
             "logprobs": self.n_probs or None, "grammar": self.grammar, "json_schema": self.json_schema,

@@ -19,8 +19,8 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import kv_bytes_per_block
 from engine.request import Request
-from engine.sampler import (apply_logits_processors, apply_top_k_top_p, apply_top_n_sigma, apply_typical_p,
-                            apply_xtc, dry_breakers, dry_penalties)
+from engine.sampler import (Sampler, apply_logits_processors, apply_temperature_last, apply_top_k_top_p,
+                            apply_top_n_sigma, apply_typical_p, apply_xtc, dry_breakers, dry_penalties)
 from engine.sampling_params import SamplingParams
 
 # --------------------------------------------------------------------------- references
@@ -242,6 +242,56 @@ def test_xtc_drops_the_likely_tokens_but_the_least_of_them_as_llama_cpp():
     assert dropped_any >= 3
 
 
+def llama_cpp_temp_ext(logits: list[float], temp: float, delta: float, exponent: float) -> list[float]:
+    """llama.cpp's ``llama_sampler_temp_ext_apply`` on the candidates left (finite logits)."""
+    kept = [x for x in logits if x != float("-inf")]
+    if delta <= 0:
+        return [x / temp for x in logits]
+    if len(kept) <= 1:
+        return list(logits)
+    low, high = max(0.0, temp - delta), temp + delta
+    top = max(kept)
+    weights = [math.exp(x - top) for x in kept]
+    probs = [w / sum(weights) for w in weights]
+    entropy = -sum(p * math.log(p) for p in probs if p > 0)
+    dyn = low + (high - low) * (entropy / -math.log(1.0 / len(kept))) ** exponent
+    return [x / dyn for x in logits]
+
+
+def test_dynamic_temperature_is_llama_cpps():
+    torch.manual_seed(3)
+    logits = torch.randn(4, 50) * 3
+    logits[1, 10:] = float("-inf")  # what the truncations left
+    logits[2, 1:] = float("-inf")   # one token left: as it is
+    settings = [params(temperature=0.8, dynatemp_range=0.5), params(temperature=1.0, dynatemp_range=1.0,
+                                                                    dynatemp_exponent=2.0),
+                params(temperature=0.7, dynatemp_range=0.5), params(temperature=0.6, temperature_last=True)]
+    got = apply_temperature_last(logits, settings)
+    for row, p in enumerate(settings):
+        want = llama_cpp_temp_ext(logits[row].tolist(), p.temperature, p.dynatemp_range, p.dynatemp_exponent)
+        assert torch.allclose(got[row], torch.tensor(want), rtol=1e-5, equal_nan=False), row
+    # A range reaching 0 on a one-sided distribution: temperature 0 keeps only the largest.
+    peaked = torch.tensor([[30.0, 0.0, 0.0]])
+    out = apply_temperature_last(peaked, [params(temperature=0.2, dynatemp_range=0.2, dynatemp_exponent=50.0)])
+    assert out[0, 0] == 30.0 and torch.isinf(out[0, 1:]).all()
+
+
+def test_temperature_last_truncates_the_logits_as_they_are():
+    # top_p 0.5 on these logits keeps tokens 0 and 1; at temperature 3 first, the flatter
+    # distribution's nucleus holds more, and sampling reaches past them.
+    logits = torch.tensor([[3.0, 2.5, 2.0, 1.5, 1.0, 0.5, 0.0, -0.5]]).repeat(4000, 1)
+    sampler = Sampler(8)
+
+    def picks(**kw) -> set[int]:
+        sp = SamplingParams(temperature=3.0, top_p=0.5, **kw)
+        requests = [Request(f"r{i}", [1], sp, max_tokens=4) for i in range(4000)]
+        return set(sampler(logits, requests).token_ids)
+
+    assert picks(temperature_last=True) == {0, 1}
+    assert len(picks()) > 2
+    assert picks(dynatemp_range=1.0) == {0, 1}
+
+
 # --------------------------------------------------------------------------- in the engine
 
 BLOCK_SIZE = 16
@@ -307,7 +357,8 @@ def test_seeded_requests_with_llama_cpps_samplers_are_the_same_alone_batched_and
     settings = [
         SamplingParams(temperature=1.0, seed=1, max_tokens=40, xtc_probability=0.5, xtc_threshold=0.1,
                        dry_multiplier=0.8),
-        SamplingParams(temperature=0.8, seed=2, max_tokens=40, typical_p=0.7, top_n_sigma=1.5, logprobs=2),
+        SamplingParams(temperature=0.8, seed=2, max_tokens=40, typical_p=0.7, top_n_sigma=1.5, logprobs=2,
+                       dynatemp_range=0.5, min_p=0.05, temperature_last=True),
         SamplingParams(temperature=1.2, seed=3, max_tokens=40, xtc_probability=1.0, xtc_threshold=0.05,
                        top_k=40, top_p=0.9, min_p=0.05, typical_p=0.9, dry_multiplier=1.0, dry_penalty_last_n=32),
     ]

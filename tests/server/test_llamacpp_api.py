@@ -64,13 +64,16 @@ async def test_fields_reach_the_engine_under_llama_cpps_names(client: httpx.Asyn
     assert (p.dry_multiplier, p.dry_base, p.dry_allowed_length, p.dry_penalty_last_n) == (0.0, 1.75, 2, -1)
     assert p.dry_sequence_breakers == ["\n", ":", '"', "*"]
     assert p.repeat_last_n == 64  # llama.cpp's penalties count the last 64 tokens, prompt included
+    assert p.temperature_last and (p.dynatemp_range, p.dynatemp_exponent) == (0.0, 1.0)  # llama.cpp's chain
     r = await complete(client, prompt="hi", n_predict=2, typical_p=0.9, top_n_sigma=1.5, xtc_probability=0.5,
                        xtc_threshold=0.2, dry_multiplier=0.8, dry_base=2, dry_allowed_length=3,
-                       dry_penalty_last_n=64, dry_sequence_breakers=["\n\n"], repeat_last_n=-1)
+                       dry_penalty_last_n=64, dry_sequence_breakers=["\n\n"], repeat_last_n=-1,
+                       dynatemp_range=0.3, dynatemp_exponent=1.5)
     p = engine.requests[-1].params
     assert (p.typical_p, p.top_n_sigma, p.xtc_probability, p.xtc_threshold) == (0.9, 1.5, 0.5, 0.2)
     assert (p.dry_multiplier, p.dry_base, p.dry_allowed_length, p.dry_penalty_last_n) == (0.8, 2.0, 3, 64)
     assert p.dry_sequence_breakers == ["\n\n"] and p.repeat_last_n == -1
+    assert (p.dynatemp_range, p.dynatemp_exponent) == (0.3, 1.5)
     settings = r.json()["generation_settings"]
     assert (settings["typical_p"], settings["dry_multiplier"], settings["dry_sequence_breakers"]) == (0.9, 0.8, ["\n\n"])
     await complete(client, prompt="hi", n_predict=-1, temperature=-1, seed=-1)
@@ -128,7 +131,7 @@ async def test_the_stream_is_llama_cpps(client: httpx.AsyncClient) -> None:
 
 async def test_bad_requests_are_400s_naming_llama_cpps_field(client: httpx.AsyncClient) -> None:
     for body, param in [({"prompt": "hi", "mirostat": 2}, "mirostat"),
-                        ({"prompt": "hi", "dynatemp_range": 0.5}, "dynatemp_range"),
+                        ({"prompt": "hi", "dynatemp_range": -0.5}, "dynatemp_range"),
                         ({"prompt": "hi", "typical_p": 0}, "typical_p"),
                         ({"prompt": "hi", "dry_multiplier": -1}, "dry_multiplier"),
                         ({"prompt": "hi", "dry_base": 0.5}, "dry_base"),
