@@ -90,7 +90,7 @@ class LlamaCppCompletionRequest(_Strict):
     lora: list[Any] | None = None
     # Accepted and without effect here: the prefix cache always reuses what it can and
     # gives the same logits as computing anew (cache_prompt); a request never outgrows
-    # the context (n_keep); kvserve's samplers run in its one order (samplers).
+    # the context (n_keep); the samplers run in llama.cpp's default order, not a custom one (samplers).
     cache_prompt: bool = True
     n_keep: int = 0
     samplers: list[str] | None = None
