@@ -27,8 +27,8 @@ GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_
                           "frequency_penalty", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
                           "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
                           "dry_sequence_breakers", "repeat_last_n", "dynatemp_range", "dynatemp_exponent",
-                          "temperature_last", "max_new_tokens")
-_INTEGER_KEYS = ("top_k", "dry_allowed_length", "dry_penalty_last_n", "repeat_last_n", "max_new_tokens")
+                          "temperature_last", "mirostat", "mirostat_tau", "mirostat_eta", "max_new_tokens")
+_INTEGER_KEYS = ("top_k", "dry_allowed_length", "dry_penalty_last_n", "repeat_last_n", "mirostat", "max_new_tokens")
 
 
 @dataclass(frozen=True)

@@ -435,8 +435,13 @@ class LLMEngine:
                 sampled = self._sample(logits[main] if extra else logits, sampling, masks, unmasked)
                 # After the rows of the last known tokens: each request's noise comes in order.
                 proposals = self._sample_proposals(logits, items, extra, proposal_masks)
-                for item, token, lp in zip(items, sampled.token_ids, sampled.logprobs):
+                mus = sampled.mirostat_mu or [None] * len(items)
+                for item, token, lp, mu in zip(items, sampled.token_ids, sampled.logprobs, mus):
                     rid = item.request.request_id
+                    if mu is not None:
+                        # Mirostat requests get no proposals: the token sampled is the one kept.
+                        assert not item.spec_token_ids
+                        item.request.mirostat_mu = mu
                     tokens[rid], logprobs[rid] = self._verify(item, token, lp, proposals.get(rid), stats)
             prev_times = {r.request_id: r.last_token_time for r in sampling}
             updated = self.scheduler.update_from_output(sched, tokens)

@@ -95,6 +95,9 @@ class Request:
     # Why the engine failed this sample (then it is FINISHED_ABORTED): a grammar fault.
     error: str | None = None
     generator: torch.Generator | None = None
+    # With mirostat: its mu, the surprise bound for the next token (engine.sampler.mirostat),
+    # moved after each sampled token; kept through preemption like the output itself.
+    mirostat_mu: float | None = None
     # The sample's structured-output matcher, fed every appended token.
     grammar: Grammar | None = None
     # ``sampling_params.bad_words`` as token sequences (each word, and with a space before it).
@@ -123,6 +126,8 @@ class Request:
             self.generator = torch.Generator().manual_seed((seed + self.sample_index) % 2**63)
         if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None]
+        if self.sampling_params.mirostat and self.mirostat_mu is None:
+            self.mirostat_mu = 2 * self.sampling_params.mirostat_tau  # llama.cpp's start
 
     @property
     def needs_prompt_logits(self) -> bool:

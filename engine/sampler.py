@@ -18,6 +18,10 @@ Per step, in vLLM's order:
    temperature, ``dynatemp_range``, gets that order; here, as in vLLM, it comes
    first otherwise, which moves what typical-p, top-p, min-p and XTC keep at
    temperatures other than 1.)
+   A mirostat row skips the truncations: after its temperature,
+   ``apply_mirostat`` cuts it at the request's surprise bound
+   (``Request.mirostat_mu``), and the output carries the bound after the token
+   sampled, which the engine keeps.
 
 A seeded request draws its XTC coin (when XTC is on) and its ``q`` from its own
 generator (on the CPU, in that order, a full vocabulary row of ``q`` per sampled
@@ -49,6 +53,8 @@ class SamplerOutput:
 
     token_ids: list[int]  # one per row
     logprobs: list[TokenLogprob | None]  # per row; None where the request asked for none
+    # Per row: the request's mirostat mu after this token (None: no mirostat, or greedy).
+    mirostat_mu: list[float | None] | None = None
 
 
 class Sampler:
@@ -97,6 +103,7 @@ class Sampler:
         wants_logprobs = any(p.logprobs is not None for p in params)
         if all(greedy) and not needs_processing and not wants_logprobs:
             return SamplerOutput(ops.argmax(logits).tolist(), [None] * len(requests))
+        mirostat_mu: list[float | None] = [None] * len(requests)
 
         raw_argmax = ops.argmax(logits)
         if needs_processing:
@@ -105,13 +112,15 @@ class Sampler:
         random_rows = [i for i, g in enumerate(greedy) if not g]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
-            tokens[rows] = _sample(logits[rows], [requests[i] for i in random_rows])
+            tokens[rows], mus = _sample(logits[rows], [requests[i] for i in random_rows])
+            for i, mu in zip(random_rows, mus):
+                mirostat_mu[i] = mu
         # A row whose every token is masked (-inf) has no distribution to sample
         # from: fall back to the model's own choice rather than fail the batch.
         tokens = torch.where(torch.isfinite(logits).any(dim=-1), tokens, raw_argmax)
         token_ids = tokens.tolist()
         logprobs = _logprobs(logits, token_ids, params) if wants_logprobs else [None] * len(requests)
-        return SamplerOutput(token_ids, logprobs)
+        return SamplerOutput(token_ids, logprobs, mirostat_mu)
 
 
 # --------------------------------------------------------------------------- processors
@@ -424,30 +433,34 @@ def apply_xtc(logits: torch.Tensor, threshold: torch.Tensor, excluded: torch.Ten
     return logits.masked_fill(drop, float("-inf"))
 
 
-def _sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """Sample one token per row of processed ``logits [R, V]`` (non-greedy rows only)."""
+def _sample(logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, list[float | None]]:
+    """Sample one token per row of processed ``logits [R, V]`` (non-greedy rows only);
+    and each mirostat row's mu after its token (None for the others)."""
     num_rows, vocab = logits.shape
     device = logits.device
     params = [r.sampling_params for r in requests]
     coins, noise = _draws(requests, vocab, device)
+    # Mirostat replaces the truncations: a mirostat row is only divided by its temperature
+    # here (llama.cpp's chain with mirostat: temperature, then mirostat).
+    cut = [_NO_TRUNCATION if p.mirostat else p for p in params]
     # A row whose temperature comes last (llama.cpp's order, or a dynamic temperature) is
     # truncated on its logits as they are, and divided after.
-    late = [p.temperature_last or p.dynatemp_range > 0 for p in params]
+    late = [c.temperature_last or c.dynatemp_range > 0 for c in cut]
     first = [1.0 if last else p.temperature for p, last in zip(params, late)]
     logits = logits / torch.tensor(first, device=device).unsqueeze(1)
-    if any(p.top_n_sigma > 0 for p in params):
-        logits = apply_top_n_sigma(logits, torch.tensor([p.top_n_sigma for p in params], device=device))
-    top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
-    top_p = [p.top_p for p in params]
-    typical_p = [p.typical_p for p in params]
+    if any(c.top_n_sigma > 0 for c in cut):
+        logits = apply_top_n_sigma(logits, torch.tensor([c.top_n_sigma for c in cut], device=device))
+    top_k = [min(c.top_k, vocab) if c.top_k > 0 else vocab for c in cut]
+    top_p = [c.top_p for c in cut]
+    typical_p = [c.typical_p for c in cut]
     logits = apply_top_k_top_p(
         logits,
         torch.tensor(top_k, device=device) if any(k < vocab for k in top_k) else None,
         torch.tensor(top_p, device=device) if any(p < 1 for p in top_p) else None,
         torch.tensor(typical_p, device=device) if any(p < 1 for p in typical_p) else None,
     )
-    if any(p.min_p > 0 for p in params):
-        logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
+    if any(c.min_p > 0 for c in cut):
+        logits = apply_min_p(logits, torch.tensor([c.min_p for c in cut], device=device))
     if coins is not None:
         excluded = torch.tensor([p.xtc_active and c < p.xtc_probability for p, c in zip(params, coins)],
                                 device=device)
@@ -456,7 +469,74 @@ def _sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         rows = torch.tensor([i for i, last in enumerate(late) if last], device=device)
         logits[rows] = apply_temperature_last(logits[rows], [p for p, last in zip(params, late) if last])
     probs = logits.softmax(dim=-1)
-    return ops.argmax(probs / noise)
+    mirostat = [i for i, p in enumerate(params) if p.mirostat]
+    for i in mirostat:
+        mu = requests[i].mirostat_mu
+        assert mu is not None, "a mirostat request starts with its mu"
+        probs[i] = apply_mirostat(probs[i], mu, params[i].mirostat)
+    tokens = ops.argmax(probs / noise)
+    mus: list[float | None] = [None] * num_rows
+    for i in mirostat:
+        p, mu = params[i], requests[i].mirostat_mu
+        assert mu is not None
+        mus[i] = mirostat_update(mu, float(probs[i, int(tokens[i])]), p.mirostat_tau, p.mirostat_eta)
+    return tokens, mus
+
+
+# What a mirostat row's truncations are: none.
+_NO_TRUNCATION = SamplingParams()
+# Mirostat 1 estimates the distribution's Zipf exponent from this many most likely tokens
+# (llama.cpp's m, which its server fixes at 100, as the paper does).
+MIROSTAT_M = 100
+
+
+def apply_mirostat(probs: torch.Tensor, mu: float, version: int) -> torch.Tensor:
+    """One row's probabilities ``[V]`` (after the temperature) truncated by mirostat at
+    surprise bound ``mu`` and renormalised, as llama.cpp's samplers truncate.
+
+    Version 2 keeps every token whose surprise ``-log2 p`` is at most ``mu`` (at least
+    the most likely one). Version 1 keeps the ``k`` most likely, ``k`` from mu and the
+    Zipf exponent ``s`` fitted (least squares through the origin) to the ratios of the
+    ``MIROSTAT_M`` most likely tokens' probabilities:
+    ``k = (e * 2**mu / (1 - V**-e)) ** (1 / s)``, ``e = s - 1``. Tokens of probability
+    0 (masked) take no part in the fit, where llama.cpp's would read an infinite ratio."""
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    if version == 2:
+        keep = -torch.log2(probs) <= mu
+        if not bool(keep.any()):
+            keep[ops.argmax(probs.unsqueeze(0))] = True
+    else:
+        ordered, order = probs.sort(descending=True, stable=True)
+        size = int((ordered > 0).sum())
+        keep[order[:_mirostat_k(ordered[:min(MIROSTAT_M, size)].double(), mu, probs.shape[0], size)]] = True
+    kept = torch.where(keep, probs, torch.zeros_like(probs))
+    return kept / kept.sum()
+
+
+def _mirostat_k(top: torch.Tensor, mu: float, vocab: int, size: int) -> int:
+    """Mirostat 1's number of tokens to keep (1 to ``size``) from the most likely
+    probabilities ``top`` (descending, all above 0)."""
+    if top.numel() < 2:
+        return 1
+    i = torch.arange(top.numel() - 1, dtype=torch.float64)
+    t = torch.log((i + 2) / (i + 1))
+    b = torch.log(top[:-1] / top[1:])
+    s_hat = float((t * b).sum() / (t * t).sum())
+    eps = s_hat - 1
+    try:
+        # At e = 0 the fraction's limit: 2**mu / ln V.
+        k = (eps * 2.0 ** mu / (1 - vocab ** -eps) if eps else 2.0 ** mu / math.log(vocab)) ** (1 / s_hat)
+    except (OverflowError, ZeroDivisionError):
+        k = math.inf  # mu so large, or the fall so flat, that every token stays
+    if isinstance(k, complex) or math.isnan(k):
+        return 1
+    return size if k >= size else max(int(k), 1)
+
+
+def mirostat_update(mu: float, prob: float, tau: float, eta: float) -> float:
+    """Mirostat's feedback: mu after sampling a token of (truncated, renormalised)
+    probability ``prob``, moved by ``eta`` times its surprise's error against ``tau``."""
+    return mu - eta * (-math.log2(prob) - tau)
 
 
 def apply_temperature_last(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -185,6 +185,14 @@ class SamplingParams:
     dry_allowed_length: int = 2
     dry_penalty_last_n: int = -1
     dry_sequence_breakers: list[str] = field(default_factory=lambda: list(DRY_SEQUENCE_BREAKERS))
+    # Mirostat (Basu et al.; llama.cpp's 1 and 2, 0: off): instead of the truncations above,
+    # keep the tokens whose surprise (-log2 p, after the temperature) is within mu, and move
+    # mu by mirostat_eta * (the sampled token's surprise - mirostat_tau) after each token,
+    # so that the answer's surprise per token stays near mirostat_tau bits. Version 1 keeps
+    # the top k tokens, k estimated from mu and the distribution's Zipf exponent.
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -206,7 +214,7 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty", "typical_p", "top_n_sigma",
                      "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base",
-                     "dynatemp_range", "dynatemp_exponent"):
+                     "dynatemp_range", "dynatemp_exponent", "mirostat_tau", "mirostat_eta"):
             finite(name, getattr(self, name))
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
@@ -271,6 +279,12 @@ class SamplingParams:
             raise ValueError(f"xtc_probability must be in [0, 1], got {self.xtc_probability}")
         if not 0 <= self.xtc_threshold <= 1:
             raise ValueError(f"xtc_threshold must be in [0, 1], got {self.xtc_threshold}")
+        if self.mirostat not in (0, 1, 2) or isinstance(self.mirostat, bool):
+            raise ValueError(f"mirostat must be 0 (off), 1 or 2, got {self.mirostat!r}")
+        if self.mirostat_tau < 0:
+            raise ValueError(f"mirostat_tau must be >= 0, got {self.mirostat_tau}")
+        if self.mirostat_eta < 0:
+            raise ValueError(f"mirostat_eta must be >= 0, got {self.mirostat_eta}")
         if self.dry_multiplier < 0:
             raise ValueError(f"dry_multiplier must be >= 0, got {self.dry_multiplier}")
         if self.dry_base < 1:
@@ -296,7 +310,7 @@ class SamplingParams:
     @property
     def xtc_active(self) -> bool:
         """Whether XTC may drop tokens (and so draws its coin each sampled token)."""
-        return self.xtc_probability > 0 and self.xtc_threshold <= 0.5
+        return self.xtc_probability > 0 and self.xtc_threshold <= 0.5 and not self.mirostat
 
     @classmethod
     def embedding(cls, pooling: PoolingParams | None = None, priority: int = 0,
@@ -308,5 +322,6 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when the next token is always the argmax (no randomness)."""
-        return self.temperature == 0 or self.top_k == 1
+        """True when the next token is always the argmax (no randomness). Mirostat
+        replaces top-k (as in llama.cpp), so only its temperature can make it greedy."""
+        return self.temperature == 0 or (self.top_k == 1 and not self.mirostat)

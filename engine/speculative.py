@@ -153,6 +153,10 @@ class Speculator:
             return
         asked: list[tuple[Request, int]] = []
         for r in decoding:
+            if r.sampling_params.mirostat:
+                # Mirostat's mu after each proposal would depend on the distribution
+                # at the one before it; such a request runs a token a step.
+                continue
             # Never past max_tokens or the context: those tokens could not be kept.
             limit = min(r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens)
             if limit > 0 and self._state(r.request_id).paused_until <= self._step:

@@ -151,10 +151,9 @@ class _SamplingRequest(_Strict):
     dynatemp_range: float | None = None
     dynatemp_exponent: float | None = None
     temperature_last: bool | None = None  # llama.cpp's order: the truncations, then the temperature
-
-    # llama.cpp's samplers kvserve does not have, each with the value that turns it off:
-    # ignoring one turned on would answer with other sampling than was asked for.
-    UNSUPPORTED_SAMPLERS: ClassVar[dict[str, Any]] = {"mirostat": 0}
+    mirostat: int | None = None  # 1 or 2: llama.cpp's mirostat in place of the truncations
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
 
     # Fields that ask for a constraint in another API's words. Unknown fields are
     # ignored, but ignoring one of these would answer without the constraint asked
@@ -172,9 +171,6 @@ class _SamplingRequest(_Strict):
             for name, instead in cls.REPLACED_FIELDS.items():
                 if data.get(name) is not None:
                     raise bad_request(f"{name} is not supported; use {instead}", name)
-            for name, off in cls.UNSUPPORTED_SAMPLERS.items():
-                if data.get(name) not in (None, off):
-                    raise bad_request(f"{name} is not supported (only {off!r}, which turns it off)", name)
         return data
 
     @model_validator(mode="after")
@@ -260,7 +256,8 @@ class _SamplingRequest(_Strict):
             "dry_allowed_length": self.dry_allowed_length, "dry_penalty_last_n": self.dry_penalty_last_n,
             "dry_sequence_breakers": self.dry_sequence_breakers, "repeat_last_n": self.repeat_last_n,
             "dynatemp_range": self.dynatemp_range, "dynatemp_exponent": self.dynatemp_exponent,
-            "temperature_last": self.temperature_last,
+            "temperature_last": self.temperature_last, "mirostat": self.mirostat,
+            "mirostat_tau": self.mirostat_tau, "mirostat_eta": self.mirostat_eta,
         }
         # None means "the default", so only pass what the client set.
         kwargs = {k: v for k, v in given.items() if v is not None}

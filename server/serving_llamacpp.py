@@ -41,14 +41,15 @@ LLAMACPP_DEFAULTS: dict[str, Any] = {
     "typical_p": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1,
     "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
     "dry_sequence_breakers": list(DRY_SEQUENCE_BREAKERS), "repeat_last_n": 64, "dynatemp_range": 0.0,
-    "dynatemp_exponent": 1.0}
+    "dynatemp_exponent": 1.0, "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1}
 # Samplers and options kvserve does not have, each with its value that turns it off: a
 # request that turns one on is a 400, not answered by other sampling than it asked for.
-_OFF = {"mirostat": 0, "post_sampling_probs": False, "n_indent": 0, "t_max_predict_ms": 0}
+_OFF = {"post_sampling_probs": False, "n_indent": 0, "t_max_predict_ms": 0}
 # Sampler fields with the same name and meaning in the engine (SamplingParams).
 _SAME_NAME = ("min_p", "presence_penalty", "frequency_penalty", "typical_p", "top_n_sigma", "xtc_probability",
               "xtc_threshold", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
-              "dry_sequence_breakers", "repeat_last_n", "dynatemp_range", "dynatemp_exponent")
+              "dry_sequence_breakers", "repeat_last_n", "dynatemp_range", "dynatemp_exponent", "mirostat", "mirostat_tau",
+              "mirostat_eta")
 
 
 class LlamaCppCompletionRequest(_Strict):
@@ -77,6 +78,9 @@ class LlamaCppCompletionRequest(_Strict):
     repeat_last_n: int = LLAMACPP_DEFAULTS["repeat_last_n"]
     dynatemp_range: float = LLAMACPP_DEFAULTS["dynatemp_range"]
     dynatemp_exponent: float = LLAMACPP_DEFAULTS["dynatemp_exponent"]
+    mirostat: int = LLAMACPP_DEFAULTS["mirostat"]
+    mirostat_tau: float = LLAMACPP_DEFAULTS["mirostat_tau"]
+    mirostat_eta: float = LLAMACPP_DEFAULTS["mirostat_eta"]
     stop: str | list[str] = []
     seed: int = LLAMACPP_DEFAULTS["seed"]
     ignore_eos: bool = LLAMACPP_DEFAULTS["ignore_eos"]
@@ -95,7 +99,6 @@ class LlamaCppCompletionRequest(_Strict):
     n_keep: int = 0
     samplers: list[str] | None = None
     # Samplers kvserve does not have (_OFF): only their "off" values.
-    mirostat: int = _OFF["mirostat"]
     post_sampling_probs: bool = _OFF["post_sampling_probs"]
     n_indent: int = _OFF["n_indent"]
     t_max_predict_ms: int = _OFF["t_max_predict_ms"]

@@ -70,6 +70,17 @@ def test_llama_cpps_samplers_run_as_the_same_request_to_v1_completions(server: K
     seeded = {"prompt": "Once upon a time", "n_predict": 16, "seed": 5, "xtc_probability": 0.5,
               "typical_p": 0.9, "top_n_sigma": 2.0}
     assert post(server, "/completion", seeded).json()["content"] == post(server, "/completion", seeded).json()["content"]
+    # Mirostat 2, seeded: /completion's answer is /v1/completions' with the same fields (its
+    # top_k/top_p/min_p defaults unused, as in llama.cpp), and not the answer without it.
+    miro = {"seed": 5, "temperature": 1.5, "mirostat": 2, "mirostat_tau": 1.0, "mirostat_eta": 0.2}
+    answer = post(server, "/completion", {"prompt": "Once upon a time", "n_predict": 24, **miro})
+    assert answer.status_code == 200, answer.text
+    ours = post(server, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 24, **miro}).json()
+    assert ours["choices"][0]["text"] == answer.json()["content"]
+    assert answer.json()["generation_settings"]["mirostat"] == 2
+    without = post(server, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 24,
+                                               **{**miro, "mirostat": 0}}).json()
+    assert without["choices"][0]["text"] != answer.json()["content"]
 
 
 def test_fill_in_the_middle_needs_a_code_models_markers(server: KVServe) -> None:

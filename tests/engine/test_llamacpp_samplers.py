@@ -1,4 +1,5 @@
-"""llama.cpp's samplers beyond vLLM's: DRY, XTC, top-n-sigma and locally typical sampling.
+"""llama.cpp's samplers beyond vLLM's: DRY, XTC, top-n-sigma, locally typical sampling
+and mirostat.
 
 Each is checked against a reference: typical-p against transformers' warper, the
 others against straight ports of llama.cpp's loops (src/llama-sampling.cpp), written
@@ -19,8 +20,9 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import kv_bytes_per_block
 from engine.request import Request
-from engine.sampler import (Sampler, apply_logits_processors, apply_temperature_last, apply_top_k_top_p,
-                            apply_top_n_sigma, apply_typical_p, apply_xtc, dry_breakers, dry_penalties)
+from engine.sampler import (Sampler, apply_logits_processors, apply_mirostat, apply_temperature_last,
+                            apply_top_k_top_p, apply_top_n_sigma, apply_typical_p, apply_xtc, dry_breakers,
+                            dry_penalties, mirostat_update)
 from engine.sampling_params import SamplingParams
 
 # --------------------------------------------------------------------------- references
@@ -97,6 +99,28 @@ def llama_cpp_xtc(probs: list[float], threshold: float) -> set[int]:
         else:
             break
     return set(order[:pos_last])
+
+
+def llama_cpp_mirostat(probs: list[float], mu: float, version: int, m: int = 100) -> list[int]:
+    """The tokens llama.cpp's mirostat (``llama_sampler_mirostat_apply`` and ``_v2_apply``)
+    keeps of a row's probabilities (its candidates, sorted, then cut). As kvserve, the fit
+    of version 1 reads only tokens of probability above 0."""
+    order = sorted(range(len(probs)), key=lambda t: -probs[t])
+    if version == 2:
+        # (-log2f(0) is inf in C: a masked token is past any mu.)
+        size = next((i for i, t in enumerate(order) if probs[t] == 0 or -math.log2(probs[t]) > mu), len(order))
+        return order[:max(size, 1)]
+    cands = [t for t in order if probs[t] > 0]
+    sum_ti_bi = sum_ti_sq = 0.0
+    for i in range(min(m - 1, len(cands) - 1)):
+        t_i = math.log((i + 2) / (i + 1))
+        b_i = math.log(probs[cands[i]] / probs[cands[i + 1]])
+        sum_ti_bi += t_i * b_i
+        sum_ti_sq += t_i * t_i
+    s_hat = sum_ti_bi / sum_ti_sq
+    eps = s_hat - 1
+    k = ((eps * 2 ** mu) / (1 - len(probs) ** -eps)) ** (1 / s_hat)
+    return cands[:max(int(k), 1)]
 
 
 def params(**kw) -> SamplingParams:
@@ -292,6 +316,83 @@ def test_temperature_last_truncates_the_logits_as_they_are():
     assert picks(dynatemp_range=1.0) == {0, 1}
 
 
+# --------------------------------------------------------------------------- mirostat
+
+
+def test_mirostat_keeps_what_llama_cpp_keeps_and_moves_mu_as_it_does():
+    rng = random.Random(5)
+    checked = 0
+    for trial in range(300):
+        vocab = rng.choice([50, 300, 2000])
+        # Zipf-like rows of varied steepness, some with masked (-inf) tokens.
+        s = rng.uniform(0.6, 2.5)
+        logits = torch.tensor([-s * math.log(i + 1) + rng.gauss(0, 0.3) for i in range(vocab)])
+        logits = logits[torch.randperm(vocab, generator=torch.Generator().manual_seed(trial))]
+        if trial % 3 == 0:
+            logits[torch.tensor(rng.sample(range(vocab), vocab // 4))] = float("-inf")
+        probs = logits.softmax(-1)
+        for version in (1, 2):
+            mu = rng.uniform(0.5, 12.0)
+            out = apply_mirostat(probs.clone(), mu, version)
+            kept = set(torch.nonzero(out).flatten().tolist())
+            reference = llama_cpp_mirostat(probs.tolist(), mu, version)
+            if len(reference) < vocab and abs(-math.log2(probs[reference[-1]]) - mu) < 1e-4:
+                continue  # a token on the boundary itself: float32 against float64
+            assert kept == set(reference), (trial, version, mu)
+            assert torch.allclose(out.sum(), torch.tensor(1.0))
+            assert torch.allclose(out[list(kept)], probs[list(kept)] / probs[list(kept)].sum())
+            checked += 1
+    assert checked > 550
+    # The feedback: mu moves against the error of the sampled token's surprise (in bits).
+    assert mirostat_update(6.0, 0.25, 5.0, 0.1) == pytest.approx(6.0 - 0.1 * (2.0 - 5.0))
+    assert mirostat_update(6.0, 2 ** -9, 5.0, 0.5) == pytest.approx(6.0 - 0.5 * (9.0 - 5.0))
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_mirostat_holds_the_answers_surprise_near_tau(version):
+    # Flat-ish rows (about 9 bits of surprise a token without mirostat): mirostat's
+    # feedback brings the sampled tokens' mean surprise to tau; without feedback (eta 0)
+    # it stays far from it. A mistake in the update's sign or units would not converge.
+    vocab, steps, tau = 2000, 600, 3.0
+    gen = torch.Generator().manual_seed(version)
+    sampler = Sampler(vocab)
+
+    def mean_surprise(eta: float) -> float:
+        request = Request("r", [1], SamplingParams(temperature=1.0, mirostat=version, mirostat_tau=tau,
+                                                   mirostat_eta=eta, seed=9), max_tokens=steps)
+        assert request.mirostat_mu == 2 * tau  # llama.cpp's start
+        surprises = []
+        for _ in range(steps):
+            logits = -0.7 * torch.log(torch.arange(1, vocab + 1, dtype=torch.float32))
+            logits = logits[torch.randperm(vocab, generator=gen)].unsqueeze(0)
+            mu = request.mirostat_mu
+            out = sampler(logits, [request])
+            new_mu = out.mirostat_mu[0]
+            assert new_mu is not None
+            probs = apply_mirostat(logits[0].softmax(-1), mu, version)
+            surprises.append(-math.log2(float(probs[out.token_ids[0]])))
+            assert new_mu == pytest.approx(mirostat_update(mu, float(probs[out.token_ids[0]]), tau, eta))
+            request.mirostat_mu = new_mu
+        return sum(surprises[100:]) / len(surprises[100:])
+
+    assert abs(mean_surprise(0.1) - tau) < 0.3
+    assert abs(mean_surprise(0.0) - tau) > 1.0
+
+
+def test_mirostat_replaces_the_truncations_and_only_its_temperature_makes_it_greedy():
+    # top_k 1 and the truncations are llama.cpp's chain without mirostat: with it, unused.
+    logits = torch.tensor([[2.0, 1.9, 1.8, 1.7, 1.6, 1.5, 1.4, 1.3]]).repeat(2000, 1)
+    sampler = Sampler(8)
+    sp = SamplingParams(temperature=1.0, top_k=1, top_p=0.1, min_p=0.9, typical_p=0.2, mirostat=2,
+                        mirostat_tau=5.0)
+    assert not sp.greedy
+    requests = [Request(f"r{i}", [1], sp, max_tokens=4) for i in range(2000)]
+    assert set(sampler(logits, requests).token_ids) == set(range(8))  # mu 10: every token kept
+    cold = SamplingParams(temperature=0.0, mirostat=2)
+    out = sampler(logits[:1], [Request("c", [1], cold, max_tokens=4)])
+    assert out.token_ids == [0] and not any(out.mirostat_mu or [])  # mu only moves when sampling
+
+
 # --------------------------------------------------------------------------- in the engine
 
 BLOCK_SIZE = 16
@@ -353,7 +454,7 @@ def test_dry_in_the_engine_is_the_reference_penalty_on_the_models_logits(smollm2
 def test_seeded_requests_with_llama_cpps_samplers_are_the_same_alone_batched_and_preempted(smollm2_loaded):
     tok = smollm2_loaded.tokenizer
     prompts = [tok.encode(t) for t in ("Once upon a time, in a quiet village,", "The recipe for bread is simple:",
-                                       "List three colours: red,")]
+                                       "List three colours: red,", "My favourite animal is", "Dear diary, today")]
     settings = [
         SamplingParams(temperature=1.0, seed=1, max_tokens=40, xtc_probability=0.5, xtc_threshold=0.1,
                        dry_multiplier=0.8),
@@ -361,6 +462,10 @@ def test_seeded_requests_with_llama_cpps_samplers_are_the_same_alone_batched_and
                        dynatemp_range=0.5, min_p=0.05, temperature_last=True),
         SamplingParams(temperature=1.2, seed=3, max_tokens=40, xtc_probability=1.0, xtc_threshold=0.05,
                        top_k=40, top_p=0.9, min_p=0.05, typical_p=0.9, dry_multiplier=1.0, dry_penalty_last_n=32),
+        # Mirostat's mu is the request's own state: it survives preemption.
+        SamplingParams(temperature=0.9, seed=4, max_tokens=40, mirostat=2, mirostat_tau=3.0, mirostat_eta=0.2,
+                       logprobs=1),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=40, mirostat=1, mirostat_tau=4.0, top_k=40),
     ]
     alone = [generate(make_engine(smollm2_loaded), [p], [s])[0] for p, s in zip(prompts, settings)]
     assert generate(make_engine(smollm2_loaded), prompts, settings) == alone
@@ -371,3 +476,9 @@ def test_seeded_requests_with_llama_cpps_samplers_are_the_same_alone_batched_and
     # XTC's coin is drawn (from the request's generator) and changes what is sampled.
     without = settings[2].__class__(**{**settings[2].__dict__, "xtc_probability": 0.0})
     assert generate(make_engine(smollm2_loaded), [prompts[2]], [without])[0] != alone[2]
+    # Mirostat (tau 3 bits, against the model's usual surprise) changes the answer too.
+    plain = settings[3].__class__(**{**settings[3].__dict__, "mirostat": 0})
+    assert generate(make_engine(smollm2_loaded), [prompts[3]], [plain])[0][0] != alone[3][0]
+    # ... and its mu moves with each token the engine keeps (eta 0 would hold it at 2 * tau).
+    fixed = settings[3].__class__(**{**settings[3].__dict__, "mirostat_eta": 0.0})
+    assert generate(make_engine(smollm2_loaded), [prompts[3]], [fixed])[0][0] != alone[3][0]

@@ -131,8 +131,11 @@ def test_sampling_logprobs_and_processors_are_the_same_with_speculation(smollm2_
                 # llama.cpp's samplers: XTC's coin comes from the generator too, DRY reads the proposals.
                 SamplingParams(temperature=0.9, seed=21, max_tokens=50, xtc_probability=0.5, typical_p=0.9,
                                top_n_sigma=2.0, dry_multiplier=0.3, dry_allowed_length=4),
-                SamplingParams(temperature=0, max_tokens=40, dry_multiplier=0.5, dry_allowed_length=3)]
-    batch = [prompts[0], prompts[1], prompts[0], prompts[2], prompts[0], prompts[2], prompts[0], prompts[1]]
+                SamplingParams(temperature=0, max_tokens=40, dry_multiplier=0.5, dry_allowed_length=3),
+                # Mirostat runs without proposals (its mu after one depends on the row before).
+                SamplingParams(temperature=0.8, seed=8, max_tokens=40, mirostat=2, mirostat_tau=3.0)]
+    batch = [prompts[0], prompts[1], prompts[0], prompts[2], prompts[0], prompts[2], prompts[0], prompts[1],
+             prompts[0]]
 
     def outputs(engine: LLMEngine) -> list:
         for i, (p, sp) in enumerate(zip(batch, settings)):

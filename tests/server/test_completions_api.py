@@ -332,18 +332,15 @@ async def test_llama_cpps_samplers_reach_the_engine_from_completions_and_chat(cl
     fields = {"typical_p": 0.8, "top_n_sigma": 1.0, "xtc_probability": 0.3, "xtc_threshold": 0.15,
               "dry_multiplier": 0.8, "dry_base": 2.0, "dry_allowed_length": 3, "dry_penalty_last_n": 128,
               "dry_sequence_breakers": ["\n", "###"], "repeat_last_n": 32, "dynatemp_range": 0.5,
-              "dynatemp_exponent": 2.0, "temperature_last": True}
+              "dynatemp_exponent": 2.0, "temperature_last": True, "mirostat": 1, "mirostat_tau": 4.0,
+              "mirostat_eta": 0.05}
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     for url, body in [("/v1/completions", {"prompt": "hi", "max_tokens": 1}), ("/v1/chat/completions", chat)]:
         r = await client.post(url, json={**body, **fields})
         assert r.status_code == 200, (url, r.text)
         p = engine.requests[-1].params
         assert {name: getattr(p, name) for name in fields} == fields, url
-        # The samplers kvserve lacks are refused when turned on, not ignored; off is fine.
-        for name, on in [("mirostat", 2)]:
-            assert_error(await client.post(url, json={**body, name: on}), 400, name)
-            assert (await client.post(url, json={**body, name: 0})).status_code == 200
-        for name, bad in [("typical_p", 1.5), ("xtc_threshold", -0.1), ("dry_base", 0.9),
+        for name, bad in [("mirostat", 3), ("mirostat", True), ("mirostat_tau", -0.5), ("typical_p", 1.5), ("xtc_threshold", -0.1), ("dry_base", 0.9),
                           ("dry_allowed_length", 0), ("dry_sequence_breakers", [""]), ("top_n_sigma", "inf"),
                           ("repeat_last_n", -2), ("dynatemp_range", -1), ("dynatemp_exponent", 0)]:
             assert_error(await client.post(url, json={**body, name: bad}), 400, name)
@@ -351,6 +348,7 @@ async def test_llama_cpps_samplers_reach_the_engine_from_completions_and_chat(cl
     p = engine.requests[-1].params
     assert (p.typical_p, p.top_n_sigma, p.xtc_probability, p.dry_multiplier) == (1.0, -1.0, 0.0, 0.0)
     assert p.repeat_last_n is None and p.temperature_last is False  # vLLM's way unless asked for
+    assert (p.mirostat, p.mirostat_tau, p.mirostat_eta) == (0, 5.0, 0.1)
 
 
 async def test_return_token_ids(client: httpx.AsyncClient, engine: FakeEngine) -> None:

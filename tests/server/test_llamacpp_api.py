@@ -52,11 +52,13 @@ async def test_fields_reach_the_engine_under_llama_cpps_names(client: httpx.Asyn
     r = await complete(client, prompt="hi", n_predict=4, temperature=0.5, top_k=0, top_p=0.9, min_p=0,
                        repeat_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.25, seed=7,
                        ignore_eos=True, logit_bias=[[65, 2.5], ["ab", -1], [66, False]], n_cmpl=1,
-                       cache_prompt=True, samplers=["top_k", "temperature"], typical_p=1.0, mirostat=0)
+                       cache_prompt=True, samplers=["top_k", "temperature"], typical_p=1.0, mirostat=2,
+                       mirostat_tau=3.0, mirostat_eta=0.2)
     assert r.status_code == 200, r.text
     p = engine.requests[-1].params
     assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.min_p, p.seed) == (4, 0.5, 0, 0.9, 0.0, 7)
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.ignore_eos) == (1.1, 0.5, 0.25, True)
+    assert (p.mirostat, p.mirostat_tau, p.mirostat_eta) == (2, 3.0, 0.2)
     # A text's every token gets its bias; false is the least bias there is.
     assert p.logit_bias == {65: 2.5, 97: -1.0, 98: -1.0, 66: -100.0}
     # llama.cpp's defaults for its own samplers: each off but its settings as llama.cpp's.
@@ -130,7 +132,9 @@ async def test_the_stream_is_llama_cpps(client: httpx.AsyncClient) -> None:
 
 
 async def test_bad_requests_are_400s_naming_llama_cpps_field(client: httpx.AsyncClient) -> None:
-    for body, param in [({"prompt": "hi", "mirostat": 2}, "mirostat"),
+    for body, param in [({"prompt": "hi", "mirostat": 3}, "mirostat"),
+                        ({"prompt": "hi", "mirostat": 2, "mirostat_tau": -1}, "mirostat_tau"),
+                        ({"prompt": "hi", "mirostat": 1, "mirostat_eta": "nan"}, "mirostat_eta"),
                         ({"prompt": "hi", "dynatemp_range": -0.5}, "dynatemp_range"),
                         ({"prompt": "hi", "typical_p": 0}, "typical_p"),
                         ({"prompt": "hi", "dry_multiplier": -1}, "dry_multiplier"),
