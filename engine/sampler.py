@@ -479,7 +479,10 @@ def _sample(logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor
     for i in mirostat:
         p, mu = params[i], requests[i].mirostat_mu
         assert mu is not None
-        mus[i] = mirostat_update(mu, float(probs[i, int(tokens[i])]), p.mirostat_tau, p.mirostat_eta)
+        prob = float(probs[i, int(tokens[i])])
+        # (A row with every token masked has no distribution: the sampler falls back to the
+        # model's argmax, and mu stays.)
+        mus[i] = mirostat_update(mu, prob, p.mirostat_tau, p.mirostat_eta) if prob > 0 else mu
     return tokens, mus
 
 
@@ -499,16 +502,22 @@ def apply_mirostat(probs: torch.Tensor, mu: float, version: int) -> torch.Tensor
     Zipf exponent ``s`` fitted (least squares through the origin) to the ratios of the
     ``MIROSTAT_M`` most likely tokens' probabilities:
     ``k = (e * 2**mu / (1 - V**-e)) ** (1 / s)``, ``e = s - 1``. Tokens of probability
-    0 (masked) take no part in the fit, where llama.cpp's would read an infinite ratio."""
-    keep = torch.zeros_like(probs, dtype=torch.bool)
+    0 (masked) take no part in the fit, where llama.cpp's would read an infinite ratio;
+    tokens tied with the k-th most likely all stay."""
     if version == 2:
         keep = -torch.log2(probs) <= mu
         if not bool(keep.any()):
             keep[ops.argmax(probs.unsqueeze(0))] = True
     else:
-        ordered, order = probs.sort(descending=True, stable=True)
-        size = int((ordered > 0).sum())
-        keep[order[:_mirostat_k(ordered[:min(MIROSTAT_M, size)].double(), mu, probs.shape[0], size)]] = True
+        # The fit needs the top MIROSTAT_M and the cut only the k-th largest probability:
+        # a selection, not a sort of the vocabulary (0.3 ms against 4 at 49152 tokens).
+        vocab = probs.shape[0]
+        size = int((probs > 0).sum())
+        if size == 0:
+            return probs
+        top = torch.topk(probs, min(MIROSTAT_M, size)).values
+        k = _mirostat_k(top.double(), mu, vocab, size)
+        keep = probs >= torch.kthvalue(probs, vocab - k + 1).values if k < size else probs > 0
     kept = torch.where(keep, probs, torch.zeros_like(probs))
     return kept / kept.sum()
 
