@@ -33,7 +33,7 @@ from server.protocol import (ApplyTemplateRequest, DetokenizeRequest, LoadLoRAAd
 from server.serving_chat import apply_template, create_chat_completion
 from server.serving_common import client_disconnected
 from server.serving_completions import create_completion
-from server.serving_embeddings import create_embedding, create_rerank, create_score
+from server.serving_embeddings import create_embedding, create_llamacpp_embedding, create_rerank, create_score
 from server.serving_llamacpp import LLAMACPP_DEFAULTS, create_llamacpp_completion, create_llamacpp_infill
 from server.serving_messages import count_message_tokens, create_message
 from server.serving_responses import create_response
@@ -225,6 +225,7 @@ _API_ROUTES: list[tuple[tuple[str, ...], Callable[[ServerState, Request], Awaita
     (("/v1/responses",), create_response),
     (("/completion", "/completions"), create_llamacpp_completion),  # llama.cpp server's own API
     (("/infill",), create_llamacpp_infill),
+    (("/embedding", "/embeddings"), create_llamacpp_embedding),
     (("/invocations",), create_invocation),  # Amazon SageMaker's one route (as vLLM's)
 ]
 

@@ -1,7 +1,7 @@
-"""``POST /v1/embeddings``: OpenAI's embeddings, one engine request per input; and
-on them vLLM's ``/v1/score`` and the rerank API (Jina's, Cohere's), which rank
-texts by the cosine similarity of their embeddings, as vLLM scores with an
-embedding model.
+"""``POST /v1/embeddings``: OpenAI's embeddings, one engine request per input;
+llama.cpp's own ``/embedding``; and on them vLLM's ``/v1/score`` and the rerank
+API (Jina's, Cohere's), which rank texts by the cosine similarity of their
+embeddings, as vLLM scores with an embedding model.
 
 An embedding is the input's last token's hidden state after the model's final
 norm (``engine.sampling_params.PoolingParams``), as vLLM pools a decoder-only
@@ -13,13 +13,15 @@ from __future__ import annotations
 import base64
 import math
 import struct
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.sampling_params import SamplingParams
-from server.body import read_model
-from server.protocol import EmbeddingRequest, RerankRequest, ScoreRequest, truncate_prompt
+from server.body import read_model, validate
+from server.errors import bad_request, renamed_params
+from server.protocol import EmbeddingRequest, RerankRequest, ScoreRequest, _Strict, truncate_prompt
 from server.protocol_responses import now
 from server.serving_common import Choices, encode_prompts, launch, run_to_completion
 from server.state import ServerState, new_request_id
@@ -60,6 +62,56 @@ async def create_embedding(state: ServerState, request: Request) -> Response:
             for i, v in enumerate(vectors)]
     return JSONResponse({"object": "list", "data": data, "model": model,
                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+class LlamaCppEmbeddingRequest(_Strict):
+    """llama.cpp's ``POST /embedding``: ``content`` (or ``input``, as its ``/v1``), a text,
+    token ids or a list of either; ``embd_normalize`` as its ``common_embd_normalize``."""
+
+    model: str | None = None
+    content: str | list[Any] | None = None
+    input: str | list[Any] | None = None
+    embd_normalize: int = 2
+
+
+def llamacpp_normalize(vector: list[float], how: int) -> list[float]:
+    """llama.cpp's ``common_embd_normalize``: -1 as it is, 0 scaled so the largest magnitude
+    is 32760 (an int16's range), 1 taxicab, 2 Euclidean, p > 2 the p-norm; a zero vector
+    stays zero."""
+    if how == -1:
+        total = 1.0
+    elif how == 0:
+        total = max((abs(v) for v in vector), default=0.0) / 32760.0
+    elif how == 2:
+        total = math.sqrt(math.fsum(v * v for v in vector))
+    else:
+        # The p-norm over the largest magnitude, so that a large p cannot overflow.
+        top = max((abs(v) for v in vector), default=0.0)
+        total = top * math.fsum((abs(v) / top) ** how for v in vector) ** (1.0 / how) if top > 0 else 0.0
+    scale = 1.0 / total if total > 0 else 0.0
+    return [v * scale for v in vector]
+
+
+async def create_llamacpp_embedding(state: ServerState, request: Request) -> Response:
+    """llama.cpp's non-OpenAI embeddings: ``[{"index": i, "embedding": [[...]]}]``, each
+    input's pooled vector (one row, as llama.cpp answers a pooled model) normalised by
+    ``embd_normalize``."""
+    body = await read_model(request, LlamaCppEmbeddingRequest)
+    field = "input" if body.input is not None else "content"
+    value = body.input if body.input is not None else body.content
+    if value is None:
+        raise bad_request("input or content must be given", "content")
+    if body.embd_normalize < -1:
+        raise bad_request(f"embd_normalize must be -1 (none), 0 (max absolute), 1 (taxicab), 2 (Euclidean) or "
+                          f"a p-norm's p above 2, got {body.embd_normalize}", "embd_normalize")
+    with renamed_params({"input": field}):
+        # The raw vectors, normalised here as llama.cpp normalises them.
+        oai = validate(EmbeddingRequest, {"model": body.model, "input": value, "normalize": False})
+        model = state.check_model(oai.model)
+        vectors, _ = await embed(state, request, new_request_id("embd"), oai.inputs(), oai.sampling_params(),
+                                 model, field)
+    return JSONResponse([{"index": i, "embedding": [llamacpp_normalize(v, body.embd_normalize)]}
+                         for i, v in enumerate(vectors)])
 
 
 def cosine(a: list[float], b: list[float]) -> float:

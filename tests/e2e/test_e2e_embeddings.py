@@ -56,3 +56,20 @@ def test_score_and_rerank_are_the_embeddings_cosines(client: openai.OpenAI, serv
     assert [x["relevance_score"] for x in results] == sorted(cosines[1:], reverse=True)
     assert [x["document"]["text"] for x in results] == [TEXTS[1 + i] for i in sorted(
         range(2), key=lambda i: -cosines[1 + i])]
+
+
+def test_llama_cpps_embedding_route_gives_the_same_vectors(client: openai.OpenAI, server: KVServe) -> None:
+    # llama.cpp's /embedding: its default (Euclidean) normalisation is /v1/embeddings' vector;
+    # none (-1) is that vector's direction at the hidden state's own length.
+    ours = [d.embedding for d in client.embeddings.create(model=MODEL, input=TEXTS[:2],
+                                                          encoding_format="float").data]
+    r = httpx.post(f"{server.url}/embedding", json={"content": TEXTS[:2]}, headers=server.headers, timeout=60.0)
+    assert r.status_code == 200, r.text
+    assert [item["index"] for item in r.json()] == [0, 1]
+    for item, vector in zip(r.json(), ours):
+        [row] = item["embedding"]
+        assert row == pytest.approx(vector, abs=1e-6)
+    raw = httpx.post(f"{server.url}/embedding", json={"content": TEXTS[0], "embd_normalize": -1},
+                     headers=server.headers, timeout=60.0).json()[0]["embedding"][0]
+    norm = math.sqrt(sum(x * x for x in raw))
+    assert norm > 1.5 and [x / norm for x in raw] == pytest.approx(ours[0], abs=1e-6)

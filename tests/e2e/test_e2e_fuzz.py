@@ -19,6 +19,7 @@ from server.anthropic_api import MessagesRequest
 from server.protocol import (ApplyTemplateRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                              EmbeddingRequest, RerankRequest, ScoreRequest, TokenizeRequest)
 from server.responses_api import ResponsesRequest
+from server.serving_embeddings import LlamaCppEmbeddingRequest
 from server.serving_llamacpp import LlamaCppCompletionRequest, LlamaCppInfillRequest
 
 pytestmark = pytest.mark.slow
@@ -37,6 +38,7 @@ ROUTES = [
     ("/v1/messages", MessagesRequest, {"messages": _CHAT, "max_tokens": 2, "model": "smollm2"}),
     ("/completion", LlamaCppCompletionRequest, {"prompt": "Hello", "n_predict": 2}),
     ("/infill", LlamaCppInfillRequest, {"input_prefix": "def f(", "input_suffix": ")", "n_predict": 2}),
+    ("/embedding", LlamaCppEmbeddingRequest, {"content": "Hello"}),
     ("/v1/responses", ResponsesRequest, {"input": "Hi", "max_output_tokens": 16, "store": False}),
 ]
 VALUES = [None, -5, 2**63, float("nan"), {"x": [None]}]

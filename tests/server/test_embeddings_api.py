@@ -128,3 +128,35 @@ async def test_rerank_orders_the_documents_by_score(client: httpx.AsyncClient, e
                                                                           "documents"),
                         ({"query": "", "documents": ["a"]}, "query")]:
         assert_error(await client.post("/rerank", json=body), 400, param)
+
+
+async def test_llama_cpps_embedding_route_normalises_as_llama_cpp(client: httpx.AsyncClient,
+                                                                  engine: FakeEngine) -> None:
+    # llama.cpp's /embedding: [{"index", "embedding": [[...]]}], the raw vector normalised by
+    # embd_normalize (default 2); `content` or `input`, one text or several; /embeddings too.
+    r = await client.post("/embedding", json={"content": "hi", "embd_normalize": -1})
+    assert r.status_code == 200, r.text
+    [item] = r.json()
+    prompt = engine.requests[-1].prompt_token_ids
+    assert engine.requests[-1].params.pooling.normalize is False
+    raw = [float(len(prompt)), float(sum(prompt)), float(prompt[-1])] + [1.0] * (FAKE_HIDDEN_SIZE - 3)
+    assert item == {"index": 0, "embedding": [raw]}
+    for how, expect in [(2, [v / sum(x * x for x in raw) ** 0.5 for v in raw]),
+                        (1, [v / sum(abs(x) for x in raw) for v in raw]),
+                        (0, [v * 32760 / max(abs(x) for x in raw) for v in raw]),
+                        (3, [v / sum(abs(x) ** 3 for x in raw) ** (1 / 3) for v in raw])]:
+        [item] = (await client.post("/embeddings", json={"input": "hi", "embd_normalize": how})).json()
+        assert item["embedding"][0] == pytest.approx(expect, rel=1e-12), how
+    # A p this large is the largest magnitude's norm, without overflowing on the way.
+    [item] = (await client.post("/embedding", json={"content": "hi", "embd_normalize": 10**6})).json()
+    assert max(abs(v) for v in item["embedding"][0]) == pytest.approx(1.0, rel=1e-4)
+    assert [len(x["embedding"][0]) for x in (await client.post("/embedding", json={"content": "hi"})).json()] == [
+        FAKE_HIDDEN_SIZE]
+    several = (await client.post("/embedding", json={"content": ["a", "bb", "ccc"]})).json()
+    assert [x["index"] for x in several] == [0, 1, 2]
+    ids = (await client.post("/embedding", json={"content": [[5, 6], [7]]})).json()
+    assert len(ids) == 2 and [r.prompt_token_ids for r in engine.requests[-2:]] == [[5, 6], [7]]
+    for body, param in [({}, "content"), ({"content": ""}, "content"), ({"input": []}, "input"),
+                        ({"content": "hi", "embd_normalize": -2}, "embd_normalize"),
+                        ({"content": "hi", "model": "nope"}, "model")]:
+        assert_error(await client.post("/embedding", json=body), 400 if param != "model" else 404, param)
