@@ -27,7 +27,8 @@ GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_
                           "frequency_penalty", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
                           "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
                           "dry_sequence_breakers", "repeat_last_n", "dynatemp_range", "dynatemp_exponent",
-                          "temperature_last", "mirostat", "mirostat_tau", "mirostat_eta", "max_new_tokens")
+                          "temperature_last", "mirostat", "mirostat_tau", "mirostat_eta", "samplers",
+                          "max_new_tokens")
 _INTEGER_KEYS = ("top_k", "dry_allowed_length", "dry_penalty_last_n", "repeat_last_n", "mirostat", "max_new_tokens")
 
 
@@ -229,7 +230,7 @@ class EngineConfig:
             raise ValueError(f"override_generation_config cannot set {', '.join(unknown)}; it sets "
                              f"{', '.join(GENERATION_CONFIG_KEYS)}")
         for key, value in override.items():
-            if key == "dry_sequence_breakers":
+            if key in ("dry_sequence_breakers", "samplers"):
                 ok, kind = isinstance(value, list) and all(isinstance(v, str) for v in value), "a list of strings"
             elif key == "temperature_last":
                 ok, kind = isinstance(value, bool), "true or false"

@@ -18,7 +18,8 @@ Per step, in vLLM's order:
    temperature, ``dynatemp_range``, gets that order; here, as in vLLM, it comes
    first otherwise, which moves what typical-p, top-p, min-p and XTC keep at
    temperatures other than 1.)
-   A mirostat row skips the truncations: after its temperature,
+   A request with its own ``samplers`` order runs those steps alone, in that
+   order (llama.cpp's chain). A mirostat row skips the truncations: after its temperature,
    ``apply_mirostat`` cuts it at the request's surprise bound
    (``Request.mirostat_mu``), and the output carries the bound after the token
    sampled, which the engine keeps.
@@ -440,6 +441,47 @@ def _sample(logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor
     device = logits.device
     params = [r.sampling_params for r in requests]
     coins, noise = _draws(requests, vocab, device)
+    # Rows in llama.cpp's default order (or mirostat's) run together; a request's own
+    # ``samplers`` order runs with the rows of the same order.
+    groups: dict[tuple[str, ...] | None, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault(None if p.mirostat else p.samplers, []).append(i)
+    if len(groups) == 1:
+        [order] = groups
+        logits = _truncate(logits, params, coins, order)
+    else:
+        out = torch.empty_like(logits)
+        for order, rows in groups.items():
+            index = torch.tensor(rows, device=device)
+            out[index] = _truncate(logits[index], [params[i] for i in rows],
+                                   None if coins is None else [coins[i] for i in rows], order)
+        logits = out
+    probs = logits.softmax(dim=-1)
+    mirostat = [i for i, p in enumerate(params) if p.mirostat]
+    for i in mirostat:
+        mu = requests[i].mirostat_mu
+        assert mu is not None, "a mirostat request starts with its mu"
+        probs[i] = apply_mirostat(probs[i], mu, params[i].mirostat)
+    tokens = ops.argmax(probs / noise)
+    mus: list[float | None] = [None] * num_rows
+    for i in mirostat:
+        p, mu = params[i], requests[i].mirostat_mu
+        assert mu is not None
+        prob = float(probs[i, int(tokens[i])])
+        # (A row with every token masked has no distribution: the sampler falls back to the
+        # model's argmax, and mu stays.)
+        mus[i] = mirostat_update(mu, prob, p.mirostat_tau, p.mirostat_eta) if prob > 0 else mu
+    return tokens, mus
+
+
+def _truncate(logits: torch.Tensor, params: list[SamplingParams], coins: list[float] | None,
+              order: tuple[str, ...] | None) -> torch.Tensor:
+    """Rows' logits after their temperature and truncations: in ``order`` (llama.cpp's
+    ``samplers``, each step for every row), or with None the default order of the
+    module's docstring."""
+    if order is not None:
+        return _truncate_in_order(logits, params, coins, order)
+    vocab, device = logits.shape[1], logits.device
     # Mirostat replaces the truncations: a mirostat row is only divided by its temperature
     # here (llama.cpp's chain with mirostat: temperature, then mirostat).
     cut = [_NO_TRUNCATION if p.mirostat else p for p in params]
@@ -462,28 +504,42 @@ def _sample(logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor
     if any(c.min_p > 0 for c in cut):
         logits = apply_min_p(logits, torch.tensor([c.min_p for c in cut], device=device))
     if coins is not None:
-        excluded = torch.tensor([p.xtc_active and c < p.xtc_probability for p, c in zip(params, coins)],
-                                device=device)
-        logits = apply_xtc(logits, torch.tensor([p.xtc_threshold for p in params], device=device), excluded)
+        logits = _xtc(logits, params, coins)
     if any(late):
         rows = torch.tensor([i for i, last in enumerate(late) if last], device=device)
         logits[rows] = apply_temperature_last(logits[rows], [p for p, last in zip(params, late) if last])
-    probs = logits.softmax(dim=-1)
-    mirostat = [i for i, p in enumerate(params) if p.mirostat]
-    for i in mirostat:
-        mu = requests[i].mirostat_mu
-        assert mu is not None, "a mirostat request starts with its mu"
-        probs[i] = apply_mirostat(probs[i], mu, params[i].mirostat)
-    tokens = ops.argmax(probs / noise)
-    mus: list[float | None] = [None] * num_rows
-    for i in mirostat:
-        p, mu = params[i], requests[i].mirostat_mu
-        assert mu is not None
-        prob = float(probs[i, int(tokens[i])])
-        # (A row with every token masked has no distribution: the sampler falls back to the
-        # model's argmax, and mu stays.)
-        mus[i] = mirostat_update(mu, prob, p.mirostat_tau, p.mirostat_eta) if prob > 0 else mu
-    return tokens, mus
+    return logits
+
+
+def _xtc(logits: torch.Tensor, params: list[SamplingParams], coins: list[float]) -> torch.Tensor:
+    device = logits.device
+    excluded = torch.tensor([p.xtc_active and c < p.xtc_probability for p, c in zip(params, coins)], device=device)
+    return apply_xtc(logits, torch.tensor([p.xtc_threshold for p in params], device=device), excluded)
+
+
+def _truncate_in_order(logits: torch.Tensor, params: list[SamplingParams], coins: list[float] | None,
+                       order: tuple[str, ...]) -> torch.Tensor:
+    """llama.cpp's chain of ``order``'s samplers, nothing else: a truncation the order
+    leaves out is not applied whatever its value, and without ``temperature`` the logits
+    are not divided (llama.cpp's ``samplers``)."""
+    vocab, device = logits.shape[1], logits.device
+    for step in order:
+        if step == "temperature":
+            logits = apply_temperature_last(logits, params)
+        elif step == "top_k" and any(0 < p.top_k < vocab for p in params):
+            top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device)
+            logits = apply_top_k_top_p(logits, top_k, None)
+        elif step == "top_p" and any(p.top_p < 1 for p in params):
+            logits = apply_top_k_top_p(logits, None, torch.tensor([p.top_p for p in params], device=device))
+        elif step == "typ_p" and any(p.typical_p < 1 for p in params):
+            logits = apply_typical_p(logits, torch.tensor([p.typical_p for p in params], device=device))
+        elif step == "min_p" and any(p.min_p > 0 for p in params):
+            logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
+        elif step == "top_n_sigma" and any(p.top_n_sigma > 0 for p in params):
+            logits = apply_top_n_sigma(logits, torch.tensor([p.top_n_sigma for p in params], device=device))
+        elif step == "xtc" and coins is not None:
+            logits = _xtc(logits, params, coins)
+    return logits
 
 
 # What a mirostat row's truncations are: none.

@@ -22,6 +22,8 @@ MAX_CHOICES = 256
 # llama.cpp's DRY defaults: the strings that end a repeat (a newline, a colon, a quote, an asterisk).
 DRY_SEQUENCE_BREAKERS = ("\n", ":", "\"", "*")
 MAX_DRY_SEQUENCE_BREAKERS = 16
+# The steps of llama.cpp's ``samplers`` chain that SamplingParams.samplers orders (its names).
+SAMPLER_STEPS = ("top_k", "typ_p", "top_p", "min_p", "xtc", "temperature", "top_n_sigma")
 MAX_DRY_BREAKER_CHARS = 40  # as llama.cpp: a longer breaker is cut to this many characters
 
 
@@ -193,6 +195,10 @@ class SamplingParams:
     mirostat: int = 0
     mirostat_tau: float = 5.0
     mirostat_eta: float = 0.1
+    # llama.cpp's ``samplers``: the truncations and the temperature to run, in this order
+    # (SAMPLER_STEPS' names), and no other; None: the default order (engine/sampler.py).
+    # The penalties and DRY come first either way; mirostat ignores it, as llama.cpp's.
+    samplers: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -201,6 +207,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.bad_words = list(self.bad_words or [])
         self.dry_sequence_breakers = list(self.dry_sequence_breakers)
+        if self.samplers is not None:
+            self.samplers = tuple(self.samplers)
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         if self.top_k == -1:
             self.top_k = 0
@@ -279,6 +287,10 @@ class SamplingParams:
             raise ValueError(f"xtc_probability must be in [0, 1], got {self.xtc_probability}")
         if not 0 <= self.xtc_threshold <= 1:
             raise ValueError(f"xtc_threshold must be in [0, 1], got {self.xtc_threshold}")
+        if self.samplers is not None and (len(self.samplers) > 4 * len(SAMPLER_STEPS)
+                                          or any(step not in SAMPLER_STEPS for step in self.samplers)):
+            raise ValueError(f"samplers must list at most {4 * len(SAMPLER_STEPS)} of {', '.join(SAMPLER_STEPS)}, "
+                             f"got {list(self.samplers)!r}")
         if self.mirostat not in (0, 1, 2) or isinstance(self.mirostat, bool):
             raise ValueError(f"mirostat must be 0 (off), 1 or 2, got {self.mirostat!r}")
         if self.mirostat_tau < 0:
@@ -323,5 +335,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """True when the next token is always the argmax (no randomness). Mirostat
-        replaces top-k (as in llama.cpp), so only its temperature can make it greedy."""
-        return self.temperature == 0 or (self.top_k == 1 and not self.mirostat)
+        replaces top-k (as in llama.cpp), and a ``samplers`` order may leave it out, so
+        then only the temperature can make it greedy."""
+        top_k_runs = not self.mirostat and (self.samplers is None or "top_k" in self.samplers)
+        return self.temperature == 0 or (self.top_k == 1 and top_k_runs)

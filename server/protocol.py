@@ -154,6 +154,8 @@ class _SamplingRequest(_Strict):
     mirostat: int | None = None  # 1 or 2: llama.cpp's mirostat in place of the truncations
     mirostat_tau: float | None = None
     mirostat_eta: float | None = None
+    # llama.cpp's sampler chain, its names or letters ("kypmxt"): only these, in this order.
+    samplers: list[str] | str | None = None
 
     # Fields that ask for a constraint in another API's words. Unknown fields are
     # ignored, but ignoring one of these would answer without the constraint asked
@@ -258,6 +260,7 @@ class _SamplingRequest(_Strict):
             "dynatemp_range": self.dynatemp_range, "dynatemp_exponent": self.dynatemp_exponent,
             "temperature_last": self.temperature_last, "mirostat": self.mirostat,
             "mirostat_tau": self.mirostat_tau, "mirostat_eta": self.mirostat_eta,
+            "samplers": llamacpp_sampler_order(self.samplers),
         }
         # None means "the default", so only pass what the client set.
         kwargs = {k: v for k, v in given.items() if v is not None}
@@ -267,6 +270,29 @@ class _SamplingRequest(_Strict):
                                   **kwargs)
         except ValueError as e:
             raise sampling_error(e) from None
+
+
+# llama.cpp's names (and alternative names) of its samplers -> SamplingParams.samplers' steps.
+# "dry", "penalties" and "infill" are known and have no place in the order here (the
+# penalties and DRY always come first).
+_SAMPLER_NAMES = {
+    "top_k": "top_k", "top-k": "top_k", "typ_p": "typ_p", "typ-p": "typ_p", "typ": "typ_p", "typical_p": "typ_p",
+    "typical-p": "typ_p", "typical": "typ_p", "top_p": "top_p", "top-p": "top_p", "nucleus": "top_p",
+    "min_p": "min_p", "min-p": "min_p", "xtc": "xtc", "temperature": "temperature", "temp": "temperature",
+    "top_n_sigma": "top_n_sigma", "top-n-sigma": "top_n_sigma"}
+# llama.cpp's one-letter names ("dkypmxts"; d, e and i: DRY, the penalties, infill).
+_SAMPLER_LETTERS = {"k": "top_k", "y": "typ_p", "p": "top_p", "m": "min_p", "x": "xtc", "t": "temperature",
+                    "s": "top_n_sigma"}
+
+
+def llamacpp_sampler_order(samplers: list[str] | str | None) -> tuple[str, ...] | None:
+    """llama.cpp's ``samplers`` (a list of names, or a string of its letters) as the
+    order of the steps to run; as llama.cpp, a name it does not know is skipped."""
+    if samplers is None:
+        return None
+    if isinstance(samplers, str):
+        return tuple(_SAMPLER_LETTERS[c] for c in samplers if c in _SAMPLER_LETTERS)
+    return tuple(_SAMPLER_NAMES[name] for name in samplers if name in _SAMPLER_NAMES)
 
 
 def sampling_error(err: ValueError) -> APIError:

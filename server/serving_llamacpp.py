@@ -52,6 +52,10 @@ _SAME_NAME = ("min_p", "presence_penalty", "frequency_penalty", "typical_p", "to
               "mirostat_eta")
 
 
+# The chain /completion runs unless a request sends its own ``samplers`` (llama.cpp's names).
+_DEFAULT_CHAIN = ("top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+
+
 class LlamaCppCompletionRequest(_Strict):
     """``POST /completion``: llama.cpp's fields and defaults (``temperature`` 0.8,
     ``top_k`` 40, ``top_p`` 0.95, ``min_p`` 0.05, ``n_predict`` -1: up to the context)."""
@@ -94,10 +98,10 @@ class LlamaCppCompletionRequest(_Strict):
     lora: list[Any] | None = None
     # Accepted and without effect here: the prefix cache always reuses what it can and
     # gives the same logits as computing anew (cache_prompt); a request never outgrows
-    # the context (n_keep); the samplers run in llama.cpp's default order, not a custom one (samplers).
+    # the context (n_keep).
     cache_prompt: bool = True
     n_keep: int = 0
-    samplers: list[str] | None = None
+    samplers: list[str] | str | None = None  # its chain: only these, in this order
     # Samplers kvserve does not have (_OFF): only their "off" values.
     post_sampling_probs: bool = _OFF["post_sampling_probs"]
     n_indent: int = _OFF["n_indent"]
@@ -136,7 +140,7 @@ class LlamaCppCompletionRequest(_Strict):
             "temperature": max(self.temperature, 0.0), "top_k": max(self.top_k, 0), "top_p": self.top_p,
             "repetition_penalty": self.repeat_penalty, **{name: getattr(self, name) for name in _SAME_NAME},
             # llama.cpp's chain divides by the temperature after its truncations.
-            "temperature_last": True,
+            "temperature_last": True, "samplers": self.samplers,
             "stop": self.stop, "seed": None if self.seed in _RANDOM_SEEDS else self.seed,
             "ignore_eos": self.ignore_eos, "logit_bias": _logit_bias(self.logit_bias, tok),
             "logprobs": self.n_probs or None, "grammar": self.grammar, "json_schema": self.json_schema,
@@ -152,6 +156,8 @@ class LlamaCppCompletionRequest(_Strict):
                 "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
                 "repeat_penalty": params.repetition_penalty,
                 **{name: getattr(params, name) for name in _SAME_NAME},
+                "samplers": ["penalties", "dry", *(params.samplers if params.samplers is not None
+                                                   else _DEFAULT_CHAIN)],
                 "stop": list(params.stop), "ignore_eos": params.ignore_eos, "n_probs": self.n_probs,
                 "grammar": self.grammar or "", "stream": self.stream}
 

@@ -81,6 +81,14 @@ def test_llama_cpps_samplers_run_as_the_same_request_to_v1_completions(server: K
     without = post(server, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 24,
                                                **{**miro, "mirostat": 0}}).json()
     assert without["choices"][0]["text"] != answer.json()["content"]
+    # A chain of its own: /completion's min_p and top_p defaults go unused, as in llama.cpp,
+    # so it answers as /v1/completions with the same chain.
+    chain = {"seed": 9, "temperature": 1.2, "top_k": 5, "samplers": "kt"}
+    answer = post(server, "/completion", {"prompt": "Once upon a time", "n_predict": 24, **chain}).json()
+    ours = post(server, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 24, **chain,
+                                            "samplers": ["top_k", "temperature"]}).json()
+    assert ours["choices"][0]["text"] == answer["content"]
+    assert answer["generation_settings"]["samplers"] == ["penalties", "dry", "top_k", "temperature"]
 
 
 def test_fill_in_the_middle_needs_a_code_models_markers(server: KVServe) -> None:

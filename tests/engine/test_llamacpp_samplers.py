@@ -10,6 +10,7 @@ seeded requests with every sampler the same alone, batched and preempted.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -316,6 +317,36 @@ def test_temperature_last_truncates_the_logits_as_they_are():
     assert picks(dynatemp_range=1.0) == {0, 1}
 
 
+def test_a_sampler_order_runs_those_samplers_in_that_order_and_no_others():
+    logits = torch.tensor([[3.0, 2.5, 2.0, 1.5, 1.0, 0.5, 0.0, -0.5]]).repeat(4000, 1)
+    sampler = Sampler(8)
+
+    def picks(**kw) -> list[int]:
+        sp = SamplingParams(seed=3, **kw)
+        requests = [Request(f"r{i}", [1], dataclasses.replace(sp, seed=i), max_tokens=4) for i in range(4000)]
+        return sampler(logits, requests).token_ids
+
+    # The order of the temperature and top-p: llama.cpp's (truncate, then divide) is
+    # temperature_last, vLLM's (divide, then truncate) the default.
+    assert picks(temperature=3.0, top_p=0.5, samplers=("top_p", "temperature")) == picks(
+        temperature=3.0, top_p=0.5, temperature_last=True)
+    assert picks(temperature=3.0, top_p=0.5, samplers=("temperature", "top_p")) == picks(temperature=3.0, top_p=0.5)
+    assert set(picks(temperature=3.0, top_p=0.5, samplers=("top_p", "temperature"))) == {0, 1}
+    # What the order leaves out is not applied: top_k 1 and min_p without their steps.
+    assert len(set(picks(temperature=1.0, top_k=1, min_p=0.9, samplers=("temperature",)))) == 8
+    assert set(picks(temperature=1.0, top_k=2, samplers=("top_k",))) == {0, 1}
+    # No temperature step: the logits as they are (temperature 5 unused).
+    assert picks(temperature=5.0, samplers=("top_k",), top_k=3) == picks(temperature=1.0, top_k=3)
+    # Rows of other orders in one batch each get their own chain.
+    mixed = [SamplingParams(temperature=3.0, top_p=0.5, seed=i, samplers=("top_p", "temperature") if i % 2 else None)
+             for i in range(200)]
+    together = sampler(logits[:200], [Request(f"m{i}", [1], sp, max_tokens=4) for i, sp in enumerate(mixed)])
+    alone = [sampler(logits[:1], [Request(f"a{i}", [1], sp, max_tokens=4)]).token_ids[0] for i, sp in enumerate(mixed)]
+    assert together.token_ids == alone
+    with pytest.raises(ValueError, match="samplers must list"):
+        SamplingParams(samplers=("top_k", "dry"))
+
+
 # --------------------------------------------------------------------------- mirostat
 
 
@@ -454,7 +485,8 @@ def test_dry_in_the_engine_is_the_reference_penalty_on_the_models_logits(smollm2
 def test_seeded_requests_with_llama_cpps_samplers_are_the_same_alone_batched_and_preempted(smollm2_loaded):
     tok = smollm2_loaded.tokenizer
     prompts = [tok.encode(t) for t in ("Once upon a time, in a quiet village,", "The recipe for bread is simple:",
-                                       "List three colours: red,", "My favourite animal is", "Dear diary, today")]
+                                       "List three colours: red,", "My favourite animal is", "Dear diary, today",
+                                       "The best way to learn is")]
     settings = [
         SamplingParams(temperature=1.0, seed=1, max_tokens=40, xtc_probability=0.5, xtc_threshold=0.1,
                        dry_multiplier=0.8),
@@ -466,6 +498,9 @@ def test_seeded_requests_with_llama_cpps_samplers_are_the_same_alone_batched_and
         SamplingParams(temperature=0.9, seed=4, max_tokens=40, mirostat=2, mirostat_tau=3.0, mirostat_eta=0.2,
                        logprobs=1),
         SamplingParams(temperature=1.0, seed=5, max_tokens=40, mirostat=1, mirostat_tau=4.0, top_k=40),
+        # A chain of its own order, batched with the default order's rows.
+        SamplingParams(temperature=1.3, seed=6, max_tokens=40, min_p=0.1, top_k=20, xtc_probability=0.5,
+                       samplers=("min_p", "xtc", "temperature", "top_k")),
     ]
     alone = [generate(make_engine(smollm2_loaded), [p], [s])[0] for p, s in zip(prompts, settings)]
     assert generate(make_engine(smollm2_loaded), prompts, settings) == alone

@@ -513,17 +513,20 @@ def test_the_models_sampling_defaults_unless_generation_config_vllm(caplog):
     assert LLMEngine._default_max_tokens(EngineConfig(generation_config="vllm"), longest) is None
     assert LLMEngine._default_max_tokens(EngineConfig(), model) is None
     # vLLM's --override-generation-config: over the model's values; alone with "vllm".
-    override = {"temperature": 0.9, "dry_multiplier": 0.8, "mirostat": 2, "max_new_tokens": 3}
+    override = {"temperature": 0.9, "dry_multiplier": 0.8, "mirostat": 2, "samplers": ["top_k", "temperature"],
+                "max_new_tokens": 3}
     assert LLMEngine._sampling_defaults(EngineConfig(override_generation_config=override), model) == {
-        "temperature": 0.9, "top_k": 20, "dry_multiplier": 0.8, "mirostat": 2}
+        "temperature": 0.9, "top_k": 20, "dry_multiplier": 0.8, "mirostat": 2, "samplers": ["top_k", "temperature"]}
     assert LLMEngine._sampling_defaults(EngineConfig(generation_config="vllm", override_generation_config=override),
-                                        model) == {"temperature": 0.9, "dry_multiplier": 0.8, "mirostat": 2}
+                                        model) == {"temperature": 0.9, "dry_multiplier": 0.8, "mirostat": 2,
+                                                   "samplers": ["top_k", "temperature"]}
     assert LLMEngine._default_max_tokens(EngineConfig(override_generation_config=override), longest) == 3
     assert LLMEngine._default_max_tokens(EngineConfig(generation_config="vllm", override_generation_config=override),
                                          model) == 3
     for bad, match in [({"max_tokens": 5}, "cannot set max_tokens"), ({"top_p": 2}, "top_p must be in"),
                        ({"max_new_tokens": 0}, "max_new_tokens must be"), ({"dry_base": "x"}, "dry_base"),
-                       ({"mirostat": 2.0}, "mirostat must be an integer"), ({"mirostat": 3}, "mirostat must be 0")]:
+                       ({"mirostat": 2.0}, "mirostat must be an integer"), ({"mirostat": 3}, "mirostat must be 0"),
+                       ({"samplers": "kt"}, "samplers must be a list"), ({"samplers": ["top-k"]}, "samplers must list")]:
         with pytest.raises(ValueError, match=match):
             EngineConfig(override_generation_config=bad)
 

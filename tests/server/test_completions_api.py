@@ -333,7 +333,7 @@ async def test_llama_cpps_samplers_reach_the_engine_from_completions_and_chat(cl
               "dry_multiplier": 0.8, "dry_base": 2.0, "dry_allowed_length": 3, "dry_penalty_last_n": 128,
               "dry_sequence_breakers": ["\n", "###"], "repeat_last_n": 32, "dynatemp_range": 0.5,
               "dynatemp_exponent": 2.0, "temperature_last": True, "mirostat": 1, "mirostat_tau": 4.0,
-              "mirostat_eta": 0.05}
+              "mirostat_eta": 0.05, "samplers": ("top_k", "typ_p", "temperature")}
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     for url, body in [("/v1/completions", {"prompt": "hi", "max_tokens": 1}), ("/v1/chat/completions", chat)]:
         r = await client.post(url, json={**body, **fields})
@@ -348,7 +348,7 @@ async def test_llama_cpps_samplers_reach_the_engine_from_completions_and_chat(cl
     p = engine.requests[-1].params
     assert (p.typical_p, p.top_n_sigma, p.xtc_probability, p.dry_multiplier) == (1.0, -1.0, 0.0, 0.0)
     assert p.repeat_last_n is None and p.temperature_last is False  # vLLM's way unless asked for
-    assert (p.mirostat, p.mirostat_tau, p.mirostat_eta) == (0, 5.0, 0.1)
+    assert (p.mirostat, p.mirostat_tau, p.mirostat_eta, p.samplers) == (0, 5.0, 0.1, None)
 
 
 async def test_return_token_ids(client: httpx.AsyncClient, engine: FakeEngine) -> None:

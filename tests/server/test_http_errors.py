@@ -55,6 +55,7 @@ async def test_every_route_requires_the_key_except_probes(engine: FakeEngine) ->
               "/v2/rerank": {"query": "a", "documents": ["b"]},
               "/completion": {"prompt": "hi", "n_predict": 1},
               "/infill": {"input_prefix": "def f(", "input_suffix": "):", "n_predict": 1},
+              "/embedding": {"content": "hi"}, "/embeddings": {"content": "hi"},
               "/invocations": {"prompt": "hi", "max_tokens": 1},
               "/apply-template": {"messages": [{"role": "user", "content": "hi"}]}, "/completions": {"prompt": "hi", "n_predict": 1},
               "/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [104]}}
@@ -223,7 +224,7 @@ async def test_the_models_sampling_defaults_fill_what_a_request_leaves_out(engin
     # vLLM's --generation-config auto: generation_config.json's values (engine.sampling_defaults).
     # --override-generation-config adds its own (llama.cpp's samplers among them).
     engine.sampling_defaults = {"temperature": 0.6, "top_k": 20, "dry_multiplier": 0.8,
-                                "dry_sequence_breakers": ["\n"]}
+                                "dry_sequence_breakers": ["\n"], "samplers": ["top_k", "temperature"]}
     app = build_app(engine)
     async with app.router.lifespan_context(app), client_for(app) as c:
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
@@ -233,6 +234,7 @@ async def test_the_models_sampling_defaults_fill_what_a_request_leaves_out(engin
             assert (await c.post(path, json=body)).status_code == 200, path
             p = engine.requests[-1].params
             assert (p.temperature, p.top_k, p.dry_multiplier, p.dry_sequence_breakers) == (0.6, 20, 0.8, ["\n"]), path
+            assert p.samplers == ("top_k", "temperature"), path
             await c.post(path, json={**body, "temperature": 1.0, "top_k": 5})
             p = engine.requests[-1].params
             assert (p.temperature, p.top_k) == (1.0, 5), path  # the request's own values win

@@ -59,6 +59,17 @@ async def test_fields_reach_the_engine_under_llama_cpps_names(client: httpx.Asyn
     assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.min_p, p.seed) == (4, 0.5, 0, 0.9, 0.0, 7)
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.ignore_eos) == (1.1, 0.5, 0.25, True)
     assert (p.mirostat, p.mirostat_tau, p.mirostat_eta) == (2, 3.0, 0.2)
+    # llama.cpp's samplers: its names (a name it does not know skipped, DRY and the
+    # penalties always first) or its letters; reported back in generation_settings.
+    assert p.samplers == ("top_k", "temperature")
+    assert r.json()["generation_settings"]["samplers"] == ["penalties", "dry", "top_k", "temperature"]
+    for samplers, order in [(["dry", "top-p", "tfs_z", "min_p", "temp"], ("top_p", "min_p", "temperature")),
+                            ("dkypmxts", ("top_k", "typ_p", "top_p", "min_p", "xtc", "temperature", "top_n_sigma")),
+                            ([], ())]:
+        assert (await complete(client, prompt="hi", n_predict=1, samplers=samplers)).status_code == 200
+        assert engine.requests[-1].params.samplers == order, samplers
+    await complete(client, prompt="hi", n_predict=1)
+    assert engine.requests[-1].params.samplers is None
     # A text's every token gets its bias; false is the least bias there is.
     assert p.logit_bias == {65: 2.5, 97: -1.0, 98: -1.0, 66: -100.0}
     # llama.cpp's defaults for its own samplers: each off but its settings as llama.cpp's.
