@@ -182,7 +182,8 @@ def template_tool_syntax(template: str | None) -> str | None:
     """How a chat template writes tool calls, when it renders ``tools`` itself:
     ``"hermes"`` (``<tool_call>`` JSON ``</tool_call>``, as Qwen2.5 and Hermes
     templates), ``"llama3_json"`` (one ``{"name", "parameters"}`` object, results in
-    ``ipython`` turns: Llama 3.1/3.2), ``"unknown"`` for a syntax kvserve does not read, None when the
+    ``ipython`` turns: Llama 3.1/3.2), ``"mistral"`` (``[TOOL_CALLS]`` and a JSON array of
+    calls), ``"unknown"`` for a syntax kvserve does not read, None when the
     template knows nothing of tools.
 
     Raises:
@@ -198,6 +199,9 @@ def template_tool_syntax(template: str | None) -> str | None:
         return None
     if "<tool_call>" in template:
         return "hermes"
+    # Mistral (7B v0.3, Nemo, Mixtral 8x22B): [TOOL_CALLS] [{"name", "arguments"}, ...].
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
     # Llama 3.1/3.2: calls as {"name": ..., "parameters": ...}, results in ipython turns.
     if '"parameters"' in template and "ipython" in template:
         return "llama3_json"

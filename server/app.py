@@ -102,7 +102,9 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
                         api_key=api_key, max_queue=max_queue, responses=ResponseStore(max_stored_responses),
                         log_requests=log_requests, max_log_len=max_log_len,
                         reasoning=reasoning_format(reasoning_parser),
-                        tool_format=tool_format_for(tool_call_parser, engine.tokenizer.tool_call_syntax))
+                        tool_format=tool_format_for(
+                            tool_call_parser, engine.tokenizer.tool_call_syntax,
+                            lambda text: engine.tokenizer.encode(text, add_special_tokens=False)))
     if state.reasoning is not None:
         state.think_tokens = state.reasoning.tokens(engine.tokenizer)
         if state.think_tokens is None:

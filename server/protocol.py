@@ -533,7 +533,9 @@ class ChatCompletionRequest(_SamplingRequest):
                               "cannot be combined", "tool_choice")
         try:
             structured = tool_format.grammar(self.tool_specs(), choice, self.parallel_calls)
-            return dataclasses.replace(params, structured=structured)
+            # (A format whose calls open with a special token keeps it in the answer's text.)
+            skip = params.skip_special_tokens and not tool_format.keeps_special_tokens
+            return dataclasses.replace(params, structured=structured, skip_special_tokens=skip)
         except ValueError as e:
             raise bad_request(str(e), "tools") from None
 
@@ -706,12 +708,13 @@ def template_messages(messages: list[ChatMessage], tools: list[FunctionSpec] | N
         text = m.text()
         d: dict[str, Any] = {"role": m.role, "content": text}
         if m.tool_calls and tool_format.native:
-            d["tool_calls"] = template_tool_calls([c.model_dump() for c in m.tool_calls])
+            d["tool_calls"] = [{**c, "id": tool_format.template_call_id(c["id"]) if c["id"] is not None else None}
+                               for c in template_tool_calls([c.model_dump() for c in m.tool_calls])]
         elif m.tool_calls:
             calls = history_content([c.model_dump() for c in m.tool_calls], parallel)
             d["content"] = f"{text}\n{calls}" if text else calls
         if m.tool_call_id is not None and tool_format.native:
-            d["tool_call_id"] = m.tool_call_id
+            d["tool_call_id"] = tool_format.template_call_id(m.tool_call_id)
         if m.name is not None:
             d["name"] = m.name
         if m.reasoning_content is not None and m.role == "assistant":

@@ -22,7 +22,7 @@ from server.protocol_responses import (AssistantMessage, ChatChoice, ChatChunkCh
 from server.serving_common import (Choices, TokenIdDeltas, first_output, launch, run_to_completion,
                                    stream_response, token_name, vllm_prompt_logprobs)
 from server.state import ServerState, new_request_id
-from server.tools import ToolFormat, new_call_id
+from server.tools import ToolFormat
 
 
 def _token(tokenizer: TokenizerLike, token_id: int, logprob: float, as_id: bool) -> TopLogprob:
@@ -105,7 +105,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         if calls is None:
             return AssistantMessage(content=text, reasoning_content=reasoning), finish_reason
         return AssistantMessage(content=None, reasoning_content=reasoning, tool_calls=[
-            ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+            ToolCall(id=state.tool_format.call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
             for c in calls]), "tool_calls" if finish_reason == "stop" else finish_reason
 
     if not body.stream:

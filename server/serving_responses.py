@@ -29,7 +29,7 @@ from server.responses_api import (OutputFunctionCall, OutputItem, OutputMessage,
 from server.serving_chat import chat_logprobs, prepare_chat
 from server.serving_common import Choices, first_output, launch, run_to_completion, stream_response
 from server.state import ServerState
-from server.tools import new_call_id
+from server.tools import ToolFormat
 
 
 def _previous(state: ServerState, body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -46,14 +46,14 @@ def _previous(state: ServerState, body: ResponsesRequest) -> tuple[list[dict[str
     return stored.conversation, stored.input_items + stored.body.get("output", [])
 
 
-def answer_items(text: str, calls: list | None, logprobs: list[ChatTokenLogprob],
+def answer_items(text: str, calls: list | None, logprobs: list[ChatTokenLogprob], fmt: ToolFormat,
                  reasoning: str | None = None) -> list[OutputItem]:
     """A finished answer's output items: its reasoning, then its calls, else one message."""
     items: list[OutputItem] = []
     if reasoning is not None:
         items.append(OutputReasoning(id=new_item_id("rs"), content=[OutputReasoningText(text=reasoning)]))
     if calls is not None:
-        return items + [OutputFunctionCall(id=new_item_id("fc"), call_id=new_call_id(), name=c.name,
+        return items + [OutputFunctionCall(id=new_item_id("fc"), call_id=fmt.call_id(), name=c.name,
                                            arguments=c.arguments) for c in calls]
     return items + [OutputMessage(id=new_item_id("msg"), content=[OutputText(text=text, logprobs=logprobs)])]
 
@@ -87,7 +87,7 @@ async def create_response(state: ServerState, request: Request) -> Response:
         st = choices.states[0]
         reasoning, text, calls = reader.whole("".join(st.text))
         lps = chat_logprobs(tok, st.logprobs).content if body.wants_logprobs else []
-        response.output = answer_items(text, calls, lps, reasoning)
+        response.output = answer_items(text, calls, lps, state.tool_format, reasoning)
         response.finish(st.finish_reason, choices.usage())
         sent = response.model_dump(mode="json")
         keep(sent)

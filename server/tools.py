@@ -10,6 +10,11 @@ A ``ToolFormat`` is one way of writing calls; the server picks one per model
 * ``llama3_json`` where the template writes calls as Llama 3.1/3.2's do:
   one JSON object ``{"name": ..., "parameters": {...}}`` per answer, results in
   ``ipython`` turns (the template renders both).
+* ``mistral`` where the template writes calls as Mistral's (7B v0.3, Nemo,
+  Mixtral 8x22B): ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``,
+  results in ``[TOOL_RESULTS]``; call ids are 9 letters and digits, as those
+  templates require. ``[TOOL_CALLS]`` is a control token of Mistral's
+  vocabulary: the grammar names it as that token, and the answer keeps it.
 * ``generic``, kvserve's own, for every other template (the default model's
   knows nothing of tools): the tools are listed in the system message
   (``tools_block``), and a call is the answer's whole text, one JSON object
@@ -34,6 +39,8 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import string
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,6 +193,16 @@ class ToolFormat:
 
     name: str
     native: bool  # the chat template renders the tools and earlier calls itself
+    # The answer's text keeps special tokens (its calls open with one).
+    keeps_special_tokens = False
+
+    def call_id(self) -> str:
+        """A new call's id (OpenAI's ``tool_calls[].id``)."""
+        return new_call_id()
+
+    def template_call_id(self, call_id: str) -> str:
+        """An earlier call's id as the chat template gets it."""
+        return call_id
 
     def grammar(self, tools: list[FunctionSpec], choice: str, parallel: bool) -> StructuredOutput | None:
         """The structured output that enforces ``choice`` ("none", "auto", "required" or a tool's name)."""
@@ -206,6 +223,13 @@ class ToolFormat:
     def parse(self, text: str) -> list[ParsedCall] | None:
         """A finished answer's calls, or None when it is text or calls cut off by max_tokens."""
         raise NotImplementedError
+
+
+def _opens_with(marker: str, head: str) -> bool | None:
+    """Whether an answer starting with ``head`` opens with ``marker`` (None: too soon to say)."""
+    if head.startswith(marker):
+        return True
+    return None if marker.startswith(head) else False
 
 
 class GenericFormat(ToolFormat):
@@ -274,9 +298,7 @@ class HermesFormat(ToolFormat):
         return StructuredOutput("grammar", "start: TEXT | calls\nTEXT: /[^<][\\s\\S]*/\n" + rules)
 
     def opens(self, head: str) -> bool | None:
-        if head.startswith(HERMES_OPEN):
-            return True
-        return None if HERMES_OPEN.startswith(head) else False
+        return _opens_with(HERMES_OPEN, head)
 
     def _walk(self, body: str) -> tuple[list[ParsedCall], int]:
         """The calls in ``body`` so far, and where the last closed ``</tool_call>`` ends."""
@@ -294,7 +316,7 @@ class HermesFormat(ToolFormat):
         return calls, done
 
     def scan(self, text: str) -> list[ParsedCall] | None:
-        if not text or not (text.startswith(HERMES_OPEN) or HERMES_OPEN.startswith(text)):
+        if not text or _opens_with(HERMES_OPEN, text) is False:
             return None
         return self._walk(text)[0]
 
@@ -349,19 +371,79 @@ class Llama3JsonFormat(ToolFormat):
         return calls if calls and calls[0].complete else None
 
 
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (GenericFormat(), HermesFormat(), Llama3JsonFormat())}
+MISTRAL_CALLS = "[TOOL_CALLS]"
+_ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+class MistralFormat(ToolFormat):
+    """Mistral's calls (vLLM's ``mistral``): ``[TOOL_CALLS] [{"name": ..., "arguments":
+    {...}}, ...]``, always an array. ``marker_token``: the id of ``[TOOL_CALLS]`` where the
+    vocabulary has it as one token (Mistral's control token), which the grammar then asks
+    for as that token rather than spelt out; the text keeps special tokens so that the
+    marker shows."""
+
+    name = "mistral"
+    native = True
+    keeps_special_tokens = True
+    ID_LENGTH = 9  # Mistral's templates refuse other call ids
+
+    def __init__(self, marker_token: int | None = None) -> None:
+        self.marker_token = marker_token
+
+    def call_id(self) -> str:
+        return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(self.ID_LENGTH))
+
+    def template_call_id(self, call_id: str) -> str:
+        # As vLLM does for Mistral: another API's longer id (call_..., toolu_...) by its end.
+        return call_id[-self.ID_LENGTH:]
+
+    def grammar(self, tools: list[FunctionSpec], choice: str, parallel: bool) -> StructuredOutput | None:
+        chosen = _chosen(tools, choice)
+        if chosen is None:
+            return None
+        schema = {"type": "array", "items": _call_schema(chosen), "minItems": 1,
+                  "maxItems": max_calls(chosen, parallel)}
+        marker = f"<[{self.marker_token}]>" if self.marker_token is not None else json.dumps(MISTRAL_CALLS)
+        rules = f'calls: {marker} " " body\nbody: %json {_lark_json(schema)}\n'
+        if choice != "auto":
+            return StructuredOutput("grammar", "start: calls\n" + rules)
+        # A text answer may not start with "[", which keeps it from spelling the marker out.
+        return StructuredOutput("grammar", "start: TEXT | calls\nTEXT: /[^\\[][\\s\\S]*/\n" + rules)
+
+    def opens(self, head: str) -> bool | None:
+        return _opens_with(MISTRAL_CALLS, head)
+
+    def scan(self, text: str) -> list[ParsedCall] | None:
+        if not text or _opens_with(MISTRAL_CALLS, text) is False:
+            return None
+        rest = text[len(MISTRAL_CALLS):].lstrip()
+        return FORMATS["generic"].scan(rest) or [] if rest.startswith("[") else []
+
+    def parse(self, text: str) -> list[ParsedCall] | None:
+        if not text.startswith(MISTRAL_CALLS):
+            return None
+        rest = text[len(MISTRAL_CALLS):].strip()
+        return FORMATS["generic"].parse(rest) if rest.startswith("[") else None
+
+
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (GenericFormat(), HermesFormat(), Llama3JsonFormat(),
+                                                      MistralFormat())}
 TOOL_PARSERS = ("auto", *FORMATS)
 
 
-def tool_format_for(parser: str, template_syntax: str | None) -> ToolFormat:
+def tool_format_for(parser: str, template_syntax: str | None,
+                    encode: Callable[[str], list[int]] | None = None) -> ToolFormat:
     """The format for ``--tool-call-parser`` ``parser``: ``auto`` takes the chat
     template's own syntax (``template_syntax``, e.g. "hermes") where kvserve reads
-    it, else the generic format."""
+    it, else the generic format. ``encode`` (the tokenizer's, without special tokens
+    added) tells whether Mistral's marker is one token."""
     if parser not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got {parser!r}")
-    if parser != "auto":
-        return FORMATS[parser]
-    return FORMATS.get(template_syntax or "generic", FORMATS["generic"])
+    name = parser if parser != "auto" else template_syntax if template_syntax in FORMATS else "generic"
+    if name == "mistral" and encode is not None:
+        ids = encode(MISTRAL_CALLS)
+        return MistralFormat(ids[0] if len(ids) == 1 else None)
+    return FORMATS[name]
 
 
 def new_call_id() -> str:
@@ -424,7 +506,7 @@ class CallStream:
         deltas = []
         for i, call in enumerate(self.format.scan(self.buffer) or []):
             if i == len(self._sent):
-                self._sent.append([new_call_id(), 0])
+                self._sent.append([self.format.call_id(), 0])
                 deltas.append(DeltaToolCall(index=i, id=self._sent[i][0], type="function",
                                             function=DeltaFunction(name=call.name, arguments="")))
             piece = call.arguments[self._sent[i][1]:]

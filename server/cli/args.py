@@ -214,7 +214,8 @@ def _add_api_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSERS,
                    help="how tool calls are prompted and read: hermes (<tool_call> JSON "
                         "</tool_call>, the chat template renders the tools), llama3_json (Llama 3.1/3.2's "
-                        "{\"name\", \"parameters\"} object), generic (kvserve's JSON format, tools listed "
+                        "{\"name\", \"parameters\"} object), mistral ([TOOL_CALLS] and a JSON array of calls, "
+                        "9-character call ids), generic (kvserve's JSON format, tools listed "
                         "in the system message); auto (default): the chat template's own where kvserve "
                         "reads it, else generic")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import jsonschema
@@ -46,55 +47,69 @@ PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 
-HERMES_TEMPLATE = Path(__file__).parents[1] / "data" / "hermes_chat_template.jinja"
+DATA = Path(__file__).parents[1] / "data"
+
+
+@contextmanager
+def template_server(tmp_path_factory: pytest.TempPathFactory, template: str, *log_lines: str,
+                    extra: tuple[str, ...] = ()) -> Iterator[openai.OpenAI]:
+    """A server of its own with ``--chat-template tests/data/<template>`` whose start-up log
+    says each of ``log_lines`` (the tool format it found); its client."""
+    srv = KVServe(free_port(), tmp_path_factory.mktemp(template.split("_")[0]) / "server.log",
+                  api_key="e2e-" + secrets.token_hex(8), shutdown_timeout=10.0,
+                  extra=["--chat-template", str(DATA / template), *extra])
+    try:
+        srv.wait_http_ok(f"{srv.url}/health", 120.0)
+        assert all(line in srv.log(tail=10**6) for line in log_lines), srv.describe()
+        yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key=srv.api_key, max_retries=0, timeout=120.0)
+    finally:
+        rc = srv.stop(30.0)
+    assert rc == 0, srv.describe()
 
 
 @pytest.fixture(scope="module")
 def hermes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     """A second server whose chat template renders tools the hermes way (and which reads
     answers with Qwen3's reasoning parser: SmolLM2 never thinks, so they are all content)."""
-    srv = KVServe(free_port(), tmp_path_factory.mktemp("hermes") / "server.log",
-                  api_key="e2e-" + secrets.token_hex(8), shutdown_timeout=10.0,
-                  extra=["--chat-template", str(HERMES_TEMPLATE), "--reasoning-parser", "qwen3"])
-    try:
-        srv.wait_http_ok(f"{srv.url}/health", 120.0)
-        assert "tool calls: hermes format" in srv.log(tail=10**6), srv.describe()
-        assert "reasoning: qwen3 parser" in srv.log(tail=10**6), srv.describe()
-        yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key=srv.api_key, max_retries=0, timeout=120.0)
-    finally:
-        rc = srv.stop(30.0)
-    assert rc == 0, srv.describe()
-
-
-LLAMA3_TEMPLATE = Path(__file__).parents[1] / "data" / "llama3_json_chat_template.jinja"
+    with template_server(tmp_path_factory, "hermes_chat_template.jinja", "tool calls: hermes format",
+                         "reasoning: qwen3 parser", extra=("--reasoning-parser", "qwen3")) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")
 def llama3_json(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     """A third server, whose chat template renders tools as Llama 3.1/3.2's do (the
     llama3_json format, found by --tool-call-parser auto)."""
-    srv = KVServe(free_port(), tmp_path_factory.mktemp("llama3") / "server.log",
-                  api_key="e2e-" + secrets.token_hex(8), shutdown_timeout=10.0,
-                  extra=["--chat-template", str(LLAMA3_TEMPLATE)])
-    try:
-        srv.wait_http_ok(f"{srv.url}/health", 120.0)
-        assert "tool calls: llama3_json format" in srv.log(tail=10**6), srv.describe()
-        yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key=srv.api_key, max_retries=0, timeout=120.0)
-    finally:
-        rc = srv.stop(30.0)
-    assert rc == 0, srv.describe()
+    with template_server(tmp_path_factory, "llama3_json_chat_template.jinja",
+                         "tool calls: llama3_json format") as client:
+        yield client
 
 
-@pytest.fixture(params=["generic", "hermes", "llama3_json"])
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    """A fourth server, whose chat template renders tools as Mistral's do ([TOOL_CALLS] and a
+    JSON array of calls, 9-character call ids: the mistral format, found by --tool-call-parser
+    auto). SmolLM2 has no [TOOL_CALLS] token: its grammar spells the marker out."""
+    with template_server(tmp_path_factory, "mistral_chat_template.jinja",
+                         "tool calls: mistral format") as client:
+        yield client
+
+
+@pytest.fixture(params=["generic", "hermes", "llama3_json", "mistral"])
 def tool_client(request: pytest.FixtureRequest) -> openai.OpenAI:
-    """The client of the default server (generic format), of the hermes one or of the llama3_json one."""
+    """The client of the default server (generic format), or of the hermes, llama3_json or mistral one."""
     return request.getfixturevalue({"generic": "client"}.get(request.param, request.param))
+
+
+def is_call_id(call_id: str) -> bool:
+    """kvserve's call ids: call_..., or for Mistral's templates 9 letters and digits."""
+    return call_id.startswith("call_") or (len(call_id) == 9 and call_id.isalnum())
 
 
 def check_calls(calls) -> None:
     assert calls
     for call in calls:
-        assert call.type == "function" and call.id.startswith("call_")
+        assert call.type == "function" and is_call_id(call.id)
         jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
 
 
@@ -192,7 +207,7 @@ def test_responses_function_calls_and_their_outputs(tool_client: openai.OpenAI) 
     [call] = r.output
     assert r.status == "completed" and call.type == "function_call" and call.status == "completed"
     assert (call.name, call.arguments) == (chat_call.function.name, chat_call.function.arguments)
-    assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+    assert is_call_id(call.call_id) and call.id.startswith("fc_")
     jsonschema.validate(json.loads(call.arguments), PARAMETERS[call.name])
 
     events = list(client.responses.create(model=MODEL, input=ask, tools=flat, tool_choice="required",

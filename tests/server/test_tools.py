@@ -1,4 +1,5 @@
-"""server.tools: the generic, hermes and llama3_json tool-call formats, their grammars, and the streamed calls."""
+"""server.tools: the generic, hermes, llama3_json and mistral tool-call formats, their grammars, and the
+streamed calls."""
 
 from __future__ import annotations
 
@@ -6,15 +7,17 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from server.protocol import ChatMessage, template_messages
 from models.chat_template import read_chat_template, render_chat_template, template_tool_syntax
 from server.tools import FORMATS, CallStream, FunctionSpec, calls_schema, tool_format_for
 
-GENERIC, HERMES, LLAMA3 = FORMATS["generic"], FORMATS["hermes"], FORMATS["llama3_json"]
+GENERIC, HERMES, LLAMA3, MISTRAL = FORMATS["generic"], FORMATS["hermes"], FORMATS["llama3_json"], FORMATS["mistral"]
 parse_calls, scan_calls = GENERIC.parse, GENERIC.scan
 HERMES_TEMPLATE = Path(__file__).parents[1] / "data" / "hermes_chat_template.jinja"
 LLAMA3_TEMPLATE = Path(__file__).parents[1] / "data" / "llama3_json_chat_template.jinja"
+MISTRAL_TEMPLATE = Path(__file__).parents[1] / "data" / "mistral_chat_template.jinja"
 
 WEATHER = FunctionSpec("get_weather", "Weather in a city.",
                        {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
@@ -115,17 +118,24 @@ def test_hermes_answers_parse_into_their_calls():
     assert HERMES.parse(ONE) is None  # the generic format's JSON is not a hermes call
 
 
-def test_a_hermes_stream_holds_back_until_the_tag_decides():
-    stream = CallStream(HERMES)
-    assert stream.feed("<tool") == ("", [])
+def stream_two_calls(stream: CallStream, text: str) -> tuple[list, list]:
+    """Feed ``text`` (calls of get_weather, then get_time) 3 characters at a time: every
+    delta, and the calls' first deltas (id and name) in order."""
     deltas = []
-    for i in range(5, len(HERMES_TWO), 3):
-        text, calls = stream.feed(HERMES_TWO[i:i + 3])
-        assert text == ""
+    for i in range(0, len(text), 3):
+        content, calls = stream.feed(text[i:i + 3])
+        assert content == ""
         deltas += calls
     assert stream.finish() == ("", True)
     heads = [d for d in deltas if d.id]
     assert [(d.index, d.function.name) for d in heads] == [(0, "get_weather"), (1, "get_time")]
+    return deltas, heads
+
+
+def test_a_hermes_stream_holds_back_until_the_tag_decides():
+    stream = CallStream(HERMES)
+    assert stream.feed("<tool") == ("", [])
+    deltas, heads = stream_two_calls(stream, HERMES_TWO[5:])
     for index, call in enumerate(HERMES.parse(HERMES_TWO)):
         assert "".join(d.function.arguments or "" for d in deltas if d.index == index) == call.arguments
     text_stream = CallStream(HERMES)
@@ -160,7 +170,7 @@ def test_the_template_decides_the_format():
     assert tool_format_for("auto", "unknown") is GENERIC and tool_format_for("auto", None) is GENERIC
     assert tool_format_for("generic", "hermes") is GENERIC and tool_format_for("hermes", None) is HERMES
     with pytest.raises(ValueError, match="tool_call_parser"):
-        tool_format_for("mistral", None)
+        tool_format_for("pythonic", None)
     with pytest.raises(ValueError, match="cannot read"):
         read_chat_template(str(HERMES_TEMPLATE) + ".missing")
     # A template given as it is (vLLM's --chat-template takes either), checked all the same.
@@ -243,3 +253,104 @@ def test_the_llama3_template_is_read_and_renders_calls_and_results():
     assert '{"name": "get_weather", "parameters": {"city": "Rome"}}<|im_end|>' in text
     assert '<|im_start|>ipython\n{"output": "{\\"temp\\": 20}"}<|im_end|>' in text
     assert '"name": "get_weather", "description": "Weather in a city."' in text
+
+
+MISTRAL_TWO = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}, {"name": "get_time", "arguments": {}}]'
+
+
+def test_mistral_answers_parse_and_stream_into_their_calls():
+    calls = MISTRAL.parse(MISTRAL_TWO)
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Rome"}'), ("get_time", "{}")]
+    assert MISTRAL.parse(TWO) is None  # no marker: not Mistral's calls
+    assert MISTRAL.parse(MISTRAL_TWO[:-3]) is None and MISTRAL.parse("It is sunny.") is None
+    assert MISTRAL.parse('[TOOL_CALLS] {"name": "get_time", "arguments": {}}') is None  # always an array
+    deltas, heads = stream_two_calls(CallStream(MISTRAL), MISTRAL_TWO)
+    # Mistral's templates take only ids of 9 letters and digits.
+    assert all(len(d.id) == 9 and d.id.isalnum() for d in heads) and len({d.id for d in heads}) == 2
+    for index, call in enumerate(calls):
+        assert "".join(d.function.arguments or "" for d in deltas if d.index == index) == call.arguments
+    text_stream = CallStream(MISTRAL)
+    assert text_stream.feed("[TOOL") == ("", [])  # could still be the marker
+    assert text_stream.feed("S]") == ("[TOOLS]", [])  # it is not: content from then on
+    assert text_stream.finish() == ("", False)
+
+
+def test_mistral_grammars_open_with_the_marker_and_make_an_array_of_calls():
+    from llguidance import LLMatcher
+
+    from engine.structured import llguidance_grammar
+
+    required = MISTRAL.grammar([WEATHER, TIME], "required", True)
+    assert required.kind == "grammar" and required.value.startswith('start: calls\ncalls: "[TOOL_CALLS]" " " body')
+    assert '"type": "array"' in required.value and '"maxItems": 2' in required.value
+    assert '"maxItems": 1' in MISTRAL.grammar([WEATHER, TIME], "required", False).value
+    named = MISTRAL.grammar([WEATHER, TIME], "get_time", True)
+    assert "get_weather" not in named.value
+    auto = MISTRAL.grammar([WEATHER], "auto", True)
+    assert "start: TEXT | calls" in auto.value
+    assert MISTRAL.grammar([WEATHER], "none", True) is None
+    # Where the vocabulary has the marker as one token, the grammar asks for that token.
+    token = tool_format_for("mistral", None, lambda text: [5] if text == "[TOOL_CALLS]" else [1, 2])
+    assert token.grammar([WEATHER], "required", True).value.startswith("start: calls\ncalls: <[5]> \" \" body")
+    spelt = tool_format_for("auto", "mistral", lambda text: [1, 2, 3])
+    assert spelt.marker_token is None and '"[TOOL_CALLS]"' in spelt.grammar([WEATHER], "auto", True).value
+    for grammar in (required, auto, token.grammar([WEATHER], "auto", True)):
+        assert LLMatcher.validate_grammar(llguidance_grammar(grammar)) == ""
+
+
+def test_the_mistral_template_is_read_and_renders_calls_results_and_their_ids():
+    template = read_chat_template(str(MISTRAL_TEMPLATE))
+    assert template_tool_syntax(template) == "mistral"
+    assert tool_format_for("auto", "mistral").name == "mistral"
+    # Ids of another API (call_..., toolu_...) reach the template by their last 9 characters.
+    out = template_messages(history(), [WEATHER], parallel=True, tool_format=MISTRAL)
+    assert out[1]["tool_calls"][0]["id"] == "call_1" and out[2]["tool_call_id"] == "call_1"
+    long = [ChatMessage(role="user", content="Weather in Rome?"),
+            ChatMessage(role="assistant", content=None, tool_calls=[
+                {"id": "call_0123456789abcdef", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]),
+            ChatMessage(role="tool", content='{"temp": 20}', tool_call_id="call_0123456789abcdef")]
+    out = template_messages(long, [WEATHER], parallel=True, tool_format=MISTRAL)
+    assert out[1]["tool_calls"][0]["id"] == out[2]["tool_call_id"] == "789abcdef"
+    text = render_chat_template(template, out, tools=[WEATHER.openai()])
+    assert '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}, "id": "789abcdef"}]' in text
+    assert '[TOOL_RESULTS] {"content": "{\\"temp\\": 20}", "call_id": "789abcdef"}[/TOOL_RESULTS]' in text
+    assert text.count("[AVAILABLE_TOOLS]") == 1
+    with pytest.raises(ValueError, match="length 9"):
+        render_chat_template(template, template_messages(history(), [WEATHER], tool_format=HERMES),
+                             tools=[WEATHER.openai()])
+
+
+def test_mistrals_control_token_is_the_grammars_and_stays_in_the_text(smollm2_loaded):
+    # SmolLM2's tokenizer with [TOOL_CALLS] added as a special token, as Mistral's has it.
+    from tokenizers import Tokenizer
+
+    from engine.structured import GrammarCompiler, bitmask_words
+
+    tok = Tokenizer.from_str(smollm2_loaded.tokenizer.to_json())
+    tok.add_special_tokens(["[TOOL_CALLS]"])
+    marker = tok.token_to_id("[TOOL_CALLS]")
+    fmt = tool_format_for("auto", "mistral", lambda text: tok.encode(text, add_special_tokens=False).ids)
+    assert fmt.marker_token == marker
+    compiler = GrammarCompiler(tok.to_str(), tok.get_vocab_size(), [0])
+
+    def allowed(grammar) -> torch.Tensor:  # the mask the engine computes, as booleans
+        words = torch.zeros(bitmask_words(tok.get_vocab_size()), dtype=torch.int32)
+        grammar.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+        bits = (words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
+        return bits.flatten()[:tok.get_vocab_size()].bool()
+
+    grammar = compiler.grammar(compiler.compile(fmt.grammar([WEATHER], "required", True)))
+    bracket = tok.encode("[", add_special_tokens=False).ids[0]
+    first = allowed(grammar)
+    assert first[marker] and not first[bracket]  # the token, not the text spelt out
+    grammar.advance(marker)
+    body = tok.encode(' [{"name": "get_weather", "arguments": {"city": "Rome"}}]', add_special_tokens=False).ids
+    for t in body:
+        assert allowed(grammar)[t], tok.decode([t])
+        grammar.advance(t)
+    assert grammar.finished
+    text = tok.decode([marker, *body], skip_special_tokens=False)
+    assert [(c.name, c.arguments) for c in fmt.parse(text)] == [("get_weather", '{"city": "Rome"}')]
+    auto = allowed(compiler.grammar(compiler.compile(fmt.grammar([WEATHER], "auto", True))))
+    assert auto[marker] and not auto[bracket] and auto[tok.encode("It", add_special_tokens=False).ids[0]]
