@@ -95,7 +95,7 @@ class Request:
     # Why the engine failed this sample (then it is FINISHED_ABORTED): a grammar fault.
     error: str | None = None
     generator: torch.Generator | None = None
-    # With mirostat: its mu, the surprise bound for the next token (engine.sampler.mirostat),
+    # With mirostat: its mu, the surprise bound for the next token (engine.sampler.apply_mirostat),
     # moved after each sampled token; kept through preemption like the output itself.
     mirostat_mu: float | None = None
     # The sample's structured-output matcher, fed every appended token.
