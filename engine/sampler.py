@@ -457,17 +457,16 @@ def _sample(logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor
                                    None if coins is None else [coins[i] for i in rows], order)
         logits = out
     probs = logits.softmax(dim=-1)
-    mirostat = [i for i, p in enumerate(params) if p.mirostat]
-    for i in mirostat:
-        mu = requests[i].mirostat_mu
+    # Each mirostat row's mu before this token.
+    bounds = {i: r.mirostat_mu for i, r in enumerate(requests) if r.sampling_params.mirostat}
+    for i, mu in bounds.items():
         assert mu is not None, "a mirostat request starts with its mu"
         probs[i] = apply_mirostat(probs[i], mu, params[i].mirostat)
     tokens = ops.argmax(probs / noise)
     mus: list[float | None] = [None] * num_rows
-    for i in mirostat:
-        p, mu = params[i], requests[i].mirostat_mu
+    for i, mu in bounds.items():
         assert mu is not None
-        prob = float(probs[i, int(tokens[i])])
+        p, prob = params[i], float(probs[i, int(tokens[i])])
         # (A row with every token masked has no distribution: the sampler falls back to the
         # model's argmax, and mu stays.)
         mus[i] = mirostat_update(mu, prob, p.mirostat_tau, p.mirostat_eta) if prob > 0 else mu
@@ -492,7 +491,7 @@ def _truncate(logits: torch.Tensor, params: list[SamplingParams], coins: list[fl
     logits = logits / torch.tensor(first, device=device).unsqueeze(1)
     if any(c.top_n_sigma > 0 for c in cut):
         logits = apply_top_n_sigma(logits, torch.tensor([c.top_n_sigma for c in cut], device=device))
-    top_k = [min(c.top_k, vocab) if c.top_k > 0 else vocab for c in cut]
+    top_k = _top_k_values(cut, vocab)
     top_p = [c.top_p for c in cut]
     typical_p = [c.typical_p for c in cut]
     logits = apply_top_k_top_p(
@@ -511,6 +510,11 @@ def _truncate(logits: torch.Tensor, params: list[SamplingParams], coins: list[fl
     return logits
 
 
+def _top_k_values(params: list[SamplingParams], vocab: int) -> list[int]:
+    """Each row's k (its whole vocabulary where top-k is off or wider)."""
+    return [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+
+
 def _xtc(logits: torch.Tensor, params: list[SamplingParams], coins: list[float]) -> torch.Tensor:
     device = logits.device
     excluded = torch.tensor([p.xtc_active and c < p.xtc_probability for p, c in zip(params, coins)], device=device)
@@ -527,8 +531,7 @@ def _truncate_in_order(logits: torch.Tensor, params: list[SamplingParams], coins
         if step == "temperature":
             logits = apply_temperature_last(logits, params)
         elif step == "top_k" and any(0 < p.top_k < vocab for p in params):
-            top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device)
-            logits = apply_top_k_top_p(logits, top_k, None)
+            logits = apply_top_k_top_p(logits, torch.tensor(_top_k_values(params, vocab), device=device), None)
         elif step == "top_p" and any(p.top_p < 1 for p in params):
             logits = apply_top_k_top_p(logits, None, torch.tensor([p.top_p for p in params], device=device))
         elif step == "typ_p" and any(p.typical_p < 1 for p in params):
