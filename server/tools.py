@@ -417,7 +417,8 @@ class MistralFormat(ToolFormat):
         if not text or _opens_with(MISTRAL_CALLS, text) is False:
             return None
         rest = text[len(MISTRAL_CALLS):].lstrip()
-        return FORMATS["generic"].scan(rest) or [] if rest.startswith("[") else []
+        # (The generic format reads an array that has begun: never None.)
+        return FORMATS["generic"].scan(rest) if rest.startswith("[") else []
 
     def parse(self, text: str) -> list[ParsedCall] | None:
         if not text.startswith(MISTRAL_CALLS):
