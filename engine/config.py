@@ -133,30 +133,78 @@ class LoRAModule:
         return cls(name.strip(), path.strip())
 
 
+@dataclass(frozen=True)
+class StepBudget:
+    """What a step and the KV cache may hold, once the device is known: at most
+    ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens a step, and
+    ``kv_cache_memory`` bytes of KV cache (per tensor-parallel rank)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_cache_memory: int
+
+
+# NOTE: the CPU's step budget is small on purpose. On a CPU a step's time grows with its
+# tokens, and every prompt in a step gets its first token only when the whole step ends,
+# so smaller steps let the first prompts of a burst answer sooner. 256 against 512 (the
+# 2-core EPYC, 128-token prompts): mean TTFT 0.71x at 4 streams, 0.83x at 16, equal at
+# 64, output tok/s and an 1800-token prompt's TTFT unchanged (docs/performance.md, "The
+# step's token budget"). At 128, 64 streams' prompts no longer kept up beside 64 decodes
+# (mean TTFT 1.4x).
+CPU_BUDGET = StepBudget(max_num_seqs=64, max_num_batched_tokens=256, kv_cache_memory=512 * MiB)
+# A GPU's step costs about the same from 1 to thousands of tokens, so it takes vLLM's
+# sizes: on an H200, 2048 tokens and 256 sequences against the CPU's 256 and 64 gave
+# 1.8x the output tok/s at 64 and 256 streams and a third of the mean TTFT at 64
+# (docs/performance.md, "The CUDA path"). The KV cache takes half the memory free once
+# the weights are loaded, no more than max_num_seqs sequences of max_model_len need.
+CUDA_MAX_NUM_SEQS = 256
+CUDA_MAX_NUM_BATCHED_TOKENS = 2048
+CUDA_KV_CACHE_FRACTION = 0.5
+
+
+def step_budget(config: EngineConfig, device_type: str, max_model_len: int, kv_bytes_per_token: int,
+                free_memory: int | None = None) -> StepBudget:
+    """``config``'s sizes, each one it leaves None from the defaults of ``device_type``
+    (``cpu``: :data:`CPU_BUDGET`; ``cuda``: the ``CUDA_*`` settings, the KV cache sized
+    from the device's ``free_memory`` in bytes and ``kv_bytes_per_token``)."""
+    if device_type != "cuda":
+        d = CPU_BUDGET
+        return StepBudget(
+            max_num_seqs=config.max_num_seqs if config.max_num_seqs is not None else d.max_num_seqs,
+            max_num_batched_tokens=(config.max_num_batched_tokens if config.max_num_batched_tokens is not None
+                                    else d.max_num_batched_tokens),
+            kv_cache_memory=config.kv_cache_memory if config.kv_cache_memory is not None else d.kv_cache_memory)
+    seqs = config.max_num_seqs if config.max_num_seqs is not None else CUDA_MAX_NUM_SEQS
+    tokens = (config.max_num_batched_tokens if config.max_num_batched_tokens is not None
+              else CUDA_MAX_NUM_BATCHED_TOKENS)
+    kv = config.kv_cache_memory
+    if kv is None:
+        if free_memory is None:
+            raise ValueError("sizing the KV cache on CUDA needs the device's free memory")
+        kv = max(1, min(int(CUDA_KV_CACHE_FRACTION * free_memory), seqs * max_model_len * kv_bytes_per_token))
+    return StepBudget(max_num_seqs=seqs, max_num_batched_tokens=tokens, kv_cache_memory=kv)
+
+
 @dataclass
 class EngineConfig:
     """Everything needed to build an engine.
 
     ``model`` is a name (``smollm2``), a checkpoint directory or a ``.gguf``
     file. ``kv_cache_memory`` is the KV cache budget in bytes; the number of
-    blocks follows from it and the model's shape. ``max_model_len=None`` means
-    the model's own context length.
+    blocks follows from it and the model's shape. It, ``max_num_seqs`` and
+    ``max_num_batched_tokens`` left None take the device's defaults
+    (:func:`step_budget`). ``max_model_len=None`` means the model's own context
+    length.
     """
 
     model: str = "smollm2"
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
-    kv_cache_memory: int = 512 * MiB
+    # The step's and the KV cache's sizes: None takes the device's default (StepBudget).
+    kv_cache_memory: int | None = None
     block_size: int = 16
-    max_num_seqs: int = 64
-    # NOTE: small on purpose. On a CPU a step's time grows with its tokens, and every
-    # prompt in a step gets its first token only when the whole step ends, so smaller
-    # steps let the first prompts of a burst answer sooner. 256 against 512 (the
-    # 2-core EPYC, 128-token prompts): mean TTFT 0.71x at 4 streams, 0.83x at 16,
-    # equal at 64, output tok/s and an 1800-token prompt's TTFT unchanged
-    # (docs/performance.md, "The step's token budget"). At 128, 64 streams' prompts
-    # no longer kept up beside 64 decodes (mean TTFT 1.4x).
-    max_num_batched_tokens: int = 256
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     served_model_name: str | None = None
@@ -196,12 +244,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
-        if self.kv_cache_memory <= 0:
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be {_one_of(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig, SpeculativeConfig
+from engine.config import EngineConfig, SpeculativeConfig, step_budget
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
-from engine.model_runner import ModelRunner, num_blocks_for_budget
+from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.request import EngineRequest, Request, RequestStatus
 from engine.sampler import Sampler, SamplerOutput, dry_breakers, picks_argmax, prompt_logprobs
@@ -121,21 +121,25 @@ class LLMEngine:
                              f"({loaded.config.max_position_embeddings})")
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, loaded.dtype)
         tp_size = config.parallel.tensor_parallel_size
+        block_bytes = kv_bytes_per_block(loaded.config, kv_dtype, config.block_size, tp_size)
+        free = torch.cuda.mem_get_info(loaded.device)[0] if loaded.device.type == "cuda" else None
+        self.budget = step_budget(config, loaded.device.type, self.max_model_len,
+                                  cdiv(block_bytes, config.block_size), free)
         # NOTE: the budget is per rank (as vLLM's per GPU): N ranks cache N times the tokens.
-        num_blocks = num_blocks_for_budget(loaded.config, kv_dtype, config.block_size, config.kv_cache_memory,
-                                           tp_size)
+        num_blocks = self.budget.kv_cache_memory // block_bytes
         needed = cdiv(self.max_model_len, config.block_size)
         if num_blocks < needed:
             raise ValueError(
-                f"the KV cache budget ({config.kv_cache_memory / 2**20:.0f} MiB = {num_blocks} blocks of "
+                f"the KV cache budget ({self.budget.kv_cache_memory / 2**20:.0f} MiB = {num_blocks} blocks of "
                 f"{config.block_size} tokens) cannot hold one sequence of max_model_len={self.max_model_len} "
                 f"({needed} blocks); raise --kv-cache-memory or lower --max-model-len")
         self.num_blocks = num_blocks
         self.block_size = config.block_size
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
-                            max_num_batched_tokens=config.max_num_batched_tokens, max_loras=config.max_loras),
+            SchedulerConfig(max_model_len=self.max_model_len, max_num_seqs=self.budget.max_num_seqs,
+                            max_num_batched_tokens=self.budget.max_num_batched_tokens,
+                            max_loras=config.max_loras),
             self.kv_cache)
         if self.workers is not None:
             self.workers.set_num_blocks(num_blocks)
@@ -175,8 +179,10 @@ class LLMEngine:
         self._last_preemptions = 0
         self._pending_finished: list[FinishedRequestStats] = []
         self._pending_structured: list[StructuredRequestStats] = []
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s", num_blocks, config.block_size,
-                    num_blocks * config.block_size, str(kv_dtype).removeprefix("torch."))
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s; steps of up to %d sequences and %d tokens",
+                    num_blocks, config.block_size, num_blocks * config.block_size,
+                    str(kv_dtype).removeprefix("torch."), self.budget.max_num_seqs,
+                    self.budget.max_num_batched_tokens)
 
     def _proposer(self, spec: SpeculativeConfig, draft: LoadedModel | None) -> Proposer:
         """Prompt lookup, or the draft model loaded as the target was (same dtype,
@@ -193,7 +199,7 @@ class LLMEngine:
         kv_dtype = resolve_kv_cache_dtype(c.kv_cache_dtype, draft.dtype)
         logger.info("speculative: draft model %s, %d KV blocks of its own", spec.draft_model, self.num_blocks)
         return DraftProposer(draft, self.num_blocks, self.block_size, kv_dtype, spec.num_speculative_tokens,
-                             self.vocab_size, max_catch_up=c.max_num_batched_tokens)
+                             self.vocab_size, max_catch_up=self.budget.max_num_batched_tokens)
 
     # -- tensor-parallel ranks --------------------------------------------
 

@@ -25,12 +25,6 @@ def kv_bytes_per_block(config: ModelConfig, dtype: torch.dtype, block_size: int,
                                     config.head_dim, dtype)
 
 
-def num_blocks_for_budget(config: ModelConfig, dtype: torch.dtype, block_size: int, budget: int,
-                          tp_size: int = 1) -> int:
-    """How many blocks fit in ``budget`` bytes (of each of ``tp_size`` ranks)."""
-    return budget // kv_bytes_per_block(config, dtype, block_size, tp_size)
-
-
 @dataclass
 class Chunk:
     """One sequence's tokens in a forward: ``token_ids`` at positions

@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 PROBE_LAYERS = 4  # enough distinct layers that their weights do not all stay in cache
 DECODE_SEQS = 16
 DECODE_CONTEXT = 256
-PROMPT_TOKENS = 256  # the engine's default step budget (engine.config.EngineConfig)
+PROMPT_TOKENS = 256  # the engine's default step budget on a CPU (engine.config.CPU_BUDGET)
 RUNS = 5
 BLOCK_SIZE = 16
 CACHE_FILE = "paths.json"
@@ -45,7 +45,8 @@ CACHE_FILE = "paths.json"
 # path's Python side changes what it runs, so the choice is measured again.
 # 2: int4 runs the grouped kernel for every batch, none the dense one.
 # 3: the prompt chunk is 256 tokens, the engine's step budget since it went down from 512.
-PATHS_VERSION = 3
+# 4: the candidates are timed in rounds (measure_all), not one after another.
+PATHS_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ def choose(config: ModelConfig, dtype: str, quantization: str, four_bit: bool,
         path = RunPath(**cached["path"])
         logger.info("path auto: %s (measured earlier on this CPU; %s)", path, cached["why"])
         return path
-    timings = [measure(config, p) for p in options]
+    timings = measure_all(config, options)
     best, why = pick(timings)
     logger.info("path auto: %s (%s)", best.path, why)
     _write_cache(cache_dir, key, {"path": dataclasses.asdict(best.path), "why": why,
@@ -150,49 +151,82 @@ def pick(timings: list[Timing]) -> tuple[Timing, str]:
 
 def measure(config: ModelConfig, path: RunPath, runs: int = RUNS) -> Timing:
     """Time ``path`` on a random-weight model of ``config``'s shapes (see the module doc)."""
-    layers = min(PROBE_LAYERS, config.num_hidden_layers)
-    probe_config = dataclasses.replace(config, num_hidden_layers=layers)
-    model = _probe_model(probe_config, path)
-    was_amx = ops.amx_enabled()
-    ops.set_amx_enabled(path.amx)
-    try:
-        return _time(model, config, path, layers, runs)
-    finally:
-        ops.set_amx_enabled(was_amx)
+    return measure_all(config, [path], runs)[0]
 
 
-def _time(model: torch.nn.Module, config: ModelConfig, path: RunPath, layers: int, runs: int) -> Timing:
-    kv_dtype = kv_cache.default_dtype(getattr(torch, path.dtype))
-    decode_blocks = kv_cache.cdiv(DECODE_CONTEXT + 1, BLOCK_SIZE)
-    prompt_blocks = kv_cache.cdiv(PROMPT_TOKENS, BLOCK_SIZE)
-    num_blocks = DECODE_SEQS * decode_blocks + prompt_blocks
-    shape = (num_blocks, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
-    caches = [tuple(kv_cache.to_cache_rows(torch.randn(shape), kv_dtype) for _ in range(2))
-              for _ in range(layers)]
-    order = list(range(num_blocks))
-    random.Random(0).shuffle(order)  # a cache in use is scattered
-    tables = [order[i * decode_blocks:(i + 1) * decode_blocks] for i in range(DECODE_SEQS)]
-    decode = build_attention_metadata([SeqSpec(1, DECODE_CONTEXT + 1, t) for t in tables], BLOCK_SIZE)
-    prompt = build_attention_metadata(
-        [SeqSpec(PROMPT_TOKENS, PROMPT_TOKENS, order[-prompt_blocks:])], BLOCK_SIZE)
-    decode_ids = torch.randint(config.vocab_size, (DECODE_SEQS,))
-    prompt_ids = torch.randint(config.vocab_size, (PROMPT_TOKENS,))
-    last = torch.tensor([PROMPT_TOKENS - 1])
+def measure_all(config: ModelConfig, paths: list[RunPath], runs: int = RUNS) -> list[Timing]:
+    """Time every path in ``paths`` (as :func:`measure`), in ``runs`` rounds that each time
+    every path once; each time is the median over the rounds.
 
-    def decode_step() -> None:
-        model(decode_ids, torch.full((DECODE_SEQS,), DECODE_CONTEXT), decode, caches)
+    Why rounds: these machines are shared, and one path timed after another can
+    meet another process's burst or a slower phase (up to 1.8x within minutes)
+    that the other path missed; a choice made from that is cached for good. In
+    rounds, such a disturbance falls on every path alike.
+    """
+    probes = [_Probe(config, p) for p in paths]
+    for probe in probes:
+        probe.run(record=False)  # warm: first-call allocations, lazily built state
+    for _ in range(runs):
+        for probe in probes:
+            probe.run(record=True)
+    return [probe.timing() for probe in probes]
 
-    def prompt_step() -> None:
-        model(prompt_ids, torch.arange(PROMPT_TOKENS), prompt, caches, logits_indices=last)
 
-    head_rows = {DECODE_SEQS: torch.randn(DECODE_SEQS, config.hidden_size).to(getattr(torch, path.dtype)),
-                 1: torch.randn(1, config.hidden_size).to(getattr(torch, path.dtype))}
-    with torch.inference_mode():
-        head_decode = _median_ms(lambda: model.lm_head(head_rows[DECODE_SEQS]), runs)
-        head_prompt = _median_ms(lambda: model.lm_head(head_rows[1]), runs)
-        decode_ms = _scaled(_median_ms(decode_step, runs), head_decode, layers, config.num_hidden_layers)
-        prompt_ms = _scaled(_median_ms(prompt_step, runs), head_prompt, layers, config.num_hidden_layers)
-    return Timing(path, decode_ms, prompt_ms)
+class _Probe:
+    """One path's probe model (``PROBE_LAYERS`` layers and the head, random weights) with
+    the inputs of a decode step and a prompt chunk, and its times so far."""
+
+    def __init__(self, config: ModelConfig, path: RunPath) -> None:
+        self.config, self.path = config, path
+        self.layers = min(PROBE_LAYERS, config.num_hidden_layers)
+        self.model = _probe_model(dataclasses.replace(config, num_hidden_layers=self.layers), path)
+        kv_dtype = kv_cache.default_dtype(getattr(torch, path.dtype))
+        decode_blocks = kv_cache.cdiv(DECODE_CONTEXT + 1, BLOCK_SIZE)
+        prompt_blocks = kv_cache.cdiv(PROMPT_TOKENS, BLOCK_SIZE)
+        num_blocks = DECODE_SEQS * decode_blocks + prompt_blocks
+        shape = (num_blocks, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
+        self.caches = [tuple(kv_cache.to_cache_rows(torch.randn(shape), kv_dtype) for _ in range(2))
+                       for _ in range(self.layers)]
+        order = list(range(num_blocks))
+        random.Random(0).shuffle(order)  # a cache in use is scattered
+        tables = [order[i * decode_blocks:(i + 1) * decode_blocks] for i in range(DECODE_SEQS)]
+        self.decode = build_attention_metadata([SeqSpec(1, DECODE_CONTEXT + 1, t) for t in tables], BLOCK_SIZE)
+        self.prompt = build_attention_metadata(
+            [SeqSpec(PROMPT_TOKENS, PROMPT_TOKENS, order[-prompt_blocks:])], BLOCK_SIZE)
+        self.decode_ids = torch.randint(config.vocab_size, (DECODE_SEQS,))
+        self.prompt_ids = torch.randint(config.vocab_size, (PROMPT_TOKENS,))
+        dtype = getattr(torch, path.dtype)
+        self.head_rows = {n: torch.randn(n, config.hidden_size).to(dtype) for n in (DECODE_SEQS, 1)}
+        self.times: dict[str, list[float]] = {"decode": [], "prompt": [], "head_decode": [], "head_prompt": []}
+
+    def run(self, record: bool) -> None:
+        """Each of the four measured calls once (its times kept when ``record``)."""
+        calls = {
+            "head_decode": lambda: self.model.lm_head(self.head_rows[DECODE_SEQS]),
+            "head_prompt": lambda: self.model.lm_head(self.head_rows[1]),
+            "decode": lambda: self.model(self.decode_ids, torch.full((DECODE_SEQS,), DECODE_CONTEXT),
+                                         self.decode, self.caches),
+            "prompt": lambda: self.model(self.prompt_ids, torch.arange(PROMPT_TOKENS), self.prompt,
+                                         self.caches, logits_indices=torch.tensor([PROMPT_TOKENS - 1])),
+        }
+        was_amx = ops.amx_enabled()
+        ops.set_amx_enabled(self.path.amx)
+        try:
+            with torch.inference_mode():
+                for name, fn in calls.items():
+                    t0 = time.perf_counter()
+                    fn()
+                    if record:
+                        self.times[name].append((time.perf_counter() - t0) * 1e3)
+        finally:
+            ops.set_amx_enabled(was_amx)
+
+    def timing(self) -> Timing:
+        """Whole-model estimates from the medians of the recorded times."""
+        med = {name: statistics.median(t) for name, t in self.times.items()}
+        n = self.config.num_hidden_layers
+        return Timing(self.path, _scaled(med["decode"], med["head_decode"], self.layers, n),
+                      _scaled(med["prompt"], med["head_prompt"], self.layers, n))
 
 
 def _probe_model(config: ModelConfig, path: RunPath) -> torch.nn.Module:
@@ -209,16 +243,6 @@ def _probe_model(config: ModelConfig, path: RunPath) -> torch.nn.Module:
     model.init_rope(DECODE_CONTEXT + PROMPT_TOKENS + 1)
     prepare_projections(model, path.quantization)
     return model.eval()
-
-
-def _median_ms(fn, runs: int) -> float:
-    fn()  # warm: first-call allocations, lazily built state
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def _scaled(step_ms: float, head_ms: float, probe_layers: int, num_layers: int) -> float:

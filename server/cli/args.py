@@ -113,15 +113,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the CPU computes it), measured once and cached; on CUDA bfloat16")
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
     p.add_argument("--kv-cache-memory", type=_size_arg, default=d.kv_cache_memory,
-                   help="KV cache budget, e.g. 512MiB or 2GiB (default 512MiB)")
+                   help="KV cache budget, e.g. 512MiB or 2GiB (default: 512MiB on a CPU; on CUDA half "
+                        "the GPU memory free once the model is loaded, at most what --max-num-seqs "
+                        "sequences of --max-model-len need)")
     p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
                    choices=KV_CACHE_DTYPES,
                    help="auto: float16 for a float32 model (twice the tokens), else the model's dtype; "
                         "int8: 8-bit codes and a scale per token and head (about 1.9x float16's tokens, "
                         "logits within about 1)")
     p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help="sequences a step runs at most (default: 64 on a CPU, 256 on CUDA)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="tokens a step computes at most (default: 256 on a CPU, 2048 on CUDA)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's)")
     p.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=SCHEDULING_POLICIES,

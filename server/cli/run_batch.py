@@ -78,7 +78,7 @@ def _run(args: argparse.Namespace, llm: LLMEngine, requests: list[BatchRequest],
                     reasoning_parser=args.reasoning_parser, max_stored_responses=0,
                     log_requests=args.enable_log_requests, max_log_len=args.max_log_len, cors=None,
                     max_body_size=sys.maxsize)  # a line's body was read already
-    concurrency = args.max_concurrency or 2 * args.max_num_seqs
+    concurrency = args.max_concurrency or 2 * llm.budget.max_num_seqs
     result: list[BatchSummary] = []
     failure: list[BaseException] = []
     done = threading.Event()

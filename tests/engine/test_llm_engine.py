@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import EngineConfig
+from engine.config import (CPU_BUDGET, CUDA_KV_CACHE_FRACTION, CUDA_MAX_NUM_BATCHED_TOKENS, CUDA_MAX_NUM_SEQS,
+                           EngineConfig, StepBudget, step_budget)
 from engine.llm_engine import LLMEngine, resolve_kv_cache_dtype
 from engine.model_runner import kv_bytes_per_block
 from engine.outputs import RequestOutput
@@ -451,7 +452,44 @@ def test_the_path_choice_times_a_prompt_chunk_of_the_default_step_budget():
     # default budget: a prompt chunk the engine never runs would time the wrong step.
     from models import autotune
 
-    assert autotune.PROMPT_TOKENS == EngineConfig().max_num_batched_tokens
+    assert autotune.PROMPT_TOKENS == CPU_BUDGET.max_num_batched_tokens
+
+
+GiB = 2**30
+
+
+def test_step_budget_takes_each_unset_size_from_the_device():
+    cpu = step_budget(EngineConfig(), "cpu", max_model_len=8192, kv_bytes_per_token=23040)
+    assert cpu == CPU_BUDGET
+    cuda = step_budget(EngineConfig(), "cuda", max_model_len=8192, kv_bytes_per_token=23040, free_memory=10 * GiB)
+    assert (cuda.max_num_seqs, cuda.max_num_batched_tokens) == (CUDA_MAX_NUM_SEQS, CUDA_MAX_NUM_BATCHED_TOKENS)
+    assert cuda.kv_cache_memory == int(CUDA_KV_CACHE_FRACTION * 10 * GiB)
+    # A large GPU: no more than max_num_seqs sequences of max_model_len need.
+    big = step_budget(EngineConfig(max_num_seqs=8), "cuda", max_model_len=1000, kv_bytes_per_token=100,
+                      free_memory=100 * GiB)
+    assert big.kv_cache_memory == 8 * 1000 * 100 and big.max_num_seqs == 8
+    # What the configuration sets wins on either device.
+    mine = EngineConfig(max_num_seqs=3, max_num_batched_tokens=77, kv_cache_memory=12345)
+    for device in ("cpu", "cuda"):
+        assert step_budget(mine, device, 8192, 23040, free_memory=GiB) == StepBudget(3, 77, 12345)
+    with pytest.raises(ValueError, match="free memory"):
+        step_budget(EngineConfig(), "cuda", 8192, 23040)
+
+
+def test_the_engine_sizes_its_kv_cache_and_steps_by_the_budget(smollm2_loaded):
+    engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", max_model_len=MAX_MODEL_LEN),
+                       loaded=smollm2_loaded)
+    assert engine.budget == CPU_BUDGET
+    block = kv_bytes_per_block(smollm2_loaded.config, torch.float16, engine.block_size)
+    assert engine.num_blocks == CPU_BUDGET.kv_cache_memory // block
+    assert engine.scheduler.config.max_num_seqs == CPU_BUDGET.max_num_seqs
+    assert engine.scheduler.config.max_num_batched_tokens == CPU_BUDGET.max_num_batched_tokens
+
+
+@pytest.mark.parametrize("setting", [{"kv_cache_memory": 0}, {"max_num_seqs": 0}, {"max_num_batched_tokens": -1}])
+def test_a_size_below_one_is_refused(setting):
+    with pytest.raises(ValueError, match=next(iter(setting))):
+        EngineConfig(**setting)
 
 
 def test_default_kv_cache_is_float16_and_holds_twice_the_blocks(smollm2_loaded, tokenizer):

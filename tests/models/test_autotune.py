@@ -65,7 +65,7 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(
         fast = path == RunPath("float32", "int4")
         return Timing(path, decode_ms=1.0 if fast else 2.0, prompt_ms=5.0 if fast else 6.0)
 
-    monkeypatch.setattr(autotune, "measure", fake_measure)
+    monkeypatch.setattr(autotune, "measure_all", lambda config, paths: [fake_measure(config, p) for p in paths])
     with caplog.at_level(logging.INFO, logger="models.autotune"):
         first = autotune.choose(TINY, "float32", "auto", four_bit=True, cache_dir=tmp_path)
         assert measured == paths(["float32"], FOUR_BIT_QUANTS)
@@ -85,6 +85,28 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(
 def test_every_candidate_runs_on_a_probe_model(path: RunPath) -> None:
     t = autotune.measure(TINY, path, runs=1)
     assert t.path == path and t.decode_ms > 0 and t.prompt_ms > 0
+
+
+def test_the_candidates_are_timed_in_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A burst of another process must fall on every candidate alike: each round times
+    # every path once, after one unrecorded warm-up call of each.
+    calls: list[tuple[str, bool]] = []
+    monkeypatch.setattr(autotune._Probe, "run", lambda self, record: calls.append((str(self.path), record)))
+    monkeypatch.setattr(autotune._Probe, "timing", lambda self: Timing(self.path, 1.0, 1.0))
+    options = paths(DTYPES, FOUR_BIT_QUANTS)
+    timings = autotune.measure_all(TINY, options, runs=3)
+    assert [t.path for t in timings] == options
+    names = [str(p) for p in options]
+    assert calls == [(n, False) for n in names] + [(n, True) for n in names] * 3
+
+
+def test_the_median_of_the_rounds_makes_the_timing() -> None:
+    probe = autotune._Probe(TINY, RunPath("float32", "none"))
+    probe.times = {"decode": [9.0, 1.0, 2.0], "prompt": [5.0, 50.0, 6.0],
+                   "head_decode": [0.5, 0.5, 0.5], "head_prompt": [1.0, 1.0, 1.0]}
+    t = probe.timing()
+    layers = TINY.num_hidden_layers / probe.layers
+    assert t.decode_ms == pytest.approx(0.5 + 1.5 * layers) and t.prompt_ms == pytest.approx(1.0 + 5.0 * layers)
 
 
 def test_resolve_path_keeps_forced_settings_and_measures_open_ones(
@@ -115,8 +137,8 @@ def test_python_m_models_ops_reports_the_choice(monkeypatch: pytest.MonkeyPatch,
 
     monkeypatch.setattr(loader, "read_config", lambda name: (TINY, "Q4_1"))
     monkeypatch.setattr(autotune.ops, "cache_directory", lambda: tmp_path)
-    monkeypatch.setattr(autotune, "measure", lambda config, path: Timing(
-        path, decode_ms=1.0 if path.quantization == "int4" else 3.0, prompt_ms=1.0))
+    monkeypatch.setattr(autotune, "measure_all", lambda config, paths: [Timing(
+        path, decode_ms=1.0 if path.quantization == "int4" else 3.0, prompt_ms=1.0) for path in paths])
     assert ops.main(["--choose-path", "tiny"]) == 0
     out = capsys.readouterr().out
     assert "fused CPU kernels: ready" in out
