@@ -13,7 +13,9 @@ writes what it found to ``DIR/cuda.json``:
    default CUDA dtype (bfloat16) against float32.
 3. ``batched``: whether a prompt's greedy tokens on CUDA are the same alone and
    beside seven others (not promised on CUDA; recorded).
-4. ``serve``: ``kvserve serve --device cuda`` under ``bench.serve``'s load
+4. ``profile``: one sequence's decode step, timed, and under torch.profiler its
+   kernel launches and GPU time (the top ops in ``DIR/profile.txt``).
+5. ``serve``: ``kvserve serve --device cuda`` under ``bench.serve``'s load
    (128-token prompts, 128 output tokens, ignore_eos) with the CPU-sized defaults
    and with each ``--budget`` given (``TOKENS:SEQS:KV_GIB``).
 """
@@ -111,6 +113,39 @@ def stage_batched(args, prompts) -> dict:
     return res
 
 
+def stage_profile(args, prompts) -> dict:
+    """One sequence's decode step: timed (20 steps), and under torch.profiler (5 steps) its
+    kernel launches and GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.sampling_params import SamplingParams
+
+    engine = _engine(args.model, args.device, "auto")
+    engine.add_request("profiled", prompts[0], SamplingParams(temperature=0, max_tokens=80, ignore_eos=True))
+    for _ in range(8):  # the prompt and a few decodes: warm
+        engine.step()
+    cuda = args.device.startswith("cuda")
+    steps = 20
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    if cuda:
+        torch.cuda.synchronize()
+    res = {"step_ms": round((time.perf_counter() - t0) / steps * 1e3, 2)}
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(5):
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    res["kernel_launches_per_step"] = sum(
+        e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")) / 5
+    res["gpu_ms_per_step"] = round(sum(e.self_device_time_total for e in events) / 5 / 1e3, 2) if cuda else None
+    Path(args.out, "profile.txt").write_text(events.table(sort_by="self_cpu_time_total", row_limit=25))
+    engine.abort_request("profiled")
+    return res
+
+
 def stage_serve(args) -> dict:
     from bench.peers import _kvserve_argv
 
@@ -142,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="a GGUF file (default: the default model's)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=".")
-    p.add_argument("--stages", nargs="+", default=["info", "greedy", "batched", "serve"])
+    p.add_argument("--stages", nargs="+", default=["info", "greedy", "batched", "profile", "serve"])
     p.add_argument("--levels", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--level-seconds", type=float, default=45.0,
                    help="at most this long per load level (later requests are not sent)")
@@ -170,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                     from models.tokenizer import Tokenizer
                     tok = Tokenizer.from_gguf_fields(open_gguf(args.model).fields)
                     prompts = make_prompts(tok, 8, 64, seed=0)
-                results[stage] = {"greedy": stage_greedy, "batched": stage_batched}[stage](args, prompts)
+                run_stage = {"greedy": stage_greedy, "batched": stage_batched, "profile": stage_profile}[stage]
+                results[stage] = run_stage(args, prompts)
         except Exception:  # noqa: BLE001 (a stage's failure is a finding: record it, go on)
             results[stage] = {"error": traceback.format_exc()}
         results.setdefault("seconds", {})[stage] = round(time.perf_counter() - t0, 1)
