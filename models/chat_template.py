@@ -183,8 +183,9 @@ def template_tool_syntax(template: str | None) -> str | None:
     ``"hermes"`` (``<tool_call>`` JSON ``</tool_call>``, as Qwen2.5 and Hermes
     templates), ``"llama3_json"`` (one ``{"name", "parameters"}`` object, results in
     ``ipython`` turns: Llama 3.1/3.2), ``"mistral"`` (``[TOOL_CALLS]`` and a JSON array of
-    calls), ``"unknown"`` for a syntax kvserve does not read, None when the
-    template knows nothing of tools.
+    calls), ``"mistral_v11"`` (``[TOOL_CALLS]name[ARGS]{...}`` per call: Mistral's
+    templates from tokenizer version 11 on), ``"unknown"`` for a syntax kvserve does
+    not read, None when the template knows nothing of tools.
 
     Raises:
         ValueError: the template is not valid Jinja2.
@@ -199,9 +200,10 @@ def template_tool_syntax(template: str | None) -> str | None:
         return None
     if "<tool_call>" in template:
         return "hermes"
-    # Mistral (7B v0.3, Nemo, Mixtral 8x22B): [TOOL_CALLS] [{"name", "arguments"}, ...].
+    # Mistral (7B v0.3, Nemo, Mixtral 8x22B): [TOOL_CALLS] [{"name", "arguments"}, ...];
+    # from tokenizer version 11 (Small 3.1+, Devstral, Magistral) [TOOL_CALLS]name[ARGS]{...}.
     if "[TOOL_CALLS]" in template:
-        return "mistral"
+        return "mistral_v11" if "[ARGS]" in template else "mistral"
     # Llama 3.1/3.2: calls as {"name": ..., "parameters": ...}, results in ipython turns.
     if '"parameters"' in template and "ipython" in template:
         return "llama3_json"

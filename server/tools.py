@@ -15,6 +15,8 @@ A ``ToolFormat`` is one way of writing calls; the server picks one per model
   results in ``[TOOL_RESULTS]``; call ids are 9 letters and digits, as those
   templates require. ``[TOOL_CALLS]`` is a control token of Mistral's
   vocabulary: the grammar names it as that token, and the answer keeps it.
+  Mistral's newer templates and tokenizers (version 11 on: Mistral Small 3.1+,
+  Devstral, Magistral) write each call as ``[TOOL_CALLS]name[ARGS]{...}``.
 * ``generic``, kvserve's own, for every other template (the default model's
   knows nothing of tools): the tools are listed in the system message
   (``tools_block``), and a call is the answer's whole text, one JSON object
@@ -196,6 +198,10 @@ class ToolFormat:
     # The answer's text keeps special tokens (its calls open with one).
     keeps_special_tokens = False
 
+    def describe(self) -> str:
+        """The format as the start-up log names it."""
+        return f"{self.name} format"
+
     def call_id(self) -> str:
         """A new call's id (OpenAI's ``tool_calls[].id``)."""
         return new_call_id()
@@ -223,6 +229,16 @@ class ToolFormat:
     def parse(self, text: str) -> list[ParsedCall] | None:
         """A finished answer's calls, or None when it is text or calls cut off by max_tokens."""
         raise NotImplementedError
+
+
+def _arguments_parse(calls: list[ParsedCall]) -> bool:
+    """Whether every call's arguments are JSON."""
+    try:
+        for c in calls:
+            json.loads(c.arguments)
+    except ValueError:
+        return False
+    return True
 
 
 def _opens_with(marker: str, head: str) -> bool | None:
@@ -325,12 +341,7 @@ class HermesFormat(ToolFormat):
         calls, done = self._walk(body)
         if not calls or done != len(body) or not all(c.complete for c in calls):
             return None
-        try:
-            for c in calls:
-                json.loads(c.arguments)
-        except ValueError:
-            return None
-        return calls
+        return calls if _arguments_parse(calls) else None
 
 
 _HERMES_END = re.compile(r"\s*" + re.escape(HERMES_CLOSE))
@@ -372,6 +383,7 @@ class Llama3JsonFormat(ToolFormat):
 
 
 MISTRAL_CALLS = "[TOOL_CALLS]"
+MISTRAL_ARGS = "[ARGS]"
 _ALPHANUMERIC = string.ascii_letters + string.digits
 
 
@@ -397,18 +409,23 @@ class MistralFormat(ToolFormat):
         # As vLLM does for Mistral: another API's longer id (call_..., toolu_...) by its end.
         return call_id[-self.ID_LENGTH:]
 
+    def _marker(self) -> str:
+        """``[TOOL_CALLS]`` in the grammar: its token where it is one, else its text."""
+        return f"<[{self.marker_token}]>" if self.marker_token is not None else json.dumps(MISTRAL_CALLS)
+
+    def _grammar(self, rules: str, choice: str) -> StructuredOutput:
+        if choice != "auto":
+            return StructuredOutput("grammar", "start: calls\n" + rules)
+        # A text answer may not start with "[", which keeps it from spelling the marker out.
+        return StructuredOutput("grammar", "start: TEXT | calls\nTEXT: /[^\\[][\\s\\S]*/\n" + rules)
+
     def grammar(self, tools: list[FunctionSpec], choice: str, parallel: bool) -> StructuredOutput | None:
         chosen = _chosen(tools, choice)
         if chosen is None:
             return None
         schema = {"type": "array", "items": _call_schema(chosen), "minItems": 1,
                   "maxItems": max_calls(chosen, parallel)}
-        marker = f"<[{self.marker_token}]>" if self.marker_token is not None else json.dumps(MISTRAL_CALLS)
-        rules = f'calls: {marker} " " body\nbody: %json {_lark_json(schema)}\n'
-        if choice != "auto":
-            return StructuredOutput("grammar", "start: calls\n" + rules)
-        # A text answer may not start with "[", which keeps it from spelling the marker out.
-        return StructuredOutput("grammar", "start: TEXT | calls\nTEXT: /[^\\[][\\s\\S]*/\n" + rules)
+        return self._grammar(f'calls: {self._marker()} " " body\nbody: %json {_lark_json(schema)}\n', choice)
 
     def opens(self, head: str) -> bool | None:
         return _opens_with(MISTRAL_CALLS, head)
@@ -427,6 +444,60 @@ class MistralFormat(ToolFormat):
         return FORMATS["generic"].parse(rest) if rest.startswith("[") else None
 
 
+class MistralArgsFormat(MistralFormat):
+    """Mistral's calls since its tokenizer version 11 (Mistral Small 3.1 and later,
+    Devstral, Magistral; vLLM's ``mistral`` on such a tokenizer): each call is
+    ``[TOOL_CALLS]name[ARGS]{...}``, the calls one after another. ``args_token``: the id
+    of ``[ARGS]`` where it is one token (a control token of those vocabularies)."""
+
+    def __init__(self, marker_token: int | None = None, args_token: int | None = None) -> None:
+        super().__init__(marker_token)
+        self.args_token = args_token
+
+    def describe(self) -> str:
+        return f"{self.name} format, {MISTRAL_CALLS}name{MISTRAL_ARGS}{{...}} per call"
+
+    def grammar(self, tools: list[FunctionSpec], choice: str, parallel: bool) -> StructuredOutput | None:
+        chosen = _chosen(tools, choice)
+        if chosen is None:
+            return None
+        args = f"<[{self.args_token}]>" if self.args_token is not None else json.dumps(MISTRAL_ARGS)
+        more = max_calls(chosen, parallel) - 1
+        rules = ("calls: call" + (f" call{{0,{more}}}" if more else "") + "\n"
+                 f"call: {self._marker()} (" + " | ".join(f"fn{i}" for i in range(len(chosen))) + ")\n")
+        for i, tool in enumerate(chosen):
+            rules += f"fn{i}: {json.dumps(tool.name)} {args} body{i}\nbody{i}: %json {_lark_json(tool.parameters)}\n"
+        return self._grammar(rules, choice)
+
+    def _calls(self, text: str) -> tuple[list[ParsedCall], bool]:
+        """The calls in ``text`` so far, and whether each closed with nothing but blanks after it."""
+        calls: list[ParsedCall] = []
+        tidy = True
+        for part in text.split(MISTRAL_CALLS)[1:]:
+            name, sep, args = part.partition(MISTRAL_ARGS)
+            if not sep:  # the name has not all arrived
+                tidy = False
+                break
+            args = args.lstrip()
+            end = _value_end(args, 0) if args.startswith("{") else None
+            calls.append(ParsedCall(name.strip(), args if end is None else args[:end], end is not None))
+            tidy = tidy and end is not None and not args[end:].strip()
+        return calls, tidy
+
+    def scan(self, text: str) -> list[ParsedCall] | None:
+        if not text or _opens_with(MISTRAL_CALLS, text) is False:
+            return None
+        return self._calls(text)[0]
+
+    def parse(self, text: str) -> list[ParsedCall] | None:
+        if not text.startswith(MISTRAL_CALLS):
+            return None
+        calls, tidy = self._calls(text.rstrip())
+        if not calls or not tidy:
+            return None
+        return calls if _arguments_parse(calls) else None
+
+
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in (GenericFormat(), HermesFormat(), Llama3JsonFormat(),
                                                       MistralFormat())}
 TOOL_PARSERS = ("auto", *FORMATS)
@@ -435,16 +506,23 @@ TOOL_PARSERS = ("auto", *FORMATS)
 def tool_format_for(parser: str, template_syntax: str | None,
                     encode: Callable[[str], list[int]] | None = None) -> ToolFormat:
     """The format for ``--tool-call-parser`` ``parser``: ``auto`` takes the chat
-    template's own syntax (``template_syntax``, e.g. "hermes") where kvserve reads
-    it, else the generic format. ``encode`` (the tokenizer's, without special tokens
-    added) tells whether Mistral's marker is one token."""
+    template's own syntax (``template_syntax``, e.g. "hermes"; "mistral_v11" is
+    Mistral's ``[ARGS]`` syntax) where kvserve reads it, else the generic format.
+    ``encode`` (the tokenizer's, without special tokens added) tells whether
+    Mistral's markers are single tokens."""
     if parser not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got {parser!r}")
-    name = parser if parser != "auto" else template_syntax if template_syntax in FORMATS else "generic"
-    if name == "mistral" and encode is not None:
-        ids = encode(MISTRAL_CALLS)
-        return MistralFormat(ids[0] if len(ids) == 1 else None)
-    return FORMATS[name]
+    syntax = "mistral" if template_syntax == "mistral_v11" else template_syntax
+    name = parser if parser != "auto" else syntax if syntax in FORMATS else "generic"
+    if name != "mistral":
+        return FORMATS[name]
+    marker, args = (encode(MISTRAL_CALLS), encode(MISTRAL_ARGS)) if encode is not None else ([], [])
+    marker_token = marker[0] if len(marker) == 1 else None
+    # The newer syntax where the template writes it, or the vocabulary has [ARGS] as one
+    # token (Mistral's tokenizers from version 11 on, which vLLM reads it by).
+    if template_syntax == "mistral_v11" or len(args) == 1:
+        return MistralArgsFormat(marker_token, args[0] if len(args) == 1 else None)
+    return MistralFormat(marker_token)
 
 
 def new_call_id() -> str:

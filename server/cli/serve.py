@@ -191,7 +191,7 @@ def _serve(args: argparse.Namespace, engine: AsyncEngine) -> int:
     logger.info("kvserve listening on %s://%s:%d (model %s, max_model_len %d, auth %s)",
                 "https" if tls else "http", args.host, args.port, state.model_name, engine.max_model_len,
                 "on" if args.api_key else "off")
-    logger.info("tool calls: %s format (%s)", state.tool_format.name,
+    logger.info("tool calls: %s (%s)", state.tool_format.describe(),
                 "the chat template renders tools" if state.tool_format.native
                 else "tools listed in the system message")
     if state.reasoning is not None:

@@ -95,9 +95,20 @@ def mistral(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]
         yield client
 
 
-@pytest.fixture(params=["generic", "hermes", "llama3_json", "mistral"])
+@pytest.fixture(scope="module")
+def mistral_v11(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    """A fifth server, whose chat template writes calls as Mistral's newer ones do
+    ([TOOL_CALLS]name[ARGS]{...} per call: the mistral format's newer syntax, found by
+    --tool-call-parser auto). SmolLM2 has neither marker as a token: its grammar spells them."""
+    with template_server(tmp_path_factory, "mistral_v11_chat_template.jinja",
+                         "tool calls: mistral format, [TOOL_CALLS]name[ARGS]{...} per call") as client:
+        yield client
+
+
+@pytest.fixture(params=["generic", "hermes", "llama3_json", "mistral", "mistral_v11"])
 def tool_client(request: pytest.FixtureRequest) -> openai.OpenAI:
-    """The client of the default server (generic format), or of the hermes, llama3_json or mistral one."""
+    """The client of the default server (generic format), or of the hermes, llama3_json,
+    mistral or mistral_v11 one."""
     return request.getfixturevalue({"generic": "client"}.get(request.param, request.param))
 
 

@@ -354,3 +354,86 @@ def test_mistrals_control_token_is_the_grammars_and_stays_in_the_text(smollm2_lo
     assert [(c.name, c.arguments) for c in fmt.parse(text)] == [("get_weather", '{"city": "Rome"}')]
     auto = allowed(compiler.grammar(compiler.compile(fmt.grammar([WEATHER], "auto", True))))
     assert auto[marker] and not auto[bracket] and auto[tok.encode("It", add_special_tokens=False).ids[0]]
+
+
+MISTRAL_V11_TEMPLATE = Path(__file__).parents[1] / "data" / "mistral_v11_chat_template.jinja"
+MISTRAL_V11 = tool_format_for("mistral", "mistral_v11")
+MISTRAL_V11_TWO = '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]get_time[ARGS]{}'
+
+
+def test_mistrals_args_syntax_parses_and_streams_into_its_calls():
+    calls = MISTRAL_V11.parse(MISTRAL_V11_TWO)
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Rome"}'), ("get_time", "{}")]
+    assert MISTRAL_V11.parse(MISTRAL_V11_TWO + "\n") is not None  # blanks after the last call
+    for cut in (MISTRAL_V11_TWO[:-1], MISTRAL_V11_TWO[:-5], '[TOOL_CALLS]get_time', '[TOOL_CALLS]get_time[ARGS]{} and',
+                '[TOOL_CALLS]get_time[ARGS]{"a": tru}', MISTRAL_TWO, TWO, "It is sunny."):
+        assert MISTRAL_V11.parse(cut) is None, cut
+    # Growing, a call shows once its name has all arrived ([ARGS] says where it ends).
+    assert MISTRAL_V11.scan("[TOOL_CALLS]get_wea") == [] and MISTRAL_V11.scan("It") is None
+    [call] = MISTRAL_V11.scan('[TOOL_CALLS]get_weather[ARGS]{"ci')
+    assert (call.name, call.arguments, call.complete) == ("get_weather", '{"ci', False)
+    deltas, heads = stream_two_calls(CallStream(MISTRAL_V11), MISTRAL_V11_TWO)
+    assert all(len(d.id) == 9 and d.id.isalnum() for d in heads)
+    for index, call in enumerate(calls):
+        assert "".join(d.function.arguments or "" for d in deltas if d.index == index) == call.arguments
+
+
+def test_mistrals_args_grammar_names_each_tool_before_its_arguments():
+    from llguidance import LLMatcher
+
+    from engine.structured import llguidance_grammar
+
+    required = MISTRAL_V11.grammar([WEATHER, TIME], "required", True)
+    assert required.value.startswith("start: calls\ncalls: call call{0,1}\n")
+    assert 'fn0: "get_weather" "[ARGS]" body0' in required.value and '"city"' in required.value
+    assert "call{0" not in MISTRAL_V11.grammar([WEATHER, TIME], "required", False).value  # one call
+    named = MISTRAL_V11.grammar([WEATHER, TIME], "get_time", True)
+    assert "get_weather" not in named.value and "get_time" in named.value
+    auto = MISTRAL_V11.grammar([WEATHER], "auto", True)
+    assert auto.value.startswith("start: TEXT | calls\n")
+    assert MISTRAL_V11.grammar([WEATHER], "none", True) is None
+    # Both markers as their tokens where the vocabulary has them as one (version 11's does).
+    ids = {"[TOOL_CALLS]": [5], "[ARGS]": [32]}
+    tokens = tool_format_for("mistral", None, lambda text: ids.get(text, [1, 2]))
+    assert (tokens.marker_token, tokens.args_token) == (5, 32)  # found by the vocabulary alone
+    assert 'call: <[5]> (fn0)\nfn0: "get_weather" <[32]> body0' in tokens.grammar([WEATHER], "required", True).value
+    for grammar in (required, named, auto, tokens.grammar([WEATHER, TIME], "auto", True)):
+        assert LLMatcher.validate_grammar(llguidance_grammar(grammar)) == ""
+
+
+def test_mistrals_newer_template_is_read_and_renders_calls_and_results():
+    template = read_chat_template(str(MISTRAL_V11_TEMPLATE))
+    assert template_tool_syntax(template) == "mistral_v11"
+    fmt = tool_format_for("auto", "mistral_v11")
+    assert fmt.name == "mistral" and fmt.args_token is None
+    assert type(tool_format_for("auto", "mistral")) is type(MISTRAL)  # the older syntax stays
+    out = template_messages(history(), [WEATHER], parallel=True, tool_format=fmt)
+    text = render_chat_template(template, out, tools=[WEATHER.openai()])
+    assert '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}<|im_end|>' in text
+    assert '[TOOL_RESULTS]{"temp": 20}[/TOOL_RESULTS]' in text and text.count("[AVAILABLE_TOOLS]") == 1
+
+
+def test_mistrals_args_syntax_runs_on_its_control_tokens(smollm2_loaded):
+    # SmolLM2's tokenizer with [TOOL_CALLS] and [ARGS] added as special tokens, as
+    # Mistral's version-11 tokenizers have them.
+    from tokenizers import Tokenizer
+
+    from engine.structured import GrammarCompiler
+
+    tok = Tokenizer.from_str(smollm2_loaded.tokenizer.to_json())
+    tok.add_special_tokens(["[TOOL_CALLS]", "[ARGS]"])
+    fmt = tool_format_for("auto", "mistral_v11", lambda text: tok.encode(text, add_special_tokens=False).ids)
+    assert (fmt.marker_token, fmt.args_token) == (tok.token_to_id("[TOOL_CALLS]"), tok.token_to_id("[ARGS]"))
+    compiler = GrammarCompiler(tok.to_str(), tok.get_vocab_size(), [0])
+    grammar = compiler.grammar(compiler.compile(fmt.grammar([WEATHER, TIME], "required", True)))
+    answer = tok.encode(MISTRAL_V11_TWO, add_special_tokens=False).ids
+    assert answer.count(fmt.marker_token) == 2 and answer.count(fmt.args_token) == 2
+    for t in answer:
+        assert grammar.matcher.consume_token(t), tok.decode([t], skip_special_tokens=False)
+    assert grammar.finished
+    text = tok.decode(answer, skip_special_tokens=False)
+    assert [(c.name, c.arguments) for c in fmt.parse(text)] == [("get_weather", '{"city": "Rome"}'),
+                                                                  ("get_time", "{}")]
+    # The spelt-out marker is not a way into the calls.
+    spelt = compiler.grammar(compiler.compile(fmt.grammar([WEATHER], "required", True)))
+    assert not spelt.matcher.consume_token(tok.encode("[", add_special_tokens=False).ids[0])
