@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from bench import llama_cpp
+from models import ops
 from models.quant import QuantizedLinear
 
 REPO = Path(__file__).resolve().parents[1]
@@ -275,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     if tokenizer.add_bos_token:  # llama-perplexity puts BOS in each window's first slot
         chunks = [[tokenizer.bos_token_id, *c[1:]] for c in chunks]
     print(f"{len(ids)} tokens, {len(chunks)} windows of {args.ctx}", file=sys.stderr)
-    rows = measure(chunks, args.ctx, PATHS + [("float32", "w4a8", "float16", span) for span in spans])
+    # amx-bf16 only runs where the CPU has AMX-BF16.
+    amx_bf16 = [("float32", "amx-bf16", "float16")] if ops.amx_bf16_usable() else []
+    rows = measure(chunks, args.ctx, PATHS + amx_bf16 + [("float32", "w4a8", "float16", span) for span in spans])
     if not args.no_llama_cpp:
         rows += llama_cpp_quality(args.ctx, args.threads)
     default = default_path()

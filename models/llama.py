@@ -17,7 +17,7 @@ from models import ops
 from models.attention import AttentionMetadata, paged_attention
 from models.config import ModelConfig
 from models.parallel import TensorParallel, embed
-from models.quant import QuantizedLinear
+from models.quant import AmxBf16Linear, QuantizedLinear
 from models.rope import RotaryEmbedding, interleave_rotary_rows
 
 if TYPE_CHECKING:  # models.lora reads the fused layout below
@@ -128,11 +128,13 @@ class DecoderLayer(nn.Module):
         return self.mlp(h, lora), residual
 
     def packed_int4(self) -> bool:
-        """Whether every projection runs kvserve's int4 kernel (so ``forward_fused`` applies)."""
+        """Whether every projection runs one of the fused layer's GEMMs (kvserve's int4
+        kernel, or AMX-BF16's), the same for all four, so ``forward_fused`` applies."""
         attn, mlp = self.self_attn, self.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        fused = all(isinstance(p, (QuantizedLinear, AmxBf16Linear)) and p.fused for p in projections)
         # NOTE: the fused layer kernel has no per-head q/k norm: Qwen3 runs op by op.
-        return (attn.q_norm is None and all(isinstance(p, QuantizedLinear) and p.fused and p.kind == "int4" for p in projections)
+        return (fused and attn.q_norm is None and {p.kind for p in projections} in ({"int4"}, {"amx-bf16"})
                 and all(p.bias is None for p in projections[1:]))
 
     def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RotaryEmbedding,

@@ -357,6 +357,24 @@ def amx_usable() -> bool:
     return _load() is not None and _amx_usable
 
 
+def amx_bf16_usable() -> bool:
+    """Whether GEMMs can run on AMX-BF16 tiles here (``amx_bf16_linear``): the CPU has
+    AMX-BF16, the OS granted the tiles, and ``KVSERVE_AMX`` is not 0."""
+    return _load() is not None and amx_mode() != "off" and _ext.amx_bf16_available()
+
+
+def amx_bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x [M, K] @ W^T`` in float32 on AMX-BF16 tiles, x's rows rounded to bfloat16 (RNE),
+    for a weight packed by ``models.quant.pack_amx_bf16``. A row's result does not depend
+    on the other rows; it is this CPU kind's own (tdpbf16ps rounds as the hardware does)."""
+    if not amx_bf16_usable():
+        raise RuntimeError("amx_bf16_linear needs AMX-BF16 (see python -m models.ops)")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    _ext.amx_bf16_linear(out, x, packed)
+    return out
+
+
 _AMX_MODES = {"0": "off", "1": "auto", "auto": "auto", "": "auto", "force": "force"}
 
 
@@ -596,7 +614,9 @@ def main(argv: list[str] | None = None) -> int:
                else "usable, offered to the path choice" if amx_usable()
                else "present, not offered (KVSERVE_AMX=0 or the self-check; see above)" if amx_hardware()
                else "not on this CPU")
-        print(f"fused CPU kernels: ready ({vector_isa()}; int8 dots: {int8_dots() or 'none'}; AMX-INT8: {amx})")
+        bf16 = "usable (--quantization amx-bf16)" if amx_bf16_usable() else "not usable"
+        print(f"fused CPU kernels: ready ({vector_isa()}; int8 dots: {int8_dots() or 'none'}; AMX-INT8: {amx}; "
+              f"AMX-BF16: {bf16})")
     else:
         print("fused CPU kernels: unavailable, plain torch ops will run")
     if args.choose_path:

@@ -103,6 +103,16 @@ def pack_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.contiguous(), scales
 
 
+def pack_amx_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` as bfloat16 B operands of AMX-BF16's ``tdpbf16ps`` for
+    ``ops.amx_bf16_linear``: ``[ceil(N/16), ceil(K/32), 16, 16, 2]``, element
+    ``[t, b, p, o, j] = W[16t + o, 32b + 2p + j]``, zero-padded."""
+    n, k = weight.shape
+    w = torch.nn.functional.pad(weight.detach().to(torch.bfloat16), (0, -k % 32, 0, -n % 16))
+    tiles, blocks = w.shape[0] // 16, w.shape[1] // 32
+    return w.reshape(tiles, 16, blocks, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
 def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise ``weight [N, K]`` to symmetric 8-bit groups of 32 (GGUF Q8_0's scheme) for ``ops.grouped_linear``.
 
@@ -121,7 +131,7 @@ def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.contiguous(), scales
 
 
-METHODS = ("int4", "w4a8")
+METHODS = ("int4", "w4a8", "amx-bf16")
 
 
 class QuantizedLinear(nn.Module):
@@ -179,6 +189,31 @@ class QuantizedLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class AmxBf16Linear(nn.Module):
+    """A linear layer whose weight is kept as bfloat16 B operands of AMX-BF16 tiles
+    (``pack_amx_bf16``); float32 inputs are rounded to bfloat16 and the sums are float32
+    (``ops.amx_bf16_linear``), one arithmetic for every batch size. Where the CPU has
+    AMX-BF16 only (``ops.amx_bf16_usable``). ``codes``/``group_scales`` under the grouped
+    kernel's names, as the fused layer takes every projection (``ops.fused_layer``)."""
+
+    kind = "amx-bf16"
+    fused = True
+    int8_activations = False
+
+    def __init__(self, dense: nn.Linear) -> None:
+        super().__init__()
+        if not ops.amx_bf16_usable():
+            raise ValueError("amx-bf16 needs a CPU with AMX-BF16 (see python -m models.ops); use w4a8")
+        self.in_features, self.out_features = dense.in_features, dense.out_features
+        self.bias = dense.bias
+        self.register_buffer("codes", pack_amx_bf16(dense.weight), persistent=False)
+        self.register_buffer("group_scales", torch.empty(0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = ops.amx_bf16_linear(x.float(), self.codes, self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
 def quantize_model(model: nn.Module, method: str) -> nn.Module:
     """Swap the decoder's projections (int4) and the LM head (int8) for quantised layers, in place.
 
@@ -189,9 +224,20 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
     * ``"w4a8"``: activations rounded to int8 per 16 inputs, integer dot
       products against the centred codes (``ops.int8_dots``); about 2x the int4
       path's GEMM speed, and no dense copies of the projections.
+    * ``"amx-bf16"``: the projections' weights as bfloat16 on AMX-BF16 tiles
+      (``AmxBf16Linear``), activations rounded to bfloat16 at each; the LM head as w4a8's.
     """
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; supported: {', '.join(METHODS)}")
+    if method == "amx-bf16":
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj, attn.o_proj = AmxBf16Linear(attn.qkv_proj), AmxBf16Linear(attn.o_proj)
+            mlp.gate_up_proj, mlp.down_proj = AmxBf16Linear(mlp.gate_up_proj), AmxBf16Linear(mlp.down_proj)
+        # The head reads the most weights a decode step (49,152 rows for SmolLM2): kept as
+        # w4a8's int8 rows and int8 dots, half the bytes of bfloat16.
+        model.lm_head = QuantizedLinear(model.lm_head, "int8", ops.has_int8_dots())
+        return model
     int8_acts = method == "w4a8"
     if int8_acts and not ops.has_int8_dots():
         raise ValueError("w4a8 needs kvserve's CPU kernels with vector integer dots (AVX2 or AVX-512); use int4")

@@ -32,10 +32,20 @@ void add_lora(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>&
   }
 }
 
+// y = x @ W^T for projection p: grouped_linear's codes and scales, or bfloat16 B
+// operands for AMX-BF16 (models/quant.py AmxBf16Linear: codes only).
+void project(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& p, bool int8_activations) {
+  if (p[0].scalar_type() == at::kBFloat16) {
+    amx_bf16_linear(y, x, p[0]);
+  } else {
+    grouped_linear(y, x, p[0], p[1], int8_activations, false);
+  }
+}
+
 }  // namespace
 
 // One decoder layer for a step's batch, float32 activations, every projection
-// packed (grouped_linear's codes and scales): the same kernels the Python
+// packed (grouped_linear's codes and scales, or amx_bf16_linear's operands): the same kernels the Python
 // layer calls one by one, in one call, so a step pays no per-op Python
 // dispatch. The batch is num_decodes decodes (one token per sequence), then,
 // when prefill_query_start is given, prompt chunks (rows num_decodes + its
@@ -70,7 +80,7 @@ std::vector<at::Tensor> fused_layer(
     rms_norm(h, x, input_norm, eps);
   }
   at::Tensor qkv_out = at::empty({rows, qkv_width}, opts);
-  grouped_linear(qkv_out, h, qkv[0], qkv[1], int8_activations, false);
+  project(qkv_out, h, qkv, int8_activations);
   if (qkv_bias.has_value()) qkv_out.add_(*qkv_bias);
   add_lora(qkv_out, h, lora, lora_rows, 0);
   rotary_and_cache(qkv_out, rotations, positions, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads);
@@ -92,17 +102,18 @@ std::vector<at::Tensor> fused_layer(
   }
   at::Tensor o = at::empty({rows, hidden}, opts);
   const at::Tensor attn_rows = attn.view({rows, num_heads * head_dim});
-  grouped_linear(o, attn_rows, o_proj[0], o_proj[1], int8_activations, false);
+  project(o, attn_rows, o_proj, int8_activations);
   add_lora(o, attn_rows, lora, lora_rows, 1);
   add_rms_norm(h, residual, o, post_norm, eps);
-  const int64_t inter = down[0].size(1) * 32;  // down's input width = the intermediate size
+  // down's input width = the intermediate size (its 32-input groups or blocks)
+  const int64_t inter = down[0].size(1) * 32;
   at::Tensor gu = at::empty({rows, 2 * inter}, opts);
-  grouped_linear(gu, h, gate_up[0], gate_up[1], int8_activations, false);
+  project(gu, h, gate_up, int8_activations);
   add_lora(gu, h, lora, lora_rows, 2);
   at::Tensor act = at::empty({rows, inter}, opts);
   silu_and_mul(act, gu);
   at::Tensor out = at::empty({rows, hidden}, opts);
-  grouped_linear(out, act, down[0], down[1], int8_activations, false);
+  project(out, act, down, int8_activations);
   add_lora(out, act, lora, lora_rows, 3);
   return {out, residual};
 }

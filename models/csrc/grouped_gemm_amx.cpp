@@ -57,9 +57,7 @@ bool cpu_has_amx_int8() {
   return (d >> 24 & 1) && (d >> 25 & 1);  // AMX-TILE, AMX-INT8
 }
 
-bool ask_for_tiles() {
-  return cpu_has_amx_int8() && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
+bool ask_for_tiles() { return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0; }
 
 // ldtilecfg's 64-byte operand.
 struct TileConfig {
@@ -293,10 +291,19 @@ void run(float* y, int64_t ys, const AmxRows& x, const uint8_t* codes, const flo
 
 }  // namespace
 
+bool amx_tiles_granted() {
+#if defined(__x86_64__)
+  static const bool granted = ask_for_tiles();  // once per process
+  return granted;
+#else
+  return false;
+#endif
+}
+
 bool amx_available() {
 #if defined(__x86_64__)
-  static const bool granted = ask_for_tiles();
-  return granted;
+  static const bool ok = cpu_has_amx_int8() && amx_tiles_granted();
+  return ok;
 #else
   return false;
 #endif

@@ -19,6 +19,10 @@ struct AmxRows {
 // The CPU has AMX-INT8 and the kernel granted this process the tile state
 // (asked once, on the first call).
 bool amx_available();
+// Whether the OS granted this process the AMX tile state (asked once; any AMX instruction needs it).
+bool amx_tiles_granted();
+// Whether the CPU has AMX-BF16 and the OS granted the tiles (dense_gemm_amx.cpp).
+bool amx_bf16_available();
 // amx_available() and not turned off by set_amx_enabled(false).
 bool amx_enabled();
 void set_amx_enabled(bool enabled);

@@ -38,6 +38,9 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Ten
 // dense_gemm.cpp: x @ W^T for unquantised weights packed as [N/16, K, 16], the same
 // arithmetic for a row whatever the batch.
 void dense_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w);
+// out [M, N] float32 = x [M, K] (float32 rounded to bfloat16, or bfloat16) @ W^T on AMX-BF16
+// tiles, W packed by pack_amx_bf16 (dense_gemm_amx.cpp).
+void amx_bf16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w);
 
 // argmax.cpp
 void argmax_rows(at::Tensor& out, const at::Tensor& x);

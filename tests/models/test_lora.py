@@ -19,7 +19,7 @@ from models.llama import DecoderLayer
 from models.loader import load_model
 from models.lora import load_adapter
 
-TOL = dict(atol=5e-4, rtol=0)  # float32 rounding (measured up to 2.1e-4); a wrong scale, order or part gives O(0.1)
+TOL = dict(atol=1e-3, rtol=0)  # float32 rounding (up to 2.1e-4 on EPYCs, 5.0e-4 on a Xeon with AMX); a wrong scale, order or part gives O(0.1)
 
 
 def peft_adapter(hf_model, path, **lora):
