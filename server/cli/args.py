@@ -165,6 +165,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=d.quantization, choices=QUANTIZATIONS,
                    help="int4: int4 projections, float activations, for small decode batches (CPU); "
                         "w4a8: int4 weights and int8 activations (integer dots: AVX512-VNNI or AVX2), every batch; "
+                        "amx-bf16: bfloat16 weights on AMX-BF16 tiles (CPUs with AMX-BF16: faster prompts, "
+                        "slower single-stream decode); "
                         "auto (default): for a 4-bit GGUF on CPU the fastest of w4a8, int4 and none, "
                         "measured once and cached; else none")
 
