@@ -167,16 +167,16 @@ def step_budget(config: EngineConfig, device_type: str, max_model_len: int, kv_b
     """``config``'s sizes, each one it leaves None from the defaults of ``device_type``
     (``cpu``: :data:`CPU_BUDGET`; ``cuda``: the ``CUDA_*`` settings, the KV cache sized
     from the device's ``free_memory`` in bytes and ``kv_bytes_per_token``)."""
+    def own(value: int | None, default: int) -> int:
+        return default if value is None else value
+
     if device_type != "cuda":
         d = CPU_BUDGET
-        return StepBudget(
-            max_num_seqs=config.max_num_seqs if config.max_num_seqs is not None else d.max_num_seqs,
-            max_num_batched_tokens=(config.max_num_batched_tokens if config.max_num_batched_tokens is not None
-                                    else d.max_num_batched_tokens),
-            kv_cache_memory=config.kv_cache_memory if config.kv_cache_memory is not None else d.kv_cache_memory)
-    seqs = config.max_num_seqs if config.max_num_seqs is not None else CUDA_MAX_NUM_SEQS
-    tokens = (config.max_num_batched_tokens if config.max_num_batched_tokens is not None
-              else CUDA_MAX_NUM_BATCHED_TOKENS)
+        return StepBudget(own(config.max_num_seqs, d.max_num_seqs),
+                          own(config.max_num_batched_tokens, d.max_num_batched_tokens),
+                          own(config.kv_cache_memory, d.kv_cache_memory))
+    seqs = own(config.max_num_seqs, CUDA_MAX_NUM_SEQS)
+    tokens = own(config.max_num_batched_tokens, CUDA_MAX_NUM_BATCHED_TOKENS)
     kv = config.kv_cache_memory
     if kv is None:
         if free_memory is None:
