@@ -8,7 +8,8 @@ fastest: on a Sapphire Rapids core bfloat16 activations took 1.6-1.9x longer tha
 (random weights, ``PROBE_LAYERS`` layers and the LM head) for a decode step
 of ``DECODE_SEQS`` sequences and a prompt chunk of ``PROMPT_TOKENS`` tokens;
 the fastest by the product of the two times, each relative to the best,
-wins. The choice is kept in the kernel cache (one per CPU and torch build, see
+wins. The candidates are timed in rounds (``measure_all``), so that another
+process's burst on a shared machine falls on all of them alike. The choice is kept in the kernel cache (one per CPU and torch build, see
 ``ops.cache_directory``) with the times, and logged with them.
 """
 
