@@ -111,15 +111,22 @@ def _lark_json(schema: dict[str, Any]) -> str:
     return json.dumps({**schema, "x-guidance": JSON_OPTIONS})
 
 
+def _calls_grammar(rules: str, choice: str, opening: str) -> StructuredOutput:
+    """A grammar whose ``rules`` define ``calls``: the answer is calls (``required`` or a
+    named tool) or, with ``auto``, either calls or a text that does not start with a
+    character of ``opening`` (a Lark character class: llguidance's dialect), which keeps
+    a text answer from opening as calls do."""
+    if choice != "auto":
+        return StructuredOutput("grammar", "start: calls\n" + rules)
+    return StructuredOutput("grammar", f"start: TEXT | calls\nTEXT: /[^{opening}][\\s\\S]*/\n" + rules)
+
+
 def _json_answer(schema: dict[str, Any], choice: str, opening: str) -> StructuredOutput:
     """An answer that is the calls' JSON ``schema`` (``required`` or a named tool) or, with
-    ``auto``, either that or a text that does not start with a character of ``opening``
-    (a Lark character class: llguidance's dialect)."""
+    ``auto``, either that or a text that does not start with a character of ``opening``."""
     if choice != "auto":
         return StructuredOutput("json", schema)
-    return StructuredOutput("grammar", "start: TEXT | calls\n"
-                                       f"TEXT: /[^{opening}][\\s\\S]*/\n"
-                                       f"calls: %json {_lark_json(schema)}\n")
+    return _calls_grammar(f"calls: %json {_lark_json(schema)}\n", choice, opening)
 
 
 def _chosen(tools: list[FunctionSpec], choice: str) -> list[FunctionSpec] | None:
@@ -308,10 +315,7 @@ class HermesFormat(ToolFormat):
         calls = (f'calls: call ("\\n" call){{0,{more}}}\n' if more else "calls: call\n")
         rules = (calls + f'call: "{HERMES_OPEN}\\n" body "\\n{HERMES_CLOSE}"\n'
                  f"body: %json {_lark_json(_call_schema(chosen))}\n")
-        if choice != "auto":
-            return StructuredOutput("grammar", "start: calls\n" + rules)
-        # A text answer may not start with "<", which keeps it from opening a call.
-        return StructuredOutput("grammar", "start: TEXT | calls\nTEXT: /[^<][\\s\\S]*/\n" + rules)
+        return _calls_grammar(rules, choice, "<")
 
     def opens(self, head: str) -> bool | None:
         return _opens_with(HERMES_OPEN, head)
@@ -413,19 +417,15 @@ class MistralFormat(ToolFormat):
         """``[TOOL_CALLS]`` in the grammar: its token where it is one, else its text."""
         return f"<[{self.marker_token}]>" if self.marker_token is not None else json.dumps(MISTRAL_CALLS)
 
-    def _grammar(self, rules: str, choice: str) -> StructuredOutput:
-        if choice != "auto":
-            return StructuredOutput("grammar", "start: calls\n" + rules)
-        # A text answer may not start with "[", which keeps it from spelling the marker out.
-        return StructuredOutput("grammar", "start: TEXT | calls\nTEXT: /[^\\[][\\s\\S]*/\n" + rules)
-
     def grammar(self, tools: list[FunctionSpec], choice: str, parallel: bool) -> StructuredOutput | None:
         chosen = _chosen(tools, choice)
         if chosen is None:
             return None
         schema = {"type": "array", "items": _call_schema(chosen), "minItems": 1,
                   "maxItems": max_calls(chosen, parallel)}
-        return self._grammar(f'calls: {self._marker()} " " body\nbody: %json {_lark_json(schema)}\n', choice)
+        # (A text answer that may not start with "[" cannot spell the marker out either.)
+        return _calls_grammar(f'calls: {self._marker()} " " body\nbody: %json {_lark_json(schema)}\n', choice,
+                              "\\[")
 
     def opens(self, head: str) -> bool | None:
         return _opens_with(MISTRAL_CALLS, head)
@@ -467,7 +467,7 @@ class MistralArgsFormat(MistralFormat):
                  f"call: {self._marker()} (" + " | ".join(f"fn{i}" for i in range(len(chosen))) + ")\n")
         for i, tool in enumerate(chosen):
             rules += f"fn{i}: {json.dumps(tool.name)} {args} body{i}\nbody{i}: %json {_lark_json(tool.parameters)}\n"
-        return self._grammar(rules, choice)
+        return _calls_grammar(rules, choice, "\\[")
 
     def _calls(self, text: str) -> tuple[list[ParsedCall], bool]:
         """The calls in ``text`` so far, and whether each closed with nothing but blanks after it."""
