@@ -367,8 +367,10 @@ def amx_bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) ->
     """``x [M, K] @ W^T`` in float32 on AMX-BF16 tiles, x's rows rounded to bfloat16 (RNE),
     for a weight packed by ``models.quant.pack_amx_bf16``. A row's result does not depend
     on the other rows; it is this CPU kind's own (tdpbf16ps rounds as the hardware does)."""
-    if not amx_bf16_usable():
-        raise RuntimeError("amx_bf16_linear needs AMX-BF16 (see python -m models.ops)")
+    # Per call only what is cheap: AmxBf16Linear checked amx_bf16_usable() when it was
+    # built, and the kernel refuses a CPU without AMX-BF16 itself.
+    if _load() is None:
+        raise RuntimeError("amx_bf16_linear needs the fused CPU kernels")
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     _ext.amx_bf16_linear(out, x, packed)

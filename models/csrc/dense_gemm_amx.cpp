@@ -27,7 +27,6 @@
 #include <vector>
 
 #if defined(__x86_64__)
-#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -36,26 +35,16 @@ namespace {
 
 #if defined(__x86_64__)
 bool cpu_has_amx_bf16() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const unsigned d = cpuid7_edx();
   return (d >> 22 & 1) && (d >> 24 & 1);  // AMX-BF16, AMX-TILE
 }
 
-struct BF16TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles 0/1: A (16 rows x 32 bf16 of two row blocks), 2/3: B (two output tiles),
 // 4-7: C (row block x output tile).
-__attribute__((target("amx-tile,amx-bf16"))) void configure_bf16_tiles() {
-  BF16TileConfig cfg;
+void configure_bf16_tiles() {
+  TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  // NOTE: as in grouped_gemm_amx.cpp, GCC 12 drops the stores without this barrier.
-  __asm__ volatile("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
 constexpr int64_t kRowsPerItem = 32;  // two 16-row A tiles
@@ -147,7 +136,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void row_to_bf16
 
 bool amx_bf16_available() {
 #if defined(__x86_64__)
-  // amx_available() asks the OS for the tile state once (the same permission serves AMX-BF16).
+  // amx_tiles_granted() asks the OS for the tile state once (one permission serves all of AMX).
   static const bool ok = cpu_has_amx_bf16() && amx_tiles_granted();
   return ok;
 #else

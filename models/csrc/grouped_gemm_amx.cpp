@@ -52,20 +52,11 @@ constexpr long kArchReqXcompPerm = 0x1023;  // arch_prctl: ask for an XSAVE feat
 constexpr long kXfeatureXtiledata = 18;     // the AMX tile data
 
 bool cpu_has_amx_int8() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const unsigned d = cpuid7_edx();
   return (d >> 24 & 1) && (d >> 25 & 1);  // AMX-TILE, AMX-INT8
 }
 
 bool ask_for_tiles() { return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0; }
-
-// ldtilecfg's 64-byte operand.
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // Tiles (the intrinsics take literal numbers): 0/1 A (x codes, low/high half
 // group), 2/3 B (weight codes, same halves), 4/5 and 6/7 C (the dots s0/s1 of
@@ -79,13 +70,7 @@ TileConfig tile_config() {
   return cfg;
 }
 
-__attribute__((target("amx-tile"))) void configure_tiles() {
-  TileConfig cfg = tile_config();
-  // NOTE: GCC 12 does not see ldtilecfg read the struct and drops the stores
-  // tile_config made without this barrier (the tiles then fault as unconfigured).
-  __asm__ volatile("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
-}
+void configure_tiles() { load_tile_config(tile_config()); }
 
 // The software tiles: this thread's eight tile registers and configuration.
 struct EmulatedTiles {
@@ -290,6 +275,23 @@ void run(float* y, int64_t ys, const AmxRows& x, const uint8_t* codes, const flo
 #endif
 
 }  // namespace
+
+#if defined(__x86_64__)
+__attribute__((target("amx-tile"))) void load_tile_config(const TileConfig& cfg) {
+  // NOTE: GCC 12 does not see ldtilecfg read the struct and drops the caller's stores
+  // to it without this barrier (the tiles then fault as unconfigured).
+  __asm__ volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+unsigned cpuid7_edx() {
+  unsigned a, b, c, d;
+  return __get_cpuid_count(7, 0, &a, &b, &c, &d) ? d : 0;
+}
+#else
+void load_tile_config(const TileConfig&) {}
+unsigned cpuid7_edx() { return 0; }
+#endif
 
 bool amx_tiles_granted() {
 #if defined(__x86_64__)

@@ -16,6 +16,20 @@ struct AmxRows {
   int64_t rows, padded_rows;
 };
 
+// ldtilecfg's 64-byte operand (palette 1): each tile's rows and bytes per row.
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// ldtilecfg: `cfg` becomes the calling thread's tile configuration (x86-64 only).
+void load_tile_config(const TileConfig& cfg);
+
+// CPUID leaf 7's EDX, where the AMX feature bits are (0 where there is no leaf 7).
+unsigned cpuid7_edx();
+
 // The CPU has AMX-INT8 and the kernel granted this process the tile state
 // (asked once, on the first call).
 bool amx_available();
