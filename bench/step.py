@@ -21,13 +21,13 @@ from bench.kernels import best_ms
 from models import kv_cache, ops
 from models.attention import SeqSpec, build_attention_metadata
 from models.loader import load_model
-from models.quant import QuantizedLinear
+from models.quant import AmxBf16Linear, QuantizedLinear
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--quantization", default="auto", choices=["auto", "int4", "w4a8"])
+    p.add_argument("--quantization", default="auto", choices=["auto", "int4", "w4a8", "amx-bf16", "w4a16"])
     p.add_argument("--sequences", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--context", type=int, default=200)
     p.add_argument("--kv-cache-dtype", default="float16", choices=["float32", "float16", "bfloat16", "int8"])
@@ -39,9 +39,8 @@ def main(argv: list[str] | None = None) -> None:
     model, cfg = loaded.model, loaded.config
     layer = model.model.layers[0]
     projections = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-    if not all(isinstance(m, QuantizedLinear) and m.fused for m in projections + [model.lm_head]):
-        raise SystemExit("the step's parts are timed for kvserve's quantised kernels (int4 or w4a8)")
-    int8_acts = layer.self_attn.qkv_proj.int8_activations
+    if not all(isinstance(m, (QuantizedLinear, AmxBf16Linear)) and m.fused for m in projections + [model.lm_head]):
+        raise SystemExit("the step's parts are timed for kvserve's own kernels (int4, w4a8, amx-bf16 or w4a16)")
     block = 16
     shape = (args.blocks, block, cfg.num_key_value_heads, cfg.head_dim)
     kv_dtype = getattr(torch, args.kv_cache_dtype)
@@ -65,17 +64,24 @@ def main(argv: list[str] | None = None) -> None:
         xs = [torch.randn(b, m.in_features) for m in projections]
         layers = [[lay.self_attn.qkv_proj, lay.self_attn.o_proj, lay.mlp.gate_up_proj, lay.mlp.down_proj]
                   for lay in model.model.layers]
-        gemms = best_ms(lambda: [ops.grouped_linear(x, m.codes, m.group_scales, m.out_features, int8_acts)
-                                 for ms in layers for x, m in zip(xs, ms)], args.runs)
+        gemms = best_ms(lambda: [_project(x, m) for ms in layers for x, m in zip(xs, ms)], args.runs)
         q = torch.randn(b, cfg.num_attention_heads, cfg.head_dim)
         attention = best_ms(lambda: [ops.decode_attention(q, k, v, meta.block_tables, meta.context_lens,
                                                           args.context + 1, scale) for k, v in kv], args.runs)
         h = torch.randn(b, cfg.hidden_size)
         head = model.lm_head
-        head_ms = best_ms(lambda: ops.grouped_linear(h, head.codes, head.group_scales, head.out_features,
-                                                     head.int8_activations), args.runs)
+        head_ms = best_ms(lambda: _project(h, head), args.runs)
         rest = step - gemms - attention - head_ms
         print(f"| {b} | {step:.1f} ms | {gemms:.1f} ms | {attention:.1f} ms | {head_ms:.1f} ms | {rest:.1f} ms |")
+
+
+def _project(x: torch.Tensor, m: QuantizedLinear | AmxBf16Linear) -> torch.Tensor:
+    """``m``'s GEMM alone, by the kernel the fused layer calls for it."""
+    if isinstance(m, AmxBf16Linear) and m.kind == "amx-bf16":
+        return ops.amx_bf16_linear(x, m.codes, m.out_features)
+    if isinstance(m, AmxBf16Linear):
+        return ops.amx_w4a16_linear(x, m.codes, m.group_scales, m.out_features)
+    return ops.grouped_linear(x, m.codes, m.group_scales, m.out_features, m.int8_activations)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from engine.sampling_params import SamplingParams
 MiB = 1024 * 1024
 
 # The accepted values of ``quantization`` and ``kv_cache_dtype`` (the CLI offers the same).
-QUANTIZATIONS = ("auto", "none", "int4", "w4a8", "amx-bf16")
+QUANTIZATIONS = ("auto", "none", "int4", "w4a8", "amx-bf16", "w4a16")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 
 
@@ -213,6 +213,8 @@ class EngineConfig:
     # integer dots (AVX512-VNNI, else AVX-512 BW's or AVX2's), every batch.
     # amx-bf16 = bfloat16 weights on AMX-BF16 tiles, float32 activations rounded to
     # bfloat16 at each projection (CPUs with AMX-BF16; chosen only when asked for).
+    # w4a16 = the same tile arithmetic on 4-bit weights made bfloat16 in the kernel
+    # (CPUs with AMX-BF16).
     # auto (with dtype auto) = the fastest path measured on this CPU
     # (models/autotune.py): w4a8, int4 or none for a GGUF with 4-bit
     # projections, none otherwise.

@@ -2,7 +2,7 @@
 
 ``--dtype auto`` and ``--quantization auto`` on a CPU leave the choice to this
 module. CPU flags say what *can* run (bfloat16 at full speed needs AVX512-BF16
-or AMX, w4a8 vector integer dots: AVX2 or AVX-512); they do not say what is
+or AMX, w4a8 vector integer dots: AVX2 or AVX-512, w4a16 AMX-BF16); they do not say what is
 fastest: on a Sapphire Rapids core bfloat16 activations took 1.6-1.9x longer than float32 ones with the same
 4-bit weights. So each candidate runs a model with the real one's shapes
 (random weights, ``PROBE_LAYERS`` layers and the LM head) for a decode step
@@ -47,7 +47,8 @@ CACHE_FILE = "paths.json"
 # 2: int4 runs the grouped kernel for every batch, none the dense one.
 # 3: the prompt chunk is 256 tokens, the engine's step budget since it went down from 512.
 # 4: the candidates are timed in rounds (measure_all), not one after another.
-PATHS_VERSION = 4
+# 5: w4a16 (4-bit weights on AMX-BF16 tiles) is a candidate where the CPU has AMX-BF16.
+PATHS_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class RunPath:
     """One way to run the model: activation dtype and quantization method."""
 
     dtype: str  # "float32" | "bfloat16"
-    quantization: str  # "none" | "int4" | "w4a8"
+    quantization: str  # "none" | "int4" | "w4a8" | "w4a16"
     amx: bool = False  # w4a8's integer dots on AMX tiles instead of VNNI (equal results)
 
     def __str__(self) -> str:
@@ -94,6 +95,10 @@ def candidates(dtype: str, quantization: str, four_bit: bool) -> list[RunPath]:
         paths = [RunPath(p.dtype, p.quantization, amx=p.quantization == "w4a8") for p in paths]
     elif ops.amx_usable() and len(paths) > 1:
         paths += [RunPath(p.dtype, p.quantization, amx=True) for p in paths if p.quantization == "w4a8"]
+    if mode == "auto" and quantization == "auto" and four_bit and "float32" in dtypes and ops.amx_bf16_usable():
+        # The 4-bit weights on AMX-BF16 tiles (float32 activations only); its LM head is
+        # w4a8's, on AMX-INT8 tiles from 16 rows where those are usable (equal results).
+        paths.append(RunPath("float32", "w4a16", amx=ops.amx_usable()))
     return paths
 
 

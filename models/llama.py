@@ -129,12 +129,14 @@ class DecoderLayer(nn.Module):
 
     def packed_int4(self) -> bool:
         """Whether every projection runs one of the fused layer's GEMMs (kvserve's int4
-        kernel, or AMX-BF16's), the same for all four, so ``forward_fused`` applies."""
+        kernel, or AMX-BF16's on bfloat16 or 4-bit weights), the same for all four, so
+        ``forward_fused`` applies."""
         attn, mlp = self.self_attn, self.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         fused = all(isinstance(p, (QuantizedLinear, AmxBf16Linear)) and p.fused for p in projections)
         # NOTE: the fused layer kernel has no per-head q/k norm: Qwen3 runs op by op.
-        return (fused and attn.q_norm is None and {p.kind for p in projections} in ({"int4"}, {"amx-bf16"})
+        return (fused and attn.q_norm is None
+                and {p.kind for p in projections} in ({"int4"}, {"amx-bf16"}, {"w4a16"})
                 and all(p.bias is None for p in projections[1:]))
 
     def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RotaryEmbedding,
@@ -152,7 +154,7 @@ class DecoderLayer(nn.Module):
             (attn.o_proj.codes, attn.o_proj.group_scales), (mlp.gate_up_proj.codes, mlp.gate_up_proj.group_scales),
             (mlp.down_proj.codes, mlp.down_proj.group_scales), rope.rotations, positions, kv_cache[0], kv_cache[1],
             meta.slot_mapping, meta.block_tables, meta.context_lens, attn.num_heads, attn.num_kv_heads, attn.scale,
-            attn.qkv_proj.int8_activations, meta.num_decodes, prefill_query_start,
+            attn.qkv_proj.fused_gemm, meta.num_decodes, prefill_query_start,
             lora=lora.fused_args() if lora is not None else None)
 
 

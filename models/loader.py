@@ -89,16 +89,24 @@ def resolve_path(dtype: str, quantization: str, config: ModelConfig, gguf_type: 
         if dtype == "auto":
             dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
         return _DTYPES[dtype], "none" if quantization == "auto" else quantization
-    if quantization == "amx-bf16":
+    if quantization in ("amx-bf16", "w4a16"):
         if dtype not in ("auto", "float32"):
-            raise ValueError(f"quantization amx-bf16 runs float32 activations; use --dtype float32, not {dtype}")
+            raise ValueError(f"quantization {quantization} runs float32 activations; use --dtype float32, not {dtype}")
         if not ops.amx_bf16_usable():
-            raise ValueError("quantization amx-bf16 needs a CPU with AMX-BF16 and the fused kernels "
+            raise ValueError(f"quantization {quantization} needs a CPU with AMX-BF16 and the fused kernels "
                              "(see python -m models.ops); use auto")
         return torch.float32, quantization
     chosen = autotune.choose(config, dtype, quantization, four_bit=autotune.four_bit(gguf_type))
     ops.set_amx_enabled(chosen.amx)
     return _DTYPES[chosen.dtype], chosen.quantization
+
+
+def _path_note(quantization: str) -> str:
+    """How the start-up log says where a quantization's GEMMs run."""
+    if quantization == "w4a8" and ops.amx_enabled():
+        return " (integer dots on AMX tiles)"
+    return {"amx-bf16": " (bfloat16 weights on AMX tiles)",
+            "w4a16": " (4-bit weights made bfloat16 on AMX tiles)"}.get(quantization, "")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -151,8 +159,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
         check_split(config, tp.world_size, quantized=quantization != "none")
     logger.info("loading %s (%s, %d layers) as %s, quantization %s%s, on %s", path.name,
                 config.architecture, config.num_hidden_layers, str(torch_dtype).removeprefix("torch."),
-                quantization, " (integer dots on AMX tiles)" if quantization == "w4a8" and ops.amx_enabled()
-                else " (bfloat16 weights on AMX tiles)" if quantization == "amx-bf16" else "", dev)
+                quantization, _path_note(quantization), dev)
     with torch.device("meta"):
         model = model_class(config)(config)
     model = model.to_empty(device=dev).to(torch_dtype)

@@ -292,13 +292,19 @@ def rotary_and_cache(qkv: torch.Tensor, rotations: torch.Tensor, positions: torc
     return q, k, v
 
 
+# The fused layer's GEMM for a layer's projections (csrc/kernels.h ProjectionGemm): the
+# grouped kernel with float or int8 activations, AMX-BF16 on bfloat16 weights, or
+# AMX-BF16 on 4-bit weights made bfloat16 in the kernel.
+GEMM_GROUPED, GEMM_GROUPED_INT8, GEMM_AMX_BF16, GEMM_AMX_W4A16 = 0, 1, 2, 3
+
+
 def fused_layer(x: torch.Tensor, residual: torch.Tensor | None, input_norm: torch.Tensor,
                 post_norm: torch.Tensor, eps: float, qkv: tuple[torch.Tensor, torch.Tensor],
                 qkv_bias: torch.Tensor | None, o_proj: tuple[torch.Tensor, torch.Tensor],
                 gate_up: tuple[torch.Tensor, torch.Tensor], down: tuple[torch.Tensor, torch.Tensor],
                 rotations: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                num_heads: int, num_kv_heads: int, scale: float, int8_activations: bool = False,
+                num_heads: int, num_kv_heads: int, scale: float, gemm: int = 0,
                 num_decodes: int | None = None, prefill_query_start: torch.Tensor | None = None,
                 lora: tuple[list[torch.Tensor], list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A whole decoder layer for a step in one kernel call; ``(mlp_out, residual)``.
@@ -306,16 +312,16 @@ def fused_layer(x: torch.Tensor, residual: torch.Tensor | None, input_norm: torc
     The step is ``num_decodes`` decodes (one token per sequence) and then, when
     ``prefill_query_start`` is given, prompt chunks: the remaining sequences'
     tokens, at those offsets (int64, from 0 to their token count) after the
-    decode rows. Float32 activations on CPU, each projection given as
-    ``quant.pack_int4``'s ``(codes, scales)``, multiplied as ``grouped_linear``
-    does with ``int8_activations``. ``lora``: LoRA updates for row ranges
+    decode rows. Float32 activations on CPU, each projection given as its
+    ``(codes, scales)`` and multiplied by the GEMM ``gemm`` names (``GEMM_*``, one for
+    all four: the projection's ``fused_gemm``). ``lora``: LoRA updates for row ranges
     (``models.lora.LoRABatch.fused_args``). The same arithmetic as the layer's op-by-op path.
     """
     assert _load() is not None, "fused_layer needs the fused CPU kernels"
     out, res = _ext.fused_layer(x, residual, input_norm, post_norm, eps, list(qkv), qkv_bias, list(o_proj),
                                 list(gate_up), list(down), torch.view_as_real(rotations), positions, k_cache,
                                 v_cache, slot_mapping, block_tables.contiguous(), context_lens.contiguous(),
-                                num_heads, num_kv_heads, scale, int8_activations,
+                                num_heads, num_kv_heads, scale, gemm,
                                 x.shape[0] if num_decodes is None else num_decodes, prefill_query_start,
                                 *(lora or ([], [])))
     return out, res
@@ -358,9 +364,10 @@ def amx_usable() -> bool:
 
 
 def amx_bf16_usable() -> bool:
-    """Whether GEMMs can run on AMX-BF16 tiles here (``amx_bf16_linear``): the CPU has
-    AMX-BF16, the OS granted the tiles, and ``KVSERVE_AMX`` is not 0."""
-    return _load() is not None and amx_mode() != "off" and _ext.amx_bf16_available()
+    """Whether GEMMs can run on AMX-BF16 tiles here (``amx_bf16_linear``): kvserve's
+    kernels are on, the CPU has AMX-BF16, the OS granted the tiles, and ``KVSERVE_AMX``
+    is not 0."""
+    return _enabled and _load() is not None and amx_mode() != "off" and _ext.amx_bf16_available()
 
 
 def amx_bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -374,6 +381,19 @@ def amx_bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) ->
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     _ext.amx_bf16_linear(out, x, packed)
+    return out
+
+
+def amx_w4a16_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x [M, K] @ W^T`` in float32 on AMX-BF16 tiles for 4-bit weights packed by
+    ``models.quant.pack_w4a16``: the kernel makes each weight ``d * q + m`` a bfloat16
+    and rounds x's rows to bfloat16 (RNE). ``amx_bf16_linear`` on those bfloat16
+    weights gives the same bits; a row's result does not depend on the other rows."""
+    if _load() is None:
+        raise RuntimeError("amx_w4a16_linear needs the fused CPU kernels")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    _ext.amx_w4a16_linear(out, x, codes, scales)
     return out
 
 
@@ -616,7 +636,8 @@ def main(argv: list[str] | None = None) -> int:
                else "usable, offered to the path choice" if amx_usable()
                else "present, not offered (KVSERVE_AMX=0 or the self-check; see above)" if amx_hardware()
                else "not on this CPU")
-        bf16 = "usable (--quantization amx-bf16)" if amx_bf16_usable() else "not usable"
+        bf16 = ("usable (w4a16 offered to the path choice; amx-bf16 when asked for)" if amx_bf16_usable()
+                else "not usable")
         print(f"fused CPU kernels: ready ({vector_isa()}; int8 dots: {int8_dots() or 'none'}; AMX-INT8: {amx}; "
               f"AMX-BF16: {bf16})")
     else:

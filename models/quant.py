@@ -82,6 +82,17 @@ def _groups_padded(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
     return w, (n + pad) // 16
 
 
+def _min_max_4bit(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Q4_1's min/max quantiser over groups of 32: ``(q [N', K/32, 32] uint8, d, m, tiles)``
+    with ``w = d * q + m`` (``d, m [N', K/32]``), rows zero-padded to ``N' = 16 tiles``."""
+    w, tiles = _groups_padded(weight)
+    lo, hi = w.amin(-1), w.amax(-1)
+    d = (hi - lo) / 15
+    q = torch.where(d[..., None] > 0, torch.round((w - lo[..., None]) / d.clamp(min=1e-30)[..., None]),
+                    torch.zeros_like(w)).clamp(0, 15).to(torch.uint8)
+    return q, d, lo, tiles
+
+
 def pack_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise ``weight [N, K]`` to 4-bit min/max groups of 32 (GGUF Q4_1's scheme) for ``ops.grouped_linear``.
 
@@ -89,12 +100,8 @@ def pack_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     float32 (``d`` then ``m``, ``w = d * q + m``), rows padded to a multiple of
     16 with zeros; csrc/grouped_gemm.cpp describes the byte order. A Q4_1 weight keeps its codes.
     """
-    w, tiles = _groups_padded(weight)
-    groups = w.shape[1]
-    lo, hi = w.amin(-1), w.amax(-1)
-    d = (hi - lo) / 15
-    q = torch.where(d[..., None] > 0, torch.round((w - lo[..., None]) / d.clamp(min=1e-30)[..., None]),
-                    torch.zeros_like(w)).clamp(0, 15).to(torch.uint8)
+    q, d, lo, tiles = _min_max_4bit(weight)
+    groups = q.shape[1]
     # [tiles, 16 rows, groups, half, 4 words, 4 bytes] -> [tiles, groups, words, rows, bytes]:
     # inputs 0..15 in the low nibbles, 16..31 in the high ones.
     q = q.reshape(tiles, 16, groups, 2, 4, 4)
@@ -111,6 +118,34 @@ def pack_amx_bf16(weight: torch.Tensor) -> torch.Tensor:
     w = torch.nn.functional.pad(weight.detach().to(torch.bfloat16), (0, -k % 32, 0, -n % 16))
     tiles, blocks = w.shape[0] // 16, w.shape[1] // 32
     return w.reshape(tiles, 16, blocks, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def pack_w4a16(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``weight [N, K]`` to 4-bit min/max groups of 32 (``pack_int4``'s codes: a
+    Q4_1 weight keeps its own) laid out for ``ops.amx_w4a16_linear``, which makes them
+    bfloat16 B operands of AMX-BF16 tiles in the kernel.
+
+    Returns ``codes [N/16, K/32, 4, 64]`` uint8 and ``scales [N/16, K/32, 2, 16]``
+    float32, rows padded to a multiple of 16. Per 16 x 32 block, byte ``r`` of the
+    32-bit lane ``L`` of code word ``v`` holds, low nibble, output ``L // 2``'s code
+    for input ``2 * (4v + r) + L % 2`` and, high nibble, output ``8 + L // 2``'s for
+    the same input: B row ``p = 4v + r`` in two shifts. The scales are ``D = 16 d``
+    and ``M = m - 16 d`` per output, so that ``(1 + q/16) * D + M`` (one fused
+    multiply-add from a float the kernel makes of the code's bits) is ``d * q + m``
+    up to M's rounding.
+    """
+    q, d, lo, tiles = _min_max_4bit(weight)
+    groups = q.shape[1]
+    q = q.reshape(tiles, 16, groups, 32).permute(0, 2, 1, 3)  # [tiles, groups, output, input]
+    lane = torch.arange(16)
+    # [v, r, lane] -> the output and input each nibble holds
+    inputs = (2 * (4 * torch.arange(4)[:, None, None] + torch.arange(4)[None, :, None]) + lane % 2).expand(4, 4, 16)
+    low = q[:, :, (lane // 2).expand(4, 4, 16), inputs]
+    high = q[:, :, (8 + lane // 2).expand(4, 4, 16), inputs]
+    codes = (low | (high << 4)).permute(0, 1, 2, 4, 3).reshape(tiles, groups, 4, 64)  # [.., v, lane, r]
+    big = 16 * d
+    scales = torch.stack([big, lo - big], dim=-1).reshape(tiles, 16, groups, 2).permute(0, 2, 3, 1).contiguous()
+    return codes.contiguous(), scales
 
 
 def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +166,7 @@ def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.contiguous(), scales
 
 
-METHODS = ("int4", "w4a8", "amx-bf16")
+METHODS = ("int4", "w4a8", "amx-bf16", "w4a16")
 
 
 class QuantizedLinear(nn.Module):
@@ -173,6 +208,11 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("qweight", q, persistent=False)
             self.register_buffer("scales", s, persistent=False)
 
+    @property
+    def fused_gemm(self) -> int:
+        """The fused layer's GEMM for this projection (``ops.fused_layer``)."""
+        return ops.GEMM_GROUPED_INT8 if self.int8_activations else ops.GEMM_GROUPED
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:  # kvserve's grouped kernel, every batch
             y = ops.grouped_linear(x.float(), self.codes, self.group_scales, self.out_features,
@@ -190,27 +230,45 @@ class QuantizedLinear(nn.Module):
 
 
 class AmxBf16Linear(nn.Module):
-    """A linear layer whose weight is kept as bfloat16 B operands of AMX-BF16 tiles
-    (``pack_amx_bf16``); float32 inputs are rounded to bfloat16 and the sums are float32
-    (``ops.amx_bf16_linear``), one arithmetic for every batch size. Where the CPU has
-    AMX-BF16 only (``ops.amx_bf16_usable``). ``codes``/``group_scales`` under the grouped
-    kernel's names, as the fused layer takes every projection (``ops.fused_layer``)."""
+    """A linear layer multiplied on AMX-BF16 tiles: float32 inputs rounded to bfloat16,
+    float32 sums, one arithmetic for every batch size. Where the CPU has AMX-BF16 only
+    (``ops.amx_bf16_usable``). ``kind``:
 
-    kind = "amx-bf16"
+    * ``"amx-bf16"``: the weight kept as bfloat16 B operands (``pack_amx_bf16``,
+      ``ops.amx_bf16_linear``).
+    * ``"w4a16"``: the weight kept as 4-bit codes (``pack_w4a16``: a Q4_1 weight keeps
+      its own), made bfloat16 in the kernel for each call (``ops.amx_w4a16_linear``):
+      a quarter of the bytes for a decode step to read, the same tile products.
+
+    ``codes``/``group_scales`` under the grouped kernel's names, as the fused layer
+    takes every projection (``ops.fused_layer``)."""
+
     fused = True
     int8_activations = False
 
-    def __init__(self, dense: nn.Linear) -> None:
+    def __init__(self, dense: nn.Linear, kind: str = "amx-bf16") -> None:
         super().__init__()
+        if kind not in ("amx-bf16", "w4a16"):
+            raise ValueError(f"unknown AMX-BF16 weight form {kind!r}; use amx-bf16 or w4a16")
         if not ops.amx_bf16_usable():
-            raise ValueError("amx-bf16 needs a CPU with AMX-BF16 (see python -m models.ops); use w4a8")
+            raise ValueError(f"{kind} needs a CPU with AMX-BF16 (see python -m models.ops); use w4a8")
+        self.kind = kind
         self.in_features, self.out_features = dense.in_features, dense.out_features
         self.bias = dense.bias
-        self.register_buffer("codes", pack_amx_bf16(dense.weight), persistent=False)
-        self.register_buffer("group_scales", torch.empty(0), persistent=False)
+        if kind == "amx-bf16":
+            codes, scales = pack_amx_bf16(dense.weight), torch.empty(0)
+        else:
+            codes, scales = pack_w4a16(dense.weight)
+        self.fused_gemm = ops.GEMM_AMX_BF16 if kind == "amx-bf16" else ops.GEMM_AMX_W4A16
+        self.register_buffer("codes", codes, persistent=False)
+        self.register_buffer("group_scales", scales, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ops.amx_bf16_linear(x.float(), self.codes, self.out_features).to(x.dtype)
+        if self.kind == "amx-bf16":
+            y = ops.amx_bf16_linear(x.float(), self.codes, self.out_features)
+        else:
+            y = ops.amx_w4a16_linear(x.float(), self.codes, self.group_scales, self.out_features)
+        y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -226,14 +284,17 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
       path's GEMM speed, and no dense copies of the projections.
     * ``"amx-bf16"``: the projections' weights as bfloat16 on AMX-BF16 tiles
       (``AmxBf16Linear``), activations rounded to bfloat16 at each; the LM head as w4a8's.
+    * ``"w4a16"``: as ``amx-bf16``, the weights kept 4-bit (``pack_w4a16``) and made
+      bfloat16 in the kernel: the same tile arithmetic, a decode step reading 4-bit codes.
     """
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; supported: {', '.join(METHODS)}")
-    if method == "amx-bf16":
+    if method in ("amx-bf16", "w4a16"):
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_proj, attn.o_proj = AmxBf16Linear(attn.qkv_proj), AmxBf16Linear(attn.o_proj)
-            mlp.gate_up_proj, mlp.down_proj = AmxBf16Linear(mlp.gate_up_proj), AmxBf16Linear(mlp.down_proj)
+            attn.qkv_proj, attn.o_proj = AmxBf16Linear(attn.qkv_proj, method), AmxBf16Linear(attn.o_proj, method)
+            mlp.gate_up_proj = AmxBf16Linear(mlp.gate_up_proj, method)
+            mlp.down_proj = AmxBf16Linear(mlp.down_proj, method)
         # The head reads the most weights a decode step (49,152 rows for SmolLM2): kept as
         # w4a8's int8 rows and int8 dots, half the bytes of bfloat16.
         model.lm_head = QuantizedLinear(model.lm_head, "int8", ops.has_int8_dots())

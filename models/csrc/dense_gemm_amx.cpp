@@ -15,6 +15,14 @@
 // Packed layout (models/quant.py pack_amx_bf16): W [N, K] as
 // [ceil(N/16)][ceil(K/32)][16 input pairs][16 outputs][2], zero-padded: one
 // 1 KB B operand per 16 outputs and 32 inputs.
+//
+// amx_w4a16_linear runs the same products on 4-bit weights (pack_w4a16), each
+// 16 x 32 block made into that B operand in the kernel (w4_blocks_to_bf16): a
+// decode step reads a quarter of the bytes, and the same bfloat16 operands give
+// the same sums as amx_bf16_linear's, bit for bit. Making the operands costs
+// about 9 vector instructions per 32 weights, which is what bounds a decode of a
+// few rows (a single stream's step about 1.5x w4a8's, against 2x with bfloat16
+// weights); from 17 rows a pair of tiles is made once for all row blocks.
 #include "grouped_gemm_amx.h"
 #include "kernels.h"
 #include "parallel.h"
@@ -47,27 +55,37 @@ void configure_bf16_tiles() {
   load_tile_config(cfg);
 }
 
+// For amx_bf16_q4_item_small: tile 0 A (rows x 32 bfloat16), 1-2 B, 3-7 C (rows x 16).
+// A product's time grows with its rows: at one row a 16-row tile did 16x the work.
+void configure_small_tiles(int rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = (t == 1 || t == 2) ? 16 : rows, cfg.colsb[t] = 64;
+  load_tile_config(cfg);
+}
+
 constexpr int64_t kRowsPerItem = 32;  // two 16-row A tiles
 constexpr int64_t kTilesPerItem = 2;  // two 16-output B tiles
 constexpr int64_t kPrefetch = 4;      // weight blocks fetched ahead
 
+void store_c_tiles(float* y, int64_t m, int64_t n, int64_t r0, int64_t t0, float* buf);
+
 // Rows [r0, r0 + 32) x tiles [t0, t0 + 2) of y, from xb (bfloat16 rows, kp
 // inputs each, padded) and the packed weights.
+//
+// w0, w1: the pair's B operands ([kbs][512] bfloat16 each; w1 unread for a last lone
+// tile). ahead, ahead_lines: the next pair's weights, fetched into L2 a few lines per
+// block by this pair's later row blocks, so its first row block finds them there.
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw"))) void amx_bf16_item(
-    float* y, int64_t m, int64_t n, const uint16_t* xb, int64_t kp, const uint16_t* w, int64_t kbs,
-    int64_t tiles, int64_t r0, int64_t t0, float* buf, bool first, int64_t row_items) {
+    float* y, int64_t m, int64_t n, const uint16_t* xb, int64_t kp, const uint16_t* w0, const uint16_t* w1,
+    int64_t kbs, int64_t tiles, int64_t r0, int64_t t0, float* buf, bool first, const char* ahead,
+    int64_t ahead_lines, int64_t row_items) {
   const bool two_rows = r0 + 16 < m, two_tiles = t0 + 1 < tiles;
   _tile_zero(4);
   _tile_zero(5);
   _tile_zero(6);
   _tile_zero(7);
-  const uint16_t* w0 = w + t0 * kbs * 512;
-  const uint16_t* w1 = w + (t0 + 1) * kbs * 512;
-  // The next tile pair's weights (they follow this pair's), fetched into L2 a few lines
-  // per block by this pair's later row blocks, so its first row block finds them there.
-  const int64_t j = r0 / kRowsPerItem, ahead_lines = t0 + 2 < tiles ? 16 * kbs * std::min<int64_t>(2, tiles - t0 - 2) : 0;
+  const int64_t j = r0 / kRowsPerItem;
   const int64_t per_block = row_items > 1 ? (ahead_lines + (row_items - 1) * kbs - 1) / ((row_items - 1) * kbs) : 0;
-  const char* ahead = reinterpret_cast<const char*>(w + (t0 + 2) * kbs * 512);
   for (int64_t kb = 0; kb < kbs; ++kb) {
     if (j >= 1) {
       const int64_t start = ((j - 1) * kbs + kb) * per_block, stop = std::min(start + per_block, ahead_lines);
@@ -95,6 +113,13 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw"))) void amx_bf16_item
       if (two_tiles) _tile_dpbf16ps(7, 1, 3);
     }
   }
+  store_c_tiles(y, m, n, r0, t0, buf);
+}
+
+// The C tiles 4-7 (rows r0.. x output tiles t0, t0 + 1) into y's valid rows and columns,
+// through buf (4 x 256 floats).
+__attribute__((target("amx-tile,avx512f"))) void store_c_tiles(float* y, int64_t m, int64_t n, int64_t r0, int64_t t0,
+                                                              float* buf) {
   _tile_stored(4, buf, 64);
   _tile_stored(5, buf + 256, 64);
   _tile_stored(6, buf + 512, 64);
@@ -130,6 +155,139 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void row_to_bf16
     _mm256_mask_storeu_epi16(dst + i, mask, v);
   }
 }
+
+// x << S for S >= 0, x >> -S otherwise (32-bit lanes).
+template <int S>
+__attribute__((target("avx512f"))) inline __m512i shift_lanes(__m512i x) {
+  if constexpr (S >= 0) return _mm512_slli_epi32(x, S);
+  else return _mm512_srli_epi32(x, -S);
+}
+
+// B row p of one 16 x 32 block (pack_w4a16's layout): the nibble of lane L at bits
+// 4n..4n+3, n = 2 * (p % 4) + h, is the code of output 8h + L/2, input 2p + L%2. Moved to
+// bits 19..22 of 1.0f it is the float 1 + q/16 (two instructions, no conversion), and
+// w = (1 + q/16) * D + M with D = 16d, M = m - 16d (pack time) is d * q + m.
+template <int N>
+__attribute__((target("avx512f"))) inline __m512 code_as_float(__m512i codes) {
+  const __m512i mask = _mm512_set1_epi32(0x00780000), one = _mm512_set1_epi32(0x3F800000);
+  // (x & mask) | one
+  return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(shift_lanes<19 - 4 * N>(codes), mask, one, 0xEA));
+}
+
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void w4_row(uint16_t* dst, __m512i codes,
+                                                                                   __m512 db, __m512 mb, __m512 da,
+                                                                                   __m512 ma) {
+  const __m512 lo = _mm512_fmadd_ps(code_as_float<2 * R>(codes), db, mb);      // outputs 0..7
+  const __m512 hi = _mm512_fmadd_ps(code_as_float<2 * R + 1>(codes), da, ma);  // outputs 8..15
+  // words 0..15 from lo, 16..31 from hi: output o's pair at words 2o, 2o + 1
+  _mm512_store_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+// `groups` 16 x 32 blocks of 4-bit weights (pack_w4a16: codes [4][64] bytes, then D[16]
+// and M[16] per block) as bfloat16 B operands [groups][16 pairs][16 outputs][2], each
+// weight (1 + q/16) * D + M in float32 (one fused multiply-add) rounded to bfloat16
+// (RNE). About 9 vector instructions per B row, half of them fused multiply-add or
+// conversion: this, not the AMX unit, bounds a decode-sized call.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void w4_blocks_to_bf16(uint16_t* dst,
+                                                                                       const uint8_t* codes,
+                                                                                       const float* scales,
+                                                                                       int64_t groups) {
+  const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512 d = _mm512_loadu_ps(scales + g * 32), m = _mm512_loadu_ps(scales + g * 32 + 16);
+    const __m512 db = _mm512_permutexvar_ps(lo_idx, d), mb = _mm512_permutexvar_ps(lo_idx, m);
+    const __m512 da = _mm512_permutexvar_ps(hi_idx, d), ma = _mm512_permutexvar_ps(hi_idx, m);
+    uint16_t* out = dst + g * 512;
+    for (int v = 0; v < 4; ++v) {
+      const __m512i c = _mm512_loadu_si512(codes + g * 256 + v * 64);
+      w4_row<0>(out + (4 * v + 0) * 32, c, db, mb, da, ma);
+      w4_row<1>(out + (4 * v + 1) * 32, c, db, mb, da, ma);
+      w4_row<2>(out + (4 * v + 2) * 32, c, db, mb, da, ma);
+      w4_row<3>(out + (4 * v + 3) * 32, c, db, mb, da, ma);
+    }
+  }
+}
+
+// The C tile 3 + i: zeroed, or stored to buf (tile numbers are immediates).
+__attribute__((target("amx-tile"))) inline void zero_c(int i) {
+  switch (i) {
+    case 0: _tile_zero(3); break;
+    case 1: _tile_zero(4); break;
+    case 2: _tile_zero(5); break;
+    case 3: _tile_zero(6); break;
+    default: _tile_zero(7); break;
+  }
+}
+
+__attribute__((target("amx-tile"))) inline void store_c(int i, float* buf) {
+  switch (i) {
+    case 0: _tile_stored(3, buf, 64); break;
+    case 1: _tile_stored(4, buf, 64); break;
+    case 2: _tile_stored(5, buf, 64); break;
+    case 3: _tile_stored(6, buf, 64); break;
+    default: _tile_stored(7, buf, 64); break;
+  }
+}
+
+// Decode-sized batches (m <= 16 rows, tiles configured to m rows: configure_small_tiles)
+// x kSmallTiles output tiles from t0 on, from 4-bit weights, none reused by another row
+// block. Each 32-input block's B operands are made bfloat16 one block ahead of their
+// products, into L1 (a tile load right after the stores that wrote it waits on them).
+// Five C tiles accumulate side by side: each tdpbf16ps waits for the last one into its
+// tile, and amx_bf16_item's two chains at one row block left the unit idle. Each C
+// element still sums its blocks in order from zero: amx_bf16_item's result.
+constexpr int kSmallTiles = 5;
+
+// Tile B <- the B operand at w (16 x 64 bytes); tile C += tile 0 (A) x tile B. (A macro:
+// the tile intrinsics take their tile numbers as literal text.)
+#define KVSERVE_LOAD_AND_DOT(B, C, w) \
+  do {                                \
+    _tile_loadd(B, (w), 64);          \
+    _tile_dpbf16ps(C, 0, B);          \
+  } while (0)
+constexpr int64_t kCodePrefetch = 4;  // 4-bit blocks fetched ahead (measured: 2-8 alike)
+
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))) void w4a16_item_small(
+    float* y, int64_t m, int64_t n, const uint16_t* xb, int64_t kp, const uint8_t* cp, const float* sp, int64_t kbs,
+    int64_t tiles, int64_t t0, uint16_t* wbuf, float* buf) {
+  const int nt = static_cast<int>(std::min<int64_t>(kSmallTiles, tiles - t0));
+  for (int i = 0; i < nt; ++i) zero_c(i);
+  const auto make = [&](int64_t kb) {
+    uint16_t* w = wbuf + (kb & 1) * kSmallTiles * 512;
+    for (int i = 0; i < nt; ++i) {
+      const int64_t blk = (t0 + i) * kbs + kb;
+      if (kb + kCodePrefetch < kbs) {
+        const char* c = reinterpret_cast<const char*>(cp + (blk + kCodePrefetch) * 256);
+        const char* sc = reinterpret_cast<const char*>(sp + (blk + kCodePrefetch) * 32);
+        for (int line = 0; line < 4; ++line) _mm_prefetch(c + 64 * line, _MM_HINT_T0);
+        _mm_prefetch(sc, _MM_HINT_T0);
+        _mm_prefetch(sc + 64, _MM_HINT_T0);
+      }
+      w4_blocks_to_bf16(w + i * 512, cp + blk * 256, sp + blk * 32, 1);
+    }
+  };
+  make(0);
+  for (int64_t kb = 0; kb < kbs; ++kb) {
+    if (kb + 1 < kbs) make(kb + 1);
+    const uint16_t* w = wbuf + (kb & 1) * kSmallTiles * 512;
+    _tile_loadd(0, xb + kb * 32, kp * 2);
+    // B operands alternate between tiles 1 and 2, so a load need not wait for the product
+    // reading the other.
+    KVSERVE_LOAD_AND_DOT(1, 3, w);
+    if (nt > 1) KVSERVE_LOAD_AND_DOT(2, 4, w + 512);
+    if (nt > 2) KVSERVE_LOAD_AND_DOT(1, 5, w + 1024);
+    if (nt > 3) KVSERVE_LOAD_AND_DOT(2, 6, w + 1536);
+    if (nt > 4) KVSERVE_LOAD_AND_DOT(1, 7, w + 2048);
+  }
+  for (int i = 0; i < nt; ++i) {
+    store_c(i, buf);
+    const int64_t cols = std::min<int64_t>(16, n - (t0 + i) * 16);
+    const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+    for (int64_t r = 0; r < m; ++r) _mm512_mask_storeu_ps(y + r * n + (t0 + i) * 16, mask, _mm512_load_ps(buf + r * 16));
+  }
+}
 #endif
 
 }  // namespace
@@ -144,30 +302,19 @@ bool amx_bf16_available() {
 #endif
 }
 
-void amx_bf16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(amx_bf16_available(), "amx_bf16_linear needs AMX-BF16 (the CPU's and the OS's permission)");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "x must be [M, K] float32 or bfloat16 with contiguous rows");
-  TORCH_CHECK(w.dim() == 5 && w.is_contiguous() && w.scalar_type() == at::kBFloat16 && w.size(2) == 16 &&
-                  w.size(3) == 16 && w.size(4) == 2,
-              "w must be packed by pack_amx_bf16: [N/16, K/32, 16, 16, 2] bfloat16");
-  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == x.size(0),
-              "out must be contiguous [M, N] float32");
-  const int64_t m = x.size(0), k = x.size(1), n = out.size(1), tiles = w.size(0), kbs = w.size(1);
-  TORCH_CHECK(kbs * 32 >= k && (kbs - 1) * 32 < k, "w's input blocks do not match x's width");
-  TORCH_CHECK(tiles * 16 >= n && (tiles - 1) * 16 < n, "out's width does not match the packed weight");
-  if (m == 0) return;
 #if defined(__x86_64__)
-  // x's rows as bfloat16, rows padded to 32 and inputs to 32 with zeros (their products
-  // add 0). The buffer is the calling thread's, kept between calls: no allocation per call.
-  const int64_t kp = kbs * 32, mp = (m + kRowsPerItem - 1) / kRowsPerItem * kRowsPerItem;
-  thread_local std::vector<uint16_t> xb;
-  if (xb.size() < static_cast<size_t>(mp * kp)) xb.resize(static_cast<size_t>(mp * kp));
-  uint16_t* xbp = xb.data();
-  const int64_t xs = x.stride(0);
+// x's rows as bfloat16 (RNE) for A tiles: rows padded to mp and inputs to kp with zeros
+// (their products add 0), in the calling thread's buffer, kept between calls (no
+// allocation per call). Bfloat16 rows the tiles can read as they are are not copied.
+static const uint16_t* bf16_rows(const at::Tensor& x, int64_t mp, int64_t kp) {
+  const int64_t m = x.size(0), k = x.size(1), xs = x.stride(0);
   const bool f32 = x.scalar_type() == at::kFloat;
   const float* xf = f32 ? x.data_ptr<float>() : nullptr;
   const auto* xh = f32 ? nullptr : reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  if (!f32 && m == mp && k == kp && xs == k) return xh;
+  thread_local std::vector<uint16_t> xb;
+  if (xb.size() < static_cast<size_t>(mp * kp)) xb.resize(static_cast<size_t>(mp * kp));
+  uint16_t* xbp = xb.data();
   const auto convert = [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       uint16_t* dst = xbp + r * kp;
@@ -180,13 +327,36 @@ void amx_bf16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w) 
       std::memset(dst + k, 0, (kp - k) * 2);
     }
   };
-  if (!f32 && m == mp && k == kp && xs == k) {
-    xbp = const_cast<uint16_t*>(xh);  // bfloat16 rows as the tiles read them already: no copy
-  } else if (mp * kp <= 64 * 1024) {
-    convert(0, mp);  // a few rows are converted faster than a parallel region starts
-  } else {
-    parallel_chunks(mp, 16, convert);
-  }
+  if (mp * kp <= 64 * 1024) convert(0, mp);  // a few rows convert faster than a parallel region starts
+  else parallel_chunks(mp, 16, convert);
+  return xbp;
+}
+#endif
+
+// The checks both entry points share: x [M, K] float32 (or bfloat16 where allowed) with
+// contiguous rows, out [M, N] float32, N within `tiles` 16-output tiles.
+static void check_rows(const char* name, const at::Tensor& out, const at::Tensor& x, int64_t tiles, bool bf16_x) {
+  TORCH_CHECK(amx_bf16_available(), name, " needs AMX-BF16 (the CPU's and the OS's permission)");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 &&
+                  (x.scalar_type() == at::kFloat || (bf16_x && x.scalar_type() == at::kBFloat16)),
+              "x must be [M, K] float32", bf16_x ? " or bfloat16" : "", " with contiguous rows");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == x.size(0),
+              "out must be contiguous [M, N] float32");
+  TORCH_CHECK(tiles * 16 >= out.size(1) && (tiles - 1) * 16 < out.size(1),
+              "out's width does not match the packed weight");
+}
+
+void amx_bf16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 5 && w.is_contiguous() && w.scalar_type() == at::kBFloat16 && w.size(2) == 16 &&
+                  w.size(3) == 16 && w.size(4) == 2,
+              "w must be packed by pack_amx_bf16: [N/16, K/32, 16, 16, 2] bfloat16");
+  check_rows("amx_bf16_linear", out, x, w.size(0), true);
+  const int64_t m = x.size(0), k = x.size(1), n = out.size(1), tiles = w.size(0), kbs = w.size(1);
+  TORCH_CHECK(kbs * 32 >= k && (kbs - 1) * 32 < k, "w's input blocks do not match x's width");
+  if (m == 0) return;
+#if defined(__x86_64__)
+  const int64_t kp = kbs * 32, mp = (m + kRowsPerItem - 1) / kRowsPerItem * kRowsPerItem;
+  const uint16_t* xbp = bf16_rows(x, mp, kp);
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   float* yp = out.data_ptr<float>();
   const int64_t row_items = mp / kRowsPerItem, tile_items = (tiles + kTilesPerItem - 1) / kTilesPerItem;
@@ -203,7 +373,64 @@ void amx_bf16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w) 
     alignas(64) float buf[4 * 256];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t0 = (item / row_items) * kTilesPerItem, r0 = (item % row_items) * kRowsPerItem;
-      amx_bf16_item(yp, m, n, xbp, kp, wp, kbs, tiles, r0, t0, buf, item == begin || row_items == 1, row_items);
+      const int64_t ahead_lines = t0 + 2 < tiles ? 16 * kbs * std::min<int64_t>(2, tiles - t0 - 2) : 0;
+      amx_bf16_item(yp, m, n, xbp, kp, wp + t0 * kbs * 512, wp + (t0 + 1) * kbs * 512, kbs, tiles, r0, t0, buf,
+                    item == begin || row_items == 1, reinterpret_cast<const char*>(wp + (t0 + 2) * kbs * 512),
+                    ahead_lines, row_items);
+    }
+    release_tiles();
+  });
+#endif
+}
+
+void amx_w4a16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(codes.dim() == 4 && codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.size(2) == 4 &&
+                  codes.size(3) == 64, "codes must be pack_w4a16's [N/16, K/32, 4, 64] uint8");
+  TORCH_CHECK(scales.dim() == 4 && scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
+                  scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) && scales.size(2) == 2 &&
+                  scales.size(3) == 16, "scales must be pack_w4a16's [N/16, K/32, 2, 16] float32");
+  check_rows("amx_w4a16_linear", out, x, codes.size(0), false);
+  const int64_t m = x.size(0), k = x.size(1), n = out.size(1), tiles = codes.size(0), kbs = codes.size(1);
+  TORCH_CHECK(kbs * 32 == k, "codes' groups do not match x's width");
+  if (m == 0) return;
+#if defined(__x86_64__)
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* yp = out.data_ptr<float>();
+  const int threads = at::get_num_threads();
+  if (m <= 16) {  // A tiles of m rows: no padding
+    const uint16_t* xbp = bf16_rows(x, m, k);
+    const int64_t items = (tiles + kSmallTiles - 1) / kSmallTiles;
+    parallel_chunks(items, std::max<int64_t>(1, items / (4 * threads)), [&](int64_t begin, int64_t end) {
+      alignas(64) uint16_t wbuf[2 * kSmallTiles * 512];
+      alignas(64) float buf[256];
+      configure_small_tiles(static_cast<int>(m));
+      for (int64_t item = begin; item < end; ++item)
+        w4a16_item_small(yp, m, n, xbp, k, cp, sp, kbs, tiles, item * kSmallTiles, wbuf, buf);
+      release_tiles();
+    });
+    return;
+  }
+  // Larger batches: amx_bf16_linear's items, each pair of tiles made bfloat16 (in L2) once
+  // for all its row blocks.
+  const int64_t mp = (m + kRowsPerItem - 1) / kRowsPerItem * kRowsPerItem;
+  const uint16_t* xbp = bf16_rows(x, mp, k);
+  const int64_t row_items = mp / kRowsPerItem, tile_items = (tiles + kTilesPerItem - 1) / kTilesPerItem;
+  const int64_t pairs_per_chunk = std::max<int64_t>(1, tile_items / (4 * threads));
+  parallel_chunks(row_items * tile_items, row_items * pairs_per_chunk, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint16_t> wb;
+    if (wb.size() < static_cast<size_t>(2 * kbs * 512 + 32)) wb.resize(static_cast<size_t>(2 * kbs * 512 + 32));
+    uint16_t* w0 = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(wb.data()) + 63) & ~uintptr_t{63});
+    uint16_t* w1 = w0 + kbs * 512;
+    configure_bf16_tiles();
+    alignas(64) float buf[4 * 256];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t0 = (item / row_items) * kTilesPerItem, r0 = (item % row_items) * kRowsPerItem;
+      if (item == begin || r0 == 0) {
+        w4_blocks_to_bf16(w0, cp + t0 * kbs * 256, sp + t0 * kbs * 32, kbs);
+        if (t0 + 1 < tiles) w4_blocks_to_bf16(w1, cp + (t0 + 1) * kbs * 256, sp + (t0 + 1) * kbs * 32, kbs);
+      }
+      amx_bf16_item(yp, m, n, xbp, k, w0, w1, kbs, tiles, r0, t0, buf, false, nullptr, 0, row_items);
     }
     release_tiles();
   });

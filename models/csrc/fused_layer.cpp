@@ -32,20 +32,23 @@ void add_lora(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>&
   }
 }
 
-// y = x @ W^T for projection p: grouped_linear's codes and scales, or bfloat16 B
-// operands for AMX-BF16 (models/quant.py AmxBf16Linear: codes only).
-void project(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& p, bool int8_activations) {
-  if (p[0].scalar_type() == at::kBFloat16) {
-    amx_bf16_linear(y, x, p[0]);
-  } else {
-    grouped_linear(y, x, p[0], p[1], int8_activations, false);
+// y = x @ W^T for projection p by `gemm` (models/ops.py GEMM_*): grouped_linear's codes
+// and scales, float or int8 activations; amx_bf16_linear's bfloat16 B operands (codes
+// only); or amx_w4a16_linear's 4-bit codes and scales.
+void project(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& p, int64_t gemm) {
+  switch (gemm) {
+    case kGemmGrouped:
+    case kGemmGroupedInt8: grouped_linear(y, x, p[0], p[1], gemm == kGemmGroupedInt8, false); break;
+    case kGemmAmxBf16: amx_bf16_linear(y, x, p[0]); break;
+    case kGemmAmxW4a16: amx_w4a16_linear(y, x, p[0], p[1]); break;
+    default: TORCH_CHECK(false, "unknown projection GEMM ", gemm);
   }
 }
 
 }  // namespace
 
 // One decoder layer for a step's batch, float32 activations, every projection
-// packed (grouped_linear's codes and scales, or amx_bf16_linear's operands): the same kernels the Python
+// packed (project(): the GEMM `gemm` names, one for all four): the same kernels the Python
 // layer calls one by one, in one call, so a step pays no per-op Python
 // dispatch. The batch is num_decodes decodes (one token per sequence), then,
 // when prefill_query_start is given, prompt chunks (rows num_decodes + its
@@ -60,7 +63,7 @@ std::vector<at::Tensor> fused_layer(
     const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, const at::Tensor& rotations,
     const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
-    double scale, bool int8_activations, int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start,
+    double scale, int64_t gemm, int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start,
     const std::vector<at::Tensor>& lora, const std::vector<int64_t>& lora_rows) {
   TORCH_CHECK(qkv.size() == 2 && o_proj.size() == 2 && gate_up.size() == 2 && down.size() == 2,
               "each projection is (codes, scales)");
@@ -80,7 +83,7 @@ std::vector<at::Tensor> fused_layer(
     rms_norm(h, x, input_norm, eps);
   }
   at::Tensor qkv_out = at::empty({rows, qkv_width}, opts);
-  project(qkv_out, h, qkv, int8_activations);
+  project(qkv_out, h, qkv, gemm);
   if (qkv_bias.has_value()) qkv_out.add_(*qkv_bias);
   add_lora(qkv_out, h, lora, lora_rows, 0);
   rotary_and_cache(qkv_out, rotations, positions, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads);
@@ -102,18 +105,18 @@ std::vector<at::Tensor> fused_layer(
   }
   at::Tensor o = at::empty({rows, hidden}, opts);
   const at::Tensor attn_rows = attn.view({rows, num_heads * head_dim});
-  project(o, attn_rows, o_proj, int8_activations);
+  project(o, attn_rows, o_proj, gemm);
   add_lora(o, attn_rows, lora, lora_rows, 1);
   add_rms_norm(h, residual, o, post_norm, eps);
   // down's input width = the intermediate size (its 32-input groups or blocks)
   const int64_t inter = down[0].size(1) * 32;
   at::Tensor gu = at::empty({rows, 2 * inter}, opts);
-  project(gu, h, gate_up, int8_activations);
+  project(gu, h, gate_up, gemm);
   add_lora(gu, h, lora, lora_rows, 2);
   at::Tensor act = at::empty({rows, inter}, opts);
   silu_and_mul(act, gu);
   at::Tensor out = at::empty({rows, hidden}, opts);
-  project(out, act, down, int8_activations);
+  project(out, act, down, gemm);
   add_lora(out, act, lora, lora_rows, 3);
   return {out, residual};
 }

@@ -41,6 +41,9 @@ void dense_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w);
 // out [M, N] float32 = x [M, K] (float32 rounded to bfloat16, or bfloat16) @ W^T on AMX-BF16
 // tiles, W packed by pack_amx_bf16 (dense_gemm_amx.cpp).
 void amx_bf16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w);
+// y = x @ W^T on AMX-BF16 tiles, W as pack_w4a16's 4-bit codes and scales, made
+// bfloat16 in the kernel (dense_gemm_amx.cpp).
+void amx_w4a16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 
 // argmax.cpp
 void argmax_rows(at::Tensor& out, const at::Tensor& x);
@@ -48,7 +51,8 @@ void argmax_rows(at::Tensor& out, const at::Tensor& x);
 // token_bitmask.cpp: a structured output's allowed tokens, the others set to -inf in place.
 void apply_token_bitmask(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& masks);
 
-// fused_layer.cpp
+// fused_layer.cpp. The projections' GEMM (models/ops.py GEMM_*).
+enum ProjectionGemm : int64_t { kGemmGrouped = 0, kGemmGroupedInt8 = 1, kGemmAmxBf16 = 2, kGemmAmxW4a16 = 3 };
 std::vector<at::Tensor> fused_layer(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& input_norm,
     const at::Tensor& post_norm, double eps, const std::vector<at::Tensor>& qkv,
@@ -56,7 +60,7 @@ std::vector<at::Tensor> fused_layer(
     const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, const at::Tensor& rotations,
     const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
-    double scale, bool int8_activations, int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start,
+    double scale, int64_t gemm, int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start,
     const std::vector<at::Tensor>& lora, const std::vector<int64_t>& lora_rows);
 
 }  // namespace kvserve

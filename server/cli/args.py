@@ -167,6 +167,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "w4a8: int4 weights and int8 activations (integer dots: AVX512-VNNI or AVX2), every batch; "
                         "amx-bf16: bfloat16 weights on AMX-BF16 tiles (CPUs with AMX-BF16: faster prompts, "
                         "slower single-stream decode); "
+                        "w4a16: 4-bit weights made bfloat16 in the kernel, on AMX-BF16 tiles (CPUs with AMX-BF16); "
                         "auto (default): for a 4-bit GGUF on CPU the fastest of w4a8, int4 and none, "
                         "measured once and cached; else none")
 

@@ -64,6 +64,7 @@ MODES = [
     ("float32", "w4a8", "bfloat16"),
     ("float32", "w4a8", "int8"),
     ("float32", "amx-bf16", "float16"),  # only where the CPU has AMX-BF16 (no exact emulation)
+    ("float32", "w4a16", "float16"),  # likewise
     ("float32", "int4", "float16"),
     ("float32", "none", "float32"),
     ("float32", "none", "float16"),
@@ -175,8 +176,8 @@ def amx(request):
 
 @pytest.mark.parametrize("mode", MODES, ids=["-".join(m) for m in MODES])
 def test_logprobs_do_not_depend_on_how_a_request_was_computed(mode, amx):
-    if mode[1] == "amx-bf16" and not ops.amx_bf16_usable():
-        pytest.skip("amx-bf16 runs where the CPU has AMX-BF16 (tdpbf16ps has no exact software twin)")
+    if mode[1] in ("amx-bf16", "w4a16") and not ops.amx_bf16_usable():
+        pytest.skip(f"{mode[1]} runs where the CPU has AMX-BF16 (tdpbf16ps has no exact software twin)")
     tokenizer = loaded_model(*mode[:2]).tokenizer
     ops.set_amx_enabled(amx)  # after the load, which sets it to the path's own choice
     assert ops.amx_enabled() == amx

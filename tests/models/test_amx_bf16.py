@@ -1,4 +1,5 @@
-"""The GEMM on AMX-BF16 tiles (``ops.amx_bf16_linear``) and the ``amx-bf16`` path built on it.
+"""The GEMMs on AMX-BF16 tiles (``ops.amx_bf16_linear``, ``ops.amx_w4a16_linear``) and the
+``amx-bf16`` and ``w4a16`` paths built on them.
 
 ``tdpbf16ps`` rounds as only the hardware does (not as the SDM's pseudocode, so
 there is no exact software twin, unlike the AMX-INT8 kernel's): the tests that
@@ -13,7 +14,7 @@ import torch
 
 from models import ops
 from models.loader import load_model
-from models.quant import AmxBf16Linear, pack_amx_bf16
+from models.quant import AmxBf16Linear, pack_amx_bf16, pack_int4, pack_w4a16
 
 needs_amx_bf16 = pytest.mark.skipif(not ops.amx_bf16_usable(),
                                     reason="this CPU offers no AMX-BF16 (or KVSERVE_AMX=0)")
@@ -48,11 +49,73 @@ def test_the_gemm_is_the_bfloat16_product_and_a_row_is_the_same_in_any_batch(out
     assert torch.equal(ops.amx_bf16_linear(x.bfloat16(), p, out_f), y)  # its inputs are those bfloat16s
 
 
+def w4a16_codes(codes: torch.Tensor) -> torch.Tensor:
+    """pack_w4a16's codes read back as q [N (padded), K], by the layout its docstring gives."""
+    tiles, groups = codes.shape[:2]
+    c = codes.reshape(tiles, groups, 4, 16, 4).long()  # [tile, group, word v, lane, byte r]
+    q = torch.empty(tiles, groups, 16, 32, dtype=torch.long)
+    for v in range(4):
+        for r in range(4):
+            for lane in range(16):
+                col = 2 * (4 * v + r) + lane % 2
+                q[:, :, lane // 2, col] = c[:, :, v, lane, r] & 15
+                q[:, :, 8 + lane // 2, col] = c[:, :, v, lane, r] >> 4
+    return q.permute(0, 2, 1, 3).reshape(tiles * 16, groups * 32)
+
+
+def w4a16_weights(codes: torch.Tensor, scales: torch.Tensor, out_f: int) -> torch.Tensor:
+    """The float32 weights the kernel makes: (1 + q/16) * D + M with one rounding (the
+    product and sum are exact in float64), as [out_f, K]."""
+    q = w4a16_codes(codes).double()
+    d = scales[:, :, 0].permute(0, 2, 1).reshape(-1, scales.shape[1]).repeat_interleave(32, 1).double()
+    m = scales[:, :, 1].permute(0, 2, 1).reshape(-1, scales.shape[1]).repeat_interleave(32, 1).double()
+    return ((1 + q / 16) * d + m).float()[:out_f]
+
+
+def test_the_4_bit_packing_keeps_the_q4_codes_and_their_weights() -> None:
+    w = torch.randn(40, 96)
+    codes, scales = pack_w4a16(w)
+    assert codes.shape == (3, 3, 4, 64) and codes.dtype == torch.uint8 and scales.shape == (3, 3, 2, 16)
+    # The codes are pack_int4's (a Q4_1 weight keeps its own), in another byte order.
+    int4_codes, int4_scales = pack_int4(w)
+    c = int4_codes.reshape(3, 3, 4, 16, 4).long()  # [tile, group, word, row, byte]: inputs 4w+b, 16+4w+b
+    q = torch.cat([(c & 15).permute(0, 3, 1, 2, 4).reshape(3, 16, 3, 16),
+                   (c >> 4).permute(0, 3, 1, 2, 4).reshape(3, 16, 3, 16)], dim=-1).reshape(48, 96)
+    assert torch.equal(w4a16_codes(codes), q)
+    d, m = int4_scales[:, :, 0], int4_scales[:, :, 1]
+    assert torch.equal(scales[:, :, 0], 16 * d) and torch.equal(scales[:, :, 1], m - 16 * d)
+    # The weights the kernel makes are the 4-bit ones: d * q + m up to float32 rounding.
+    dq = (d.permute(0, 2, 1).reshape(48, 3).repeat_interleave(32, 1) * q
+          + m.permute(0, 2, 1).reshape(48, 3).repeat_interleave(32, 1))[:40]
+    torch.testing.assert_close(w4a16_weights(codes, scales, 40), dq, atol=1e-6, rtol=0)
+    torch.testing.assert_close(dq, w, atol=(w.abs().max() / 15).item(), rtol=0)  # within half a step
+
+
 @needs_amx_bf16
-def test_the_path_runs_fused_and_keeps_the_float_models_greedy_tokens(smollm2, make_runner) -> None:
-    amx = load_model("smollm2", "auto", "cpu", quantization="amx-bf16")
+@pytest.mark.parametrize("out_f, in_f", [(960, 576), (576, 1536), (3072, 576), (100, 64), (40, 32)])
+def test_the_4_bit_gemm_is_the_bfloat16_gemm_on_its_weights_in_any_batch(out_f: int, in_f: int) -> None:
+    gen = torch.Generator().manual_seed(out_f * in_f)
+    w = torch.randn(out_f, in_f, generator=gen) * 0.05
+    codes, scales = pack_w4a16(w)
+    dense = pack_amx_bf16(w4a16_weights(codes, scales, out_f))
+    x = torch.randn(77, in_f, generator=gen)
+    y = ops.amx_w4a16_linear(x, codes, scales, out_f)
+    # The same tile products on the same bfloat16 operands: the same bits, whether the
+    # kernel made the weights per block (up to 16 rows) or per tile pair (more).
+    assert torch.equal(y, ops.amx_bf16_linear(x, dense, out_f))
+    alone = torch.cat([ops.amx_w4a16_linear(x[i:i + 1], codes, scales, out_f) for i in range(len(x))])
+    assert torch.equal(alone, y)
+    for rows in (3, 16, 17, 33):
+        assert torch.equal(ops.amx_w4a16_linear(x[:rows], codes, scales, out_f), y[:rows])
+    assert torch.equal(ops.amx_w4a16_linear(torch.cat([x, x, x, x]), codes, scales, out_f)[231:], y)
+
+
+@needs_amx_bf16
+@pytest.mark.parametrize("method", ["amx-bf16", "w4a16"])
+def test_the_path_runs_fused_and_keeps_the_float_models_greedy_tokens(smollm2, make_runner, method: str) -> None:
+    amx = load_model("smollm2", "auto", "cpu", quantization=method)
     assert amx.dtype == torch.float32
-    assert all(isinstance(p, AmxBf16Linear) for layer in amx.model.model.layers
+    assert all(isinstance(p, AmxBf16Linear) and p.kind == method for layer in amx.model.model.layers
                for p in (layer.self_attn.qkv_proj, layer.mlp.down_proj))
     assert all(layer.packed_int4() for layer in amx.model.model.layers)  # one fused call per layer
     prompt = amx.tokenizer.encode("The history of the printing press begins in the fifteenth century, when")
@@ -67,14 +130,15 @@ def test_the_path_runs_fused_and_keeps_the_float_models_greedy_tokens(smollm2, m
     ref = torch.cat(ref_runner.step([(ref_seq, prompt + want)]))
     diff = (got - ref).abs().max().item()
     print(f"\nmax logit difference from the float model: {diff:.3f}")
-    assert diff < 1.0  # 0.35 measured on a Xeon with AMX
+    assert diff < 1.0  # 0.35 measured on a Xeon with AMX (both paths)
 
 
-def test_the_path_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("method", ["amx-bf16", "w4a16"])
+def test_the_path_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch, method: str) -> None:
     with pytest.raises(ValueError, match="float32"):
-        load_model("smollm2", "bfloat16", "cpu", quantization="amx-bf16")
+        load_model("smollm2", "bfloat16", "cpu", quantization=method)
     monkeypatch.setattr(ops, "amx_bf16_usable", lambda: False)
     with pytest.raises(ValueError, match="AMX-BF16"):
-        load_model("smollm2", "auto", "cpu", quantization="amx-bf16")
+        load_model("smollm2", "auto", "cpu", quantization=method)
     with pytest.raises(ValueError, match="AMX-BF16"):
-        AmxBf16Linear(torch.nn.Linear(32, 16))
+        AmxBf16Linear(torch.nn.Linear(32, 16), method)

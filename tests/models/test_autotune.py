@@ -23,10 +23,12 @@ DTYPES = ["float32"] + (["bfloat16"] if autotune.cpu_has_native_bf16() else [])
 
 
 def paths(dtypes: list[str], quants: list[str]) -> list[RunPath]:
-    """What ``candidates`` lists: each pair, then w4a8 on AMX where the GEMMs can use it."""
+    """What ``candidates`` lists for a 4-bit checkpoint: each pair, then w4a8 on AMX where
+    the GEMMs can use it, then w4a16 where AMX-BF16 is."""
     plain = [RunPath(d, q) for d in dtypes for q in quants]
     amx = [RunPath(p.dtype, p.quantization, amx=True) for p in plain if p.quantization == "w4a8"]
-    return plain + (amx if ops.amx_usable() else [])
+    w4a16 = [RunPath("float32", "w4a16", amx=ops.amx_usable())] if "float32" in dtypes else []
+    return plain + (amx if ops.amx_usable() else []) + (w4a16 if ops.amx_bf16_usable() else [])
 
 
 def test_settings_that_are_not_auto_are_kept() -> None:
@@ -37,6 +39,21 @@ def test_settings_that_are_not_auto_are_kept() -> None:
 def test_open_settings_list_every_path_this_cpu_runs() -> None:
     assert autotune.candidates("auto", "auto", four_bit=True) == paths(DTYPES, FOUR_BIT_QUANTS)
     assert autotune.candidates("float32", "auto", four_bit=True) == paths(["float32"], FOUR_BIT_QUANTS)
+
+
+def test_w4a16_is_a_candidate_only_where_amx_bf16_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSERVE_AMX", "auto")
+    monkeypatch.setattr(autotune.ops, "amx_bf16_usable", lambda: True)
+    assert RunPath("float32", "w4a16", amx=ops.amx_usable()) in autotune.candidates("float32", "auto", True)
+    # Not for a checkpoint without 4-bit projections, nor with bfloat16 activations.
+    assert autotune.candidates("float32", "auto", False) == [RunPath("float32", "none")]
+    assert all(p.quantization != "w4a16" for p in autotune.candidates("bfloat16", "auto", True))
+    # KVSERVE_AMX=force times w4a8 on AMX-INT8 against the rest, not against w4a16.
+    monkeypatch.setenv("KVSERVE_AMX", "force")
+    assert all(p.quantization != "w4a16" for p in autotune.candidates("float32", "auto", True))
+    monkeypatch.setenv("KVSERVE_AMX", "auto")
+    monkeypatch.setattr(autotune.ops, "amx_bf16_usable", lambda: False)
+    assert all(p.quantization != "w4a16" for p in autotune.candidates("float32", "auto", True))
 
 
 def test_without_the_kernels_w4a8_is_no_candidate() -> None:
@@ -118,7 +135,7 @@ def test_resolve_path_keeps_forced_settings_and_measures_open_ones(
     # An HF directory (no GGUF type) with a forced dtype has one candidate: no timing.
     assert resolve_path("float32", "auto", TINY, None, cpu) == (torch.float32, "none")
     dtype, quant = resolve_path("float32", "auto", TINY, "Q4_1", cpu)
-    assert dtype == torch.float32 and quant in FOUR_BIT_QUANTS
+    assert dtype == torch.float32 and quant in FOUR_BIT_QUANTS + (["w4a16"] if ops.amx_bf16_usable() else [])
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_path("float8", "none", TINY, None, cpu)
 

@@ -236,7 +236,7 @@ def test_quantised_default_model_decodes_like_the_dense_one(smollm2, quantized_s
 def test_engine_config_names_the_supported_quantisations():
     from engine.config import EngineConfig
 
-    with pytest.raises(ValueError, match="auto, none, int4, w4a8 or amx-bf16"):
+    with pytest.raises(ValueError, match="auto, none, int4, w4a8, amx-bf16 or w4a16"):
         EngineConfig(quantization="fp3")
     assert EngineConfig().quantization == "auto"
 
