@@ -30,6 +30,7 @@ import logging
 import os
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -298,31 +299,65 @@ def rotary_and_cache(qkv: torch.Tensor, rotations: torch.Tensor, positions: torc
 GEMM_GROUPED, GEMM_GROUPED_INT8, GEMM_AMX_BF16, GEMM_AMX_W4A16 = 0, 1, 2, 3
 
 
-def fused_layer(x: torch.Tensor, residual: torch.Tensor | None, input_norm: torch.Tensor,
-                post_norm: torch.Tensor, eps: float, qkv: tuple[torch.Tensor, torch.Tensor],
-                qkv_bias: torch.Tensor | None, o_proj: tuple[torch.Tensor, torch.Tensor],
-                gate_up: tuple[torch.Tensor, torch.Tensor], down: tuple[torch.Tensor, torch.Tensor],
-                rotations: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                num_heads: int, num_kv_heads: int, scale: float, gemm: int = 0,
-                num_decodes: int | None = None, prefill_query_start: torch.Tensor | None = None,
-                lora: tuple[list[torch.Tensor], list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A whole decoder layer for a step in one kernel call; ``(mlp_out, residual)``.
+@dataclass(frozen=True, slots=True)
+class FusedWeights:
+    """A decoder layer's arguments to ``fused_layer`` that stay the same from step to step:
+    its norms, and each projection as its ``(codes, scales)`` multiplied by the GEMM
+    ``gemm`` names (``GEMM_*``, one for all four: the projection's ``fused_gemm``)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    eps: float
+    qkv: list[torch.Tensor]
+    qkv_bias: torch.Tensor | None
+    o_proj: list[torch.Tensor]
+    gate_up: list[torch.Tensor]
+    down: list[torch.Tensor]
+    num_heads: int
+    num_kv_heads: int
+    scale: float
+    gemm: int
+
+
+@dataclass(frozen=True, slots=True)
+class FusedStep:
+    """What every layer's ``fused_layer`` call in one step shares, prepared once a step.
 
     The step is ``num_decodes`` decodes (one token per sequence) and then, when
     ``prefill_query_start`` is given, prompt chunks: the remaining sequences'
     tokens, at those offsets (int64, from 0 to their token count) after the
-    decode rows. Float32 activations on CPU, each projection given as its
-    ``(codes, scales)`` and multiplied by the GEMM ``gemm`` names (``GEMM_*``, one for
-    all four: the projection's ``fused_gemm``). ``lora``: LoRA updates for row ranges
+    decode rows. ``rotations``: the RoPE table (complex, as ``RotaryEmbedding`` keeps it).
+    """
+
+    rotations: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    num_decodes: int
+    prefill_query_start: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        # The kernel reads the table as real pairs and the tables as dense rows.
+        object.__setattr__(self, "rotations", torch.view_as_real(self.rotations))
+        object.__setattr__(self, "block_tables", self.block_tables.contiguous())
+        object.__setattr__(self, "context_lens", self.context_lens.contiguous())
+
+
+def fused_layer(x: torch.Tensor, residual: torch.Tensor | None, weights: FusedWeights, step: FusedStep,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                lora: tuple[list[torch.Tensor], list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole decoder layer for a step in one kernel call; ``(mlp_out, residual)``.
+
+    Float32 activations on CPU. ``lora``: LoRA updates for row ranges
     (``models.lora.LoRABatch.fused_args``). The same arithmetic as the layer's op-by-op path.
     """
     assert _load() is not None, "fused_layer needs the fused CPU kernels"
-    out, res = _ext.fused_layer(x, residual, input_norm, post_norm, eps, list(qkv), qkv_bias, list(o_proj),
-                                list(gate_up), list(down), torch.view_as_real(rotations), positions, k_cache,
-                                v_cache, slot_mapping, block_tables.contiguous(), context_lens.contiguous(),
-                                num_heads, num_kv_heads, scale, gemm,
-                                x.shape[0] if num_decodes is None else num_decodes, prefill_query_start,
+    w = weights
+    out, res = _ext.fused_layer(x, residual, w.input_norm, w.post_norm, w.eps, w.qkv, w.qkv_bias, w.o_proj,
+                                w.gate_up, w.down, step.rotations, step.positions, k_cache, v_cache,
+                                step.slot_mapping, step.block_tables, step.context_lens, w.num_heads,
+                                w.num_kv_heads, w.scale, w.gemm, step.num_decodes, step.prefill_query_start,
                                 *(lora or ([], [])))
     return out, res
 

@@ -290,7 +290,9 @@ def test_fused_mixed_steps_equal_the_op_by_op_layers(smollm2, quantized_smollm2,
 
     calls = []
     fused_layer = ops.fused_layer
-    monkeypatch.setattr(ops, "fused_layer", lambda *args, **kw: calls.append(args[-1]) or fused_layer(*args, **kw))
+    monkeypatch.setattr(ops, "fused_layer",
+                        lambda x, residual, weights, step, *args, **kw:
+                        calls.append(step.prefill_query_start) or fused_layer(x, residual, weights, step, *args, **kw))
     fused_logits, fused_caches = mixed_step()
     monkeypatch.setattr(type(quantized_smollm2.model.layers[0]), "packed_int4", lambda self: False)
     plain_logits, plain_caches = mixed_step()
