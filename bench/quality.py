@@ -276,8 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     if tokenizer.add_bos_token:  # llama-perplexity puts BOS in each window's first slot
         chunks = [[tokenizer.bos_token_id, *c[1:]] for c in chunks]
     print(f"{len(ids)} tokens, {len(chunks)} windows of {args.ctx}", file=sys.stderr)
-    # amx-bf16 only runs where the CPU has AMX-BF16.
-    amx_bf16 = [("float32", "amx-bf16", "float16")] if ops.amx_bf16_usable() else []
+    # amx-bf16 and w4a16 only run where the CPU has AMX-BF16.
+    amx_bf16 = [("float32", q, "float16") for q in ("amx-bf16", "w4a16")] if ops.amx_bf16_usable() else []
     rows = measure(chunks, args.ctx, PATHS + amx_bf16 + [("float32", "w4a8", "float16", span) for span in spans])
     if not args.no_llama_cpp:
         rows += llama_cpp_quality(args.ctx, args.threads)
