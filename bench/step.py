@@ -77,10 +77,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def _project(x: torch.Tensor, m: QuantizedLinear | AmxBf16Linear) -> torch.Tensor:
     """``m``'s GEMM alone, by the kernel the fused layer calls for it."""
-    if isinstance(m, AmxBf16Linear) and m.kind == "amx-bf16":
-        return ops.amx_bf16_linear(x, m.codes, m.out_features)
     if isinstance(m, AmxBf16Linear):
-        return ops.amx_w4a16_linear(x, m.codes, m.group_scales, m.out_features)
+        return m(x)  # its kind's AMX-BF16 kernel
     return ops.grouped_linear(x, m.codes, m.group_scales, m.out_features, m.int8_activations)
 
 

@@ -432,6 +432,17 @@ def amx_w4a16_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     return out
 
 
+def amx_w8a16_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``amx_w4a16_linear`` for 8-bit weights packed by ``models.quant.pack_w8a16``: each
+    weight ``d * q`` made a bfloat16 in the kernel."""
+    if _load() is None:
+        raise RuntimeError("amx_w8a16_linear needs the fused CPU kernels")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    _ext.amx_w8a16_linear(out, x, codes, scales)
+    return out
+
+
 _AMX_MODES = {"0": "off", "1": "auto", "auto": "auto", "": "auto", "force": "force"}
 
 

@@ -148,6 +148,35 @@ def pack_w4a16(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.contiguous(), scales
 
 
+def _symmetric_8bit(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Q8_0's quantiser over groups of 32: ``(q [N', K/32, 32] int8, d [N', K/32], tiles)``
+    with ``w = d * q``, ``q`` in -127..127, rows zero-padded to ``N' = 16 tiles``."""
+    w, tiles = _groups_padded(weight)
+    d = w.abs().amax(-1) / 127
+    q = torch.round(w / d.clamp(min=1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
+    return q, d, tiles
+
+
+def pack_w8a16(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``weight [N, K]`` to symmetric 8-bit groups of 32 (``pack_int8``'s codes: a
+    Q8_0 weight keeps its own) laid out for ``ops.amx_w8a16_linear``, which makes each
+    ``d * q`` a bfloat16 B operand of AMX-BF16 tiles in the kernel.
+
+    Returns ``codes [N/16, K/32, 16, 32]`` int8 and ``scales [N/16, K/32, 16]`` float32
+    (``d`` per output), rows padded to a multiple of 16. Row ``p`` of a 16 x 32 block is
+    the B row for inputs ``2p, 2p + 1``: byte ``L`` is output ``L // 2``'s code for input
+    ``2p + L % 2``, byte ``16 + L`` output ``8 + L // 2``'s, the order in which the
+    kernel's conversion writes them.
+    """
+    q, d, tiles = _symmetric_8bit(weight)
+    groups = q.shape[1]
+    q = q.reshape(tiles, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)  # [tiles, groups, pair p, output, j]
+    # [.., p, half, output within the half, j] -> bytes L = 2 * output + j within each half
+    codes = q.reshape(tiles, groups, 16, 2, 8, 2).reshape(tiles, groups, 16, 32)
+    scales = d.reshape(tiles, 16, groups).permute(0, 2, 1).contiguous()
+    return codes.contiguous(), scales
+
+
 def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise ``weight [N, K]`` to symmetric 8-bit groups of 32 (GGUF Q8_0's scheme) for ``ops.grouped_linear``.
 
@@ -156,10 +185,9 @@ def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``codes [N/16, K/32, 8, 64]`` uint8 and ``scales [N/16, K/32, 2, 16]``
     float32, rows padded to a multiple of 16. A Q8_0 weight keeps its codes.
     """
-    w, tiles = _groups_padded(weight)
-    groups = w.shape[1]
-    d = w.abs().amax(-1) / 127
-    q = torch.round(w / d.clamp(min=1e-30)[..., None]).clamp(-127, 127).to(torch.int16) + 128
+    q, d, tiles = _symmetric_8bit(weight)
+    groups = q.shape[1]
+    q = q.to(torch.int16) + 128
     # [tiles, 16 rows, groups, 8 words, 4 bytes] -> [tiles, groups, words, rows, bytes]
     codes = q.to(torch.uint8).reshape(tiles, 16, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 8, 64)
     scales = torch.stack([d, -128 * d], dim=-1).reshape(tiles, 16, groups, 2).permute(0, 2, 3, 1).contiguous()
@@ -239,6 +267,9 @@ class AmxBf16Linear(nn.Module):
     * ``"w4a16"``: the weight kept as 4-bit codes (``pack_w4a16``: a Q4_1 weight keeps
       its own), made bfloat16 in the kernel for each call (``ops.amx_w4a16_linear``):
       a quarter of the bytes for a decode step to read, the same tile products.
+    * ``"w8a16"``: the weight kept as 8-bit codes (``pack_w8a16``: a Q8_0 weight keeps
+      its own), made bfloat16 in the kernel (``ops.amx_w8a16_linear``): the LM head of
+      the AMX-BF16 paths.
 
     ``codes``/``group_scales`` under the grouped kernel's names, as the fused layer
     takes every projection (``ops.fused_layer``)."""
@@ -248,8 +279,8 @@ class AmxBf16Linear(nn.Module):
 
     def __init__(self, dense: nn.Linear, kind: str = "amx-bf16") -> None:
         super().__init__()
-        if kind not in ("amx-bf16", "w4a16"):
-            raise ValueError(f"unknown AMX-BF16 weight form {kind!r}; use amx-bf16 or w4a16")
+        if kind not in ("amx-bf16", "w4a16", "w8a16"):
+            raise ValueError(f"unknown AMX-BF16 weight form {kind!r}; use amx-bf16, w4a16 or w8a16")
         if not ops.amx_bf16_usable():
             raise ValueError(f"{kind} needs a CPU with AMX-BF16 (see python -m models.ops); use w4a8")
         self.kind = kind
@@ -257,17 +288,22 @@ class AmxBf16Linear(nn.Module):
         self.bias = dense.bias
         if kind == "amx-bf16":
             codes, scales = pack_amx_bf16(dense.weight), torch.empty(0)
-        else:
+        elif kind == "w4a16":
             codes, scales = pack_w4a16(dense.weight)
-        self.fused_gemm = ops.GEMM_AMX_BF16 if kind == "amx-bf16" else ops.GEMM_AMX_W4A16
+        else:
+            codes, scales = pack_w8a16(dense.weight)
+        # The fused layer's GEMM (the LM head, w8a16, runs outside it).
+        self.fused_gemm = {"amx-bf16": ops.GEMM_AMX_BF16, "w4a16": ops.GEMM_AMX_W4A16}.get(kind)
         self.register_buffer("codes", codes, persistent=False)
         self.register_buffer("group_scales", scales, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "amx-bf16":
             y = ops.amx_bf16_linear(x.float(), self.codes, self.out_features)
-        else:
+        elif self.kind == "w4a16":
             y = ops.amx_w4a16_linear(x.float(), self.codes, self.group_scales, self.out_features)
+        else:
+            y = ops.amx_w8a16_linear(x.float(), self.codes, self.group_scales, self.out_features)
         y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
@@ -283,9 +319,11 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
       products against the centred codes (``ops.int8_dots``); about 2x the int4
       path's GEMM speed, and no dense copies of the projections.
     * ``"amx-bf16"``: the projections' weights as bfloat16 on AMX-BF16 tiles
-      (``AmxBf16Linear``), activations rounded to bfloat16 at each; the LM head as w4a8's.
+      (``AmxBf16Linear``), activations rounded to bfloat16 at each; the LM head's int8
+      codes made bfloat16 in the kernel (``w8a16``).
     * ``"w4a16"``: as ``amx-bf16``, the weights kept 4-bit (``pack_w4a16``) and made
-      bfloat16 in the kernel: the same tile arithmetic, a decode step reading 4-bit codes.
+      bfloat16 in the kernel: the same tile arithmetic, a decode step reading 4-bit codes;
+      the same LM head.
     """
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; supported: {', '.join(METHODS)}")
@@ -296,8 +334,10 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
             mlp.gate_up_proj = AmxBf16Linear(mlp.gate_up_proj, method)
             mlp.down_proj = AmxBf16Linear(mlp.down_proj, method)
         # The head reads the most weights a decode step (49,152 rows for SmolLM2): kept as
-        # w4a8's int8 rows and int8 dots, half the bytes of bfloat16.
-        model.lm_head = QuantizedLinear(model.lm_head, "int8", ops.has_int8_dots())
+        # int8 codes (half the bytes of bfloat16) made bfloat16 in the kernel. (w4a8's
+        # int8 dots on AMX-INT8 fold every 16 inputs' sums out of the tiles: at 64 rows
+        # 15.4 ms against 4.9, at one row 0.8 against 1.2, measured on a 2-core Xeon.)
+        model.lm_head = AmxBf16Linear(model.lm_head, "w8a16")
         return model
     int8_acts = method == "w4a8"
     if int8_acts and not ops.has_int8_dots():

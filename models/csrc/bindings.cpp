@@ -34,6 +34,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out (float32) = x @ W^T on AMX-BF16 tiles, W packed by pack_amx_bf16");
   m.def("amx_w4a16_linear", &kvserve::amx_w4a16_linear,
         "out (float32) = x @ W^T on AMX-BF16 tiles, W as pack_w4a16's 4-bit codes and scales");
+  m.def("amx_w8a16_linear", &kvserve::amx_w8a16_linear,
+        "out (float32) = x @ W^T on AMX-BF16 tiles, W as pack_w8a16's 8-bit codes and scales");
   m.def("amx_enabled", &kvserve::amx_enabled, "whether the int8-activation GEMMs use AMX now");
   m.def("set_amx_enabled", &kvserve::set_amx_enabled, "let the int8-activation GEMMs use AMX, or not");
   m.def("set_amx_emulated", &kvserve::set_amx_emulated, "tests: AMX's tile instructions in software");

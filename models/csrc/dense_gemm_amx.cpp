@@ -23,6 +23,8 @@
 // about 9 vector instructions per 32 weights, which is what bounds a decode of a
 // few rows (a single stream's step about 1.5x w4a8's, against 2x with bfloat16
 // weights); from 17 rows a pair of tiles is made once for all row blocks.
+// amx_w8a16_linear does the same for 8-bit weights (pack_w8a16: the LM head of the
+// AMX-BF16 paths, Q8_0's codes).
 #include "grouped_gemm_amx.h"
 #include "kernels.h"
 #include "parallel.h"
@@ -210,6 +212,48 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void w4_blocks_t
   }
 }
 
+// `groups` 16 x 32 blocks of 8-bit weights (pack_w8a16: per block 16 B rows of 32 int8
+// codes, output L/2's then output 8 + L/2's for input pair p, then d[16]) as bfloat16 B
+// operands, each weight d * q in float32 rounded to bfloat16 (RNE).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void w8_blocks_to_bf16(uint16_t* dst,
+                                                                                       const uint8_t* codes,
+                                                                                       const float* scales,
+                                                                                       int64_t groups) {
+  const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512 d = _mm512_loadu_ps(scales + g * 16);
+    const __m512 dlo = _mm512_permutexvar_ps(lo_idx, d), dhi = _mm512_permutexvar_ps(hi_idx, d);
+    for (int p = 0; p < 16; ++p) {
+      const uint8_t* row = codes + g * 512 + p * 32;
+      const __m512 lo = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)))), dlo);
+      const __m512 hi = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16)))), dhi);
+      _mm512_store_si512(dst + g * 512 + p * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+}
+
+// A quantised weight as the kernel reads it: per 16 x 32 block, `code_bytes` of codes and
+// `scale_floats` scales, and `make`, which turns consecutive blocks into B operands.
+struct QuantBlocks {
+  const uint8_t* codes;
+  const float* scales;
+  int64_t code_bytes, scale_floats;
+  void (*make)(uint16_t* dst, const uint8_t* codes, const float* scales, int64_t groups);
+
+  void to_bf16(uint16_t* dst, int64_t block, int64_t blocks) const {
+    make(dst, codes + block * code_bytes, scales + block * scale_floats, blocks);
+  }
+  void prefetch(int64_t block) const {
+    const char* c = reinterpret_cast<const char*>(codes + block * code_bytes);
+    const char* sc = reinterpret_cast<const char*>(scales + block * scale_floats);
+    for (int64_t b = 0; b < code_bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < scale_floats * 4; b += 64) _mm_prefetch(sc + b, _MM_HINT_T0);
+  }
+};
+
 // The C tile 3 + i: zeroed, or stored to buf (tile numbers are immediates).
 __attribute__((target("amx-tile"))) inline void zero_c(int i) {
   switch (i) {
@@ -247,10 +291,10 @@ constexpr int kSmallTiles = 5;
     _tile_loadd(B, (w), 64);          \
     _tile_dpbf16ps(C, 0, B);          \
   } while (0)
-constexpr int64_t kCodePrefetch = 4;  // 4-bit blocks fetched ahead (measured: 2-8 alike)
+constexpr int64_t kCodePrefetch = 4;  // quantised blocks fetched ahead (measured: 2-8 alike)
 
-__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))) void w4a16_item_small(
-    float* y, int64_t m, int64_t n, const uint16_t* xb, int64_t kp, const uint8_t* cp, const float* sp, int64_t kbs,
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))) void quant_item_small(
+    float* y, int64_t m, int64_t n, const uint16_t* xb, int64_t kp, const QuantBlocks& qb, int64_t kbs,
     int64_t tiles, int64_t t0, uint16_t* wbuf, float* buf) {
   const int nt = static_cast<int>(std::min<int64_t>(kSmallTiles, tiles - t0));
   for (int i = 0; i < nt; ++i) zero_c(i);
@@ -258,14 +302,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
     uint16_t* w = wbuf + (kb & 1) * kSmallTiles * 512;
     for (int i = 0; i < nt; ++i) {
       const int64_t blk = (t0 + i) * kbs + kb;
-      if (kb + kCodePrefetch < kbs) {
-        const char* c = reinterpret_cast<const char*>(cp + (blk + kCodePrefetch) * 256);
-        const char* sc = reinterpret_cast<const char*>(sp + (blk + kCodePrefetch) * 32);
-        for (int line = 0; line < 4; ++line) _mm_prefetch(c + 64 * line, _MM_HINT_T0);
-        _mm_prefetch(sc, _MM_HINT_T0);
-        _mm_prefetch(sc + 64, _MM_HINT_T0);
-      }
-      w4_blocks_to_bf16(w + i * 512, cp + blk * 256, sp + blk * 32, 1);
+      if (kb + kCodePrefetch < kbs) qb.prefetch(blk + kCodePrefetch);
+      qb.to_bf16(w + i * 512, blk, 1);
     }
   };
   make(0);
@@ -383,19 +421,14 @@ void amx_bf16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w) 
 #endif
 }
 
-void amx_w4a16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
-  TORCH_CHECK(codes.dim() == 4 && codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.size(2) == 4 &&
-                  codes.size(3) == 64, "codes must be pack_w4a16's [N/16, K/32, 4, 64] uint8");
-  TORCH_CHECK(scales.dim() == 4 && scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
-                  scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) && scales.size(2) == 2 &&
-                  scales.size(3) == 16, "scales must be pack_w4a16's [N/16, K/32, 2, 16] float32");
-  check_rows("amx_w4a16_linear", out, x, codes.size(0), false);
-  const int64_t m = x.size(0), k = x.size(1), n = out.size(1), tiles = codes.size(0), kbs = codes.size(1);
-  TORCH_CHECK(kbs * 32 == k, "codes' groups do not match x's width");
-  if (m == 0) return;
 #if defined(__x86_64__)
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
+// y = x @ W^T for a quantised W (amx_w4a16_linear, amx_w8a16_linear): the blocks made
+// bfloat16 B operands in the kernel, amx_bf16_linear's tile products.
+static void amx_quant_linear(at::Tensor& out, const at::Tensor& x, const QuantBlocks& qb, int64_t tiles,
+                             int64_t kbs) {
+  const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
+  TORCH_CHECK(kbs * 32 == k, "the weight's groups do not match x's width");
+  if (m == 0) return;
   float* yp = out.data_ptr<float>();
   const int threads = at::get_num_threads();
   if (m <= 16) {  // A tiles of m rows: no padding
@@ -406,7 +439,7 @@ void amx_w4a16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& co
       alignas(64) float buf[256];
       configure_small_tiles(static_cast<int>(m));
       for (int64_t item = begin; item < end; ++item)
-        w4a16_item_small(yp, m, n, xbp, k, cp, sp, kbs, tiles, item * kSmallTiles, wbuf, buf);
+        quant_item_small(yp, m, n, xbp, k, qb, kbs, tiles, item * kSmallTiles, wbuf, buf);
       release_tiles();
     });
     return;
@@ -427,13 +460,41 @@ void amx_w4a16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& co
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t0 = (item / row_items) * kTilesPerItem, r0 = (item % row_items) * kRowsPerItem;
       if (item == begin || r0 == 0) {
-        w4_blocks_to_bf16(w0, cp + t0 * kbs * 256, sp + t0 * kbs * 32, kbs);
-        if (t0 + 1 < tiles) w4_blocks_to_bf16(w1, cp + (t0 + 1) * kbs * 256, sp + (t0 + 1) * kbs * 32, kbs);
+        qb.to_bf16(w0, t0 * kbs, kbs);
+        if (t0 + 1 < tiles) qb.to_bf16(w1, (t0 + 1) * kbs, kbs);
       }
       amx_bf16_item(yp, m, n, xbp, k, w0, w1, kbs, tiles, r0, t0, buf, false, nullptr, 0, row_items);
     }
     release_tiles();
   });
+}
+#endif
+
+void amx_w4a16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(codes.dim() == 4 && codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.size(2) == 4 &&
+                  codes.size(3) == 64, "codes must be pack_w4a16's [N/16, K/32, 4, 64] uint8");
+  TORCH_CHECK(scales.dim() == 4 && scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
+                  scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) && scales.size(2) == 2 &&
+                  scales.size(3) == 16, "scales must be pack_w4a16's [N/16, K/32, 2, 16] float32");
+  check_rows("amx_w4a16_linear", out, x, codes.size(0), false);
+#if defined(__x86_64__)
+  amx_quant_linear(out, x, {codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), 256, 32, w4_blocks_to_bf16},
+                   codes.size(0), codes.size(1));
+#endif
+}
+
+void amx_w8a16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(codes.dim() == 4 && codes.is_contiguous() && codes.scalar_type() == at::kChar && codes.size(2) == 16 &&
+                  codes.size(3) == 32, "codes must be pack_w8a16's [N/16, K/32, 16, 32] int8");
+  TORCH_CHECK(scales.dim() == 3 && scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
+                  scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) && scales.size(2) == 16,
+              "scales must be pack_w8a16's [N/16, K/32, 16] float32");
+  check_rows("amx_w8a16_linear", out, x, codes.size(0), false);
+#if defined(__x86_64__)
+  amx_quant_linear(out, x,
+                   {reinterpret_cast<const uint8_t*>(codes.data_ptr<int8_t>()), scales.data_ptr<float>(), 512, 16,
+                    w8_blocks_to_bf16},
+                   codes.size(0), codes.size(1));
 #endif
 }
 

@@ -44,6 +44,8 @@ void amx_bf16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w);
 // y = x @ W^T on AMX-BF16 tiles, W as pack_w4a16's 4-bit codes and scales, made
 // bfloat16 in the kernel (dense_gemm_amx.cpp).
 void amx_w4a16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
+// The same for pack_w8a16's 8-bit codes and scales.
+void amx_w8a16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 
 // argmax.cpp
 void argmax_rows(at::Tensor& out, const at::Tensor& x);

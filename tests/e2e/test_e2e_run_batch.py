@@ -31,9 +31,10 @@ def test_run_batch_answers_a_file_as_the_server_answers_each_line(server: KVServ
     source = "\n".join(json.dumps({"custom_id": c, "method": "POST", "url": u, "body": {**b, "priority": i % 3 - 1}})
                        for i, (c, u, b) in enumerate(requests))
     out = tmp_path / "out.jsonl"
-    # The shared server runs float32; so does this process (the input comes on stdin).
+    # The shared server runs float32 + w4a8; so does this process (the input comes on stdin).
+    # (With auto, a CPU with AMX-BF16 would pick w4a16 here: other bits.)
     argv = kvserve_argv("run-batch", "-i", "-", "-o", str(out), "--model", MODEL, "--dtype", "float32",
-                        "--no-progress", "--scheduling-policy", "priority")
+                        "--quantization", "w4a8", "--no-progress", "--scheduling-policy", "priority")
     r = subprocess.run(argv, input=source, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "4 succeeded, 1 failed" in r.stderr, r.stderr

@@ -14,7 +14,7 @@ import torch
 
 from models import ops
 from models.loader import load_model
-from models.quant import AmxBf16Linear, pack_amx_bf16, pack_int4, pack_w4a16
+from models.quant import AmxBf16Linear, pack_amx_bf16, pack_int4, pack_int8, pack_w4a16, pack_w8a16
 
 needs_amx_bf16 = pytest.mark.skipif(not ops.amx_bf16_usable(),
                                     reason="this CPU offers no AMX-BF16 (or KVSERVE_AMX=0)")
@@ -110,6 +110,40 @@ def test_the_4_bit_gemm_is_the_bfloat16_gemm_on_its_weights_in_any_batch(out_f: 
     assert torch.equal(ops.amx_w4a16_linear(torch.cat([x, x, x, x]), codes, scales, out_f)[231:], y)
 
 
+def w8a16_weights(codes: torch.Tensor, scales: torch.Tensor, out_f: int) -> torch.Tensor:
+    """pack_w8a16's weights d * q (one float32 rounding) as [out_f, K], by its layout."""
+    tiles, groups = codes.shape[:2]
+    c = codes.reshape(tiles, groups, 16, 2, 8, 2).double()  # [tile, group, pair, half, output, j]
+    q = c.permute(0, 3, 4, 1, 2, 5).reshape(tiles * 16, groups * 32)
+    d = scales.permute(0, 2, 1).reshape(tiles * 16, groups).repeat_interleave(32, 1).double()
+    return (d * q).float()[:out_f]
+
+
+def test_the_8_bit_packing_keeps_the_q8_codes() -> None:
+    w = torch.randn(40, 96)
+    codes, scales = pack_w8a16(w)
+    assert codes.shape == (3, 3, 16, 32) and codes.dtype == torch.int8 and scales.shape == (3, 3, 16)
+    int8_codes, int8_scales = pack_int8(w)  # unsigned codes q + 128, 4 inputs of a row per word
+    q = (int8_codes.reshape(3, 3, 8, 16, 4).long() - 128).permute(0, 3, 1, 2, 4).reshape(48, 96)
+    d = int8_scales[:, :, 0].permute(0, 2, 1).reshape(48, 3).repeat_interleave(32, 1)
+    torch.testing.assert_close(w8a16_weights(codes, scales, 40), (d * q)[:40], atol=0, rtol=0)
+    torch.testing.assert_close(w8a16_weights(codes, scales, 40), w, atol=(w.abs().max() / 254).item(), rtol=0)
+
+
+@needs_amx_bf16
+@pytest.mark.parametrize("out_f, in_f", [(49152, 576), (100, 64), (40, 32)])
+def test_the_8_bit_gemm_is_the_bfloat16_gemm_on_its_weights_in_any_batch(out_f: int, in_f: int) -> None:
+    gen = torch.Generator().manual_seed(out_f + 7 * in_f)
+    w = torch.randn(out_f, in_f, generator=gen) * 0.05
+    codes, scales = pack_w8a16(w)
+    dense = pack_amx_bf16(w8a16_weights(codes, scales, out_f))
+    x = torch.randn(40, in_f, generator=gen)
+    y = ops.amx_w8a16_linear(x, codes, scales, out_f)
+    assert torch.equal(y, ops.amx_bf16_linear(x, dense, out_f))
+    for rows in (1, 16, 17, 33):
+        assert torch.equal(ops.amx_w8a16_linear(x[:rows], codes, scales, out_f), y[:rows])
+
+
 @needs_amx_bf16
 @pytest.mark.parametrize("method", ["amx-bf16", "w4a16"])
 def test_the_path_runs_fused_and_keeps_the_float_models_greedy_tokens(smollm2, make_runner, method: str) -> None:
@@ -118,6 +152,7 @@ def test_the_path_runs_fused_and_keeps_the_float_models_greedy_tokens(smollm2, m
     assert all(isinstance(p, AmxBf16Linear) and p.kind == method for layer in amx.model.model.layers
                for p in (layer.self_attn.qkv_proj, layer.mlp.down_proj))
     assert all(layer.packed_int4() for layer in amx.model.model.layers)  # one fused call per layer
+    assert isinstance(amx.model.lm_head, AmxBf16Linear) and amx.model.lm_head.kind == "w8a16"
     prompt = amx.tokenizer.encode("The history of the printing press begins in the fifteenth century, when")
     want = make_runner(smollm2.model).greedy(prompt, 16)
     runner = make_runner(amx.model)
