@@ -424,22 +424,22 @@ def amx_w4a16_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     ``models.quant.pack_w4a16``: the kernel makes each weight ``d * q + m`` a bfloat16
     and rounds x's rows to bfloat16 (RNE). ``amx_bf16_linear`` on those bfloat16
     weights gives the same bits; a row's result does not depend on the other rows."""
-    if _load() is None:
-        raise RuntimeError("amx_w4a16_linear needs the fused CPU kernels")
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    _ext.amx_w4a16_linear(out, x, codes, scales)
-    return out
+    return _amx_quant_linear("amx_w4a16_linear", x, codes, scales, out_features)
 
 
 def amx_w8a16_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
     """``amx_w4a16_linear`` for 8-bit weights packed by ``models.quant.pack_w8a16``: each
     weight ``d * q`` made a bfloat16 in the kernel."""
+    return _amx_quant_linear("amx_w8a16_linear", x, codes, scales, out_features)
+
+
+def _amx_quant_linear(kernel: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                      out_features: int) -> torch.Tensor:
     if _load() is None:
-        raise RuntimeError("amx_w8a16_linear needs the fused CPU kernels")
+        raise RuntimeError(f"{kernel} needs the fused CPU kernels")
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    _ext.amx_w8a16_linear(out, x, codes, scales)
+    getattr(_ext, kernel)(out, x, codes, scales)
     return out
 
 

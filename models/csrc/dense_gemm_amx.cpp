@@ -176,6 +176,12 @@ __attribute__((target("avx512f"))) inline __m512 code_as_float(__m512i codes) {
   return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(shift_lanes<19 - 4 * N>(codes), mask, one, 0xEA));
 }
 
+// Lane L -> output first + L/2: per-output scales spread over a B row's lanes, whose
+// vcvtne2ps2bf16 words are outputs 0..7 (then 8..15) two inputs each.
+__attribute__((target("avx512f"))) inline __m512i half_outputs(int first) {
+  return _mm512_add_epi32(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), _mm512_set1_epi32(first));
+}
+
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void w4_row(uint16_t* dst, __m512i codes,
                                                                                    __m512 db, __m512 mb, __m512 da,
@@ -195,8 +201,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void w4_blocks_t
                                                                                        const uint8_t* codes,
                                                                                        const float* scales,
                                                                                        int64_t groups) {
-  const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
+  const __m512i lo_idx = half_outputs(0), hi_idx = half_outputs(8);
   for (int64_t g = 0; g < groups; ++g) {
     const __m512 d = _mm512_loadu_ps(scales + g * 32), m = _mm512_loadu_ps(scales + g * 32 + 16);
     const __m512 db = _mm512_permutexvar_ps(lo_idx, d), mb = _mm512_permutexvar_ps(lo_idx, m);
@@ -219,8 +224,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void w8_blocks_t
                                                                                        const uint8_t* codes,
                                                                                        const float* scales,
                                                                                        int64_t groups) {
-  const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
+  const __m512i lo_idx = half_outputs(0), hi_idx = half_outputs(8);
   for (int64_t g = 0; g < groups; ++g) {
     const __m512 d = _mm512_loadu_ps(scales + g * 16);
     const __m512 dlo = _mm512_permutexvar_ps(lo_idx, d), dhi = _mm512_permutexvar_ps(hi_idx, d);
