@@ -57,7 +57,7 @@ void configure_bf16_tiles() {
   load_tile_config(cfg);
 }
 
-// For amx_bf16_q4_item_small: tile 0 A (rows x 32 bfloat16), 1-2 B, 3-7 C (rows x 16).
+// For quant_item_small: tile 0 A (rows x 32 bfloat16), 1-2 B, 3-7 C (rows x 16).
 // A product's time grows with its rows: at one row a 16-row tile did 16x the work.
 void configure_small_tiles(int rows) {
   TileConfig cfg;
