@@ -96,9 +96,9 @@ def candidates(dtype: str, quantization: str, four_bit: bool) -> list[RunPath]:
     elif ops.amx_usable() and len(paths) > 1:
         paths += [RunPath(p.dtype, p.quantization, amx=True) for p in paths if p.quantization == "w4a8"]
     if mode == "auto" and quantization == "auto" and four_bit and "float32" in dtypes and ops.amx_bf16_usable():
-        # The 4-bit weights on AMX-BF16 tiles (float32 activations only); its LM head is
-        # w4a8's, on AMX-INT8 tiles from 16 rows where those are usable (equal results).
-        paths.append(RunPath("float32", "w4a16", amx=ops.amx_usable()))
+        # The 4-bit weights on AMX-BF16 tiles (float32 activations only), its LM head too:
+        # the AMX-INT8 switch (``amx``) does not touch it.
+        paths.append(RunPath("float32", "w4a16"))
     return paths
 
 

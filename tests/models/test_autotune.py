@@ -27,7 +27,7 @@ def paths(dtypes: list[str], quants: list[str]) -> list[RunPath]:
     the GEMMs can use it, then w4a16 where AMX-BF16 is."""
     plain = [RunPath(d, q) for d in dtypes for q in quants]
     amx = [RunPath(p.dtype, p.quantization, amx=True) for p in plain if p.quantization == "w4a8"]
-    w4a16 = [RunPath("float32", "w4a16", amx=ops.amx_usable())] if "float32" in dtypes else []
+    w4a16 = [RunPath("float32", "w4a16")] if "float32" in dtypes else []
     return plain + (amx if ops.amx_usable() else []) + (w4a16 if ops.amx_bf16_usable() else [])
 
 
@@ -44,7 +44,7 @@ def test_open_settings_list_every_path_this_cpu_runs() -> None:
 def test_w4a16_is_a_candidate_only_where_amx_bf16_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSERVE_AMX", "auto")
     monkeypatch.setattr(autotune.ops, "amx_bf16_usable", lambda: True)
-    assert RunPath("float32", "w4a16", amx=ops.amx_usable()) in autotune.candidates("float32", "auto", True)
+    assert RunPath("float32", "w4a16") in autotune.candidates("float32", "auto", True)
     # Not for a checkpoint without 4-bit projections, nor with bfloat16 activations.
     assert autotune.candidates("float32", "auto", False) == [RunPath("float32", "none")]
     assert all(p.quantization != "w4a16" for p in autotune.candidates("bfloat16", "auto", True))
