@@ -409,14 +409,7 @@ def amx_bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) ->
     """``x [M, K] @ W^T`` in float32 on AMX-BF16 tiles, x's rows rounded to bfloat16 (RNE),
     for a weight packed by ``models.quant.pack_amx_bf16``. A row's result does not depend
     on the other rows; it is this CPU kind's own (tdpbf16ps rounds as the hardware does)."""
-    # Per call only what is cheap: AmxBf16Linear checked amx_bf16_usable() when it was
-    # built, and the kernel refuses a CPU without AMX-BF16 itself.
-    if _load() is None:
-        raise RuntimeError("amx_bf16_linear needs the fused CPU kernels")
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    _ext.amx_bf16_linear(out, x, packed)
-    return out
+    return _amx_linear("amx_bf16_linear", x, out_features, packed)
 
 
 def amx_w4a16_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -424,22 +417,23 @@ def amx_w4a16_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     ``models.quant.pack_w4a16``: the kernel makes each weight ``d * q + m`` a bfloat16
     and rounds x's rows to bfloat16 (RNE). ``amx_bf16_linear`` on those bfloat16
     weights gives the same bits; a row's result does not depend on the other rows."""
-    return _amx_quant_linear("amx_w4a16_linear", x, codes, scales, out_features)
+    return _amx_linear("amx_w4a16_linear", x, out_features, codes, scales)
 
 
 def amx_w8a16_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
     """``amx_w4a16_linear`` for 8-bit weights packed by ``models.quant.pack_w8a16``: each
     weight ``d * q`` made a bfloat16 in the kernel."""
-    return _amx_quant_linear("amx_w8a16_linear", x, codes, scales, out_features)
+    return _amx_linear("amx_w8a16_linear", x, out_features, codes, scales)
 
 
-def _amx_quant_linear(kernel: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                      out_features: int) -> torch.Tensor:
+def _amx_linear(kernel: str, x: torch.Tensor, out_features: int, *weight: torch.Tensor) -> torch.Tensor:
+    # Per call only what is cheap: AmxBf16Linear checked amx_bf16_usable() when it was
+    # built, and the kernels refuse a CPU without AMX-BF16 themselves.
     if _load() is None:
         raise RuntimeError(f"{kernel} needs the fused CPU kernels")
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    getattr(_ext, kernel)(out, x, codes, scales)
+    getattr(_ext, kernel)(out, x, *weight)
     return out
 
 

@@ -345,6 +345,31 @@ bool amx_bf16_available() {
 }
 
 #if defined(__x86_64__)
+// amx_bf16_item's work for mp rows (a multiple of kRowsPerItem) x `tiles` output tiles:
+// f(t0, r0, first, buf) for each item, `first` for a chunk's first, inside the tile
+// configuration, buf 4 x 256 floats for the C tiles.
+// Items run the row blocks fastest within a pair of output tiles: the pair's weights
+// (K x 32 bfloat16, tens of KB) stay in L1/L2 for all rows, and the rows (M x K
+// bfloat16) in L2; each weight is read from memory once per call. (Rows fastest
+// across the tiles streamed a layer's 7 MB once per 32 rows.)
+// NOTE: the tile configuration (ldtilecfg, then tilerelease) is per chunk: per item or
+// per tile pair it cost up to 2x the time at 16 rows. So a chunk is whole tile pairs,
+// about four chunks a thread (idle threads still take over a slow one's).
+template <typename F>
+void for_each_pair_item(int64_t mp, int64_t tiles, F&& f) {
+  const int64_t row_items = mp / kRowsPerItem, tile_items = (tiles + kTilesPerItem - 1) / kTilesPerItem;
+  const int64_t pairs_per_chunk = std::max<int64_t>(1, tile_items / (4 * at::get_num_threads()));
+  parallel_chunks(row_items * tile_items, row_items * pairs_per_chunk, [&](int64_t begin, int64_t end) {
+    configure_bf16_tiles();
+    alignas(64) float buf[4 * 256];
+    for (int64_t item = begin; item < end; ++item)
+      f((item / row_items) * kTilesPerItem, (item % row_items) * kRowsPerItem, item == begin, buf);
+    release_tiles();
+  });
+}
+#endif
+
+#if defined(__x86_64__)
 // x's rows as bfloat16 (RNE) for A tiles: rows padded to mp and inputs to kp with zeros
 // (their products add 0), in the calling thread's buffer, kept between calls (no
 // allocation per call). Bfloat16 rows the tiles can read as they are are not copied.
@@ -401,26 +426,12 @@ void amx_bf16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w) 
   const uint16_t* xbp = bf16_rows(x, mp, kp);
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   float* yp = out.data_ptr<float>();
-  const int64_t row_items = mp / kRowsPerItem, tile_items = (tiles + kTilesPerItem - 1) / kTilesPerItem;
-  // Items run the row blocks fastest within a pair of output tiles: the pair's weights
-  // (K x 32 bfloat16, tens of KB) stay in L1/L2 for all rows, and the rows (M x K
-  // bfloat16) in L2; each weight is read from memory once per call. (Rows fastest
-  // across the tiles streamed a layer's 7 MB once per 32 rows.)
-  // NOTE: the tile configuration (ldtilecfg, then tilerelease) is per call of the lambda:
-  // per item or per tile pair it cost up to 2x the time at 16 rows. So a chunk is whole
-  // tile pairs, about four chunks a thread (idle threads still take over a slow one's).
-  const int64_t pairs_per_chunk = std::max<int64_t>(1, tile_items / (4 * at::get_num_threads()));
-  parallel_chunks(row_items * tile_items, row_items * pairs_per_chunk, [&](int64_t begin, int64_t end) {
-    configure_bf16_tiles();
-    alignas(64) float buf[4 * 256];
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t t0 = (item / row_items) * kTilesPerItem, r0 = (item % row_items) * kRowsPerItem;
-      const int64_t ahead_lines = t0 + 2 < tiles ? 16 * kbs * std::min<int64_t>(2, tiles - t0 - 2) : 0;
-      amx_bf16_item(yp, m, n, xbp, kp, wp + t0 * kbs * 512, wp + (t0 + 1) * kbs * 512, kbs, tiles, r0, t0, buf,
-                    item == begin || row_items == 1, reinterpret_cast<const char*>(wp + (t0 + 2) * kbs * 512),
-                    ahead_lines, row_items);
-    }
-    release_tiles();
+  const int64_t row_items = mp / kRowsPerItem;
+  for_each_pair_item(mp, tiles, [&](int64_t t0, int64_t r0, bool first, float* buf) {
+    const int64_t ahead_lines = t0 + 2 < tiles ? 16 * kbs * std::min<int64_t>(2, tiles - t0 - 2) : 0;
+    amx_bf16_item(yp, m, n, xbp, kp, wp + t0 * kbs * 512, wp + (t0 + 1) * kbs * 512, kbs, tiles, r0, t0, buf,
+                  first || row_items == 1, reinterpret_cast<const char*>(wp + (t0 + 2) * kbs * 512), ahead_lines,
+                  row_items);
   });
 #endif
 }
@@ -452,24 +463,16 @@ static void amx_quant_linear(at::Tensor& out, const at::Tensor& x, const QuantBl
   // for all its row blocks.
   const int64_t mp = (m + kRowsPerItem - 1) / kRowsPerItem * kRowsPerItem;
   const uint16_t* xbp = bf16_rows(x, mp, k);
-  const int64_t row_items = mp / kRowsPerItem, tile_items = (tiles + kTilesPerItem - 1) / kTilesPerItem;
-  const int64_t pairs_per_chunk = std::max<int64_t>(1, tile_items / (4 * threads));
-  parallel_chunks(row_items * tile_items, row_items * pairs_per_chunk, [&](int64_t begin, int64_t end) {
+  for_each_pair_item(mp, tiles, [&](int64_t t0, int64_t r0, bool first, float* buf) {
     thread_local std::vector<uint16_t> wb;
     if (wb.size() < static_cast<size_t>(2 * kbs * 512 + 32)) wb.resize(static_cast<size_t>(2 * kbs * 512 + 32));
     uint16_t* w0 = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(wb.data()) + 63) & ~uintptr_t{63});
     uint16_t* w1 = w0 + kbs * 512;
-    configure_bf16_tiles();
-    alignas(64) float buf[4 * 256];
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t t0 = (item / row_items) * kTilesPerItem, r0 = (item % row_items) * kRowsPerItem;
-      if (item == begin || r0 == 0) {
-        qb.to_bf16(w0, t0 * kbs, kbs);
-        if (t0 + 1 < tiles) qb.to_bf16(w1, (t0 + 1) * kbs, kbs);
-      }
-      amx_bf16_item(yp, m, n, xbp, k, w0, w1, kbs, tiles, r0, t0, buf, false, nullptr, 0, row_items);
+    if (first || r0 == 0) {
+      qb.to_bf16(w0, t0 * kbs, kbs);
+      if (t0 + 1 < tiles) qb.to_bf16(w1, (t0 + 1) * kbs, kbs);
     }
-    release_tiles();
+    amx_bf16_item(yp, m, n, xbp, k, w0, w1, kbs, tiles, r0, t0, buf, false, nullptr, 0, mp / kRowsPerItem);
   });
 }
 #endif

@@ -91,25 +91,6 @@ def test_the_4_bit_packing_keeps_the_q4_codes_and_their_weights() -> None:
     torch.testing.assert_close(dq, w, atol=(w.abs().max() / 15).item(), rtol=0)  # within half a step
 
 
-@needs_amx_bf16
-@pytest.mark.parametrize("out_f, in_f", [(960, 576), (576, 1536), (3072, 576), (100, 64), (40, 32)])
-def test_the_4_bit_gemm_is_the_bfloat16_gemm_on_its_weights_in_any_batch(out_f: int, in_f: int) -> None:
-    gen = torch.Generator().manual_seed(out_f * in_f)
-    w = torch.randn(out_f, in_f, generator=gen) * 0.05
-    codes, scales = pack_w4a16(w)
-    dense = pack_amx_bf16(w4a16_weights(codes, scales, out_f))
-    x = torch.randn(77, in_f, generator=gen)
-    y = ops.amx_w4a16_linear(x, codes, scales, out_f)
-    # The same tile products on the same bfloat16 operands: the same bits, whether the
-    # kernel made the weights per block (up to 16 rows) or per tile pair (more).
-    assert torch.equal(y, ops.amx_bf16_linear(x, dense, out_f))
-    alone = torch.cat([ops.amx_w4a16_linear(x[i:i + 1], codes, scales, out_f) for i in range(len(x))])
-    assert torch.equal(alone, y)
-    for rows in (3, 16, 17, 33):
-        assert torch.equal(ops.amx_w4a16_linear(x[:rows], codes, scales, out_f), y[:rows])
-    assert torch.equal(ops.amx_w4a16_linear(torch.cat([x, x, x, x]), codes, scales, out_f)[231:], y)
-
-
 def w8a16_weights(codes: torch.Tensor, scales: torch.Tensor, out_f: int) -> torch.Tensor:
     """pack_w8a16's weights d * q (one float32 rounding) as [out_f, K], by its layout."""
     tiles, groups = codes.shape[:2]
@@ -130,18 +111,33 @@ def test_the_8_bit_packing_keeps_the_q8_codes() -> None:
     torch.testing.assert_close(w8a16_weights(codes, scales, 40), w, atol=(w.abs().max() / 254).item(), rtol=0)
 
 
+QUANT_GEMMS = {  # weight form -> (packing, its weights as float32, the kernel)
+    "w4a16": (pack_w4a16, w4a16_weights, ops.amx_w4a16_linear),
+    "w8a16": (pack_w8a16, w8a16_weights, ops.amx_w8a16_linear),
+}
+
+
 @needs_amx_bf16
-@pytest.mark.parametrize("out_f, in_f", [(49152, 576), (100, 64), (40, 32)])
-def test_the_8_bit_gemm_is_the_bfloat16_gemm_on_its_weights_in_any_batch(out_f: int, in_f: int) -> None:
-    gen = torch.Generator().manual_seed(out_f + 7 * in_f)
+@pytest.mark.parametrize("form, out_f, in_f", [("w4a16", 960, 576), ("w4a16", 576, 1536), ("w4a16", 3072, 576),
+                                               ("w4a16", 100, 64), ("w4a16", 40, 32), ("w8a16", 49152, 576),
+                                               ("w8a16", 100, 64), ("w8a16", 40, 32)])
+def test_the_quantised_gemms_are_the_bfloat16_gemm_on_their_weights_in_any_batch(form: str, out_f: int,
+                                                                                  in_f: int) -> None:
+    pack, weights, gemm = QUANT_GEMMS[form]
+    gen = torch.Generator().manual_seed(out_f * in_f)
     w = torch.randn(out_f, in_f, generator=gen) * 0.05
-    codes, scales = pack_w8a16(w)
-    dense = pack_amx_bf16(w8a16_weights(codes, scales, out_f))
-    x = torch.randn(40, in_f, generator=gen)
-    y = ops.amx_w8a16_linear(x, codes, scales, out_f)
+    codes, scales = pack(w)
+    dense = pack_amx_bf16(weights(codes, scales, out_f))
+    x = torch.randn(77, in_f, generator=gen)
+    y = gemm(x, codes, scales, out_f)
+    # The same tile products on the same bfloat16 operands: the same bits, whether the
+    # kernel made the weights per block (up to 16 rows) or per tile pair (more).
     assert torch.equal(y, ops.amx_bf16_linear(x, dense, out_f))
-    for rows in (1, 16, 17, 33):
-        assert torch.equal(ops.amx_w8a16_linear(x[:rows], codes, scales, out_f), y[:rows])
+    alone = torch.cat([gemm(x[i:i + 1], codes, scales, out_f) for i in range(len(x))])
+    assert torch.equal(alone, y)
+    for rows in (3, 16, 17, 33):
+        assert torch.equal(gemm(x[:rows], codes, scales, out_f), y[:rows])
+    assert torch.equal(gemm(torch.cat([x, x, x, x]), codes, scales, out_f)[231:], y)
 
 
 @needs_amx_bf16
