@@ -31,11 +31,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_available", &kvserve::amx_available, "whether the CPU and the OS let the GEMMs use AMX-INT8");
   m.def("amx_bf16_available", &kvserve::amx_bf16_available, "whether the CPU and the OS let GEMMs use AMX-BF16");
   m.def("amx_bf16_linear", &kvserve::amx_bf16_linear,
-        "out (float32) = x @ W^T on AMX-BF16 tiles, W packed by pack_amx_bf16");
+        "out (float32) = x @ W^T on AMX-BF16 tiles, W packed by pack_amx_bf16",
+        py::call_guard<py::gil_scoped_release>());
   m.def("amx_w4a16_linear", &kvserve::amx_w4a16_linear,
-        "out (float32) = x @ W^T on AMX-BF16 tiles, W as pack_w4a16's 4-bit codes and scales");
+        "out (float32) = x @ W^T on AMX-BF16 tiles, W as pack_w4a16's 4-bit codes and scales",
+        py::call_guard<py::gil_scoped_release>());
   m.def("amx_w8a16_linear", &kvserve::amx_w8a16_linear,
-        "out (float32) = x @ W^T on AMX-BF16 tiles, W as pack_w8a16's 8-bit codes and scales");
+        "out (float32) = x @ W^T on AMX-BF16 tiles, W as pack_w8a16's 8-bit codes and scales",
+        py::call_guard<py::gil_scoped_release>());
   m.def("amx_enabled", &kvserve::amx_enabled, "whether the int8-activation GEMMs use AMX now");
   m.def("set_amx_enabled", &kvserve::set_amx_enabled, "let the int8-activation GEMMs use AMX, or not");
   m.def("set_amx_emulated", &kvserve::set_amx_emulated, "tests: AMX's tile instructions in software");
