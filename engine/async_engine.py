@@ -65,6 +65,7 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.sampling_defaults = engine.sampling_defaults
+        self.sampling_overrides = engine.sampling_overrides
         self.num_kv_blocks = engine.num_blocks
         self.block_size = engine.block_size
         # Read by the server, changed by the engine thread (load_adapter, unload_adapter).

@@ -114,6 +114,7 @@ class LLMEngine:
         self.model_config = loaded.config
         self.model_name = config.served_model_name or config.model
         self.sampling_defaults = self._sampling_defaults(config, loaded.config)
+        self.sampling_overrides = self._sampling_overrides(config)
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         if config.max_model_len and config.max_model_len > loaded.config.max_position_embeddings:
@@ -283,7 +284,7 @@ class LLMEngine:
             else:
                 logger.info("default sampling from the model's generation_config.json (a request's own values "
                             "win; --generation-config vllm ignores them): %s", defaults)
-        override = {k: v for k, v in config.override_generation_config.items() if k != "max_new_tokens"}
+        override = LLMEngine._sampling_overrides(config)
         if override:
             logger.info("default sampling from --override-generation-config (a request's own values win): %s",
                         override)
@@ -293,6 +294,14 @@ class LLMEngine:
             except ValueError as e:
                 raise ValueError(f"--override-generation-config with the model's generation_config.json: {e}") from None
         return defaults
+
+    @staticmethod
+    def _sampling_overrides(config: EngineConfig) -> dict[str, Any]:
+        """The operator's part of the default sampling (``override_generation_config``'s,
+        checked with the rest by ``_sampling_defaults``): llama.cpp's /completion applies
+        it too, as llama-server applies its own command line's sampling, and keeps
+        llama.cpp's defaults over the model's."""
+        return {k: v for k, v in config.override_generation_config.items() if k != "max_new_tokens"}
 
     @staticmethod
     def _default_max_tokens(config: EngineConfig, model: ModelConfig) -> int | None:

@@ -34,7 +34,7 @@ from server.serving_chat import apply_template, create_chat_completion
 from server.serving_common import client_disconnected
 from server.serving_completions import create_completion
 from server.serving_embeddings import create_embedding, create_llamacpp_embedding, create_rerank, create_score
-from server.serving_llamacpp import LLAMACPP_DEFAULTS, create_llamacpp_completion, create_llamacpp_infill
+from server.serving_llamacpp import create_llamacpp_completion, create_llamacpp_infill, llamacpp_defaults
 from server.serving_messages import count_message_tokens, create_message
 from server.serving_responses import create_response
 from server.reasoning import reasoning_format
@@ -333,7 +333,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
         return JSONResponse({
             "default_generation_settings": {"n_ctx": engine.max_model_len, "model": state.model_name,
-                                            "params": LLAMACPP_DEFAULTS},
+                                            "params": llamacpp_defaults(engine.sampling_overrides)},
             "model_alias": state.model_name, "chat_template": tok.chat_template or "",
             "bos_token": text(tok.bos_token_id), "eos_token": text(next(iter(tok.eos_token_ids), None)),
             "modalities": {"vision": False, "audio": False}, "build_info": f"kvserve {app.version}"})

@@ -52,8 +52,12 @@ class EngineClient(Protocol):
     num_kv_blocks: int
     block_size: int
     lora_adapters: Mapping[str, str]  # served LoRA adapter name -> its directory
-    # The model's recommended sampling (generation_config.json) for requests that leave it out.
+    # The model's recommended sampling (generation_config.json) for requests that leave it out,
+    # under --override-generation-config's.
     sampling_defaults: Mapping[str, Any]
+    # --override-generation-config's sampling alone: llama.cpp's /completion fills what a
+    # request leaves out from it, else from llama.cpp's own defaults.
+    sampling_overrides: Mapping[str, Any]
 
     @property
     def is_alive(self) -> bool: ...

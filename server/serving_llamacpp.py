@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from starlette.requests import Request
@@ -42,6 +42,19 @@ LLAMACPP_DEFAULTS: dict[str, Any] = {
     "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
     "dry_sequence_breakers": list(DRY_SEQUENCE_BREAKERS), "repeat_last_n": 64, "dynatemp_range": 0.0,
     "dynatemp_exponent": 1.0, "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1}
+
+
+def llamacpp_defaults(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``/completion`` fills a request's left-out fields with, in llama.cpp's names
+    (``GET /props`` shows it): llama.cpp's defaults under ``--override-generation-config``'s."""
+    out = dict(LLAMACPP_DEFAULTS)
+    for name, value in overrides.items():
+        field = _TO_LLAMACPP.get(name, name)
+        if field in LlamaCppCompletionRequest.model_fields:
+            out[field] = value
+    return out
+
+
 # Samplers and options kvserve does not have, each with its value that turns it off: a
 # request that turns one on is a 400, not answered by other sampling than it asked for.
 _OFF = {"post_sampling_probs": False, "n_indent": 0, "t_max_predict_ms": 0}
@@ -122,8 +135,12 @@ class LlamaCppCompletionRequest(_Strict):
             raise bad_request("prompt must not be empty", "prompt")
         return [_tokens(tok, one) for one in many]
 
-    def as_completion(self, prompts: list[list[int]], tok: TokenizerLike) -> CompletionRequest:
-        """The ``/v1/completions`` request this one means (a 400 names this API's field)."""
+    def as_completion(self, prompts: list[list[int]], tok: TokenizerLike,
+                      overrides: Mapping[str, Any] | None = None) -> CompletionRequest:
+        """The ``/v1/completions`` request this one means (a 400 names this API's field).
+        ``overrides`` (``--override-generation-config``'s sampling, by the engine's names)
+        fill what the request left out, as llama-server's command line does; the rest
+        keeps llama.cpp's defaults."""
         for name, off in _OFF.items():
             if getattr(self, name) != off:
                 raise bad_request(f"{name} is not supported (only {off!r}, which turns it off)", name)
@@ -145,6 +162,9 @@ class LlamaCppCompletionRequest(_Strict):
             "ignore_eos": self.ignore_eos, "logit_bias": _logit_bias(self.logit_bias, tok),
             "logprobs": self.n_probs or None, "grammar": self.grammar, "json_schema": self.json_schema,
         }
+        for name, value in (overrides or {}).items():
+            if name in CompletionRequest.model_fields and _TO_LLAMACPP.get(name, name) not in self.model_fields_set:
+                body[name] = value
         with renamed_params(_TO_LLAMACPP):
             # (max_tokens None is meant: the rest of the context, not the API's default of 16)
             return validate(CompletionRequest, {k: v for k, v in body.items()
@@ -287,7 +307,7 @@ async def _complete(state: ServerState, request: Request, body: LlamaCppCompleti
     model = state.check_model(body.model if body.model in state.engine.lora_adapters else None)
     tok = state.engine.tokenizer
     prompts = body.prompts(tok, state.engine.max_model_len)
-    completion = body.as_completion(prompts, tok)
+    completion = body.as_completion(prompts, tok, state.engine.sampling_overrides)
     with renamed_params(_TO_LLAMACPP):
         params = completion.sampling_params()
     evaluate_only = body.n_predict == 0

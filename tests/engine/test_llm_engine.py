@@ -558,6 +558,10 @@ def test_the_models_sampling_defaults_unless_generation_config_vllm(caplog):
     assert LLMEngine._sampling_defaults(EngineConfig(generation_config="vllm", override_generation_config=override),
                                         model) == {"temperature": 0.9, "dry_multiplier": 0.8, "mirostat": 2,
                                                    "samplers": ["top_k", "temperature"]}
+    # The operator's part alone (llama.cpp's /completion applies it, not the model's values).
+    assert LLMEngine._sampling_overrides(EngineConfig(override_generation_config=override)) == {
+        "temperature": 0.9, "dry_multiplier": 0.8, "mirostat": 2, "samplers": ["top_k", "temperature"]}
+    assert LLMEngine._sampling_overrides(EngineConfig()) == {}
     assert LLMEngine._default_max_tokens(EngineConfig(override_generation_config=override), longest) == 3
     assert LLMEngine._default_max_tokens(EngineConfig(generation_config="vllm", override_generation_config=override),
                                          model) == 3

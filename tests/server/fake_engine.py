@@ -145,6 +145,7 @@ class FakeEngine:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.sampling_defaults: dict[str, Any] = {}  # generation_config.json and --override-generation-config
+        self.sampling_overrides: dict[str, Any] = {}  # --override-generation-config alone
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         self.step_delay = step_delay

@@ -238,6 +238,27 @@ async def test_the_models_sampling_defaults_fill_what_a_request_leaves_out(engin
             await c.post(path, json={**body, "temperature": 1.0, "top_k": 5})
             p = engine.requests[-1].params
             assert (p.temperature, p.top_k) == (1.0, 5), path  # the request's own values win
-        # llama.cpp's /completion has llama.cpp's own defaults.
+        # llama.cpp's /completion has llama.cpp's own defaults, not the model's.
         await c.post("/completion", json={"prompt": "hi", "n_predict": 1})
-        assert engine.requests[-1].params.temperature == 0.8
+        assert (engine.requests[-1].params.temperature, engine.requests[-1].params.top_k) == (0.8, 40)
+
+
+async def test_completion_fills_left_out_fields_from_the_operators_overrides(engine: FakeEngine) -> None:
+    # --override-generation-config is the operator's, as llama-server's own --temp, --top-k:
+    # llama.cpp's /completion applies it too, under a request's own values, over llama.cpp's
+    # defaults (and not the model's generation_config.json, which only the OpenAI routes apply).
+    engine.sampling_overrides = {"temperature": 0.2, "repetition_penalty": 1.1, "dry_multiplier": 0.8,
+                                 "min_tokens": 2}
+    engine.sampling_defaults = {**engine.sampling_overrides, "top_k": 20}
+    app = build_app(engine)
+    async with app.router.lifespan_context(app), client_for(app) as c:
+        assert (await c.post("/completion", json={"prompt": "hi", "n_predict": 3})).status_code == 200
+        p = engine.requests[-1].params
+        assert (p.temperature, p.repetition_penalty, p.dry_multiplier, p.min_tokens) == (0.2, 1.1, 0.8, 2)
+        assert (p.top_k, p.top_p, p.min_p) == (40, 0.95, 0.05)  # llama.cpp's own
+        await c.post("/completion", json={"prompt": "hi", "n_predict": 3, "temperature": 0.9, "repeat_penalty": 1.0})
+        p = engine.requests[-1].params
+        assert (p.temperature, p.repetition_penalty, p.dry_multiplier) == (0.9, 1.0, 0.8)  # the request's win
+        params = (await c.get("/props")).json()["default_generation_settings"]["params"]
+        assert (params["temperature"], params["repeat_penalty"], params["dry_multiplier"], params["top_k"]) == (
+            0.2, 1.1, 0.8, 40)
