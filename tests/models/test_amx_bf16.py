@@ -9,6 +9,9 @@ the refusals are tested everywhere.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -173,3 +176,35 @@ def test_the_path_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch
         load_model("smollm2", "auto", "cpu", quantization=method)
     with pytest.raises(ValueError, match="AMX-BF16"):
         AmxBf16Linear(torch.nn.Linear(32, 16), method)
+
+
+@needs_amx_bf16
+@pytest.mark.parametrize("kind", ["amx-bf16", "w4a16", "w8a16"])
+def test_the_gemms_let_other_threads_run_while_they_compute(kind: str) -> None:
+    # The server's HTTP thread streams tokens while a step computes: every long kernel
+    # releases the GIL (the LM head's w8a16 GEMM once held it, 5 ms of a 64-sequence step).
+    # While a call holds the GIL no other thread runs Python, so none of this thread's
+    # ticks falls in the call's first half (from 5 ms in: the Python before it; after a
+    # held call this thread may get a few in while the worker waits for the GIL back);
+    # released, they come every half millisecond or so (about 70 in that half here).
+    layer = AmxBf16Linear(torch.nn.Linear(576, 16384, bias=False), kind)
+    x = torch.randn(2048, 576)
+    span: list[float] = []
+    done = threading.Event()
+
+    def work() -> None:
+        span.append(time.perf_counter())
+        layer(x)
+        span.append(time.perf_counter())
+        done.set()
+
+    worker = threading.Thread(target=work)
+    ticks: list[float] = []
+    worker.start()
+    while not done.is_set():
+        time.sleep(0.0005)
+        ticks.append(time.perf_counter())
+    worker.join()
+    inside = [t for t in ticks if span[0] + 0.005 < t < (span[0] + span[1]) / 2]
+    assert span[1] - span[0] > 0.02, "the call was too short to tell"
+    assert len(inside) >= 3, (len(inside), span[1] - span[0])
