@@ -304,10 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "vLLM's run-batch")
     batch.add_argument("-i", "--input-file", required=True, metavar="PATH",
                        help="one request per line: {\"custom_id\", \"method\": \"POST\", \"url\", \"body\"} "
-                            "(url: /v1/chat/completions, /v1/completions, /v1/embeddings, ...); - reads stdin")
+                            "(url: /v1/chat/completions, /v1/completions, /v1/embeddings, ...); - reads stdin, an "
+                            "http(s) URL is fetched with GET")
     batch.add_argument("-o", "--output-file", required=True, metavar="PATH",
                        help="one answer per line, in the input's order: {\"id\", \"custom_id\", \"response\": "
-                            "{\"status_code\", \"request_id\", \"body\"}, \"error\"}; - writes stdout")
+                            "{\"status_code\", \"request_id\", \"body\"}, \"error\"}; - writes stdout, an "
+                            "http(s) URL gets the whole file with one PUT at the end")
     batch.add_argument("--max-concurrency", type=int, default=None, metavar="N",
                        help="requests in flight at once (default: twice --max-num-seqs, as vLLM's)")
     batch.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

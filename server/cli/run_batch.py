@@ -7,10 +7,13 @@ import argparse
 import asyncio
 import logging
 import sys
+import tempfile
 import threading
 import time
 from contextlib import ExitStack
 from typing import TextIO
+
+import httpx
 
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
@@ -22,9 +25,21 @@ from server.cli.args import engine_config
 logger = logging.getLogger("kvserve")
 
 
+def _is_url(path: str) -> bool:
+    return path.startswith(("http://", "https://"))
+
+
 def _read_lines(path: str) -> list[str]:
+    """The input file's lines: a path, ``-`` (stdin) or an http(s) URL (one GET, as vLLM's)."""
     if path == "-":
         return sys.stdin.read().splitlines()
+    if _is_url(path):
+        try:
+            r = httpx.get(path, follow_redirects=True, timeout=300.0)
+            r.raise_for_status()
+            return r.text.splitlines()
+        except httpx.HTTPError as e:
+            raise SystemExit(f"kvserve: error: cannot read --input-file: {e}") from None
     try:
         with open(path, encoding="utf-8") as f:
             return f.read().splitlines()
@@ -33,11 +48,28 @@ def _read_lines(path: str) -> list[str]:
 
 
 def _open_output(path: str, stack: ExitStack) -> TextIO:
+    """Where the answers are written as they come: a file, stdout (``-``), or for an
+    http(s) URL a temporary file that ``_upload`` sends when the batch is done."""
     if path == "-":
         return sys.stdout
+    if _is_url(path):
+        return stack.enter_context(tempfile.TemporaryFile("w+", encoding="utf-8"))
     try:
         return stack.enter_context(open(path, "w", encoding="utf-8"))
     except OSError as e:
+        raise SystemExit(f"kvserve: error: cannot write --output-file: {e}") from None
+
+
+def _upload(path: str, out: TextIO) -> None:
+    """For an http(s) URL output: the whole answer file in one PUT (as vLLM's run-batch)."""
+    if not _is_url(path):
+        return
+    out.flush()
+    out.seek(0)
+    try:
+        r = httpx.put(path, content=out.read().encode("utf-8"), timeout=300.0)
+        r.raise_for_status()
+    except httpx.HTTPError as e:
         raise SystemExit(f"kvserve: error: cannot write --output-file: {e}") from None
 
 
@@ -56,6 +88,7 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
         out = _open_output(args.output_file, stack)
         if not requests:
             logger.info("run-batch: %s holds no requests", args.input_file)
+            _upload(args.output_file, out)
             return 0
         try:
             llm = LLMEngine(config)
@@ -65,6 +98,7 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
             status = _run(args, llm, requests, out)
         finally:
             llm.shutdown()
+        _upload(args.output_file, out)
     if llm.workers is not None:  # tensor parallel: leave before gloo's teardown can abort (as serve)
         exit_now(status)
     return status

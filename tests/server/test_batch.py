@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import io
 import json
+import tempfile
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +18,7 @@ from server import cli
 from engine.stats import StepStats
 from server.app import build_app
 from server.batch import BatchRequest, parse_batch, run_batch
+from server.cli import run_batch as run_batch_cli
 from fake_engine import FakeEngine
 
 pytestmark = pytest.mark.anyio
@@ -50,6 +55,73 @@ def test_a_bad_input_file_stops_before_the_model_loads(tmp_path: Path, capsys: p
     with pytest.raises(SystemExit, match="line 2: custom_id 'a' is used twice"):
         cli.main(["run-batch", "-i", str(source), "-o", str(tmp_path / "out.jsonl"), "--model", "no-such-model"])
     assert not (tmp_path / "out.jsonl").exists()
+
+
+class Files:
+    """A local HTTP file server: GET serves ``served``, PUT stores into ``stored``
+    (paths under /refuse/ answer 403)."""
+
+    def __init__(self) -> None:
+        self.served: dict[str, bytes] = {}
+        self.stored: dict[str, bytes] = {}
+        files = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                body = files.served.get(self.path)
+                self.send_response(200 if body is not None else 404)
+                self.send_header("Content-Length", str(len(body or b"")))
+                self.end_headers()
+                self.wfile.write(body or b"")
+
+            def do_PUT(self) -> None:  # noqa: N802
+                data = self.rfile.read(int(self.headers["Content-Length"]))
+                refused = self.path.startswith("/refuse/")
+                if not refused:
+                    files.stored[self.path] = data
+                self.send_response(403 if refused else 201)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+
+@pytest.fixture
+def files() -> Iterator[Files]:
+    f = Files()
+    thread = threading.Thread(target=f.httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f
+    f.httpd.shutdown()
+    f.httpd.server_close()
+
+
+def test_the_input_and_output_can_be_http_urls(files: Files, tmp_path: Path) -> None:
+    # vLLM's run-batch: -i fetched with GET, -o sent with one PUT when the batch is done.
+    files.served["/in.jsonl"] = (line("a", prompt="x") + "\n\n" + line("b", prompt="y") + "\n").encode()
+    assert [r.custom_id for r in parse_batch(run_batch_cli._read_lines(f"{files.url}/in.jsonl"))] == ["a", "b"]
+    with tempfile.TemporaryFile("w+", encoding="utf-8") as out:
+        out.write('{"custom_id": "a"}\n')
+        run_batch_cli._upload(f"{files.url}/out.jsonl", out)
+    assert files.stored["/out.jsonl"] == b'{"custom_id": "a"}\n'
+    # Through the command: an empty batch loads no model and still writes its (empty) file.
+    files.served["/empty.jsonl"] = b"\n"
+    assert cli.main(["run-batch", "-i", f"{files.url}/empty.jsonl", "-o", f"{files.url}/empty-out.jsonl",
+                     "--no-progress"]) in (0, None)
+    assert files.stored["/empty-out.jsonl"] == b""
+    # A bad line is named, before any model loads, as from a file.
+    files.served["/twice.jsonl"] = (line("a", prompt="x") + "\n" + line("a", prompt="y")).encode()
+    with pytest.raises(SystemExit, match="line 2: custom_id 'a' is used twice"):
+        cli.main(["run-batch", "-i", f"{files.url}/twice.jsonl", "-o", str(tmp_path / "o.jsonl"),
+                  "--model", "no-such-model"])
+    with pytest.raises(SystemExit, match="cannot read --input-file: .*404"):
+        cli.main(["run-batch", "-i", f"{files.url}/missing.jsonl", "-o", str(tmp_path / "o.jsonl")])
+    with pytest.raises(SystemExit, match="cannot write --output-file: .*403"):
+        cli.main(["run-batch", "-i", f"{files.url}/empty.jsonl", "-o", f"{files.url}/refuse/out.jsonl"])
 
 
 async def answer(engine: FakeEngine, lines: list[str], concurrency: int = 8) -> tuple[list[dict], Any]:
