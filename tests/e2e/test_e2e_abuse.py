@@ -61,7 +61,7 @@ def test_metrics_needs_the_key_when_asked(hostile: KVServe) -> None:
 
 
 def test_a_burst_of_100_gets_exactly_the_split_max_queue_implies(hostile: KVServe) -> None:
-    body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 256, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 128, "ignore_eos": True}
     peak = 0
 
     async def burst() -> list[tuple[int, float, dict]]:

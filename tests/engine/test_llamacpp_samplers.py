@@ -488,18 +488,18 @@ def test_seeded_requests_with_llama_cpps_samplers_are_the_same_alone_batched_and
                                        "List three colours: red,", "My favourite animal is", "Dear diary, today",
                                        "The best way to learn is")]
     settings = [
-        SamplingParams(temperature=1.0, seed=1, max_tokens=40, xtc_probability=0.5, xtc_threshold=0.1,
+        SamplingParams(temperature=1.0, seed=1, max_tokens=24, xtc_probability=0.5, xtc_threshold=0.1,
                        dry_multiplier=0.8),
-        SamplingParams(temperature=0.8, seed=2, max_tokens=40, typical_p=0.7, top_n_sigma=1.5, logprobs=2,
+        SamplingParams(temperature=0.8, seed=2, max_tokens=24, typical_p=0.7, top_n_sigma=1.5, logprobs=2,
                        dynatemp_range=0.5, min_p=0.05, temperature_last=True),
-        SamplingParams(temperature=1.2, seed=3, max_tokens=40, xtc_probability=1.0, xtc_threshold=0.05,
+        SamplingParams(temperature=1.2, seed=3, max_tokens=24, xtc_probability=1.0, xtc_threshold=0.05,
                        top_k=40, top_p=0.9, min_p=0.05, typical_p=0.9, dry_multiplier=1.0, dry_penalty_last_n=32),
         # Mirostat's mu is the request's own state: it survives preemption.
-        SamplingParams(temperature=0.9, seed=4, max_tokens=40, mirostat=2, mirostat_tau=3.0, mirostat_eta=0.2,
+        SamplingParams(temperature=0.9, seed=4, max_tokens=24, mirostat=2, mirostat_tau=3.0, mirostat_eta=0.2,
                        logprobs=1),
-        SamplingParams(temperature=1.0, seed=5, max_tokens=40, mirostat=1, mirostat_tau=4.0, top_k=40),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=24, mirostat=1, mirostat_tau=4.0, top_k=40),
         # A chain of its own order, batched with the default order's rows.
-        SamplingParams(temperature=1.3, seed=6, max_tokens=40, min_p=0.1, top_k=20, xtc_probability=0.5,
+        SamplingParams(temperature=1.3, seed=6, max_tokens=24, min_p=0.1, top_k=20, xtc_probability=0.5,
                        samplers=("min_p", "xtc", "temperature", "top_k")),
     ]
     alone = [generate(make_engine(smollm2_loaded), [p], [s])[0] for p, s in zip(prompts, settings)]

@@ -78,9 +78,10 @@ def generate(engine: LLMEngine, prompt: list[int], spec: StructuredOutput, **par
 
 
 def test_json_schema_answers_validate_against_the_schema(engine):
-    for text in ("Describe a person as JSON.", "Make up a user record for Ada, a mathematician.",
-                 "Give me a JSON profile of a guest who lives in Paris."):
-        (out,) = generate(engine, chat(engine, text), StructuredOutput("json", PERSON))
+    texts = ("Describe a person as JSON.", "Make up a user record for Ada, a mathematician.",
+             "Give me a JSON profile of a guest who lives in Paris.")
+    params = SamplingParams(temperature=0, max_tokens=120, structured=StructuredOutput("json", PERSON))
+    for (out,) in engine.generate([chat(engine, t) for t in texts], params, use_tqdm=False):
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), PERSON)
 
@@ -197,9 +198,18 @@ def test_greedy_rows_masked_only_where_the_pick_is_refused_give_the_masked_answe
                         lambda self, g, p=None: (masked_rows.append(len(g)), start(self, g, p))[1])
 
     def run() -> list[list[int]]:
-        return [o.token_ids for extra in settings for (o,) in
-                engine.generate(prompts, SamplingParams(temperature=0, max_tokens=80, structured=spec, **extra),
-                                use_tqdm=False)]
+        # The six requests (each prompt with each setting) in one batch: rows with
+        # different penalties and biases are masked, or not, side by side.
+        work = {f"r{i}": (p, SamplingParams(temperature=0, max_tokens=80, structured=spec, **extra))
+                for i, (extra, p) in enumerate((e, p) for e in settings for p in prompts)}
+        for rid, (p, params) in work.items():
+            engine.add_request(rid, p, params)
+        tokens: dict[str, list[int]] = {rid: [] for rid in work}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                assert out.error is None
+                tokens[out.request_id] += [t for o in out.outputs for t in o.token_ids]
+        return list(tokens.values())
 
     checked = run()
     lazy_masks = sum(masked_rows)
