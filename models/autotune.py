@@ -6,10 +6,12 @@ or AMX, w4a8 vector integer dots: AVX2 or AVX-512, w4a16 AMX-BF16); they do not 
 fastest: on a Sapphire Rapids core bfloat16 activations took 1.6-1.9x longer than float32 ones with the same
 4-bit weights. So each candidate runs a model with the real one's shapes
 (random weights, ``PROBE_LAYERS`` layers and the LM head) for a decode step
-of ``DECODE_SEQS`` sequences and a prompt chunk of ``PROMPT_TOKENS`` tokens;
-the fastest by the product of the two times, each relative to the best,
-wins. The candidates are timed in rounds (``measure_all``), so that another
-process's burst on a shared machine falls on all of them alike. The choice is kept in the kernel cache (one per CPU and torch build, see
+of ``DECODE_SEQS`` sequences, one of ``FULL_BATCH_SEQS`` (a server's batch under
+load: the paths' order can differ there) and a prompt chunk of ``PROMPT_TOKENS``
+tokens; the fastest by the product of the three times, each relative to the
+best, wins. The candidates are timed in rounds (``measure_all``), so that another
+process's burst on a shared machine falls on all of them alike, and each time is
+the fastest of its rounds (a disturbance only adds time). The choice is kept in the kernel cache (one per CPU and torch build, see
 ``ops.cache_directory``) with the times, and logged with them.
 """
 
@@ -19,7 +21,6 @@ import dataclasses
 import json
 import logging
 import random
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 PROBE_LAYERS = 4  # enough distinct layers that their weights do not all stay in cache
 DECODE_SEQS = 16
+# The engine's default step of sequences on a CPU (engine.config's max_num_seqs). At 64
+# rows float32 + w4a8 on AMX-INT8 took 2.2x w4a16's time per decode step, at 16 1.3x.
+FULL_BATCH_SEQS = 64
 DECODE_CONTEXT = 256
 PROMPT_TOKENS = 256  # the engine's default step budget on a CPU (engine.config.CPU_BUDGET)
 RUNS = 5
@@ -48,7 +52,8 @@ CACHE_FILE = "paths.json"
 # 3: the prompt chunk is 256 tokens, the engine's step budget since it went down from 512.
 # 4: the candidates are timed in rounds (measure_all), not one after another.
 # 5: w4a16 (4-bit weights on AMX-BF16 tiles) is a candidate where the CPU has AMX-BF16.
-PATHS_VERSION = 5
+# 6: a decode of FULL_BATCH_SEQS is timed too, and each time is the fastest round's.
+PATHS_VERSION = 6
 
 
 @dataclass(frozen=True)
@@ -68,8 +73,9 @@ class Timing:
     """Estimated whole-model milliseconds of one candidate (``PROBE_LAYERS`` scaled up)."""
 
     path: RunPath
-    decode_ms: float
-    prompt_ms: float
+    decode_ms: float  # a decode step of DECODE_SEQS sequences
+    prompt_ms: float  # a prompt chunk of PROMPT_TOKENS tokens
+    full_batch_ms: float  # a decode step of FULL_BATCH_SEQS sequences
 
 
 def candidates(dtype: str, quantization: str, four_bit: bool) -> list[RunPath]:
@@ -141,17 +147,18 @@ def choose(config: ModelConfig, dtype: str, quantization: str, four_bit: bool,
 
 
 def pick(timings: list[Timing]) -> tuple[Timing, str]:
-    """The timing with the smallest product of its decode and prompt times, each
-    relative to the best of its kind; and a line that says why."""
+    """The timing with the smallest product of its three times (decode, full-batch
+    decode, prompt), each relative to the best of its kind; and a line that says why."""
     best_decode = min(t.decode_ms for t in timings)
+    best_full = min(t.full_batch_ms for t in timings)
     best_prompt = min(t.prompt_ms for t in timings)
 
     def score(t: Timing) -> float:
-        return (t.decode_ms / best_decode) * (t.prompt_ms / best_prompt)
+        return (t.decode_ms / best_decode) * (t.full_batch_ms / best_full) * (t.prompt_ms / best_prompt)
 
     ranked = sorted(timings, key=score)
-    why = "; ".join(f"{t.path}: decode of {DECODE_SEQS} {t.decode_ms:.1f} ms, prompt of "
-                    f"{PROMPT_TOKENS} {t.prompt_ms:.1f} ms" for t in ranked)
+    why = "; ".join(f"{t.path}: decode of {DECODE_SEQS} {t.decode_ms:.1f} ms, of {FULL_BATCH_SEQS} "
+                    f"{t.full_batch_ms:.1f} ms, prompt of {PROMPT_TOKENS} {t.prompt_ms:.1f} ms" for t in ranked)
     return ranked[0], f"estimated whole-model steps, fastest first: {why}"
 
 
@@ -162,12 +169,16 @@ def measure(config: ModelConfig, path: RunPath, runs: int = RUNS) -> Timing:
 
 def measure_all(config: ModelConfig, paths: list[RunPath], runs: int = RUNS) -> list[Timing]:
     """Time every path in ``paths`` (as :func:`measure`), in ``runs`` rounds that each time
-    every path once; each time is the median over the rounds.
+    every path once; each time is the fastest over the rounds.
 
     Why rounds: these machines are shared, and one path timed after another can
     meet another process's burst or a slower phase (up to 1.8x within minutes)
     that the other path missed; a choice made from that is cached for good. In
-    rounds, such a disturbance falls on every path alike.
+    rounds, such a disturbance falls on every path alike. Why the fastest round:
+    a disturbance only adds time. With the median, one start had three of five
+    rounds of w4a16 disturbed (its prompt 217 ms against 85-112 in every other
+    measurement here) and cached float32 + w4a8 on AMX, whose 64-sequence decode
+    step takes 2.2x w4a16's.
     """
     probes = [_Probe(config, p) for p in paths]
     for probe in probes:
@@ -189,29 +200,35 @@ class _Probe:
         kv_dtype = kv_cache.default_dtype(getattr(torch, path.dtype))
         decode_blocks = kv_cache.cdiv(DECODE_CONTEXT + 1, BLOCK_SIZE)
         prompt_blocks = kv_cache.cdiv(PROMPT_TOKENS, BLOCK_SIZE)
-        num_blocks = DECODE_SEQS * decode_blocks + prompt_blocks
+        num_blocks = FULL_BATCH_SEQS * decode_blocks + prompt_blocks  # the decodes share the first blocks
         shape = (num_blocks, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
         self.caches = [tuple(kv_cache.to_cache_rows(torch.randn(shape), kv_dtype) for _ in range(2))
                        for _ in range(self.layers)]
         order = list(range(num_blocks))
         random.Random(0).shuffle(order)  # a cache in use is scattered
-        tables = [order[i * decode_blocks:(i + 1) * decode_blocks] for i in range(DECODE_SEQS)]
-        self.decode = build_attention_metadata([SeqSpec(1, DECODE_CONTEXT + 1, t) for t in tables], BLOCK_SIZE)
+        tables = [order[i * decode_blocks:(i + 1) * decode_blocks] for i in range(FULL_BATCH_SEQS)]
+        self.decode = {n: build_attention_metadata([SeqSpec(1, DECODE_CONTEXT + 1, t) for t in tables[:n]],
+                                                   BLOCK_SIZE) for n in (DECODE_SEQS, FULL_BATCH_SEQS)}
         self.prompt = build_attention_metadata(
             [SeqSpec(PROMPT_TOKENS, PROMPT_TOKENS, order[-prompt_blocks:])], BLOCK_SIZE)
-        self.decode_ids = torch.randint(config.vocab_size, (DECODE_SEQS,))
+        self.decode_ids = torch.randint(config.vocab_size, (FULL_BATCH_SEQS,))
         self.prompt_ids = torch.randint(config.vocab_size, (PROMPT_TOKENS,))
         dtype = getattr(torch, path.dtype)
-        self.head_rows = {n: torch.randn(n, config.hidden_size).to(dtype) for n in (DECODE_SEQS, 1)}
-        self.times: dict[str, list[float]] = {"decode": [], "prompt": [], "head_decode": [], "head_prompt": []}
+        self.head_rows = {n: torch.randn(n, config.hidden_size).to(dtype) for n in (DECODE_SEQS, FULL_BATCH_SEQS, 1)}
+        self.times: dict[str, list[float]] = {name: [] for name in (
+            "decode", "full_batch", "prompt", "head_decode", "head_full_batch", "head_prompt")}
+
+    def _decode(self, n: int) -> torch.Tensor:
+        return self.model(self.decode_ids[:n], torch.full((n,), DECODE_CONTEXT), self.decode[n], self.caches)
 
     def run(self, record: bool) -> None:
-        """Each of the four measured calls once (its times kept when ``record``)."""
+        """Each of the six measured calls once (its times kept when ``record``)."""
         calls = {
             "head_decode": lambda: self.model.lm_head(self.head_rows[DECODE_SEQS]),
+            "head_full_batch": lambda: self.model.lm_head(self.head_rows[FULL_BATCH_SEQS]),
             "head_prompt": lambda: self.model.lm_head(self.head_rows[1]),
-            "decode": lambda: self.model(self.decode_ids, torch.full((DECODE_SEQS,), DECODE_CONTEXT),
-                                         self.decode, self.caches),
+            "decode": lambda: self._decode(DECODE_SEQS),
+            "full_batch": lambda: self._decode(FULL_BATCH_SEQS),
             "prompt": lambda: self.model(self.prompt_ids, torch.arange(PROMPT_TOKENS), self.prompt,
                                          self.caches, logits_indices=torch.tensor([PROMPT_TOKENS - 1])),
         }
@@ -228,11 +245,12 @@ class _Probe:
             ops.set_amx_enabled(was_amx)
 
     def timing(self) -> Timing:
-        """Whole-model estimates from the medians of the recorded times."""
-        med = {name: statistics.median(t) for name, t in self.times.items()}
+        """Whole-model estimates from the fastest of the recorded times."""
+        best = {name: min(t) for name, t in self.times.items()}
         n = self.config.num_hidden_layers
-        return Timing(self.path, _scaled(med["decode"], med["head_decode"], self.layers, n),
-                      _scaled(med["prompt"], med["head_prompt"], self.layers, n))
+        return Timing(self.path, _scaled(best["decode"], best["head_decode"], self.layers, n),
+                      _scaled(best["prompt"], best["head_prompt"], self.layers, n),
+                      _scaled(best["full_batch"], best["head_full_batch"], self.layers, n))
 
 
 def _probe_model(config: ModelConfig, path: RunPath) -> torch.nn.Module:
@@ -265,7 +283,8 @@ def _cache_key(config: ModelConfig, options: list[RunPath]) -> str:
 
 
 def _timing_json(t: Timing) -> dict:
-    return {"path": str(t.path), "decode_ms": round(t.decode_ms, 3), "prompt_ms": round(t.prompt_ms, 3)}
+    return {"path": str(t.path), "decode_ms": round(t.decode_ms, 3), "prompt_ms": round(t.prompt_ms, 3),
+            "full_batch_ms": round(t.full_batch_ms, 3)}
 
 
 def _read_cache(cache_dir: Path) -> dict:
