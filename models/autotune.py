@@ -200,7 +200,8 @@ class _Probe:
         kv_dtype = kv_cache.default_dtype(getattr(torch, path.dtype))
         decode_blocks = kv_cache.cdiv(DECODE_CONTEXT + 1, BLOCK_SIZE)
         prompt_blocks = kv_cache.cdiv(PROMPT_TOKENS, BLOCK_SIZE)
-        num_blocks = FULL_BATCH_SEQS * decode_blocks + prompt_blocks  # the decodes share the first blocks
+        # The decode of DECODE_SEQS reads the first of the FULL_BATCH_SEQS sequences' blocks.
+        num_blocks = FULL_BATCH_SEQS * decode_blocks + prompt_blocks
         shape = (num_blocks, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
         self.caches = [tuple(kv_cache.to_cache_rows(torch.randn(shape), kv_dtype) for _ in range(2))
                        for _ in range(self.layers)]
