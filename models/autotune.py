@@ -123,17 +123,19 @@ def cpu_has_native_bf16() -> bool:
 
 
 def choose(config: ModelConfig, dtype: str, quantization: str, four_bit: bool,
-           cache_dir: Path | None = None) -> RunPath:
+           cache_dir: Path | None = None, measure_again: bool = False) -> RunPath:
     """The fastest path for ``config`` on this CPU: from the cache, else measured.
 
     ``dtype``/``quantization`` are the settings ("auto" leaves them open).
+    ``measure_again``: measure even when the cache holds a choice, and replace it
+    (for a choice made while the machine was busy).
     """
     options = candidates(dtype, quantization, four_bit)
     if len(options) == 1:
         return options[0]
     cache_dir = cache_dir if cache_dir is not None else ops.cache_directory()
     key = _cache_key(config, options)
-    cached = _read_cache(cache_dir).get(key)
+    cached = None if measure_again else _read_cache(cache_dir).get(key)
     if cached is not None and RunPath(**cached["path"]) in options:
         path = RunPath(**cached["path"])
         logger.info("path auto: %s (measured earlier on this CPU; %s)", path, cached["why"])

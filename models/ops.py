@@ -669,7 +669,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m models.ops", description=main.__doc__)
     p.add_argument("--choose-path", metavar="MODEL", default=None,
                    help="a model name, directory or .gguf file (e.g. smollm2)")
+    p.add_argument("--measure-again", action="store_true",
+                   help="with --choose-path: measure even if the kernel cache holds a choice, and replace it")
     args = p.parse_args(argv)
+    if args.measure_again and not args.choose_path:
+        p.error("--measure-again goes with --choose-path MODEL")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if kernels_available():
         amx = ("usable, forced for w4a8 (KVSERVE_AMX=force)" if amx_usable() and amx_mode() == "force"
@@ -687,7 +691,8 @@ def main(argv: list[str] | None = None) -> int:
         from models.loader import read_config
 
         config, gguf_type = read_config(args.choose_path)
-        path = autotune.choose(config, "auto", "auto", four_bit=autotune.four_bit(gguf_type))
+        path = autotune.choose(config, "auto", "auto", four_bit=autotune.four_bit(gguf_type),
+                               measure_again=args.measure_again)
         print(f"path auto for {args.choose_path}: {path}")
     return 0
 

@@ -104,6 +104,20 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(
     assert len(measured) == 2 * n  # four_bit=False had one candidate: no timing
 
 
+def test_measuring_again_replaces_the_cached_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A choice made while the machine was busy stays until measured again.
+    fastest = {"quantization": "int4"}
+    monkeypatch.setattr(autotune, "measure_all", lambda config, paths: [Timing(
+        p, decode_ms=1.0 if p.quantization == fastest["quantization"] else 2.0, prompt_ms=1.0, full_batch_ms=1.0)
+        for p in paths])
+    assert autotune.choose(TINY, "float32", "auto", four_bit=True, cache_dir=tmp_path).quantization == "int4"
+    fastest["quantization"] = "none"
+    assert autotune.choose(TINY, "float32", "auto", four_bit=True, cache_dir=tmp_path).quantization == "int4"
+    again = autotune.choose(TINY, "float32", "auto", four_bit=True, cache_dir=tmp_path, measure_again=True)
+    assert again.quantization == "none"
+    assert autotune.choose(TINY, "float32", "auto", four_bit=True, cache_dir=tmp_path) == again  # the new one kept
+
+
 @pytest.mark.parametrize("path", paths(DTYPES, FOUR_BIT_QUANTS), ids=str)
 def test_every_candidate_runs_on_a_probe_model(path: RunPath) -> None:
     t = autotune.measure(TINY, path, runs=1)
@@ -167,6 +181,13 @@ def test_python_m_models_ops_reports_the_choice(monkeypatch: pytest.MonkeyPatch,
         path, decode_ms=1.0 if path.quantization == "int4" else 3.0, prompt_ms=1.0, full_batch_ms=1.0)
         for path in paths])
     assert ops.main(["--choose-path", "tiny"]) == 0
+    measured = []
+    monkeypatch.setattr(autotune, "choose", lambda *a, measure_again, **k: measured.append(measure_again) or
+                        RunPath(DTYPES[0], "int4"))
+    assert ops.main(["--choose-path", "tiny", "--measure-again"]) == 0
+    assert measured == [True]
+    with pytest.raises(SystemExit):
+        ops.main(["--measure-again"])
     out = capsys.readouterr().out
     assert "fused CPU kernels: ready" in out
     assert f"int8 dots: {ops.int8_dots() or 'none'}; AMX-INT8: " in out
