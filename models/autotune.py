@@ -182,7 +182,8 @@ def measure_all(config: ModelConfig, paths: list[RunPath], runs: int = RUNS) -> 
     measurement here) and cached float32 + w4a8 on AMX, whose 64-sequence decode
     step takes 2.2x w4a16's.
     """
-    probes = [_Probe(config, p) for p in paths]
+    caches: dict[torch.dtype, list] = {}  # one cache per KV dtype, shared by the probes
+    probes = [_Probe(config, p, caches) for p in paths]
     for probe in probes:
         probe.run(record=False)  # warm: first-call allocations, lazily built state
     for _ in range(runs):
@@ -195,7 +196,9 @@ class _Probe:
     """One path's probe model (``PROBE_LAYERS`` layers and the head, random weights) with
     the inputs of a decode step and a prompt chunk, and its times so far."""
 
-    def __init__(self, config: ModelConfig, path: RunPath) -> None:
+    def __init__(self, config: ModelConfig, path: RunPath, caches: dict[torch.dtype, list] | None = None) -> None:
+        """``caches``: KV caches by dtype that probes may share (what they hold does not
+        matter to a timing; a cache each would hold the nine candidates' ~50 MB each at once)."""
         self.config, self.path = config, path
         self.layers = min(PROBE_LAYERS, config.num_hidden_layers)
         self.model = _probe_model(dataclasses.replace(config, num_hidden_layers=self.layers), path)
@@ -205,8 +208,11 @@ class _Probe:
         # The decode of DECODE_SEQS reads the first of the FULL_BATCH_SEQS sequences' blocks.
         num_blocks = FULL_BATCH_SEQS * decode_blocks + prompt_blocks
         shape = (num_blocks, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
-        self.caches = [tuple(kv_cache.to_cache_rows(torch.randn(shape), kv_dtype) for _ in range(2))
-                       for _ in range(self.layers)]
+        caches = {} if caches is None else caches
+        if kv_dtype not in caches:
+            caches[kv_dtype] = [tuple(kv_cache.to_cache_rows(torch.randn(shape), kv_dtype) for _ in range(2))
+                                for _ in range(self.layers)]
+        self.caches = caches[kv_dtype]
         order = list(range(num_blocks))
         random.Random(0).shuffle(order)  # a cache in use is scattered
         tables = [order[i * decode_blocks:(i + 1) * decode_blocks] for i in range(FULL_BATCH_SEQS)]

@@ -137,6 +137,15 @@ def test_the_candidates_are_timed_in_rounds(monkeypatch: pytest.MonkeyPatch) -> 
     assert calls == [(n, False) for n in names] + [(n, True) for n in names] * 3
 
 
+def test_probes_of_one_kv_dtype_share_a_cache() -> None:
+    # Nine candidates' probes are alive at once: one KV cache per dtype, not one each.
+    caches: dict = {}
+    a = autotune._Probe(TINY, RunPath("float32", "none"), caches)
+    b = autotune._Probe(TINY, RunPath("float32", "int4"), caches)
+    c = autotune._Probe(TINY, RunPath("bfloat16", "none"), caches)
+    assert a.caches is b.caches and a.caches is not c.caches and len(caches) == 2
+
+
 def test_the_fastest_of_the_rounds_makes_the_timing() -> None:
     # A disturbance only adds time: however many rounds it slowed, one that it did not is the path's time.
     probe = autotune._Probe(TINY, RunPath("float32", "none"))
