@@ -194,7 +194,8 @@ def measure_all(config: ModelConfig, paths: list[RunPath], runs: int = RUNS) -> 
 
 class _Probe:
     """One path's probe model (``PROBE_LAYERS`` layers and the head, random weights) with
-    the inputs of a decode step and a prompt chunk, and its times so far."""
+    the inputs of decode steps of DECODE_SEQS and FULL_BATCH_SEQS sequences and of a prompt
+    chunk, and its times so far."""
 
     def __init__(self, config: ModelConfig, path: RunPath, caches: dict[torch.dtype, list] | None = None) -> None:
         """``caches``: KV caches by dtype that probes may share (what they hold does not
