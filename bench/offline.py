@@ -35,7 +35,8 @@ def run_kvserve(args, prompts) -> dict:
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype,
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                                    kv_cache_dtype=args.kv_cache_dtype,
                                     kv_cache_memory=args.kv_cache_memory * 2**20,
                                     max_num_seqs=args.max_num_seqs))
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
@@ -45,7 +46,7 @@ def run_kvserve(args, prompts) -> dict:
     elapsed = time.perf_counter() - t0
     out_tokens = sum(len(r[0].token_ids) for r in results)
     return {"engine": "kvserve", "seconds": elapsed, "output_tokens": out_tokens,
-            "output_tok_s": out_tokens / elapsed}
+            "output_tok_s": out_tokens / elapsed, "kv_cache_dtype": str(engine.runner.kv_dtype).removeprefix("torch.")}
 
 
 def run_transformers(args, prompts) -> dict:
@@ -78,6 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default="auto", help="kvserve's path, as `kvserve serve --quantization`")
+    p.add_argument("--kv-cache-dtype", default="auto", help="as `kvserve serve --kv-cache-dtype`")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
