@@ -174,7 +174,7 @@ using kvserve::V16i;
 // The group's codes as bytes, inputs 0..15 in w[0..3] and 16..31 in w[4..7],
 // 4 inputs per 32-bit lane.
 template <int kBits>
-inline void load_codes(const uint8_t* group, V16i* w) {
+KVSERVE_ALWAYS_INLINE void load_codes(const uint8_t* group, V16i* w) {
   using namespace kvserve;
   if constexpr (kBits == 4) {
     const V16i low4 = v16i_set1(0x0F0F0F0F);
@@ -191,7 +191,7 @@ inline void load_codes(const uint8_t* group, V16i* w) {
 // Up to R rows of float x against one 16-row tile. Byte b of each lane of
 // w[j] holds input 4j + b (j < 4) or 16 + 4(j - 4) + b.
 template <int kBits, int R>
-inline void tile_rows(float* y, int64_t y_stride, const float* x, int64_t x_stride, const float* xsum,
+KVSERVE_ALWAYS_INLINE void tile_rows(float* y, int64_t y_stride, const float* x, int64_t x_stride, const float* xsum,
                       int64_t groups, const uint8_t* codes, const float* scales, int64_t valid) {
   using namespace kvserve;
   constexpr int64_t kGroupBytes = kTile * kGroup * kBits / 8;  // one group of a 16-row tile
@@ -237,7 +237,7 @@ inline void with_rows(int rows, F&& f) {
 // VNNI, AVX512-BW and AVX2 give the same sums (and AMX too). kVnni: the pass
 // has kVnniRows rows or more, so vpdpbusd runs them where the build has it.
 template <int kBits, bool kVnni>
-inline void group_dots(V16i& s0, V16i& s1, const V16i* w, const int8_t* qx) {
+KVSERVE_ALWAYS_INLINE void group_dots(V16i& s0, V16i& s1, const V16i* w, const int8_t* qx) {
   using namespace kvserve;
 #if defined(KVSERVE_V16_VNNI)
   if constexpr (kVnni) {
@@ -302,7 +302,7 @@ constexpr int kVnniRows = 8;
 // meets the centred codes u - c (about half the size of u for 4 bits, and
 // exactly Q8_0's q for 8 bits, where m + c d = 0).
 template <int kBits, int R>
-inline void tile_rows_a8(float* y, int64_t y_stride, const QuantizedRows& xq, int64_t r0, int64_t groups,
+KVSERVE_ALWAYS_INLINE void tile_rows_a8(float* y, int64_t y_stride, const QuantizedRows& xq, int64_t r0, int64_t groups,
                          const uint8_t* codes, const float* scales, int64_t valid) {
   using namespace kvserve;
   constexpr int64_t kGroupBytes = kTile * kGroup * kBits / 8;  // one group of a 16-row tile

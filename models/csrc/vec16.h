@@ -16,6 +16,15 @@
 #include <algorithm>
 #include <cstdint>
 
+// For the small helpers inside the GEMMs' inner loops, whose vector arguments
+// must stay in registers. GCC weighs inlining against the size of the
+// translation unit: once the kernels stopped including all of torch's headers
+// (84a3546), their units were small enough that it left load_codes and
+// group_dots out of line, passed their V16i arrays through memory once per
+// group and row, and w4a8's VNNI GEMM ran 2-2.5x slower (bench.step on
+// SmolLM2's projections, 64 rows: 29.5 -> 58-64 ms).
+#define KVSERVE_ALWAYS_INLINE inline __attribute__((always_inline))
+
 // KVSERVE_FORCE_V16_AVX2 builds the AVX2 kernels where AVX-512 is enabled:
 // the AVX-VNNI kernels' test build (models/ops.py, KVSERVE_CPU_ISA=avx2-vnni on
 // a CPU with AVX512-VNNI but not AVX-VNNI) needs AVX512-VL for vpdpbusd on

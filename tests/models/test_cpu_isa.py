@@ -16,6 +16,7 @@ of those, which the rest of the suite tests.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +53,22 @@ def test_the_build_uses_the_widest_vectors_the_cpu_has() -> None:
         expected = ("scalar", None)
     assert (ops.vector_isa(), ops.int8_dots()) == expected
     assert ops.has_int8_dots() == (expected[1] is not None)
+
+
+def out_of_line_gemm_helpers(obj: Path) -> list[str]:
+    """The symbols of ``obj`` (a built grouped_gemm.o) that are grouped_gemm.cpp's inner helpers."""
+    symbols = subprocess.run(["nm", "-C", str(obj)], capture_output=True, text=True, check=True).stdout
+    helpers = re.compile(r"\b(load_codes|group_dots|tile_rows|tile_rows_a8)<")
+    return [line for line in symbols.splitlines() if helpers.search(line)]
+
+
+def test_the_gemms_inner_helpers_are_inlined() -> None:
+    """load_codes, group_dots and the tile functions are forced inline (vec16.h's
+    KVSERVE_ALWAYS_INLINE). Left to GCC's inliner they went out of line once the
+    kernels stopped including all of torch (84a3546): their vector arrays passed
+    through memory and w4a8's GEMM ran 2-2.5x slower. The build is asserted, not
+    its speed (timings never gate a test)."""
+    assert not out_of_line_gemm_helpers(ops.cache_directory() / "grouped_gemm.o")
 
 
 def test_an_unknown_isa_is_refused(monkeypatch) -> None:
