@@ -257,7 +257,8 @@ KVSERVE_ALWAYS_INLINE void group_dots(V16i& s0, V16i& s1, const V16i* w, const i
   // such sums added in int16 before widening. With codes of at most 15 and
   // |qx| <= 127 a sum stays within 4 * 2 * 15 * 127 = 15240: nothing saturates,
   // and the dots are VNNI's exactly. 8-bit codes go as their two nibbles.
-  const auto dots = [](const V16i* u, const int8_t* x) {
+  // Forced inline as the helpers around it (vec16.h): out of line, GCC passed u through memory.
+  const auto dots = [](const V16i* u, const int8_t* x) __attribute__((always_inline)) {
     V16i p = v16i_maddubs(u[0], v16i_bcast4(x));
     for (int j = 1; j < 4; ++j) p = v16i_add16(p, v16i_maddubs(u[j], v16i_bcast4(x + 4 * j)));
     return v16i_widen_pairs(p);
