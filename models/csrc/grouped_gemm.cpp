@@ -191,8 +191,9 @@ KVSERVE_ALWAYS_INLINE void load_codes(const uint8_t* group, V16i* w) {
 // Up to R rows of float x against one 16-row tile. Byte b of each lane of
 // w[j] holds input 4j + b (j < 4) or 16 + 4(j - 4) + b.
 template <int kBits, int R>
-KVSERVE_ALWAYS_INLINE void tile_rows(float* y, int64_t y_stride, const float* x, int64_t x_stride, const float* xsum,
-                      int64_t groups, const uint8_t* codes, const float* scales, int64_t valid) {
+KVSERVE_ALWAYS_INLINE void tile_rows(float* y, int64_t y_stride, const float* x, int64_t x_stride,
+                                     const float* xsum, int64_t groups, const uint8_t* codes,
+                                     const float* scales, int64_t valid) {
   using namespace kvserve;
   constexpr int64_t kGroupBytes = kTile * kGroup * kBits / 8;  // one group of a 16-row tile
   V16 acc[R], accq[R];
@@ -303,8 +304,9 @@ constexpr int kVnniRows = 8;
 // meets the centred codes u - c (about half the size of u for 4 bits, and
 // exactly Q8_0's q for 8 bits, where m + c d = 0).
 template <int kBits, int R>
-KVSERVE_ALWAYS_INLINE void tile_rows_a8(float* y, int64_t y_stride, const QuantizedRows& xq, int64_t r0, int64_t groups,
-                         const uint8_t* codes, const float* scales, int64_t valid) {
+KVSERVE_ALWAYS_INLINE void tile_rows_a8(float* y, int64_t y_stride, const QuantizedRows& xq, int64_t r0,
+                                        int64_t groups, const uint8_t* codes, const float* scales,
+                                        int64_t valid) {
   using namespace kvserve;
   constexpr int64_t kGroupBytes = kTile * kGroup * kBits / 8;  // one group of a 16-row tile
   V16 acc[R];
