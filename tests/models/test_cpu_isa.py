@@ -106,16 +106,15 @@ def avx512bw_outputs(tmp_path_factory) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 @needs_vnni
-@pytest.mark.parametrize("build, reports", [("avx2_outputs", "avx2 avx2"), ("avx2_vnni_outputs", "avx2 avx-vnni"),
-                                            ("avx512bw_outputs", "avx512 avx512-bw")])
-def test_every_kernel_equals_avx512_vnni(build: str, reports: str, request, monkeypatch) -> None:
-    theirs = request.getfixturevalue(build)
+@pytest.mark.parametrize("isa, reports", [("avx2", "avx2 avx2"), ("avx2-vnni", "avx2 avx-vnni"),
+                                          ("avx512bw", "avx512 avx512-bw")])
+def test_every_kernel_equals_avx512_vnni(isa: str, reports: str, request, monkeypatch) -> None:
+    theirs = request.getfixturevalue(f"{isa.replace('-', '_')}_outputs")
     assert bytes(theirs["isa"].tolist()).decode() == reports
     # That build's object keeps the GEMM's helpers inline too (its byte dots are other code).
-    monkeypatch.setenv("KVSERVE_CPU_ISA", {"avx2_outputs": "avx2", "avx2_vnni_outputs": "avx2-vnni",
-                                           "avx512bw_outputs": "avx512bw"}[build])
-    assert not out_of_line_gemm_helpers(ops.cache_directory() / "grouped_gemm.o")
-    monkeypatch.delenv("KVSERVE_CPU_ISA")
+    with monkeypatch.context() as env:
+        env.setenv("KVSERVE_CPU_ISA", isa)
+        assert not out_of_line_gemm_helpers(ops.cache_directory() / "grouped_gemm.o")
     mine = isa_outputs.kernel_outputs()
     assert len(mine) == 57
     differ = [k for k, v in mine.items() if not torch.equal(v, theirs[k])]
