@@ -252,8 +252,8 @@ def default_path() -> str:
     from models import autotune, kv_cache
     from models.loader import read_config
 
-    config, gguf_type = read_config("smollm2")
-    path = autotune.choose(config, "auto", "auto", four_bit=autotune.four_bit(gguf_type))
+    config, gguf_type, types = read_config("smollm2")
+    path = autotune.choose(config, "auto", "auto", four_bit=autotune.four_bit(gguf_type), types=types)
     kv = str(kv_cache.default_dtype(getattr(torch, path.dtype))).removeprefix("torch.")
     return f"{path.dtype} + {path.quantization}, {kv} KV cache"
 

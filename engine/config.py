@@ -152,6 +152,13 @@ class StepBudget:
 # step's token budget"). At 128, 64 streams' prompts no longer kept up beside 64 decodes
 # (mean TTFT 1.4x).
 CPU_BUDGET = StepBudget(max_num_seqs=64, max_num_batched_tokens=256, kv_cache_memory=512 * MiB)
+# The CPU's KV budget when none is set, sized from the model (``cpu_kv_budget``): room for
+# the default batch at CPU_KV_TOKENS_PER_SEQ tokens each, within CPU_KV_MEMORY_FRACTION of
+# the memory available once the weights are in, and never under CPU_BUDGET's 512 MiB
+# (what every model got before; SmolLM2's 1.5 GiB now). llama-server sizes its cache
+# from its context the same way; vLLM-CPU takes a fixed 4 GiB.
+CPU_KV_TOKENS_PER_SEQ = 1024
+CPU_KV_MEMORY_FRACTION = 0.25
 # A GPU's step costs about the same from 1 to thousands of tokens, so it takes vLLM's
 # sizes: on an H200, 2048 tokens and 256 sequences against the CPU's 256 and 64 gave
 # 1.8x the output tok/s at 64 and 256 streams and a third of the mean TTFT at 64
@@ -162,19 +169,47 @@ CUDA_MAX_NUM_BATCHED_TOKENS = 2048
 CUDA_KV_CACHE_FRACTION = 0.5
 
 
+def available_memory() -> int | None:
+    """The memory the OS could give this process now (``MemAvailable`` in /proc/meminfo), in bytes;
+    None where it cannot tell."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def cpu_kv_budget(max_num_seqs: int, kv_bytes_per_token: int, available_memory: int | None) -> int:
+    """The CPU's default KV cache bytes: ``max_num_seqs`` sequences of
+    ``CPU_KV_TOKENS_PER_SEQ`` tokens, at most ``CPU_KV_MEMORY_FRACTION`` of
+    ``available_memory`` (bytes; None: not known, no cap), at least 512 MiB
+    (less only where that fraction of the memory is less)."""
+    want = max(CPU_BUDGET.kv_cache_memory, max_num_seqs * CPU_KV_TOKENS_PER_SEQ * kv_bytes_per_token)
+    if available_memory is None:
+        return want
+    return max(1, min(want, int(CPU_KV_MEMORY_FRACTION * available_memory)))
+
+
 def step_budget(config: EngineConfig, device_type: str, max_model_len: int, kv_bytes_per_token: int,
                 free_memory: int | None = None) -> StepBudget:
     """``config``'s sizes, each one it leaves None from the defaults of ``device_type``
-    (``cpu``: :data:`CPU_BUDGET`; ``cuda``: the ``CUDA_*`` settings, the KV cache sized
-    from the device's ``free_memory`` in bytes and ``kv_bytes_per_token``)."""
+    (``cpu``: :data:`CPU_BUDGET`'s sequences and tokens, the KV cache by ``cpu_kv_budget``
+    from ``kv_bytes_per_token`` and the memory available, ``free_memory``; ``cuda``: the
+    ``CUDA_*`` settings, the KV cache sized from the device's ``free_memory`` in bytes
+    and ``kv_bytes_per_token``)."""
     def own(value: int | None, default: int) -> int:
         return default if value is None else value
 
     if device_type != "cuda":
         d = CPU_BUDGET
-        return StepBudget(own(config.max_num_seqs, d.max_num_seqs),
-                          own(config.max_num_batched_tokens, d.max_num_batched_tokens),
-                          own(config.kv_cache_memory, d.kv_cache_memory))
+        seqs = own(config.max_num_seqs, d.max_num_seqs)
+        kv = config.kv_cache_memory
+        if kv is None:
+            kv = cpu_kv_budget(seqs, kv_bytes_per_token, free_memory)
+        return StepBudget(seqs, own(config.max_num_batched_tokens, d.max_num_batched_tokens), kv)
     seqs = own(config.max_num_seqs, CUDA_MAX_NUM_SEQS)
     tokens = own(config.max_num_batched_tokens, CUDA_MAX_NUM_BATCHED_TOKENS)
     kv = config.kv_cache_memory

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig, SpeculativeConfig, step_budget
+from engine.config import EngineConfig, SpeculativeConfig, available_memory, step_budget
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -123,12 +123,20 @@ class LLMEngine:
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, loaded.dtype)
         tp_size = config.parallel.tensor_parallel_size
         block_bytes = kv_bytes_per_block(loaded.config, kv_dtype, config.block_size, tp_size)
-        free = torch.cuda.mem_get_info(loaded.device)[0] if loaded.device.type == "cuda" else None
+        free = torch.cuda.mem_get_info(loaded.device)[0] if loaded.device.type == "cuda" else available_memory()
         self.budget = step_budget(config, loaded.device.type, self.max_model_len,
                                   cdiv(block_bytes, config.block_size), free)
         # NOTE: the budget is per rank (as vLLM's per GPU): N ranks cache N times the tokens.
         num_blocks = self.budget.kv_cache_memory // block_bytes
         needed = cdiv(self.max_model_len, config.block_size)
+        if num_blocks < needed and config.max_model_len is None and num_blocks > 0:
+            # The model's own context does not fit: serve what does, as llama-server picks
+            # its context (a length the user asked for stays an error below).
+            shrunk = num_blocks * config.block_size
+            logger.warning("the model's context (%d tokens) does not fit the KV cache budget (%.0f MiB); "
+                           "serving max_model_len=%d (raise --kv-cache-memory for more)",
+                           self.max_model_len, self.budget.kv_cache_memory / 2**20, shrunk)
+            self.max_model_len, needed = shrunk, num_blocks
         if num_blocks < needed:
             raise ValueError(
                 f"the KV cache budget ({self.budget.kv_cache_memory / 2**20:.0f} MiB = {num_blocks} blocks of "

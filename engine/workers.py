@@ -95,7 +95,8 @@ def rank_spec(config: EngineConfig) -> RankSpec:
     from engine.llm_engine import resolve_kv_cache_dtype  # noqa: PLC0415 - llm_engine imports us
 
     par = config.parallel
-    model_config, gguf_type = read_config(config.model)
+    # A split model runs dequantised or requantised weights (gguf_native's own codes are not split).
+    model_config, gguf_type, _ = read_config(config.model)
     device = resolve_device(config.device)
     dtype, quantization = resolve_path(config.dtype, config.quantization, model_config, gguf_type, device)
     check_split(model_config, par.tensor_parallel_size, quantized=quantization != "none")

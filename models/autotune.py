@@ -31,6 +31,7 @@ from models import kv_cache, ops
 from models.attention import SeqSpec, build_attention_metadata
 from models.config import ModelConfig
 from models.gguf_loader import FOUR_BIT_TYPES
+from models.gguf_native import KINDS, FileTypes, random_projection
 from models.quant import prepare_projections
 from models.registry import model_class
 
@@ -78,11 +79,12 @@ class Timing:
     full_batch_ms: float  # a decode step of FULL_BATCH_SEQS sequences
 
 
-def candidates(dtype: str, quantization: str, four_bit: bool) -> list[RunPath]:
+def candidates(dtype: str, quantization: str, four_bit: bool, native: bool = False) -> list[RunPath]:
     """The paths this CPU can run, within what the settings leave open.
 
     ``four_bit``: the checkpoint's projections are 4-bit (their codes can be
-    kept); otherwise only ``none`` is a quantization to consider.
+    kept); ``native``: a GGUF file whose projections ``w4a16`` keeps at their own
+    types (``models.gguf_native``); otherwise only ``none`` is a quantization to consider.
     """
     dtypes = [dtype] if dtype != "auto" else ["float32"] + (["bfloat16"] if cpu_has_native_bf16() else [])
     if quantization != "auto":
@@ -101,7 +103,8 @@ def candidates(dtype: str, quantization: str, four_bit: bool) -> list[RunPath]:
         paths = [RunPath(p.dtype, p.quantization, amx=p.quantization == "w4a8") for p in paths]
     elif ops.amx_usable() and len(paths) > 1:
         paths += [RunPath(p.dtype, p.quantization, amx=True) for p in paths if p.quantization == "w4a8"]
-    if mode == "auto" and quantization == "auto" and four_bit and "float32" in dtypes and ops.amx_bf16_usable():
+    if mode == "auto" and quantization == "auto" and (four_bit or native) and "float32" in dtypes \
+            and ops.amx_bf16_usable():
         # The 4-bit weights on AMX-BF16 tiles (float32 activations only), its LM head too:
         # the AMX-INT8 switch (``amx``) does not touch it.
         paths.append(RunPath("float32", "w4a16"))
@@ -123,24 +126,25 @@ def cpu_has_native_bf16() -> bool:
 
 
 def choose(config: ModelConfig, dtype: str, quantization: str, four_bit: bool,
-           cache_dir: Path | None = None, measure_again: bool = False) -> RunPath:
+           cache_dir: Path | None = None, measure_again: bool = False, types: FileTypes | None = None) -> RunPath:
     """The fastest path for ``config`` on this CPU: from the cache, else measured.
 
     ``dtype``/``quantization`` are the settings ("auto" leaves them open).
     ``measure_again``: measure even when the cache holds a choice, and replace it
-    (for a choice made while the machine was busy).
+    (for a choice made while the machine was busy). ``types``: a GGUF file's
+    projection types, which ``w4a16`` keeps (its probe is made of them).
     """
-    options = candidates(dtype, quantization, four_bit)
+    options = candidates(dtype, quantization, four_bit, native=types is not None)
     if len(options) == 1:
         return options[0]
     cache_dir = cache_dir if cache_dir is not None else ops.cache_directory()
-    key = _cache_key(config, options)
+    key = _cache_key(config, options) + (f" | {types.key()}" if types is not None else "")
     cached = None if measure_again else _read_cache(cache_dir).get(key)
     if cached is not None and RunPath(**cached["path"]) in options:
         path = RunPath(**cached["path"])
         logger.info("path auto: %s (measured earlier on this CPU; %s)", path, cached["why"])
         return path
-    timings = measure_all(config, options)
+    timings = measure_all(config, options, types=types)
     best, why = pick(timings)
     logger.info("path auto: %s (%s)", best.path, why)
     _write_cache(cache_dir, key, {"path": dataclasses.asdict(best.path), "why": why,
@@ -169,7 +173,8 @@ def measure(config: ModelConfig, path: RunPath, runs: int = RUNS) -> Timing:
     return measure_all(config, [path], runs)[0]
 
 
-def measure_all(config: ModelConfig, paths: list[RunPath], runs: int = RUNS) -> list[Timing]:
+def measure_all(config: ModelConfig, paths: list[RunPath], runs: int = RUNS,
+                types: FileTypes | None = None) -> list[Timing]:
     """Time every path in ``paths`` (as :func:`measure`), in ``runs`` rounds that each time
     every path once; each time is the fastest over the rounds.
 
@@ -183,7 +188,7 @@ def measure_all(config: ModelConfig, paths: list[RunPath], runs: int = RUNS) -> 
     step takes 2.2x w4a16's.
     """
     caches: dict[torch.dtype, list] = {}  # one cache per KV dtype, shared by the probes
-    probes = [_Probe(config, p, caches) for p in paths]
+    probes = [_Probe(config, p, caches, types) for p in paths]
     for probe in probes:
         probe.run(record=False)  # warm: first-call allocations, lazily built state
     for _ in range(runs):
@@ -197,12 +202,14 @@ class _Probe:
     the inputs of decode steps of DECODE_SEQS and FULL_BATCH_SEQS sequences and of a prompt
     chunk, and its times so far."""
 
-    def __init__(self, config: ModelConfig, path: RunPath, caches: dict[torch.dtype, list] | None = None) -> None:
+    def __init__(self, config: ModelConfig, path: RunPath, caches: dict[torch.dtype, list] | None = None,
+                 types: FileTypes | None = None) -> None:
         """``caches``: KV caches by dtype that probes may share (what they hold does not
-        matter to a timing; a cache each would hold the nine candidates' ~50 MB each at once)."""
+        matter to a timing; a cache each would hold the nine candidates' ~50 MB each at once).
+        ``types``: the file's projection types, of which a ``w4a16`` probe is made."""
         self.config, self.path = config, path
         self.layers = min(PROBE_LAYERS, config.num_hidden_layers)
-        self.model = _probe_model(dataclasses.replace(config, num_hidden_layers=self.layers), path)
+        self.model = _probe_model(dataclasses.replace(config, num_hidden_layers=self.layers), path, types)
         kv_dtype = kv_cache.default_dtype(getattr(torch, path.dtype))
         decode_blocks = kv_cache.cdiv(DECODE_CONTEXT + 1, BLOCK_SIZE)
         prompt_blocks = kv_cache.cdiv(PROMPT_TOKENS, BLOCK_SIZE)
@@ -263,7 +270,7 @@ class _Probe:
                       _scaled(best["full_batch"], best["head_full_batch"], self.layers, n))
 
 
-def _probe_model(config: ModelConfig, path: RunPath) -> torch.nn.Module:
+def _probe_model(config: ModelConfig, path: RunPath, types: FileTypes | None = None) -> torch.nn.Module:
     with torch.device("meta"):
         model = model_class(config)(config)
     model = model.to_empty(device="cpu")
@@ -275,8 +282,34 @@ def _probe_model(config: ModelConfig, path: RunPath) -> torch.nn.Module:
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.init_rope(DECODE_CONTEXT + PROMPT_TOKENS + 1)
-    prepare_projections(model, path.quantization)
+    if path.quantization == "w4a16" and types is not None:
+        _native_projections(model, config, types)
+    else:
+        prepare_projections(model, path.quantization)
     return model.eval()
+
+
+def _native_projections(model: torch.nn.Module, config: ModelConfig, types: FileTypes) -> None:
+    """The probe's projections and head as ``w4a16`` loads the file's: random blocks of its
+    types, the layers' taken from layers spread over the file."""
+    c = config
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    shapes = {"attn_q": (q, c.hidden_size), "attn_k": (kv, c.hidden_size), "attn_v": (kv, c.hidden_size),
+              "attn_output": (c.hidden_size, q), "ffn_gate": (c.intermediate_size, c.hidden_size),
+              "ffn_up": (c.intermediate_size, c.hidden_size), "ffn_down": (c.hidden_size, c.intermediate_size)}
+    modules = {"attn_q": ("self_attn", "qkv_proj"), "attn_output": ("self_attn", "o_proj"),
+               "ffn_gate": ("mlp", "gate_up_proj"), "ffn_down": ("mlp", "down_proj")}
+    for i, (layer, layer_types) in enumerate(zip(model.model.layers, types.sample(len(model.model.layers)))):
+        by_kind = dict(zip(KINDS, layer_types))
+        for first, (block, name) in modules.items():
+            kinds = {"attn_q": ("attn_q", "attn_k", "attn_v"), "ffn_gate": ("ffn_gate", "ffn_up")}.get(first, (first,))
+            old = getattr(getattr(layer, block), name)
+            proj = random_projection(kinds, tuple(by_kind[k] for k in kinds), [shapes[k] for k in kinds], seed=i,
+                                     bias=old.bias is not None)
+            if old.bias is not None:
+                proj.bias.copy_(old.bias.detach().float())
+            setattr(getattr(layer, block), name, proj)
+    model.lm_head = random_projection(("output",), (types.head,), [(c.vocab_size, c.hidden_size)], seed=99)
 
 
 def _scaled(step_ms: float, head_ms: float, probe_layers: int, num_layers: int) -> float:

@@ -12,8 +12,10 @@ import torch
 from models.config import ModelConfig
 from models.gguf_reader import GGUFFile, GGUFTensor, read_gguf
 
-# Quantisation types we dequantise (with the `gguf` package's reference code).
-SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+# Quantisation types we dequantise (with the `gguf` package's reference code); the
+# quantised ones are also those models.gguf_quants splits into codes and scales.
+SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
+                         "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
@@ -154,11 +156,12 @@ def projection_type(reader: GGUFFile) -> str:
     raise ValueError("GGUF file has no blk.0.ffn_down.weight tensor")
 
 
-def iter_gguf_weights(reader: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every tensor of the file."""
+def iter_gguf_weights(reader: GGUFFile, config: ModelConfig,
+                      skip: set[str] | frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor)`` for every tensor of the file but those named in ``skip``."""
     permute = config.architecture in PERMUTED_ARCHITECTURES
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
+        if t.name == "rope_freqs.weight" or t.name in skip:
             continue
         name = hf_name(t.name)
         w = dequantize(t)

@@ -50,6 +50,7 @@ class GGUFTensor:
     tensor_type: int
     shape: tuple[int, ...]
     data: np.ndarray  # read-only view of the file
+    offset: int = 0  # where the data starts in the file
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,20 @@ class GGUFFile:
 
     fields: dict[str, Any]
     tensors: list[GGUFTensor]
+    mapping: mmap.mmap | None = None  # the file, mapped read-only
+
+    def release(self, tensor: GGUFTensor) -> None:
+        """Drop the pages of ``tensor``'s data from this process's resident memory (they stay
+        in the page cache, and a later read maps them again): once a tensor is converted,
+        its file pages need not count against the server's memory."""
+        if self.mapping is None or tensor.data.nbytes == 0:
+            return
+        page = mmap.PAGESIZE
+        start = tensor.offset // page * page
+        end = min(len(self.mapping), -(-(tensor.offset + tensor.data.nbytes) // page) * page)
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if advice is not None:
+            self.mapping.madvise(advice, start, end - start)
 
 
 class _Cursor:
@@ -160,5 +175,5 @@ def _parse(buf: mmap.mmap) -> GGUFFile:
             data = raw.view(_PLAIN_TENSORS[qtype]).reshape(*outer, inner)
         else:
             data = raw.reshape(*outer, row_bytes)
-        tensors.append(GGUFTensor(name, int(ttype), dims, data))
-    return GGUFFile(fields, tensors)
+        tensors.append(GGUFTensor(name, int(ttype), dims, data, start))
+    return GGUFFile(fields, tensors, buf)

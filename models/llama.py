@@ -17,6 +17,7 @@ from models import ops
 from models.attention import AttentionMetadata, paged_attention
 from models.config import ModelConfig
 from models.parallel import TensorParallel, embed
+from models.gguf_linear import NativeLinear
 from models.quant import AmxBf16Linear, QuantizedLinear
 from models.rope import RotaryEmbedding, interleave_rotary_rows
 
@@ -133,10 +134,10 @@ class DecoderLayer(nn.Module):
         ``forward_fused`` applies."""
         attn, mlp = self.self_attn, self.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        fused = all(isinstance(p, (QuantizedLinear, AmxBf16Linear)) and p.fused for p in projections)
+        fused = all(isinstance(p, (QuantizedLinear, AmxBf16Linear, NativeLinear)) and p.fused for p in projections)
         # NOTE: the fused layer kernel has no per-head q/k norm: Qwen3 runs op by op.
         return (fused and attn.q_norm is None
-                and {p.kind for p in projections} in ({"int4"}, {"amx-bf16"}, {"w4a16"})
+                and {p.kind for p in projections} in ({"int4"}, {"amx-bf16"}, {"w4a16"}, {"native"})
                 and all(p.bias is None for p in projections[1:]))
 
     def fused_weights(self) -> ops.FusedWeights:
@@ -149,7 +150,7 @@ class DecoderLayer(nn.Module):
         key = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, *norms)
         cached = self.__dict__.get("_fused_weights")
         if cached is None or any(a is not b for a, b in zip(cached[0], key)):
-            projections = [[p.codes, p.group_scales] for p in key[:4]]
+            projections = [p.fused_args for p in key[:4]]
             weights = ops.FusedWeights(
                 norms[0].weight, norms[1].weight, norms[0].eps, projections[0], attn.qkv_proj.bias,
                 projections[1], projections[2], projections[3], attn.num_heads, attn.num_kv_heads, attn.scale,
@@ -214,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
 
     def init_rope(self, max_positions: int) -> None:
         """Build the cos/sin tables on the model's device and dtype (after weights are loaded)."""
-        self.rope = RotaryEmbedding(self.config, max_positions, self.model.embed_tokens.weight.device)
+        self.rope = RotaryEmbedding(self.config, max_positions, self.model.norm.weight.device)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

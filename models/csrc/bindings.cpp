@@ -39,6 +39,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_w8a16_linear", &kvserve::amx_w8a16_linear,
         "out (float32) = x @ W^T on AMX-BF16 tiles, W as pack_w8a16's 8-bit codes and scales",
         py::call_guard<py::gil_scoped_release>());
+  m.def("amx_quant_linear", &kvserve::amx_quant_linear,
+        "out (float32) = x @ W^T on AMX-BF16 tiles, W as row ranges of (codes, scales) in their formats",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("repack_gguf", &kvserve::repack_gguf,
+        "a GGUF tensor's blocks as amx_quant_linear's codes and scales of a format (false: W4 inexact)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("amx_enabled", &kvserve::amx_enabled, "whether the int8-activation GEMMs use AMX now");
   m.def("set_amx_enabled", &kvserve::set_amx_enabled, "let the int8-activation GEMMs use AMX, or not");
   m.def("set_amx_emulated", &kvserve::set_amx_emulated, "tests: AMX's tile instructions in software");

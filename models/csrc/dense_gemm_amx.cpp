@@ -217,44 +217,93 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void w4_blocks_t
   }
 }
 
-// `groups` 16 x 32 blocks of 8-bit weights (pack_w8a16: per block 16 B rows of 32 int8
-// codes, output L/2's then output 8 + L/2's for input pair p, then d[16]) as bfloat16 B
-// operands, each weight d * q in float32 rounded to bfloat16 (RNE).
+// `groups` 16 x 32 blocks of 8-bit weights as bfloat16 B operands, each weight d * q (+ m)
+// in float32 (one multiply, or one fused multiply-add: d * q is exact for a GGUF type's
+// scales, so either rounds once, as llama.cpp's dequantisation does) rounded to bfloat16
+// (RNE). Per block: 16 B rows of 32 int8 codes (output L/2's, then output 8 + L/2's, for
+// input pair p), then the scales: for each of kHalves input halves (B rows 0-7 take inputs
+// 0-15, rows 8-15 inputs 16-31), d[16] and, if kAffine, m[16]. kHalves = 1, no m:
+// pack_w8a16 (Q8_0's codes); kHalves = 2: GGUF's 16-input sub-blocks (Q6_K, Q3_K, Q2_K);
+// kAffine: the types with a minimum (Q5_1, Q5_K, Q2_K).
+template <int kHalves, bool kAffine>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void w8_blocks_to_bf16(uint16_t* dst,
                                                                                        const uint8_t* codes,
                                                                                        const float* scales,
                                                                                        int64_t groups) {
+  constexpr int kHalfFloats = kAffine ? 32 : 16, kBlockFloats = kHalves * kHalfFloats;
   const __m512i lo_idx = half_outputs(0), hi_idx = half_outputs(8);
   for (int64_t g = 0; g < groups; ++g) {
-    const __m512 d = _mm512_loadu_ps(scales + g * 16);
-    const __m512 dlo = _mm512_permutexvar_ps(lo_idx, d), dhi = _mm512_permutexvar_ps(hi_idx, d);
-    for (int p = 0; p < 16; ++p) {
-      const uint8_t* row = codes + g * 512 + p * 32;
-      const __m512 lo = _mm512_mul_ps(
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)))), dlo);
-      const __m512 hi = _mm512_mul_ps(
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16)))), dhi);
-      _mm512_store_si512(dst + g * 512 + p * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    for (int h = 0; h < kHalves; ++h) {
+      const float* sc = scales + g * kBlockFloats + h * kHalfFloats;
+      const __m512 d = _mm512_loadu_ps(sc);
+      const __m512 dlo = _mm512_permutexvar_ps(lo_idx, d), dhi = _mm512_permutexvar_ps(hi_idx, d);
+      __m512 mlo = _mm512_setzero_ps(), mhi = _mm512_setzero_ps();
+      if constexpr (kAffine) {
+        const __m512 m = _mm512_loadu_ps(sc + 16);
+        mlo = _mm512_permutexvar_ps(lo_idx, m);
+        mhi = _mm512_permutexvar_ps(hi_idx, m);
+      }
+      const int p0 = kHalves == 1 ? 0 : 8 * h, p1 = kHalves == 1 ? 16 : 8 * h + 8;
+      for (int p = p0; p < p1; ++p) {
+        const uint8_t* row = codes + g * 512 + p * 32;
+        const __m512 qlo =
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
+        const __m512 qhi =
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16))));
+        __m512 lo, hi;
+        if constexpr (kAffine) {
+          lo = _mm512_fmadd_ps(qlo, dlo, mlo);
+          hi = _mm512_fmadd_ps(qhi, dhi, mhi);
+        } else {
+          lo = _mm512_mul_ps(qlo, dlo);
+          hi = _mm512_mul_ps(qhi, dhi);
+        }
+        _mm512_store_si512(dst + g * 512 + p * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
     }
   }
 }
 
-// A quantised weight as the kernel reads it: per 16 x 32 block, `code_bytes` of codes and
-// `scale_floats` scales, and `make`, which turns consecutive blocks into B operands.
-struct QuantBlocks {
+// One row range of a quantised weight as the kernel reads it: per 16 x 32 block,
+// `code_bytes` of codes and `scale_floats` scales, and `make`, which turns consecutive
+// blocks into B operands.
+struct QuantSegment {
   const uint8_t* codes;
   const float* scales;
   int64_t code_bytes, scale_floats;
   void (*make)(uint16_t* dst, const uint8_t* codes, const float* scales, int64_t groups);
+  int64_t first_tile;  // the segment's first 16-output tile in the whole weight
+};
 
+// A quantised weight of up to kMaxSegments row ranges (a fused projection whose parts a
+// GGUF file stores in different types, e.g. Q4_K queries beside Q6_K values), each in its
+// own format, `kbs` blocks of 32 inputs per tile. Block b is tile b / kbs's block b % kbs.
+constexpr int kMaxSegments = 4;
+struct QuantBlocks {
+  QuantSegment seg[kMaxSegments];
+  int count;
+  int64_t kbs;
+
+  const QuantSegment& of(int64_t block, int64_t& local) const {
+    const int64_t tile = block / kbs;
+    int i = count - 1;
+    while (i > 0 && tile < seg[i].first_tile) --i;
+    local = block - seg[i].first_tile * kbs;
+    return seg[i];
+  }
+  // `blocks` consecutive blocks from `block`, all of one tile.
   void to_bf16(uint16_t* dst, int64_t block, int64_t blocks) const {
-    make(dst, codes + block * code_bytes, scales + block * scale_floats, blocks);
+    int64_t local;
+    const QuantSegment& s = of(block, local);
+    s.make(dst, s.codes + local * s.code_bytes, s.scales + local * s.scale_floats, blocks);
   }
   void prefetch(int64_t block) const {
-    const char* c = reinterpret_cast<const char*>(codes + block * code_bytes);
-    const char* sc = reinterpret_cast<const char*>(scales + block * scale_floats);
-    for (int64_t b = 0; b < code_bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
-    for (int64_t b = 0; b < scale_floats * 4; b += 64) _mm_prefetch(sc + b, _MM_HINT_T0);
+    int64_t local;
+    const QuantSegment& s = of(block, local);
+    const char* c = reinterpret_cast<const char*>(s.codes + local * s.code_bytes);
+    const char* sc = reinterpret_cast<const char*>(s.scales + local * s.scale_floats);
+    for (int64_t b = 0; b < s.code_bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < s.scale_floats * 4; b += 64) _mm_prefetch(sc + b, _MM_HINT_T0);
   }
 };
 
@@ -477,6 +526,67 @@ static void amx_quant_linear(at::Tensor& out, const at::Tensor& x, const QuantBl
 }
 #endif
 
+// The formats of amx_quant_linear's segments (models/quant.py AMX_FORMATS): codes bytes and
+// scale floats per block, and the maker.
+struct AmxFormat {
+  int64_t code_bytes, scale_floats;
+  void (*make)(uint16_t* dst, const uint8_t* codes, const float* scales, int64_t groups);
+};
+#if defined(__x86_64__)
+const AmxFormat kAmxFormats[] = {
+    {256, 32, w4_blocks_to_bf16},               // 0 W4: pack_w4a16
+    {512, 16, w8_blocks_to_bf16<1, false>},     // 1 W8: d per 32 inputs (pack_w8a16)
+    {512, 32, w8_blocks_to_bf16<2, false>},     // 2 W8 with a d per 16 inputs
+    {512, 32, w8_blocks_to_bf16<1, true>},      // 3 W8 with d and m per 32 inputs
+    {512, 64, w8_blocks_to_bf16<2, true>},      // 4 W8 with d and m per 16 inputs
+};
+#endif
+
+void amx_quant_linear(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tensor>& parts,
+                      const std::vector<int64_t>& formats) {
+  const int count = static_cast<int>(formats.size());
+  TORCH_CHECK(count >= 1 && count <= kMaxSegments && parts.size() == 2 * formats.size(),
+              "amx_quant_linear takes 1 to ", kMaxSegments, " segments of (codes, scales) and their formats");
+  int64_t tiles = 0, kbs = -1;
+#if defined(__x86_64__)
+  QuantBlocks qb{};
+  qb.count = count;
+  for (int i = 0; i < count; ++i) {
+    TORCH_CHECK(formats[i] >= 0 && formats[i] < static_cast<int64_t>(sizeof(kAmxFormats) / sizeof(kAmxFormats[0])),
+                "unknown AMX weight format ", formats[i]);
+    const AmxFormat& f = kAmxFormats[formats[i]];
+    const at::Tensor& c = parts[2 * i];
+    const at::Tensor& sc = parts[2 * i + 1];
+    TORCH_CHECK(c.is_contiguous() && (c.scalar_type() == at::kByte || c.scalar_type() == at::kChar) && c.dim() >= 2,
+                "segment ", i, "'s codes must be contiguous uint8/int8 [tiles, K/32, ...]");
+    TORCH_CHECK(sc.is_contiguous() && sc.scalar_type() == at::kFloat, "segment ", i, "'s scales must be float32");
+    TORCH_CHECK(kbs < 0 || c.size(1) == kbs, "segments differ in their input blocks");
+    kbs = c.size(1);
+    TORCH_CHECK(c.numel() == c.size(0) * kbs * f.code_bytes && sc.numel() == c.size(0) * kbs * f.scale_floats,
+                "segment ", i, " does not hold format ", formats[i], "'s bytes for its blocks");
+    qb.seg[i] = {reinterpret_cast<const uint8_t*>(c.data_ptr()), sc.data_ptr<float>(), f.code_bytes,
+                 f.scale_floats, f.make, tiles};
+    tiles += c.size(0);
+  }
+  qb.kbs = kbs;
+  check_rows("amx_quant_linear", out, x, tiles, false);
+  amx_quant_linear(out, x, qb, tiles, kbs);
+#else
+  TORCH_CHECK(false, "amx_quant_linear needs an x86-64 CPU with AMX-BF16");
+#endif
+}
+
+#if defined(__x86_64__)
+// amx_quant_linear for a weight of one segment.
+static void amx_quant_linear(at::Tensor& out, const at::Tensor& x, int64_t tiles, int64_t kbs, QuantSegment seg) {
+  QuantBlocks qb{};
+  qb.seg[0] = seg;
+  qb.count = 1;
+  qb.kbs = kbs;
+  amx_quant_linear(out, x, qb, tiles, kbs);
+}
+#endif
+
 void amx_w4a16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
   TORCH_CHECK(codes.dim() == 4 && codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.size(2) == 4 &&
                   codes.size(3) == 64, "codes must be pack_w4a16's [N/16, K/32, 4, 64] uint8");
@@ -485,8 +595,8 @@ void amx_w4a16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& co
                   scales.size(3) == 16, "scales must be pack_w4a16's [N/16, K/32, 2, 16] float32");
   check_rows("amx_w4a16_linear", out, x, codes.size(0), false);
 #if defined(__x86_64__)
-  amx_quant_linear(out, x, {codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), 256, 32, w4_blocks_to_bf16},
-                   codes.size(0), codes.size(1));
+  amx_quant_linear(out, x, codes.size(0), codes.size(1),
+                   {codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), 256, 32, w4_blocks_to_bf16, 0});
 #endif
 }
 
@@ -498,10 +608,9 @@ void amx_w8a16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& co
               "scales must be pack_w8a16's [N/16, K/32, 16] float32");
   check_rows("amx_w8a16_linear", out, x, codes.size(0), false);
 #if defined(__x86_64__)
-  amx_quant_linear(out, x,
+  amx_quant_linear(out, x, codes.size(0), codes.size(1),
                    {reinterpret_cast<const uint8_t*>(codes.data_ptr<int8_t>()), scales.data_ptr<float>(), 512, 16,
-                    w8_blocks_to_bf16},
-                   codes.size(0), codes.size(1));
+                    w8_blocks_to_bf16<1, false>, 0});
 #endif
 }
 

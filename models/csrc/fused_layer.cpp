@@ -34,13 +34,20 @@ void add_lora(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>&
 
 // y = x @ W^T for projection p by `gemm` (models/ops.py GEMM_*): grouped_linear's codes
 // and scales, float or int8 activations; amx_bf16_linear's bfloat16 B operands (codes
-// only); or amx_w4a16_linear's 4-bit codes and scales.
+// only); amx_w4a16_linear's 4-bit codes and scales; or amx_quant_linear's segments.
 void project(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& p, int64_t gemm) {
   switch (gemm) {
     case kGemmGrouped:
     case kGemmGroupedInt8: grouped_linear(y, x, p[0], p[1], gemm == kGemmGroupedInt8, false); break;
     case kGemmAmxBf16: amx_bf16_linear(y, x, p[0]); break;
     case kGemmAmxW4a16: amx_w4a16_linear(y, x, p[0], p[1]); break;
+    case kGemmAmxQuant: {
+      const at::Tensor& f = p.back();
+      TORCH_CHECK(f.scalar_type() == at::kLong && f.is_contiguous(), "the last tensor holds the formats (int64)");
+      const std::vector<int64_t> formats(f.data_ptr<int64_t>(), f.data_ptr<int64_t>() + f.numel());
+      amx_quant_linear(y, x, std::vector<at::Tensor>(p.begin(), p.end() - 1), formats);
+      break;
+    }
     default: TORCH_CHECK(false, "unknown projection GEMM ", gemm);
   }
 }
@@ -65,8 +72,9 @@ std::vector<at::Tensor> fused_layer(
     const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
     double scale, int64_t gemm, int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start,
     const std::vector<at::Tensor>& lora, const std::vector<int64_t>& lora_rows) {
-  TORCH_CHECK(qkv.size() == 2 && o_proj.size() == 2 && gate_up.size() == 2 && down.size() == 2,
-              "each projection is (codes, scales)");
+  for (const auto* p : {&qkv, &o_proj, &gate_up, &down})
+    TORCH_CHECK(gemm == kGemmAmxQuant ? p->size() % 2 == 1 : p->size() == 2,
+                "each projection is (codes, scales), or for kGemmAmxQuant its segments' and the formats");
   TORCH_CHECK(lora_rows.size() % 2 == 0 && lora.size() == 4 * lora_rows.size(),
               "lora: (A, B) of 4 projections per (start, stop) row range");
   const int64_t rows = x.size(0), hidden = x.size(1);

@@ -46,6 +46,17 @@ void amx_bf16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w);
 void amx_w4a16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 // The same for pack_w8a16's 8-bit codes and scales.
 void amx_w8a16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
+// The same for a weight of up to 4 row ranges, each (codes, scales) in its own format
+// (models/quant.py AMX_FORMATS: a GGUF tensor's own codes and scales): parts holds
+// codes0, scales0, codes1, ... and formats one id per range.
+void amx_quant_linear(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tensor>& parts,
+                      const std::vector<int64_t>& formats);
+
+// gguf_repack.cpp: a GGUF tensor's blocks (raw [rows, row bytes], ggml type id `type`)
+// as amx_quant_linear's `format` for the weight whose row r is raw row source[r] (-1: a
+// zero row). False where W4's offsets are not exact (the caller takes another format).
+bool repack_gguf(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, int64_t type, int64_t format,
+                 const at::Tensor& source);
 
 // argmax.cpp
 void argmax_rows(at::Tensor& out, const at::Tensor& x);
@@ -54,7 +65,15 @@ void argmax_rows(at::Tensor& out, const at::Tensor& x);
 void apply_token_bitmask(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& masks);
 
 // fused_layer.cpp. The projections' GEMM (models/ops.py GEMM_*).
-enum ProjectionGemm : int64_t { kGemmGrouped = 0, kGemmGroupedInt8 = 1, kGemmAmxBf16 = 2, kGemmAmxW4a16 = 3 };
+// kGemmAmxQuant: amx_quant_linear, each projection (codes, scales, ...) with its formats
+// as a last int64 tensor.
+enum ProjectionGemm : int64_t {
+  kGemmGrouped = 0,
+  kGemmGroupedInt8 = 1,
+  kGemmAmxBf16 = 2,
+  kGemmAmxW4a16 = 3,
+  kGemmAmxQuant = 4
+};
 std::vector<at::Tensor> fused_layer(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& input_norm,
     const at::Tensor& post_norm, double eps, const std::vector<at::Tensor>& qkv,

@@ -1,5 +1,5 @@
 """The ``kvserve`` command, the program's front door: ``serve``, ``run-batch``
-and ``generate`` (offline), ``chat`` and ``bench``.
+and ``generate`` (offline), ``chat``, ``bench`` and ``fetch`` (a known model).
 
 It sits above the HTTP layer: ``serve`` wires the engine to ``server.app``,
 ``chat`` is a client of a running server and ``bench`` runs ``bench/``'s load
@@ -55,6 +55,17 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return run(session)
 
 
+def _cmd_fetch(args: argparse.Namespace) -> int:
+    """Download a known model into the cache (``engine.fetch``) and print its path."""
+    from engine.fetch import fetch_model
+
+    try:
+        print(fetch_model(args.name, force=args.force))
+    except ValueError as e:
+        raise SystemExit(f"kvserve: error: {e}") from None
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     # bench/ is a client of any OpenAI-compatible server; only this subcommand needs it.
     import bench.serve
@@ -72,5 +83,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = "warning" if args.command == "chat" else getattr(args, "log_level", "info")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     commands = {"serve": _cmd_serve, "run-batch": _cmd_run_batch, "generate": _cmd_generate, "chat": _cmd_chat,
-                "bench": _cmd_bench}
+                "bench": _cmd_bench, "fetch": _cmd_fetch}
     return commands[args.command](args)

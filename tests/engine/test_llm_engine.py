@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import (CPU_BUDGET, CUDA_KV_CACHE_FRACTION, CUDA_MAX_NUM_BATCHED_TOKENS, CUDA_MAX_NUM_SEQS,
-                           EngineConfig, StepBudget, step_budget)
+from engine import llm_engine as llm_engine_module
+from engine.config import (CPU_BUDGET, CUDA_KV_CACHE_FRACTION, CUDA_MAX_NUM_BATCHED_TOKENS, CUDA_MAX_NUM_SEQS, MiB,
+                           EngineConfig, StepBudget, cpu_kv_budget, step_budget)
 from engine.llm_engine import LLMEngine, resolve_kv_cache_dtype
 from engine.model_runner import kv_bytes_per_block
 from engine.outputs import RequestOutput
@@ -459,8 +460,10 @@ GiB = 2**30
 
 
 def test_step_budget_takes_each_unset_size_from_the_device():
-    cpu = step_budget(EngineConfig(), "cpu", max_model_len=8192, kv_bytes_per_token=23040)
-    assert cpu == CPU_BUDGET
+    cpu = step_budget(EngineConfig(), "cpu", max_model_len=8192, kv_bytes_per_token=23040, free_memory=20 * GiB)
+    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens) == (CPU_BUDGET.max_num_seqs,
+                                                              CPU_BUDGET.max_num_batched_tokens)
+    assert cpu.kv_cache_memory == cpu_kv_budget(CPU_BUDGET.max_num_seqs, 23040, 20 * GiB)
     cuda = step_budget(EngineConfig(), "cuda", max_model_len=8192, kv_bytes_per_token=23040, free_memory=10 * GiB)
     assert (cuda.max_num_seqs, cuda.max_num_batched_tokens) == (CUDA_MAX_NUM_SEQS, CUDA_MAX_NUM_BATCHED_TOKENS)
     assert cuda.kv_cache_memory == int(CUDA_KV_CACHE_FRACTION * 10 * GiB)
@@ -476,14 +479,42 @@ def test_step_budget_takes_each_unset_size_from_the_device():
         step_budget(EngineConfig(), "cuda", 8192, 23040)
 
 
-def test_the_engine_sizes_its_kv_cache_and_steps_by_the_budget(smollm2_loaded):
+def test_the_cpus_kv_budget_follows_the_model_and_the_memory():
+    # 64 sequences of 1024 tokens...
+    assert cpu_kv_budget(64, 28672, 20 * GiB) == 64 * 1024 * 28672
+    # ...within a quarter of the memory available...
+    assert cpu_kv_budget(64, 28672, 4 * GiB) == GiB
+    # ...and never under 512 MiB where that quarter allows it.
+    assert cpu_kv_budget(64, 1000, 20 * GiB) == 512 * MiB
+    assert cpu_kv_budget(64, 1000, GiB) == GiB // 4
+    assert cpu_kv_budget(8, 28672, None) == 512 * MiB
+
+
+def test_the_engine_sizes_its_kv_cache_and_steps_by_the_budget(smollm2_loaded, monkeypatch):
+    monkeypatch.setattr(llm_engine_module, "available_memory", lambda: 20 * GiB)
     engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", max_model_len=MAX_MODEL_LEN),
                        loaded=smollm2_loaded)
-    assert engine.budget == CPU_BUDGET
     block = kv_bytes_per_block(smollm2_loaded.config, torch.float16, engine.block_size)
-    assert engine.num_blocks == CPU_BUDGET.kv_cache_memory // block
+    assert engine.budget == StepBudget(CPU_BUDGET.max_num_seqs, CPU_BUDGET.max_num_batched_tokens,
+                                       cpu_kv_budget(CPU_BUDGET.max_num_seqs, block // engine.block_size, 20 * GiB))
+    assert engine.num_blocks == engine.budget.kv_cache_memory // block
     assert engine.scheduler.config.max_num_seqs == CPU_BUDGET.max_num_seqs
     assert engine.scheduler.config.max_num_batched_tokens == CPU_BUDGET.max_num_batched_tokens
+
+
+def test_a_context_that_does_not_fit_shrinks_unless_it_was_asked_for(smollm2_loaded, caplog):
+    block = kv_bytes_per_block(smollm2_loaded.config, torch.float16, 16)
+    # The model's own context (8192 tokens) in a cache of 100 blocks: serve 1600 tokens, say so.
+    with caplog.at_level("WARNING"):
+        engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory=100 * block, block_size=16),
+                           loaded=smollm2_loaded)
+    assert smollm2_loaded.config.max_position_embeddings > 1600
+    assert engine.max_model_len == 1600 and engine.scheduler.config.max_model_len == 1600
+    assert "serving max_model_len=1600" in caplog.text and "--kv-cache-memory" in caplog.text
+    # A length the user asked for stays an error.
+    with pytest.raises(ValueError, match="cannot hold one sequence of max_model_len=4096"):
+        LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory=100 * block, block_size=16,
+                               max_model_len=4096), loaded=smollm2_loaded)
 
 
 @pytest.mark.parametrize("setting", [{"kv_cache_memory": 0}, {"max_num_seqs": 0}, {"max_num_batched_tokens": -1}])

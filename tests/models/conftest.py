@@ -37,7 +37,7 @@ class PagedRunner:
     def __init__(self, model: torch.nn.Module, block_size: int = 16, num_blocks: int = 64,
                  seed: int = 0, kv_dtype: torch.dtype | None = None) -> None:
         cfg = model.config
-        dtype = kv_dtype or model.model.embed_tokens.weight.dtype
+        dtype = kv_dtype or model.model.norm.weight.dtype
         self.model = model
         self.block_size = block_size
         self.kv_caches = kv_cache.allocate(cfg.num_hidden_layers, num_blocks, block_size,

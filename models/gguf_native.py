@@ -1,0 +1,243 @@
+"""Build a model straight from a GGUF file's blocks, each projection at its own GGUF type.
+
+The path ``w4a16`` takes on a GGUF file whose projections are all of types
+``models.gguf_quants`` splits (a CPU with AMX-BF16, one process): each projection
+becomes a ``NativeLinear`` from its tensors' codes and scales, the embedding a
+``QuantizedEmbedding`` over the mapped file, the LM head the head tensor's own
+codes. The file is read tensor by tensor from its mapping, and no float copy of a
+projection or of the embedding is made; only the norms and biases (a few MB) are
+read as floats. Where the head or the embedding is not quantised (F16, F32),
+it is kept as floats (the embedding) or as 8-bit codes (``w8a16``, the head).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from models.config import ModelConfig
+from models import ops
+from models.gguf_linear import (AMX_FORMATS, TYPE_FORMATS, W4, W8_AFFINE, W8_AFFINE_G16, W8_G16, NativeLinear,
+                                 QuantizedEmbedding, join, permuted_rows, plan_segments)
+from models.gguf_loader import PERMUTED_ARCHITECTURES, dequantize, iter_gguf_weights
+from models.gguf_quants import SPLIT_TYPES, Codes, random_blocks, split
+from models.gguf_reader import GGUFFile, GGUFTensor
+from models.quant import AmxBf16Linear
+from models.registry import model_class
+from models.rope import interleave_rotary_rows
+
+logger = logging.getLogger(__name__)
+
+# GGUF tensor kinds each decoder projection is made of, in row order.
+_PROJECTIONS = {("self_attn", "qkv_proj"): ("attn_q", "attn_k", "attn_v"),
+                ("self_attn", "o_proj"): ("attn_output",),
+                ("mlp", "gate_up_proj"): ("ffn_gate", "ffn_up"),
+                ("mlp", "down_proj"): ("ffn_down",)}
+
+
+# The projection tensors of a layer, in FileTypes' order.
+KINDS = tuple(k for parts in _PROJECTIONS.values() for k in parts)
+
+
+@dataclass(frozen=True)
+class FileTypes:
+    """The GGUF types of a file's projections, per layer (``KINDS`` order), and of its LM head:
+    what the path choice's probes are made of."""
+
+    layers: tuple[tuple[str, ...], ...]
+    head: str
+
+    def sample(self, n: int) -> list[tuple[str, ...]]:
+        """``n`` layers' types, spread over the file (Q4_K_M keeps its 6-bit layers at both ends)."""
+        count = len(self.layers)
+        return [self.layers[(2 * i + 1) * count // (2 * n)] for i in range(n)]
+
+    def key(self) -> str:
+        """A short summary for the path choice's cache key: each type's share of the tensors."""
+        counts: dict[str, int] = {}
+        for layer in self.layers:
+            for t in layer:
+                counts[t] = counts.get(t, 0) + 1
+        return " ".join(f"{t}:{n}" for t, n in sorted(counts.items())) + f" head:{self.head}"
+
+
+def file_types(reader: GGUFFile) -> FileTypes | None:
+    """The file's ``FileTypes``, or None where a projection is of a type ``gguf_quants`` does
+    not split (the file then runs dequantised or requantised)."""
+    if not splittable(reader):
+        return None
+    by_name = {t.name: type_name(t) for t in reader.tensors}
+    count = 1 + max(int(name.split(".")[1]) for name in by_name if name.startswith("blk."))
+    layers = tuple(tuple(by_name[f"blk.{i}.{k}.weight"] for k in KINDS) for i in range(count))
+    return FileTypes(layers, by_name.get("output.weight", by_name["token_embd.weight"]))
+
+
+def random_projection(kinds: tuple[str, ...], types: tuple[str, ...], shapes: list[tuple[int, int]],
+                      seed: int, bias: bool = False) -> NativeLinear:
+    """A ``NativeLinear`` of random blocks of ``types`` (one per part, ``shapes`` ``(N, K)``),
+    as the path choice's probes time them."""
+    tensors = [GGUFTensor(kind, int(GGMLQuantizationType[t]), (k, n), random_blocks(t, (n, k), seed + i))
+               for i, (kind, t, (n, k)) in enumerate(zip(kinds, types, shapes))]
+    return projection(None, tensors, [None] * len(tensors), bias)
+
+
+def type_name(tensor: GGUFTensor) -> str:
+    """The tensor's GGUF type, e.g. ``"Q4_K"``."""
+    return GGMLQuantizationType(tensor.tensor_type).name
+
+
+def splittable(reader: GGUFFile) -> bool:
+    """Whether every projection tensor of the file is of a type ``gguf_quants`` splits."""
+    kinds = {k for parts in _PROJECTIONS.values() for k in parts}
+    projections = [t for t in reader.tensors if t.name.startswith("blk.") and t.name.split(".")[2] in kinds
+                   and t.name.endswith(".weight")]
+    return bool(projections) and all(type_name(t) in SPLIT_TYPES for t in projections)
+
+
+def tensor_codes(tensor: GGUFTensor) -> Codes:
+    """A 2-D quantised tensor's codes, shaped as the HF weight ``[out, in]``."""
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    if len(shape) != 2:
+        raise ValueError(f"tensor {tensor.name!r} has shape {shape}, expected a matrix")
+    try:
+        return split(type_name(tensor), tensor.data, shape)
+    except ValueError as exc:
+        raise ValueError(f"tensor {tensor.name!r}: {exc}") from None
+
+
+def _rotary_order(rows: int, heads: int, permuted: bool) -> torch.Tensor:
+    """Which file row each Q or K row of kvserve's interleaved rotary order comes from
+    (llama.cpp's own order for llama-arch files, else HF's)."""
+    def reorder(w: torch.Tensor) -> torch.Tensor:
+        if permuted:  # llama.cpp's [head, half, 2] -> HF's [head, 2, half] (gguf_loader.permute_back)
+            w = w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+        return interleave_rotary_rows(w, heads).contiguous()
+    return reorder(torch.arange(rows))
+
+
+def _raw(tensor: GGUFTensor) -> torch.Tensor:
+    with warnings.catch_warnings():  # read only: the kernels only read it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(tensor.data)
+
+
+def empty_format(fmt: int, tiles: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised codes and scales of ``pack_amx``'s shapes for ``fmt``."""
+    if fmt == W4:
+        return torch.empty(tiles, groups, 4, 64, dtype=torch.uint8), torch.empty(tiles, groups, 2, 16)
+    halves = 2 if fmt in (W8_G16, W8_AFFINE_G16) else 1
+    kinds = 2 if fmt in (W8_AFFINE, W8_AFFINE_G16) else 1
+    return (torch.empty(tiles, groups, 16, 32, dtype=torch.int8),
+            torch.empty(tiles, groups, halves, kinds, 16))
+
+
+def projection(reader: GGUFFile | None, tensors: list[GGUFTensor], orders: list[torch.Tensor | None],
+               bias: bool = False) -> NativeLinear:
+    """A ``NativeLinear`` of ``tensors``' rows in order, each reordered by its ``orders``
+    entry (which file row each weight row is; None: as in the file), repacked from the
+    file's blocks by the kernels; their pages are released once converted."""
+    rows = [int(t.shape[1]) for t in tensors]
+    k = int(tensors[0].shape[0])
+    if any(r % 16 for r in rows) or k % 32:  # tiny test shapes: the torch reference
+        parts = []
+        for t, order in zip(tensors, orders):
+            codes = tensor_codes(t)
+            parts.append(codes if order is None else permuted_rows(codes, lambda w, o=order: w[o].contiguous()))
+        return NativeLinear.from_codes(parts, bias)
+    segments = []
+    for fmt, members in plan_segments([TYPE_FORMATS[type_name(t)] for t in tensors], rows):
+        tiles = sum(rows[i] for i in members) // 16
+        while True:
+            codes, scales = empty_format(fmt, tiles, k // 32)
+            exact, tile = True, 0
+            for i in members:
+                n = rows[i] // 16
+                source = orders[i] if orders[i] is not None else torch.arange(rows[i])
+                exact &= ops.repack_gguf(codes[tile:tile + n], scales[tile:tile + n], _raw(tensors[i]),
+                                         tensors[i].tensor_type, fmt, source)
+                tile += n
+            if exact:
+                break
+            fmt = join([fmt, W8_AFFINE])  # W4's offsets were not exact: 8-bit codes hold them
+        segments.append((fmt, codes, scales))
+    for t in tensors:
+        if reader is not None:
+            reader.release(t)
+    return NativeLinear(segments, k, sum(rows), bias)
+
+
+def build_model(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> nn.Module:
+    """The model of ``config`` on the CPU, its projections ``NativeLinear``s of the file's codes."""
+    tensors = {t.name: t for t in reader.tensors}
+    permuted = config.architecture in PERMUTED_ARCHITECTURES
+
+    def get(name: str) -> GGUFTensor:
+        if name not in tensors:
+            raise ValueError(f"GGUF file has no tensor {name!r}")
+        return tensors[name]
+
+    with torch.device("meta"):
+        model = model_class(config)(config)
+    for i, layer in enumerate(model.model.layers):
+        for (block, proj), kinds in _PROJECTIONS.items():
+            parts = [get(f"blk.{i}.{kind}.weight") for kind in kinds]
+            orders = []
+            for kind, t in zip(kinds, parts):
+                heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(kind)
+                orders.append(None if heads is None else _rotary_order(int(t.shape[1]), heads, permuted))
+            bias = getattr(getattr(layer, block), proj).bias is not None
+            setattr(getattr(layer, block), proj, projection(reader, parts, orders, bias))
+    embed = get("token_embd.weight")
+    head = tensors.get("output.weight", embed)
+    model.lm_head = _head(reader, head)
+    model.model.embed_tokens = _embedding(embed, dtype)
+    _materialize(model, dtype)
+    skip = {"token_embd.weight", "output.weight", "rope_freqs.weight"} | {
+        f"blk.{i}.{k}.weight" for i in range(config.num_hidden_layers) for parts in _PROJECTIONS.values()
+        for k in parts}
+    model.load_weights(iter_gguf_weights(reader, config, skip=skip))
+    return model
+
+
+def _head(reader: GGUFFile, tensor: GGUFTensor) -> nn.Module:
+    if type_name(tensor) in SPLIT_TYPES:
+        return projection(reader, [tensor], [None])
+    dense = nn.Linear(int(tensor.shape[0]), int(tensor.shape[1]), bias=False, device="meta")
+    dense.weight = nn.Parameter(torch.from_numpy(np.array(dequantize(tensor), dtype=np.float32)), requires_grad=False)
+    return AmxBf16Linear(dense, "w8a16")  # 8-bit codes of the float head, as the other AMX paths' head
+
+
+def _embedding(tensor: GGUFTensor, dtype: torch.dtype) -> nn.Module:
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    if type_name(tensor) in SPLIT_TYPES:
+        return QuantizedEmbedding(type_name(tensor), tensor.data, shape, dtype)
+    weight = torch.from_numpy(np.array(dequantize(tensor), dtype=np.float32)).to(dtype)
+    return nn.Embedding(*shape, _weight=weight)
+
+
+def _materialize(model: nn.Module, dtype: torch.dtype) -> None:
+    """Give every parameter still on the meta device (norms, biases) CPU memory to load into."""
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.is_meta:
+                setattr(module, name, nn.Parameter(torch.empty(p.shape, dtype=dtype), requires_grad=False))
+
+
+def describe(model: nn.Module) -> str:
+    """A log line: the projections' bytes by format."""
+    by_format: dict[int, int] = {}
+    total = 0
+    for module in model.modules():
+        if isinstance(module, NativeLinear):
+            for fmt, (codes, scales) in zip(module.formats, zip(module.fused_args[0:-1:2], module.fused_args[1:-1:2])):
+                n = codes.numel() * codes.element_size() + scales.numel() * scales.element_size()
+                by_format[fmt] = by_format.get(fmt, 0) + n
+                total += n
+    parts = ", ".join(f"{AMX_FORMATS[f]} {n / 1e6:.0f} MB" for f, n in sorted(by_format.items()))
+    return f"projections and head {total / 1e6:.0f} MB: {parts}"

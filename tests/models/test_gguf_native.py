@@ -1,0 +1,182 @@
+"""A GGUF file's own codes and scales, each tensor at its type, on the AMX-BF16 kernels.
+
+The split of every type equals the ``gguf`` package's dequantisation; the kernels'
+repack equals the torch reference bit for bit; a projection of the file's codes
+multiplies the same bfloat16 operands as ``amx-bf16`` on the dequantised weight, so
+their results are equal bit for bit; and a whole mixed-type model (a Q4_K_M-like
+layer, then one of eight other types) loads that way, equal to the float model
+made of the same weights.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from gguf_files import MIXED_TYPES, write_mixed_gguf
+from models import ops
+from models.gguf_linear import (TYPE_FORMATS, W4, W8, W8_AFFINE, W8_AFFINE_G16, W8_G16, NativeLinear, amx_format,
+                                pack_amx, plan_segments)
+from models.gguf_native import empty_format
+from models.gguf_quants import SPLIT_TYPES, Codes, random_blocks, split
+from models.loader import load_model
+from models.quant import AmxBf16Linear, pack_amx_bf16
+
+needs_amx_bf16 = pytest.mark.skipif(not ops.amx_bf16_usable(),
+                                    reason="the GGUF codes run on AMX-BF16 tiles (tdpbf16ps has no exact twin)")
+
+SHAPE = (48, 512)
+
+
+def codes_of(type_name: str, shape: tuple[int, int] = SHAPE, seed: int = 1) -> tuple[np.ndarray, Codes]:
+    raw = random_blocks(type_name, shape, seed)
+    return raw, split(type_name, raw, shape)
+
+
+@pytest.mark.parametrize("type_name", SPLIT_TYPES)
+def test_the_split_gives_the_values_the_gguf_package_dequantises(type_name: str) -> None:
+    raw, codes = codes_of(type_name)
+    want = quants.dequantize(raw, GGMLQuantizationType[type_name]).reshape(SHAPE)
+    got = codes.dequantize().numpy()
+    assert np.array_equal(got, want)  # every value, each rounded once as the reference rounds it
+    q = codes.q
+    assert (0 <= int(q.min()) and int(q.max()) <= 15) if codes.bits == 4 else (-128 <= int(q.min()) <= int(q.max()) <= 127)
+    assert codes.group in (16, 32) and codes.d.shape == (SHAPE[0], SHAPE[1] // codes.group)
+
+
+def test_a_split_of_the_wrong_size_is_refused() -> None:
+    raw = random_blocks("Q4_K", (4, 256))
+    with pytest.raises(ValueError, match="do not make a"):
+        split("Q4_K", raw, (4, 512))
+    with pytest.raises(ValueError, match="no integer split"):
+        split("TQ1_0", raw, (4, 256))
+
+
+@pytest.mark.parametrize("type_name", SPLIT_TYPES)
+def test_the_kernels_repack_the_blocks_as_the_torch_reference_packs_them(type_name: str) -> None:
+    raw, codes = codes_of(type_name)
+    order = torch.randperm(SHAPE[0], generator=torch.Generator().manual_seed(0))
+    codes = replace(codes, q=codes.q[order], d=codes.d[order], m=None if codes.m is None else codes.m[order])
+    fmt = amx_format(codes)
+    want_codes, want_scales = pack_amx(codes, fmt)
+    got_codes, got_scales = empty_format(fmt, SHAPE[0] // 16, SHAPE[1] // 32)
+    exact = ops.repack_gguf(got_codes, got_scales, torch.from_numpy(raw), int(GGMLQuantizationType[type_name]),
+                            fmt, order)
+    assert exact
+    assert torch.equal(got_codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(got_scales.view(torch.int32), want_scales.view(torch.int32))
+
+
+def test_w4_gives_way_to_8_bit_codes_where_its_offsets_would_round() -> None:
+    # W4 stores M = m - 16 d: exact for every Q4_K tensor of the real files, not for any d and m.
+    d = torch.tensor([[3.0e-5]] * 16)
+    m = torch.tensor([[-1.0 - 2.0 ** -20]] * 16)
+    codes = Codes(torch.randint(0, 16, (16, 32), dtype=torch.int16), d, m, 32, 4)
+    assert amx_format(codes) == W8_AFFINE
+    _, real = codes_of("Q4_K")
+    assert amx_format(real) == W4 == TYPE_FORMATS["Q4_K"]
+
+
+def test_parts_share_a_segment_when_their_format_or_their_tile_does() -> None:
+    assert plan_segments([W4, W4, W8_G16], [64, 16, 16]) == [(W4, [0, 1]), (W8_G16, [2])]
+    assert plan_segments([W4, W8_G16, W8], [32, 16, 16]) == [(W4, [0]), (W8_G16, [1]), (W8, [2])]
+    # a boundary inside a tile: one segment, in the format that holds both
+    assert plan_segments([W4, W8_G16], [40, 24]) == [(W8_AFFINE_G16, [0, 1])]
+    assert plan_segments([W8, W8_AFFINE], [8, 8]) == [(W8_AFFINE, [0, 1])]
+
+
+def bf16_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The same tile products on the dequantised weight rounded to bfloat16."""
+    return ops.amx_bf16_linear(x, pack_amx_bf16(weight), weight.shape[0])
+
+
+@needs_amx_bf16
+@pytest.mark.parametrize("type_name", SPLIT_TYPES)
+def test_a_projection_multiplies_the_files_values_as_bfloat16_weights(type_name: str) -> None:
+    _, codes = codes_of(type_name)
+    linear = NativeLinear.from_codes([codes])
+    x = torch.randn(40, SHAPE[1], generator=torch.Generator().manual_seed(2))
+    want = bf16_reference(x, codes.dequantize())
+    assert torch.equal(linear(x), want)
+    for rows in (1, 5, 16, 17):  # a row's result does not depend on the rows beside it
+        assert torch.equal(linear(x[:rows]), want[:rows])
+
+
+@needs_amx_bf16
+def test_a_projection_of_parts_in_different_types_keeps_each_type() -> None:
+    x = torch.randn(20, SHAPE[1], generator=torch.Generator().manual_seed(3))
+    parts = [codes_of("Q4_K", (32, 512))[1], codes_of("Q6_K", (16, 512), 2)[1], codes_of("Q8_0", (16, 512), 3)[1]]
+    linear = NativeLinear.from_codes(parts)
+    assert linear.formats == [W4, W8_G16, W8]
+    assert torch.equal(linear(x), bf16_reference(x, torch.cat([p.dequantize() for p in parts])))
+    unaligned = [codes_of("Q4_K", (40, 512))[1], codes_of("Q6_K", (24, 512), 2)[1]]
+    linear = NativeLinear.from_codes(unaligned)
+    assert linear.formats == [W8_AFFINE_G16]
+    assert torch.equal(linear(x), bf16_reference(x, torch.cat([p.dequantize() for p in unaligned])))
+
+
+# --- whole models ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mixed_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, torch.nn.Module]]:
+    root = tmp_path_factory.mktemp("mixed")
+    return {arch: (root / f"{arch}.gguf", write_mixed_gguf(root / f"{arch}.gguf", arch=arch))
+            for arch in ("qwen2", "llama")}
+
+
+PROMPT = torch.randint(256, (37,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+def logits_of(model: torch.nn.Module, make_runner) -> torch.Tensor:
+    runner = make_runner(model)
+    return runner.step([(runner.new_seq(len(PROMPT)), PROMPT)])[0]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_the_exact_path_equals_transformers_on_a_file_of_many_types(mixed_files, make_runner, arch: str) -> None:
+    path, reference = mixed_files[arch]
+    ours = logits_of(load_model(str(path), "float32", "cpu", quantization="none").model, make_runner)
+    # transformers in float64: its float32 run is 2.5e-4 from it at these widths, ours 4e-5.
+    with torch.no_grad():
+        want = copy.deepcopy(reference).double()(torch.tensor([PROMPT])).logits[0]
+    assert (ours.double() - want).abs().max().item() < 1e-4
+
+
+@needs_amx_bf16
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_w4a16_keeps_each_tensor_at_its_type(mixed_files, make_runner, arch: str) -> None:
+    path, _ = mixed_files[arch]
+    native = load_model(str(path), "float32", "cpu", quantization="w4a16").model
+    layers = native.model.layers
+    assert [p.kind for layer in layers for p in (layer.self_attn.qkv_proj, layer.mlp.down_proj)] == ["native"] * 4
+    assert layers[0].self_attn.qkv_proj.formats == [W4, W8_G16]  # Q4_K q and k, then a Q6_K v
+    assert layers[0].mlp.down_proj.formats == [W8_G16]
+    # Q5_K q; a Q8_0 k and a Q5_0 v share one segment of 8-bit codes with a scale per 32
+    assert [MIXED_TYPES[1][k] for k in ("attn_q", "attn_k", "attn_v")] == ["Q5_K", "Q8_0", "Q5_0"]
+    assert layers[1].self_attn.qkv_proj.formats == [W8_AFFINE, W8]
+    assert all(layer.packed_int4() for layer in layers)  # the fused layer runs them
+    # The same bfloat16 operands as amx-bf16 on the dequantised weights, head included: equal bits.
+    dense = load_model(str(path), "float32", "cpu", quantization="none").model
+    for layer in dense.model.layers:
+        for block, name in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"),
+                            ("mlp", "down_proj")):
+            module = getattr(layer, block)
+            setattr(module, name, AmxBf16Linear(_linear(getattr(module, name)), "amx-bf16"))
+    dense.lm_head = AmxBf16Linear(_linear(dense.lm_head), "amx-bf16")
+    assert torch.equal(logits_of(native, make_runner), logits_of(dense, make_runner))
+
+
+def _linear(packed: torch.nn.Module) -> torch.nn.Linear:
+    """A float ``nn.Linear`` of a packed projection's weight."""
+    linear = torch.nn.Linear(packed.in_features, packed.out_features, bias=packed.bias is not None)
+    with torch.no_grad():
+        linear.weight.copy_(packed.weight)
+        if packed.bias is not None:
+            linear.bias.copy_(packed.bias)
+    return linear
