@@ -44,8 +44,9 @@ test: setup prometheus
 serve: setup
 	$(BIN)/kvserve serve
 
+# make bench MODEL=qwen2.5-coder-1.5b: the three servers on a fetched model (kvserve fetch NAME first).
 bench: setup
-	$(BIN)/python -m bench.peers $(BENCH_ARGS)
+	$(BIN)/python -m bench.peers $(if $(MODEL),--model $(MODEL)) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

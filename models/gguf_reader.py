@@ -159,7 +159,11 @@ def _parse(buf: mmap.mmap) -> GGUFFile:
     everything = np.frombuffer(buf, np.uint8)
     tensors = []
     for name, dims, ttype, offset in index:
-        qtype = GGMLQuantizationType(ttype)  # ValueError for a type gguf does not know
+        try:
+            qtype = GGMLQuantizationType(ttype)
+        except ValueError:
+            raise ValueError(f"tensor {name!r} has type id {ttype}, which GGUF does not define "
+                             "(a newer llama.cpp's type, or a damaged file)") from None
         block, block_bytes = GGML_QUANT_SIZES[qtype]
         inner = dims[0] if dims else 1
         rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1

@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
+import resource
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,48 +164,67 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
         config, tokenizer, weights = _open_hf_dir(path)
         gguf_type = None
     else:
-        reader = open_gguf(path)
-        config = config_from_gguf(reader)
-        tokenizer = Tokenizer.from_gguf_fields(reader.fields)
-        weights = iter_gguf_weights(reader, config)
-        gguf_type = projection_type(reader)
+        with _file_named(path):
+            reader = open_gguf(path)
+            config = config_from_gguf(reader)
+            tokenizer = Tokenizer.from_gguf_fields(reader.fields)
+            weights = iter_gguf_weights(reader, config)
+            gguf_type = projection_type(reader)
     types = gguf_native.file_types(reader) if reader is not None and dev.type == "cpu" else None
     torch_dtype, quantization = resolve_path(dtype, quantization, config, gguf_type, dev, types)
-    if tp is not None:
-        check_split(config, tp.world_size, quantized=quantization != "none")
-    native = types is not None and quantization == "w4a16" and (tp is None or tp.world_size == 1)
-    logger.info("loading %s (%s, %d layers) as %s, quantization %s%s, on %s", path.name,
-                config.architecture, config.num_hidden_layers, str(torch_dtype).removeprefix("torch."),
-                quantization, _path_note(quantization, native), dev)
-    if native:
-        model = gguf_native.build_model(reader, config, torch_dtype)
+    with _file_named(path):  # a damaged or unsupported tensor: say which file it is in
+        if tp is not None:
+            check_split(config, tp.world_size, quantized=quantization != "none")
+        native = types is not None and quantization == "w4a16" and (tp is None or tp.world_size == 1)
+        logger.info("loading %s (%s, %d layers) as %s, quantization %s%s, on %s", path.name,
+                    config.architecture, config.num_hidden_layers, str(torch_dtype).removeprefix("torch."),
+                    quantization, _path_note(quantization, native), dev)
+        if native:
+            model = gguf_native.build_model(reader, config, torch_dtype)
+            model.init_rope(max_positions or config.max_position_embeddings)
+            model.eval()
+            logger.info("loaded in %.1fs, peak RSS %.2f GB (%s)", time.perf_counter() - t0, peak_rss_gb(),
+                        gguf_native.describe(model))
+            return LoadedModel(model, tokenizer, config, path, torch_dtype, dev, None)
+        with torch.device("meta"):
+            model = model_class(config)(config)
+        model = model.to_empty(device=dev).to(torch_dtype)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.load_weights(_progress(weights, config))
+        if tp is not None and tp.world_size > 1:
+            shard_model(model, tp)
+            logger.info("tensor parallel rank %d of %d: %d of %d query heads, %d of %d KV heads",
+                        tp.rank, tp.world_size, config.num_attention_heads // tp.world_size,
+                        config.num_attention_heads, config.num_key_value_heads // tp.world_size,
+                        config.num_key_value_heads)
         model.init_rope(max_positions or config.max_position_embeddings)
+        if quantization != "none" and dev.type != "cpu":
+            raise ValueError(f"quantization {quantization!r} uses CPU kernels; use --quantization none on {dev}")
+        if dev.type == "cpu":
+            prepare_projections(model, quantization)
         model.eval()
-        logger.info("loaded in %.1fs (%s)", time.perf_counter() - t0, gguf_native.describe(model))
-        return LoadedModel(model, tokenizer, config, path, torch_dtype, dev, None)
-    with torch.device("meta"):
-        model = model_class(config)(config)
-    model = model.to_empty(device=dev).to(torch_dtype)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.load_weights(_progress(weights, config))
-    if tp is not None and tp.world_size > 1:
-        shard_model(model, tp)
-        logger.info("tensor parallel rank %d of %d: %d of %d query heads, %d of %d KV heads",
-                    tp.rank, tp.world_size, config.num_attention_heads // tp.world_size,
-                    config.num_attention_heads, config.num_key_value_heads // tp.world_size,
-                    config.num_key_value_heads)
-    model.init_rope(max_positions or config.max_position_embeddings)
-    if quantization != "none" and dev.type != "cpu":
-        raise ValueError(f"quantization {quantization!r} uses CPU kernels; use --quantization none on {dev}")
-    if dev.type == "cpu":
-        prepare_projections(model, quantization)
-    model.eval()
-    if dev.type == "cpu" and ops.kernels_available():  # builds them on the very first run
-        logger.info("fused CPU kernels: on")
-    logger.info("loaded in %.1fs", time.perf_counter() - t0)
-    return LoadedModel(model, tokenizer, config, path, torch_dtype, dev,
-                       tp if tp is not None and tp.world_size > 1 else None)
+        if dev.type == "cpu" and ops.kernels_available():  # builds them on the very first run
+            logger.info("fused CPU kernels: on")
+        logger.info("loaded in %.1fs, peak RSS %.2f GB", time.perf_counter() - t0, peak_rss_gb())
+        return LoadedModel(model, tokenizer, config, path, torch_dtype, dev,
+                           tp if tp is not None and tp.world_size > 1 else None)
+
+
+@contextmanager
+def _file_named(path: Path) -> Iterator[None]:
+    """Re-raise a ``ValueError`` about a GGUF file's contents with the file's path, unless it names it."""
+    try:
+        yield
+    except ValueError as exc:
+        if path.is_dir() or str(path) in str(exc):
+            raise
+        raise ValueError(f"{path}: {exc}") from exc
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident memory so far, in GB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
 
 
 def _progress(weights: Iterator[tuple[str, torch.Tensor]], config: ModelConfig

@@ -156,8 +156,9 @@ def test_gguf_tensor_of_the_wrong_shape_is_rejected(tiny_llama, tmp_path):
 def test_gguf_of_an_unknown_architecture_is_rejected(tiny_llama, tmp_path):
     path = write_gguf(tmp_path / "tiny.gguf", tiny_llama[1], arch="gpt2")
 
-    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'"):
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'") as info:
         load(path)
+    assert str(info.value).startswith(f"{path}: ")  # one line naming the file
 
 
 def test_hf_checkpoint_of_an_unknown_architecture_is_rejected(tiny_llama):
