@@ -82,23 +82,43 @@ class Generated:
     num_cached_tokens: int = 0
 
 
-_loaded: dict[tuple[str, str], object] = {}
+_loaded: dict[tuple[str, str, str], object] = {}
+# The default model, and a Qwen2.5-shaped one (biases, 2 KV heads of 128 dimensions) whose
+# tensors are of many GGUF types (tests/models/gguf_files.py), with the default model's vocabulary.
+MODELS = ["smollm2", "qwen2-mixed"]
 
 
-def loaded_model(dtype: str, quantization: str):
+@pytest.fixture(scope="module")
+def model_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from gguf_files import write_mixed_gguf
+
+    from models.gguf_reader import read_gguf
+    from models.loader import resolve_model_path
+
+    fields = {k: v for k, v in read_gguf(resolve_model_path("smollm2")).fields.items() if k.startswith("tokenizer.")}
+    path = tmp_path_factory.mktemp("invariance") / "qwen2-mixed.gguf"
+    write_mixed_gguf(path, tokenizer_fields=fields)
+    return {"smollm2": "smollm2", "qwen2-mixed": str(path)}
+
+
+def loaded_model(model: str, dtype: str, quantization: str):
     """One loaded model at a time (each is a few hundred MB)."""
-    key = (dtype, quantization)
+    key = (model, dtype, quantization)
     if key not in _loaded:
         _loaded.clear()
         gc.collect()
-        _loaded[key] = load_model("smollm2", dtype=dtype, device="cpu", max_positions=MAX_MODEL_LEN,
+        _loaded[key] = load_model(model, dtype=dtype, device="cpu", max_positions=MAX_MODEL_LEN,
                                   quantization=quantization)
     return _loaded[key]
 
 
-def make_engine(mode, num_blocks: int = 128, **overrides) -> LLMEngine:
+def make_engine(model: str, mode, num_blocks: int = 128, **overrides) -> LLMEngine:
     dtype, quantization, kv_dtype = mode[:3]
-    loaded = loaded_model(dtype, quantization)
+    loaded = loaded_model(model, dtype, quantization)
     import torch
 
     budget = num_blocks * kv_bytes_per_block(loaded.config, getattr(torch, kv_dtype), BLOCK_SIZE)
@@ -174,24 +194,26 @@ def amx(request):
         ops.set_amx_enabled(False)
 
 
+@pytest.mark.parametrize("model_name", MODELS)
 @pytest.mark.parametrize("mode", MODES, ids=["-".join(m) for m in MODES])
-def test_logprobs_do_not_depend_on_how_a_request_was_computed(mode, amx):
+def test_logprobs_do_not_depend_on_how_a_request_was_computed(mode, amx, model_name, model_files):
     if mode[1] in ("amx-bf16", "w4a16") and not ops.amx_bf16_usable():
         pytest.skip(f"{mode[1]} runs where the CPU has AMX-BF16 (tdpbf16ps has no exact software twin)")
-    tokenizer = loaded_model(*mode[:2]).tokenizer
+    model = model_files[model_name]
+    tokenizer = loaded_model(model, *mode[:2]).tokenizer
     ops.set_amx_enabled(amx)  # after the load, which sets it to the path's own choice
     assert ops.amx_enabled() == amx
     emulated_products = ops.amx_emulated_products()
     prompts = table(tokenizer)
     # (a) cold: each prompt alone, in one prefill, nothing cached.
-    alone = make_engine(mode, enable_prefix_caching=False)
+    alone = make_engine(model, mode, enable_prefix_caching=False)
     cold = {}
     for rid, ids in prompts.items():
         cold.update(run(alone, {rid: ids}))
 
     # (b) a prefix cache hit: each prompt again after itself (all its full blocks
     # cached), and the long one after a one-block prefix of it.
-    cached = make_engine(mode)
+    cached = make_engine(model, mode)
     run(cached, {"warm": prompts["long"][:BLOCK_SIZE + 3]})
     again = run(cached, {"long": prompts["long"]})
     assert again["long"].num_cached_tokens == BLOCK_SIZE
@@ -204,7 +226,7 @@ def test_logprobs_do_not_depend_on_how_a_request_was_computed(mode, amx):
 
     # (c) chunked prefill, 16 and 48 tokens a step (each prompt alone).
     for budget in (16, 48):
-        chunked = make_engine(mode, enable_prefix_caching=False, max_num_batched_tokens=budget)
+        chunked = make_engine(model, mode, enable_prefix_caching=False, max_num_batched_tokens=budget)
         got = {}
         for rid, ids in prompts.items():
             got.update(run(chunked, {rid: ids}))
@@ -214,12 +236,12 @@ def test_logprobs_do_not_depend_on_how_a_request_was_computed(mode, amx):
     # they decode, so prompts run beside decodes and beside each other.
     batch = {f"filler-{i}": tokenizer.encode(t) for i, t in enumerate(FILLERS)} | prompts
     arrivals = {rid: 2 + i for i, rid in enumerate(prompts)}
-    got = run(make_engine(mode, enable_prefix_caching=False), batch, arrivals)
+    got = run(make_engine(model, mode, enable_prefix_caching=False), batch, arrivals)
     assert_same(got, cold, "in a batch of 16")
 
     # (e) a KV cache one block short of the whole batch: requests are preempted and recomputed.
     need = sum(-(-(len(ids) + MAX_TOKENS) // BLOCK_SIZE) for ids in prompts.values())
-    small = make_engine(mode, num_blocks=need - 1, enable_prefix_caching=False)
+    small = make_engine(model, mode, num_blocks=need - 1, enable_prefix_caching=False)
     got = run(small, prompts)
     assert small.scheduler.num_preemptions_total > 0
     assert_same(got, cold, "after preemption")
