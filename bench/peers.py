@@ -172,13 +172,14 @@ def markdown(meta: dict, kv: dict, peers: dict[str, dict], offline: dict | None)
     flags = meta.get("kvserve_args")
     kvserve = (f"`kvserve serve {flags}`" if flags else "`kvserve serve` with its defaults") + \
         (f" ({', '.join(ran)})" if ran else "")
+    served = f"`{meta['gguf']}`" if meta.get("model") else f"the default model (`{meta['gguf']}`)"
+    default_command = (f"python -m bench.peers{' --quick' if meta['quick'] else ''}"
+                       f"{f' --kvserve-args {shlex.quote(flags)}' if flags else ''}")
     lines = [
-        f"Measured by `make bench` (`python -m bench.peers{' --quick' if meta['quick'] else ''}"
-        f"{f' --kvserve-args {shlex.quote(flags)}' if flags else ''}`) "
+        f"Measured by `make bench` (`{meta.get('command') or default_command}`) "
         f"on {meta['date']}: {meta['cpu']}, {meta['cores']} cores (CPU flags: "
         f"{meta.get('cpu_flags') or 'none of avx2, avx512f, avx512_vnni, avx512_bf16, amx'}), kvserve commit "
-        f"{meta['commit']} (torch {meta['torch']}). All serve "
-        f"{'the default model ' if not meta.get('model') else ''}(`{meta['gguf']}`), one server alone on the "
+        f"{meta['commit']} (torch {meta['torch']}). All serve {served}, one server alone on the "
         f"machine at a time: {kvserve}; {described}.",
         "",
         f"Load (`kvserve bench serve`): streaming `/v1/completions`, {meta.get('input_len', INPUT_LEN)}-token prompts "
@@ -336,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-dir", type=Path, default=llama_cpp.DEFAULT_CACHE,
                    help="where llama.cpp is built and server logs go")
     args = p.parse_args(argv)
+    command = shlex.join(["python", "-m", "bench.peers", *(sys.argv[1:] if argv is None else argv)])
     levels = args.levels or (QUICK_LEVELS if args.quick else LEVELS)
     num_prompts = QUICK_PROMPTS if args.quick else None
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -355,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "`VLLM_CPU_OMP_THREADS_BIND` over every core")
     meta = {**machine_info(), "quick": args.quick, "gguf": gguf.name, "levels": levels,
             "cpu_flags": cpu_flags(), "peers": peer_text, "model": args.model,
-            "input_len": args.input_len, "output_len": args.output_len}
+            "input_len": args.input_len, "output_len": args.output_len, "command": command}
     lengths = {"input_len": args.input_len, "output_len": args.output_len}
     model_args = ["--model", str(gguf)] if args.model else []
 
