@@ -74,3 +74,23 @@ def test_huge_page_zeros_is_zeroed_and_writable() -> None:
     assert buf.dtype == torch.uint8 and buf.numel() == 3 << 20 and not buf.any()
     buf[-1] = 7
     assert int(buf.sum()) == 7
+
+
+def _rss_anon() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+@pytest.mark.parametrize("advice", ["populate", "unknown to the kernel"])
+def test_huge_page_zeros_holds_its_memory_from_the_start(monkeypatch: pytest.MonkeyPatch, advice: str) -> None:
+    # The budget is claimed when the cache is made (a machine that cannot hold it fails at
+    # start-up), by MADV_POPULATE_WRITE, or on a kernel that does not know it by writing zeros.
+    if advice != "populate":
+        monkeypatch.setattr(kv_cache, "_MADV_POPULATE_WRITE", 9999)  # EINVAL, as before Linux 5.14
+        monkeypatch.delattr(kv_cache.mmap, "MADV_POPULATE_WRITE", raising=False)
+    before = _rss_anon()
+    buf = kv_cache.huge_page_zeros(64 << 20)
+    assert _rss_anon() - before >= 60 << 20
+    assert not buf[::4096].any()
