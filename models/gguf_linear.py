@@ -61,7 +61,7 @@ def widen(codes: Codes, fmt: int) -> Codes:
     if fmt == W4:
         assert amx_format(codes) == W4
         return codes
-    group = 16 if fmt in (W8_G16, W8_AFFINE_G16) else codes.group
+    group = 16 if fmt in (W8_G16, W8_AFFINE_G16) else 32
     if codes.group < group:
         raise ValueError(f"format {fmt} cannot hold scales per {codes.group} inputs")
     d = _per_16(codes.d, codes.group) if group == 16 else codes.d

@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType, quants
 from gguf_files import MIXED_TYPES, write_mixed_gguf
 from models import ops
 from models.gguf_linear import (TYPE_FORMATS, W4, W8, W8_AFFINE, W8_AFFINE_G16, W8_G16, NativeLinear, amx_format,
-                                pack_amx, plan_segments)
+                                pack_amx, plan_segments, widen)
 from models.gguf_native import empty_format
 from models.gguf_quants import SPLIT_TYPES, Codes, random_blocks, split
 from models.loader import load_model
@@ -81,6 +81,19 @@ def test_w4_gives_way_to_8_bit_codes_where_its_offsets_would_round() -> None:
     assert amx_format(codes) == W8_AFFINE
     _, real = codes_of("Q4_K")
     assert amx_format(real) == W4 == TYPE_FORMATS["Q4_K"]
+
+
+def test_codes_widen_to_formats_that_hold_them_and_only_those() -> None:
+    _, q4k = codes_of("Q4_K")
+    _, q6k = codes_of("Q6_K")
+    for codes, fmt in ((q4k, W8_AFFINE), (q4k, W8_AFFINE_G16), (q6k, W8_AFFINE_G16)):
+        wide = widen(codes, fmt)  # the same values, in the wider format's shape of scales
+        assert wide.bits == 8 and wide.d.shape[1] == SHAPE[1] // (16 if fmt == W8_AFFINE_G16 else 32)
+        assert torch.equal(wide.dequantize(), codes.dequantize())
+    with pytest.raises(ValueError, match="cannot hold scales per 16 inputs"):
+        pack_amx(q6k, W8)  # Q6_K's 16-input scales in a format with one scale per 32
+    with pytest.raises(ValueError, match="no offset"):
+        pack_amx(q4k, W8_G16)  # Q4_K's minimums in a format without offsets
 
 
 def test_parts_share_a_segment_when_their_format_or_their_tile_does() -> None:
