@@ -197,10 +197,6 @@ class QuantizedEmbedding(nn.Module):
         self.type_name, self.data, self.shape, self.dtype = type_name, data, shape, dtype
         self.num_embeddings, self.embedding_dim = shape
 
-    def codes(self) -> Codes:
-        """The whole table's codes (for an LM head tied to it)."""
-        return split(self.type_name, self.data, self.shape)
-
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.data[ids.cpu().numpy()]
         return split(self.type_name, rows, (len(rows), self.embedding_dim)).dequantize().to(self.dtype)

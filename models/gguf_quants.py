@@ -121,14 +121,11 @@ def split(type_name: str, data: np.ndarray, shape: tuple[int, int]) -> Codes:
     if k % per_block or data.size != n * (k // per_block) * block_bytes:
         raise ValueError(f"{data.size} bytes of {type_name} do not make a [{n}, {k}] weight")
     raw = torch.from_numpy(np.ascontiguousarray(data).reshape(n, k // per_block, block_bytes))
-    nb = k // per_block
-    fn = _SPLITTERS[type_name]
-    q, d, m, group = fn(raw)
+    q, d, m, group = _SPLITTERS[type_name](raw)
     q = q.reshape(n, k).to(torch.int16)
     d = d.reshape(n, k // group).contiguous()
     m = None if m is None else m.reshape(n, k // group).contiguous()
     bits = 4 if type_name in ("Q4_0", "Q4_1", "Q4_K") else 8
-    assert nb * per_block == k
     return Codes(q, d, m, group, bits)
 
 
