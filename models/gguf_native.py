@@ -82,7 +82,8 @@ def random_projection(kinds: tuple[str, ...], types: tuple[str, ...], shapes: li
                       seed: int, bias: bool = False) -> NativeLinear:
     """A ``NativeLinear`` of random blocks of ``types`` (one per part, ``shapes`` ``(N, K)``),
     as the path choice's probes time them."""
-    tensors = [GGUFTensor(kind, int(GGMLQuantizationType[t]), (k, n), random_blocks(t, (n, k), seed + i))
+    tensors = [GGUFTensor(kind, int(GGMLQuantizationType[t]), (k, n), random_blocks(t, (n, k), seed + i,
+                                                                                    one_scale=True))
                for i, (kind, t, (n, k)) in enumerate(zip(kinds, types, shapes))]
     return projection(None, tensors, [None] * len(tensors), bias)
 

@@ -50,16 +50,25 @@ _F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0
                "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
-def random_blocks(type_name: str, shape: tuple[int, int], seed: int = 0, scale: float = 0.01) -> np.ndarray:
+def random_blocks(type_name: str, shape: tuple[int, int], seed: int = 0, scale: float = 0.01,
+                  one_scale: bool = False) -> np.ndarray:
     """Random blocks of ``type_name`` for a weight ``shape = (N, K)``: ``[N, row bytes]`` uint8,
-    every code and integer scale random, the half-precision scales about ``scale`` (finite,
-    so any arithmetic on them runs at its usual speed). For tests and the path choice's probes."""
+    every code and integer scale random, the half-precision fields about ``scale`` (finite,
+    so any arithmetic on them runs at its usual speed). For tests and the path choice's probes.
+
+    ``one_scale``: a block's half-precision fields (d and dmin, or d and m) hold one value.
+    A real file's scale and minimum are of one size, so W4's offsets ``m - 16 d`` are exact
+    in float32 (``gguf_linear.amx_format``) on every real Q4_K tensor measured; with
+    independent fields about one group in 10^5 is not, and a 4-bit tensor made of them
+    takes 8-bit codes (which the path choice's probes would then time)."""
     block_bytes, per_block = _BLOCKS[type_name]
     n, k = shape
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(n, k // per_block, block_bytes), dtype=np.uint8)
+    halves = None
     for offset in _F16_FIELDS[type_name]:
-        halves = (np.abs(rng.standard_normal((n, k // per_block, 1))) * scale + scale / 4).astype(np.float16)
+        if halves is None or not one_scale:
+            halves = (np.abs(rng.standard_normal((n, k // per_block, 1))) * scale + scale / 4).astype(np.float16)
         raw[..., offset:offset + 2] = halves.view(np.uint8)
     return raw.reshape(n, -1)
 

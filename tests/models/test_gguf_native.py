@@ -23,7 +23,8 @@ from gguf_files import MIXED_TYPES, write_mixed_gguf
 from models import ops
 from models.gguf_linear import (TYPE_FORMATS, W4, W8, W8_AFFINE, W8_AFFINE_G16, W8_G16, NativeLinear, amx_format,
                                 pack_amx, plan_segments, widen)
-from models.gguf_native import empty_format
+from models.gguf_native import empty_format, projection
+from models.gguf_reader import GGUFTensor
 from models.gguf_quants import SPLIT_TYPES, Codes, random_blocks, split
 from models.loader import load_model
 from models.quant import AmxBf16Linear, pack_amx_bf16
@@ -35,7 +36,7 @@ SHAPE = (48, 512)
 
 
 def codes_of(type_name: str, shape: tuple[int, int] = SHAPE, seed: int = 1) -> tuple[np.ndarray, Codes]:
-    raw = random_blocks(type_name, shape, seed)
+    raw = random_blocks(type_name, shape, seed, one_scale=True)  # as a real file's: W4 holds Q4_K exactly
     return raw, split(type_name, raw, shape)
 
 
@@ -58,12 +59,16 @@ def test_a_split_of_the_wrong_size_is_refused() -> None:
         split("TQ1_0", raw, (4, 256))
 
 
-@pytest.mark.parametrize("type_name", SPLIT_TYPES)
-def test_the_kernels_repack_the_blocks_as_the_torch_reference_packs_them(type_name: str) -> None:
+# Each type in its own format, and the 4-bit ones also in the 8-bit format they fall back to.
+REPACKS = [(t, TYPE_FORMATS[t]) for t in SPLIT_TYPES] + [(t, W8_AFFINE) for t in ("Q4_0", "Q4_1", "Q4_K")]
+
+
+@pytest.mark.parametrize("type_name, fmt", REPACKS, ids=[f"{t}-{f}" for t, f in REPACKS])
+def test_the_kernels_repack_the_blocks_as_the_torch_reference_packs_them(type_name: str, fmt: int) -> None:
     raw, codes = codes_of(type_name)
     order = torch.randperm(SHAPE[0], generator=torch.Generator().manual_seed(0))
     codes = replace(codes, q=codes.q[order], d=codes.d[order], m=None if codes.m is None else codes.m[order])
-    fmt = amx_format(codes)
+    assert amx_format(codes) == TYPE_FORMATS[type_name]
     want_codes, want_scales = pack_amx(codes, fmt)
     got_codes, got_scales = empty_format(fmt, SHAPE[0] // 16, SHAPE[1] // 32)
     exact = ops.repack_gguf(got_codes, got_scales, torch.from_numpy(raw), int(GGMLQuantizationType[type_name]),
@@ -94,6 +99,22 @@ def test_codes_widen_to_formats_that_hold_them_and_only_those() -> None:
         pack_amx(q6k, W8)  # Q6_K's 16-input scales in a format with one scale per 32
     with pytest.raises(ValueError, match="no offset"):
         pack_amx(q4k, W8_G16)  # Q4_K's minimums in a format without offsets
+
+
+@needs_amx_bf16
+def test_a_4_bit_tensor_whose_offsets_would_round_takes_8_bit_codes() -> None:
+    raw = random_blocks("Q4_K", SHAPE, seed=4).reshape(SHAPE[0], -1, 144).copy()
+    raw[..., 0:2] = np.array([0.05], dtype=np.float16).view(np.uint8)  # d: scales up to about 3
+    raw[..., 2:4] = np.array([3e-6], dtype=np.float16).view(np.uint8)  # dmin: minimums far below them
+    raw = raw.reshape(SHAPE[0], -1)
+    codes_t, scales_t = empty_format(W4, SHAPE[0] // 16, SHAPE[1] // 32)
+    source = torch.arange(SHAPE[0])
+    assert not ops.repack_gguf(codes_t, scales_t, torch.from_numpy(raw), int(GGMLQuantizationType.Q4_K), W4, source)
+    tensor = GGUFTensor("q", int(GGMLQuantizationType.Q4_K), (SHAPE[1], SHAPE[0]), raw)
+    linear = projection(None, [tensor], [None])
+    assert linear.formats == [W8_AFFINE]
+    x = torch.randn(5, SHAPE[1], generator=torch.Generator().manual_seed(6))
+    assert torch.equal(linear(x), bf16_reference(x, split("Q4_K", raw, SHAPE).dequantize()))
 
 
 def test_parts_share_a_segment_when_their_format_or_their_tile_does() -> None:
