@@ -277,19 +277,18 @@ def bandwidth_line(bw: dict, servers: Mapping[str, dict]) -> str:
 
 
 def resolve_bench_model(name: str | None) -> Path:
-    """The GGUF file to serve: the default model's (None), a fetched catalog model's, or a path."""
+    """The GGUF file to serve: the default model's (None), or ``name`` as ``kvserve serve
+    --model`` resolves it (a fetched catalog model, a path), which must be a .gguf file."""
     if name is None:
         return llama_cpp.find_gguf()
-    from models import catalog
+    from models.loader import resolve_model_path
 
-    if name in catalog.MODELS:
-        path = catalog.local_path(name)
-        if path is None:
-            raise SystemExit(f"model {name!r} is not fetched: run '{catalog.fetch_command(name)}' first")
-        return path
-    path = Path(name).expanduser()
+    try:
+        path = resolve_model_path(name)
+    except ValueError as exc:  # not fetched yet (the message names the command), or no such file
+        raise SystemExit(f"--model {name!r}: {exc}") from None
     if not path.is_file() or path.suffix != ".gguf":
-        raise SystemExit(f"--model {name!r}: a fetched model's name or a .gguf file")
+        raise SystemExit(f"--model {name!r}: the peers serve a .gguf file, not {path}")
     return path
 
 

@@ -31,7 +31,8 @@ from models import kv_cache, ops
 from models.attention import SeqSpec, build_attention_metadata
 from models.config import ModelConfig
 from models.gguf_loader import FOUR_BIT_TYPES
-from models.gguf_native import KINDS, FileTypes, random_projection
+from models.gguf_native import KINDS, PROJECTIONS, FileTypes, random_projection
+from models.llama import fused_part_sizes
 from models.quant import prepare_projections
 from models.registry import model_class
 
@@ -292,24 +293,17 @@ def _probe_model(config: ModelConfig, path: RunPath, types: FileTypes | None = N
 def _native_projections(model: torch.nn.Module, config: ModelConfig, types: FileTypes) -> None:
     """The probe's projections and head as ``w4a16`` loads the file's: random blocks of its
     types, the layers' taken from layers spread over the file."""
-    c = config
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    shapes = {"attn_q": (q, c.hidden_size), "attn_k": (kv, c.hidden_size), "attn_v": (kv, c.hidden_size),
-              "attn_output": (c.hidden_size, q), "ffn_gate": (c.intermediate_size, c.hidden_size),
-              "ffn_up": (c.intermediate_size, c.hidden_size), "ffn_down": (c.hidden_size, c.intermediate_size)}
-    modules = {"attn_q": ("self_attn", "qkv_proj"), "attn_output": ("self_attn", "o_proj"),
-               "ffn_gate": ("mlp", "gate_up_proj"), "ffn_down": ("mlp", "down_proj")}
     for i, (layer, layer_types) in enumerate(zip(model.model.layers, types.sample(len(model.model.layers)))):
         by_kind = dict(zip(KINDS, layer_types))
-        for first, (block, name) in modules.items():
-            kinds = {"attn_q": ("attn_q", "attn_k", "attn_v"), "ffn_gate": ("ffn_gate", "ffn_up")}.get(first, (first,))
+        for (block, name), kinds in PROJECTIONS.items():
             old = getattr(getattr(layer, block), name)
-            proj = random_projection(kinds, tuple(by_kind[k] for k in kinds), [shapes[k] for k in kinds], seed=i,
+            shapes = [(rows, old.in_features) for rows in fused_part_sizes(name, config)]
+            proj = random_projection(kinds, tuple(by_kind[k] for k in kinds), shapes, seed=i,
                                      bias=old.bias is not None)
             if old.bias is not None:
                 proj.bias.copy_(old.bias.detach().float())
             setattr(getattr(layer, block), name, proj)
-    model.lm_head = random_projection(("output",), (types.head,), [(c.vocab_size, c.hidden_size)], seed=99)
+    model.lm_head = random_projection(("output",), (types.head,), [(config.vocab_size, config.hidden_size)], seed=99)
 
 
 def _scaled(step_ms: float, head_ms: float, probe_layers: int, num_layers: int) -> float:

@@ -27,7 +27,7 @@ from models import ops
 from models.gguf_quants import Codes, split
 from models.quant import _w4a16_layout, _w8a16_codes
 
-# AMX-BF16 weight formats of ``ops.amx_quant_linear`` (csrc/dense_gemm_amx.cpp kAmxFormats).
+# AMX-BF16 weight formats of ``ops.amx_quant_linear`` and ``ops.repack_gguf`` (csrc/kernels.h AmxWeightFormat).
 W4, W8, W8_G16, W8_AFFINE, W8_AFFINE_G16 = 0, 1, 2, 3, 4
 AMX_FORMATS = {W4: "4-bit, d and m per 32", W8: "8-bit, d per 32", W8_G16: "8-bit, d per 16",
                W8_AFFINE: "8-bit, d and m per 32", W8_AFFINE_G16: "8-bit, d and m per 16"}
@@ -178,9 +178,10 @@ class NativeLinear(nn.Module):
         scales, then the formats."""
         return [*self._parts, self.format_ids]
 
-    def nbytes(self) -> int:
-        """Bytes of codes and scales a full pass over this weight reads."""
-        return sum(t.numel() * t.element_size() for t in self._parts)
+    def segment_bytes(self) -> list[tuple[int, int]]:
+        """Each segment's format and the bytes of codes and scales a pass over it reads."""
+        sizes = [t.numel() * t.element_size() for t in self._parts]
+        return [(fmt, sizes[2 * i] + sizes[2 * i + 1]) for i, fmt in enumerate(self.formats)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = ops.amx_quant_linear(x.float(), self._parts, self.formats, self.out_features).to(x.dtype)

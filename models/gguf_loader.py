@@ -10,12 +10,12 @@ import numpy as np
 import torch
 
 from models.config import ModelConfig
+from models.gguf_quants import SPLIT_TYPES
 from models.gguf_reader import GGUFFile, GGUFTensor, read_gguf
 
-# Quantisation types we dequantise (with the `gguf` package's reference code); the
-# quantised ones are also those models.gguf_quants splits into codes and scales.
-SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
-                         "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+# Types we dequantise (with the `gguf` package's reference code): the float ones and the
+# quantised ones models.gguf_quants splits into codes and scales (what w4a16 keeps).
+SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", *SPLIT_TYPES)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}

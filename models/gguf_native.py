@@ -12,7 +12,6 @@ it is kept as floats (the embedding) or as 8-bit codes (``w8a16``, the head).
 
 from __future__ import annotations
 
-import logging
 import warnings
 from dataclasses import dataclass
 
@@ -21,28 +20,26 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from models.config import ModelConfig
 from models import ops
+from models.config import ModelConfig
 from models.gguf_linear import (AMX_FORMATS, TYPE_FORMATS, W4, W8_AFFINE, W8_AFFINE_G16, W8_G16, NativeLinear,
                                  QuantizedEmbedding, join, permuted_rows, plan_segments)
-from models.gguf_loader import PERMUTED_ARCHITECTURES, dequantize, iter_gguf_weights
+from models.gguf_loader import PERMUTED_ARCHITECTURES, dequantize, iter_gguf_weights, permute_back
 from models.gguf_quants import SPLIT_TYPES, Codes, random_blocks, split
 from models.gguf_reader import GGUFFile, GGUFTensor
 from models.quant import AmxBf16Linear
 from models.registry import model_class
 from models.rope import interleave_rotary_rows
 
-logger = logging.getLogger(__name__)
-
-# GGUF tensor kinds each decoder projection is made of, in row order.
-_PROJECTIONS = {("self_attn", "qkv_proj"): ("attn_q", "attn_k", "attn_v"),
+# GGUF tensor kinds each decoder projection (its block and name) is made of, in row order.
+PROJECTIONS = {("self_attn", "qkv_proj"): ("attn_q", "attn_k", "attn_v"),
                 ("self_attn", "o_proj"): ("attn_output",),
                 ("mlp", "gate_up_proj"): ("ffn_gate", "ffn_up"),
                 ("mlp", "down_proj"): ("ffn_down",)}
 
 
 # The projection tensors of a layer, in FileTypes' order.
-KINDS = tuple(k for parts in _PROJECTIONS.values() for k in parts)
+KINDS = tuple(k for parts in PROJECTIONS.values() for k in parts)
 
 
 @dataclass(frozen=True)
@@ -95,8 +92,7 @@ def type_name(tensor: GGUFTensor) -> str:
 
 def splittable(reader: GGUFFile) -> bool:
     """Whether every projection tensor of the file is of a type ``gguf_quants`` splits."""
-    kinds = {k for parts in _PROJECTIONS.values() for k in parts}
-    projections = [t for t in reader.tensors if t.name.startswith("blk.") and t.name.split(".")[2] in kinds
+    projections = [t for t in reader.tensors if t.name.startswith("blk.") and t.name.split(".")[2] in KINDS
                    and t.name.endswith(".weight")]
     return bool(projections) and all(type_name(t) in SPLIT_TYPES for t in projections)
 
@@ -113,13 +109,13 @@ def tensor_codes(tensor: GGUFTensor) -> Codes:
 
 
 def _rotary_order(rows: int, heads: int, permuted: bool) -> torch.Tensor:
-    """Which file row each Q or K row of kvserve's interleaved rotary order comes from
-    (llama.cpp's own order for llama-arch files, else HF's)."""
-    def reorder(w: torch.Tensor) -> torch.Tensor:
-        if permuted:  # llama.cpp's [head, half, 2] -> HF's [head, 2, half] (gguf_loader.permute_back)
-            w = w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-        return interleave_rotary_rows(w, heads).contiguous()
-    return reorder(torch.arange(rows))
+    """Which file row each Q or K row of kvserve's interleaved rotary order comes from: the
+    row reordering ``iter_gguf_weights`` and ``load_weights`` apply to a float weight
+    (llama.cpp's own order for llama-arch files, else HF's), applied to the row numbers."""
+    order = np.arange(rows)
+    if permuted:
+        order = permute_back(order, heads)
+    return interleave_rotary_rows(torch.from_numpy(np.ascontiguousarray(order)), heads).contiguous()
 
 
 def _raw(tensor: GGUFTensor) -> torch.Tensor:
@@ -186,7 +182,7 @@ def build_model(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> nn
     with torch.device("meta"):
         model = model_class(config)(config)
     for i, layer in enumerate(model.model.layers):
-        for (block, proj), kinds in _PROJECTIONS.items():
+        for (block, proj), kinds in PROJECTIONS.items():
             parts = [get(f"blk.{i}.{kind}.weight") for kind in kinds]
             orders = []
             for kind, t in zip(kinds, parts):
@@ -200,7 +196,7 @@ def build_model(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> nn
     model.model.embed_tokens = _embedding(embed, dtype)
     _materialize(model, dtype)
     skip = {"token_embd.weight", "output.weight", "rope_freqs.weight"} | {
-        f"blk.{i}.{k}.weight" for i in range(config.num_hidden_layers) for parts in _PROJECTIONS.values()
+        f"blk.{i}.{k}.weight" for i in range(config.num_hidden_layers) for parts in PROJECTIONS.values()
         for k in parts}
     model.load_weights(iter_gguf_weights(reader, config, skip=skip))
     return model
@@ -236,8 +232,7 @@ def describe(model: nn.Module) -> str:
     total = 0
     for module in model.modules():
         if isinstance(module, NativeLinear):
-            for fmt, (codes, scales) in zip(module.formats, zip(module.fused_args[0:-1:2], module.fused_args[1:-1:2])):
-                n = codes.numel() * codes.element_size() + scales.numel() * scales.element_size()
+            for fmt, n in module.segment_bytes():
                 by_format[fmt] = by_format.get(fmt, 0) + n
                 total += n
     parts = ", ".join(f"{AMX_FORMATS[f]} {n / 1e6:.0f} MB" for f, n in sorted(by_format.items()))

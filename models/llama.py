@@ -16,8 +16,8 @@ from torch import nn
 from models import ops
 from models.attention import AttentionMetadata, paged_attention
 from models.config import ModelConfig
-from models.parallel import TensorParallel, embed
 from models.gguf_linear import NativeLinear
+from models.parallel import TensorParallel, embed
 from models.quant import AmxBf16Linear, QuantizedLinear
 from models.rope import RotaryEmbedding, interleave_rotary_rows
 

@@ -526,19 +526,19 @@ static void amx_quant_linear(at::Tensor& out, const at::Tensor& x, const QuantBl
 }
 #endif
 
-// The formats of amx_quant_linear's segments (models/quant.py AMX_FORMATS): codes bytes and
-// scale floats per block, and the maker.
+// The formats of amx_quant_linear's segments, by AmxWeightFormat (kernels.h): codes bytes
+// and scale floats per block, and the maker.
 struct AmxFormat {
   int64_t code_bytes, scale_floats;
   void (*make)(uint16_t* dst, const uint8_t* codes, const float* scales, int64_t groups);
 };
 #if defined(__x86_64__)
 const AmxFormat kAmxFormats[] = {
-    {256, 32, w4_blocks_to_bf16},               // 0 W4: pack_w4a16
-    {512, 16, w8_blocks_to_bf16<1, false>},     // 1 W8: d per 32 inputs (pack_w8a16)
-    {512, 32, w8_blocks_to_bf16<2, false>},     // 2 W8 with a d per 16 inputs
-    {512, 32, w8_blocks_to_bf16<1, true>},      // 3 W8 with d and m per 32 inputs
-    {512, 64, w8_blocks_to_bf16<2, true>},      // 4 W8 with d and m per 16 inputs
+    {256, 32, w4_blocks_to_bf16},            // kAmxW4: pack_w4a16
+    {512, 16, w8_blocks_to_bf16<1, false>},  // kAmxW8: d per 32 inputs (pack_w8a16)
+    {512, 32, w8_blocks_to_bf16<2, false>},  // kAmxW8G16: d per 16 inputs
+    {512, 32, w8_blocks_to_bf16<1, true>},   // kAmxW8Affine: d and m per 32 inputs
+    {512, 64, w8_blocks_to_bf16<2, true>},   // kAmxW8AffineG16: d and m per 16 inputs
 };
 #endif
 
@@ -577,13 +577,16 @@ void amx_quant_linear(at::Tensor& out, const at::Tensor& x, const std::vector<at
 }
 
 #if defined(__x86_64__)
-// amx_quant_linear for a weight of one segment.
-static void amx_quant_linear(at::Tensor& out, const at::Tensor& x, int64_t tiles, int64_t kbs, QuantSegment seg) {
+// amx_quant_linear for a weight of one segment in format `fmt`.
+static void amx_quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes,
+                             const at::Tensor& scales, AmxWeightFormat fmt) {
+  const AmxFormat& f = kAmxFormats[fmt];
   QuantBlocks qb{};
-  qb.seg[0] = seg;
+  qb.seg[0] = {reinterpret_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<float>(), f.code_bytes,
+               f.scale_floats, f.make, 0};
   qb.count = 1;
-  qb.kbs = kbs;
-  amx_quant_linear(out, x, qb, tiles, kbs);
+  qb.kbs = codes.size(1);
+  amx_quant_linear(out, x, qb, codes.size(0), codes.size(1));
 }
 #endif
 
@@ -595,8 +598,7 @@ void amx_w4a16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& co
                   scales.size(3) == 16, "scales must be pack_w4a16's [N/16, K/32, 2, 16] float32");
   check_rows("amx_w4a16_linear", out, x, codes.size(0), false);
 #if defined(__x86_64__)
-  amx_quant_linear(out, x, codes.size(0), codes.size(1),
-                   {codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), 256, 32, w4_blocks_to_bf16, 0});
+  amx_quant_linear(out, x, codes, scales, kAmxW4);
 #endif
 }
 
@@ -608,9 +610,7 @@ void amx_w8a16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& co
               "scales must be pack_w8a16's [N/16, K/32, 16] float32");
   check_rows("amx_w8a16_linear", out, x, codes.size(0), false);
 #if defined(__x86_64__)
-  amx_quant_linear(out, x, codes.size(0), codes.size(1),
-                   {reinterpret_cast<const uint8_t*>(codes.data_ptr<int8_t>()), scales.data_ptr<float>(), 512, 16,
-                    w8_blocks_to_bf16<1, false>, 0});
+  amx_quant_linear(out, x, codes, scales, kAmxW8);
 #endif
 }
 

@@ -229,9 +229,6 @@ void decode_block(int64_t type, const uint8_t* b, int8_t* q, float* d, float* m)
   }
 }
 
-// amx_quant_linear's formats (dense_gemm_amx.cpp kAmxFormats, models/gguf_linear.py).
-enum Format : int64_t { kW4 = 0, kW8 = 1, kW8G16 = 2, kW8Affine = 3, kW8AffineG16 = 4 };
-
 // One tile's 16 rows decoded: q [16][K], d and m [16][K / 16].
 struct TileRows {
   std::vector<int8_t> q;
@@ -254,10 +251,10 @@ bool repack_gguf(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, i
   TORCH_CHECK(source.scalar_type() == at::kLong && source.is_contiguous() && source.numel() % 16 == 0,
               "source must be int64 rows, whole tiles");
   const int64_t tiles = source.numel() / 16;
-  const bool w4 = format == kW4, halves = format == kW8G16 || format == kW8AffineG16;
-  const bool affine = format == kW4 || format == kW8Affine || format == kW8AffineG16;
+  const bool w4 = format == kAmxW4, halves = format == kAmxW8G16 || format == kAmxW8AffineG16;
+  const bool affine = format == kAmxW4 || format == kAmxW8Affine || format == kAmxW8AffineG16;
   const int64_t code_bytes = w4 ? 256 : 512, scale_floats = (halves ? 2 : 1) * (affine ? 32 : 16);
-  TORCH_CHECK(format >= kW4 && format <= kW8AffineG16, "unknown format ", format);
+  TORCH_CHECK(format >= kAmxW4 && format <= kAmxW8AffineG16, "unknown format ", format);
   TORCH_CHECK(codes.is_contiguous() && codes.numel() == tiles * groups * code_bytes && codes.element_size() == 1,
               "codes must hold ", tiles * groups * code_bytes, " bytes");
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat &&

@@ -46,9 +46,13 @@ void amx_bf16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w);
 void amx_w4a16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 // The same for pack_w8a16's 8-bit codes and scales.
 void amx_w8a16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
+// The weight formats of amx_quant_linear and repack_gguf (models/gguf_linear.py AMX_FORMATS):
+// 4-bit codes with d and m per 32 inputs (pack_w4a16), 8-bit codes with d per 32 (pack_w8a16)
+// or per 16, and either with an offset m.
+enum AmxWeightFormat : int64_t { kAmxW4 = 0, kAmxW8 = 1, kAmxW8G16 = 2, kAmxW8Affine = 3, kAmxW8AffineG16 = 4 };
 // The same for a weight of up to 4 row ranges, each (codes, scales) in its own format
-// (models/quant.py AMX_FORMATS: a GGUF tensor's own codes and scales): parts holds
-// codes0, scales0, codes1, ... and formats one id per range.
+// (AmxWeightFormat: a GGUF tensor's own codes and scales): parts holds codes0, scales0,
+// codes1, ... and formats one id per range.
 void amx_quant_linear(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tensor>& parts,
                       const std::vector<int64_t>& formats);
 

@@ -15,6 +15,7 @@ import gguf
 import numpy as np
 import torch
 
+from models.gguf_loader import permute_back
 from models.gguf_quants import random_blocks, split
 
 # Shapes of a Qwen2.5 layer, small: head size 128, 2 KV heads, K-quant rows (256 inputs).
@@ -38,6 +39,22 @@ _SCALES = {"Q4_0": 0.005, "Q4_1": 0.004, "Q5_0": 0.003, "Q5_1": 0.002, "Q8_0": 0
 _KINDS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
           "ffn_down": "mlp.down_proj"}
+
+
+def write_header(writer: gguf.GGUFWriter, cfg) -> None:
+    """The model fields llama.cpp's converter writes for a transformers config ``cfg``."""
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None)
+    if head_dim and head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
 
 
 def blocks(type_name: str, shape: tuple[int, int], seed: int) -> tuple[np.ndarray, torch.Tensor]:
@@ -67,14 +84,7 @@ def write_mixed_gguf(path: Path, arch: str = "qwen2", types: list[dict[str, str]
     model = model_cls(config).eval()
     state = model.state_dict()
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    write_header(writer, config)
     if tokenizer_fields:
         for key, value in tokenizer_fields.items():
             _add_field(writer, key, value)
@@ -89,7 +99,7 @@ def write_mixed_gguf(path: Path, arch: str = "qwen2", types: list[dict[str, str]
         raw, w = blocks(type_name, shape, seed * 1000 + n)
         n += 1
         if heads is not None and arch == "llama":  # the file's rows are in llama.cpp's order
-            w = torch.from_numpy(_unpermute(w.numpy(), heads).copy())
+            w = torch.from_numpy(permute_back(w.numpy(), heads).copy())
         state[hf] = w
         writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[type_name])
 
@@ -117,11 +127,6 @@ def write_mixed_gguf(path: Path, arch: str = "qwen2", types: list[dict[str, str]
     writer.write_tensors_to_file()
     writer.close()
     return model
-
-
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """HF's Q/K row order from llama.cpp's (its converter interleaves each head's halves)."""
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _add_field(writer: gguf.GGUFWriter, key: str, value) -> None:

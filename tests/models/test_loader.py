@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from gguf_files import write_header
 from models.gguf_loader import SUPPORTED_QUANT_TYPES
 from models.loader import load_model
 
@@ -45,18 +46,7 @@ def write_gguf(path: Path, hf_model, arch: str = "llama", drop: tuple[str, ...] 
     """
     cfg = hf_model.config
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    head_dim = getattr(cfg, "head_dim", None)
-    if head_dim and head_dim != cfg.hidden_size // cfg.num_attention_heads:
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    write_header(writer, cfg)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"<t{i}>" for i in range(cfg.vocab_size)])
     for hf, tensor in hf_model.state_dict().items():
