@@ -55,7 +55,8 @@ CACHE_FILE = "paths.json"
 # 4: the candidates are timed in rounds (measure_all), not one after another.
 # 5: w4a16 (4-bit weights on AMX-BF16 tiles) is a candidate where the CPU has AMX-BF16.
 # 6: a decode of FULL_BATCH_SEQS is timed too, and each time is the fastest round's.
-PATHS_VERSION = 6
+# 7: w4a16 on a GGUF file is timed on the file's own types, its 4-bit tensors as 4-bit codes.
+PATHS_VERSION = 7
 
 
 @dataclass(frozen=True)
