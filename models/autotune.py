@@ -56,7 +56,8 @@ CACHE_FILE = "paths.json"
 # 5: w4a16 (4-bit weights on AMX-BF16 tiles) is a candidate where the CPU has AMX-BF16.
 # 6: a decode of FULL_BATCH_SEQS is timed too, and each time is the fastest round's.
 # 7: w4a16 on a GGUF file is timed on the file's own types, its 4-bit tensors as 4-bit codes.
-PATHS_VERSION = 7
+# 8: a GGUF file's codes of up to 7 bits run folded (scales after each block's tile product).
+PATHS_VERSION = 8
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,15 @@
 A Q4_K_M file stores most projections as Q4_K and some (half the layers' value and
 down projections, the LM head) as Q6_K. ``NativeLinear`` holds each of a
 projection's parts (``q``, ``k``, ``v`` of a fused ``qkv_proj``) in the AMX-BF16
-kernel format that holds its GGUF type exactly (``AMX_FORMATS``): 4-bit codes for
-Q4_0, Q4_1 and Q4_K, 8-bit codes with a scale per 32 or 16 inputs (and an offset
-where the type has one) for the others; ``ops.amx_quant_linear`` makes each
-block bfloat16 in the kernel, as ``w4a16`` does. Nothing is requantised and no
-float copy of a projection is made: the codes come from the file's blocks
-(``models.gguf_quants``), tensor by tensor.
+kernel format that holds its GGUF type exactly (``AMX_FORMATS``). Types whose codes
+have at most 7 bits (all but Q8_0, IQ4_NL and IQ4_XS) take a folded format: 4-bit
+codes (Q4_0, Q4_1, Q4_K) or codes of up to 7 bits, with D and M per 32 or 16 inputs;
+the kernel multiplies the codes as exact bfloat16 values and applies the scales to
+each block's product, so the weights keep every bit (only the inputs are rounded to
+bfloat16). The others take 8-bit codes whose operands the kernel scales and rounds
+to bfloat16 (``amx-bf16``'s arithmetic on the dequantised weight). Nothing is
+requantised and no float copy of a projection is made: the codes come from the
+file's blocks (``models.gguf_quants``), tensor by tensor.
 
 ``QuantizedEmbedding`` looks up token rows from the file's mapped blocks, so the
 embedding table (0.9 GB as float32 for a 152k-token vocabulary) is never made.
@@ -25,30 +28,47 @@ from torch import nn
 
 from models import ops
 from models.gguf_quants import Codes, split
-from models.quant import _w4a16_layout, _w8a16_codes
+from models.quant import _w8a16_codes
 
 # AMX-BF16 weight formats of ``ops.amx_quant_linear`` and ``ops.repack_gguf`` (csrc/kernels.h AmxWeightFormat).
-W4, W8, W8_G16, W8_AFFINE, W8_AFFINE_G16 = 0, 1, 2, 3, 4
-AMX_FORMATS = {W4: "4-bit, d and m per 32", W8: "8-bit, d per 32", W8_G16: "8-bit, d per 16",
-               W8_AFFINE: "8-bit, d and m per 32", W8_AFFINE_G16: "8-bit, d and m per 16"}
+# W4 (``quant.pack_w4a16``'s) is not made from a file: F4 holds the same codes.
+W4, W8, W8_G16, W8_AFFINE, W8_AFFINE_G16, F4, F8, F8_G16 = range(8)
+AMX_FORMATS = {W8: "8-bit, d per 32", W8_G16: "8-bit, d per 16", W8_AFFINE: "8-bit, d and m per 32",
+               W8_AFFINE_G16: "8-bit, d and m per 16", F4: "4-bit, folded per 32",
+               F8: "7-bit, folded per 32", F8_G16: "7-bit, folded per 16"}
+# The folded formats: the kernel multiplies the codes as the exact bfloat16 1 + u/2^bits and
+# applies D = 2^bits d and M = m - (offset + 2^bits) d to each 32 (16) inputs' tile product,
+# so the weights keep every bit of their scales (dense_gemm_amx.cpp). Each has an 8-bit
+# format of the same scales that holds the same codes where its offsets would round.
+FOLDED = {F4: W8_AFFINE, F8: W8_AFFINE, F8_G16: W8_AFFINE_G16}
 
 
 def amx_format(codes: Codes) -> int:
-    """The AMX format that holds ``codes`` exactly."""
-    if codes.bits == 4 and codes.group == 32 and _w4_exact(codes):
-        return W4
+    """The AMX format that holds ``codes`` exactly: folded where their codes have at most 7
+    bits and the offsets ``M`` are exact in float32 (every tensor of the real files
+    measured), else 8-bit codes with their scales (and offsets)."""
+    if codes.bits <= 7 and _fold_exact(codes):
+        if codes.group == 16:
+            return F8_G16
+        return F4 if codes.bits == 4 else F8
     if codes.group == 32:
         return W8 if codes.m is None else W8_AFFINE
     return W8_G16 if codes.m is None else W8_AFFINE_G16
 
 
-def _w4_exact(codes: Codes) -> bool:
-    """Whether W4's offsets ``M = m - 16 d`` (``quant.pack_w4a16``) are exact in float32, so
-    that the kernel's ``(1 + q/16) * 16d + M`` rounds ``d * q + m`` once, as the file's
-    dequantisation does. So on every tensor of the Q4_K_M files measured; where not
-    (random scales of tests), the tensor takes W8_AFFINE, which holds any 4-bit codes."""
+def _fold_scales(codes: Codes) -> tuple[torch.Tensor, torch.Tensor]:
+    """A folded format's ``D = 2^bits d`` and ``M = m - (offset + 2^bits) d`` (float32)."""
     m = torch.zeros_like(codes.d) if codes.m is None else codes.m
-    return bool(((m - 16 * codes.d).double() == m.double() - 16 * codes.d.double()).all())
+    return codes.d * 2.0 ** codes.bits, m - (codes.offset + 2 ** codes.bits) * codes.d
+
+
+def _fold_exact(codes: Codes) -> bool:
+    """Whether a folded format's offsets ``M`` are exact in float32, so that ``D * (1 +
+    u/2^bits) + M`` is ``d * q + m`` exactly. Where not (random scales of tests), the tensor
+    takes the 8-bit format of the same scales (``FOLDED``)."""
+    m = torch.zeros_like(codes.d) if codes.m is None else codes.m
+    _, big_m = _fold_scales(codes)
+    return bool((big_m.double() == m.double() - (codes.offset + 2 ** codes.bits) * codes.d.double()).all())
 
 
 def _per_16(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -57,29 +77,39 @@ def _per_16(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def widen(codes: Codes, fmt: int) -> Codes:
-    """``codes`` in a form ``fmt`` holds (the same values): 8 bits, per 16 inputs, an offset."""
-    if fmt == W4:
-        assert amx_format(codes) == W4
+    """``codes`` in a form ``fmt`` holds (the same values): 8 bits (F8: 7, each code's span
+    made 0..127), per 16 inputs, an offset."""
+    if fmt == F4:
+        assert codes.bits == 4 and codes.group == 32
         return codes
-    group = 16 if fmt in (W8_G16, W8_AFFINE_G16) else 32
+    group = 16 if fmt in (W8_G16, W8_AFFINE_G16, F8_G16) else 32
     if codes.group < group:
         raise ValueError(f"format {fmt} cannot hold scales per {codes.group} inputs")
     d = _per_16(codes.d, codes.group) if group == 16 else codes.d
-    m = codes.m
+    m = None if codes.m is None else (_per_16(codes.m, codes.group) if group == 16 else codes.m)
+    if fmt in FOLDED:
+        if codes.bits > 7:
+            raise ValueError(f"format {fmt} holds codes of at most 7 bits")
+        # u << (7 - bits) with d / 2^(7 - bits): the same weights, one span for every part
+        m = torch.zeros_like(d) if m is None else m
+        shift = 7 - codes.bits
+        return Codes((codes.q + codes.offset) << shift, d * 2.0 ** -shift, m - codes.offset * d, group, 7)
     if fmt in (W8_AFFINE, W8_AFFINE_G16):
-        m = torch.zeros_like(codes.d) if m is None else m
-        m = _per_16(m, codes.group) if group == 16 else m
+        m = torch.zeros_like(d) if m is None else m
     elif m is not None:
         raise ValueError(f"format {fmt} has no offset for these codes")
-    return Codes(codes.q, d, m, group, 8)
+    return Codes(codes.q, d, m, group, 8, 128)
 
 
 def join(fmts: list[int]) -> int:
     """The narrowest format that holds every one of ``fmts``."""
-    if all(f == W4 for f in fmts):
-        return W4
+    if all(f in FOLDED for f in fmts):
+        if all(f == F4 for f in fmts):
+            return F4
+        return F8_G16 if F8_G16 in fmts else F8
+    fmts = [FOLDED.get(f, f) for f in fmts]
     g16 = any(f in (W8_G16, W8_AFFINE_G16) for f in fmts)
-    affine = any(f in (W4, W8_AFFINE, W8_AFFINE_G16) for f in fmts)
+    affine = any(f in (W8_AFFINE, W8_AFFINE_G16) for f in fmts)
     return (W8_AFFINE_G16 if affine else W8_G16) if g16 else (W8_AFFINE if affine else W8)
 
 
@@ -87,7 +117,8 @@ def concat(parts: list[Codes]) -> Codes:
     """Parts of one format stacked by rows."""
     first = parts[0]
     m = None if first.m is None else torch.cat([p.m for p in parts])
-    return Codes(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m, first.group, first.bits)
+    return Codes(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m, first.group, first.bits,
+                 first.offset)
 
 
 def pack_amx(codes: Codes, fmt: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,24 +131,30 @@ def pack_amx(codes: Codes, fmt: int) -> tuple[torch.Tensor, torch.Tensor]:
     def padded(x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
 
-    q = padded(c.q).reshape(n + pad, groups, 32)
-    d = padded(c.d)
-    if fmt == W4:
-        return _w4a16_layout(q.to(torch.uint8), d.reshape(n + pad, groups), padded(c.m).reshape(n + pad, groups),
-                             tiles)
-    codes_t = _w8a16_codes(q.to(torch.int8), tiles)
     halves = 2 if c.group == 16 else 1
-    parts = [d.reshape(tiles, 16, groups, halves)]
-    if c.m is not None:
-        parts.append(padded(c.m).reshape(tiles, 16, groups, halves))
+    if fmt in FOLDED:
+        u = padded(c.q + c.offset)  # padding rows: u = 0 with D = M = 0
+        if fmt == F4:
+            # chunk p, byte j: B row p's word j (output j / 2, input 2p + j % 2) low, row p + 8's high
+            w = u.reshape(tiles, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)  # [t, g, input pair, output, 2]
+            w = w.reshape(tiles, groups, 16, 32)
+            codes_t = (w[:, :, :8] | (w[:, :, 8:] << 4)).to(torch.uint8).contiguous()
+        else:
+            codes_t = _w8a16_codes(u.reshape(n + pad, groups, 32).to(torch.int8), tiles).view(torch.uint8)
+        parts = [padded(x).reshape(tiles, 16, groups, halves) for x in _fold_scales(c)]
+    else:
+        codes_t = _w8a16_codes(padded(c.q).reshape(n + pad, groups, 32).to(torch.int8), tiles)
+        parts = [padded(c.d).reshape(tiles, 16, groups, halves)]
+        if c.m is not None:
+            parts.append(padded(c.m).reshape(tiles, 16, groups, halves))
     # per block: for each half, d[16] then m[16]: [tiles, groups, halves, (d, m), 16]
     scales = torch.stack(parts, dim=-1).permute(0, 2, 3, 4, 1).contiguous()
     return codes_t, scales
 
 
-# Each GGUF type's format (the one ``amx_format`` gives its codes, before W4's exactness check).
-TYPE_FORMATS = {"Q4_0": W4, "Q4_1": W4, "Q4_K": W4, "Q8_0": W8, "Q5_0": W8, "IQ4_NL": W8, "IQ4_XS": W8,
-                "Q5_1": W8_AFFINE, "Q5_K": W8_AFFINE, "Q6_K": W8_G16, "Q3_K": W8_G16, "Q2_K": W8_AFFINE_G16}
+# Each GGUF type's format (the one ``amx_format`` gives its codes, before the exactness check).
+TYPE_FORMATS = {"Q4_0": F4, "Q4_1": F4, "Q4_K": F4, "Q8_0": W8, "Q5_0": F8, "IQ4_NL": W8, "IQ4_XS": W8,
+                "Q5_1": F8, "Q5_K": F8, "Q6_K": F8_G16, "Q3_K": F8_G16, "Q2_K": F8_G16}
 
 
 def plan_segments(formats: list[int], rows: list[int]) -> list[tuple[int, list[int]]]:
@@ -139,8 +176,8 @@ def plan_segments(formats: list[int], rows: list[int]) -> list[tuple[int, list[i
 class NativeLinear(nn.Module):
     """A projection whose row ranges (segments: e.g. q and k, then v) keep a GGUF file's
     codes, each in the AMX-BF16 format that holds it (``AMX_FORMATS``), multiplied on
-    AMX-BF16 tiles with float32 inputs rounded to bfloat16, one arithmetic for every batch
-    size (as ``w4a16``). Build it with ``from_codes`` (``Codes``, the torch reference) or
+    AMX-BF16 tiles with float32 inputs rounded to bfloat16, one arithmetic per segment for
+    every batch size. Build it with ``from_codes`` (``Codes``, the torch reference) or
     from a file's blocks (``models.gguf_native``)."""
 
     kind = "native"

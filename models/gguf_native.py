@@ -22,8 +22,8 @@ from torch import nn
 
 from models import ops
 from models.config import ModelConfig
-from models.gguf_linear import (AMX_FORMATS, TYPE_FORMATS, W4, W8_AFFINE, W8_AFFINE_G16, W8_G16, NativeLinear,
-                                 QuantizedEmbedding, join, permuted_rows, plan_segments)
+from models.gguf_linear import (AMX_FORMATS, F4, F8_G16, FOLDED, TYPE_FORMATS, W8_AFFINE, W8_AFFINE_G16, W8_G16,
+                                NativeLinear, QuantizedEmbedding, permuted_rows, plan_segments)
 from models.gguf_loader import PERMUTED_ARCHITECTURES, dequantize, iter_gguf_weights, permute_back
 from models.gguf_quants import SPLIT_TYPES, Codes, random_blocks, split
 from models.gguf_reader import GGUFFile, GGUFTensor
@@ -126,12 +126,12 @@ def _raw(tensor: GGUFTensor) -> torch.Tensor:
 
 def empty_format(fmt: int, tiles: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Uninitialised codes and scales of ``pack_amx``'s shapes for ``fmt``."""
-    if fmt == W4:
-        return torch.empty(tiles, groups, 4, 64, dtype=torch.uint8), torch.empty(tiles, groups, 2, 16)
-    halves = 2 if fmt in (W8_G16, W8_AFFINE_G16) else 1
-    kinds = 2 if fmt in (W8_AFFINE, W8_AFFINE_G16) else 1
-    return (torch.empty(tiles, groups, 16, 32, dtype=torch.int8),
-            torch.empty(tiles, groups, halves, kinds, 16))
+    halves = 2 if fmt in (W8_G16, W8_AFFINE_G16, F8_G16) else 1
+    kinds = 2 if fmt in (W8_AFFINE, W8_AFFINE_G16, *FOLDED) else 1
+    scales = torch.empty(tiles, groups, halves, kinds, 16)
+    if fmt == F4:
+        return torch.empty(tiles, groups, 8, 32, dtype=torch.uint8), scales
+    return torch.empty(tiles, groups, 16, 32, dtype=torch.uint8 if fmt in FOLDED else torch.int8), scales
 
 
 def projection(reader: GGUFFile | None, tensors: list[GGUFTensor], orders: list[torch.Tensor | None],
@@ -161,7 +161,7 @@ def projection(reader: GGUFFile | None, tensors: list[GGUFTensor], orders: list[
                 tile += n
             if exact:
                 break
-            fmt = join([fmt, W8_AFFINE])  # W4's offsets were not exact: 8-bit codes hold them
+            fmt = FOLDED[fmt]  # the folded offsets were not exact: 8-bit codes with their scales hold them
         segments.append((fmt, codes, scales))
     for t in tensors:
         if reader is not None:

@@ -45,6 +45,9 @@ _BLOCKS = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q5_1": (24, 32
            "Q2_K": (84, 256), "Q3_K": (110, 256), "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256),
            "IQ4_NL": (18, 32), "IQ4_XS": (136, 256)}
 SPLIT_TYPES = tuple(_BLOCKS)
+# Each type's span of codes (Codes.bits, Codes.offset).
+SPANS = {"Q4_0": (4, 0), "Q4_1": (4, 0), "Q4_K": (4, 0), "Q5_0": (5, 16), "Q5_1": (5, 0), "Q5_K": (5, 0),
+         "Q6_K": (6, 32), "Q3_K": (3, 4), "Q2_K": (2, 0), "Q8_0": (8, 128), "IQ4_NL": (8, 128), "IQ4_XS": (8, 128)}
 # Where each type's half-precision fields (scales, minimums) sit in its block.
 _F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
                "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
@@ -57,8 +60,8 @@ def random_blocks(type_name: str, shape: tuple[int, int], seed: int = 0, scale: 
     so any arithmetic on them runs at its usual speed). For tests and the path choice's probes.
 
     ``one_scale``: a block's half-precision fields (d and dmin, or d and m) hold one value.
-    A real file's scale and minimum are of one size, so W4's offsets ``m - 16 d`` are exact
-    in float32 (``gguf_linear.amx_format``) on every real Q4_K tensor measured; with
+    A real file's scale and minimum are of one size, so the folded offsets ``m - 16 d`` are
+    exact in float32 (``gguf_linear.amx_format``) on every real Q4_K tensor measured; with
     independent fields about one group in 10^5 is not, and a 4-bit tensor made of them
     takes 8-bit codes (which the path choice's probes would then time)."""
     block_bytes, per_block = _BLOCKS[type_name]
@@ -76,14 +79,16 @@ def random_blocks(type_name: str, shape: tuple[int, int], seed: int = 0, scale: 
 @dataclass(frozen=True)
 class Codes:
     """A weight ``[N, K]`` as ``w = d * q + m``: ``q [N, K]`` (int16), ``d [N, K / group]``
-    float32 and ``m`` likewise or None (zero). ``bits``: 4 where every q is in 0..15 (a
-    4-bit kernel format holds it), else 8 (q fits int8)."""
+    float32 and ``m`` likewise or None (zero). Every ``q + offset`` is in ``0 .. 2^bits - 1``:
+    the type's span (Q6_K's q - 32 has bits 6, offset 32; the 8-bit types' bits 8, offset 128,
+    so q fits int8)."""
 
     q: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None
     group: int
     bits: int
+    offset: int = 0
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight ``[N, K]`` (what ``gguf.quants.dequantize`` gives)."""
@@ -134,8 +139,7 @@ def split(type_name: str, data: np.ndarray, shape: tuple[int, int]) -> Codes:
     q = q.reshape(n, k).to(torch.int16)
     d = d.reshape(n, k // group).contiguous()
     m = None if m is None else m.reshape(n, k // group).contiguous()
-    bits = 4 if type_name in ("Q4_0", "Q4_1", "Q4_K") else 8
-    return Codes(q, d, m, group, bits)
+    return Codes(q, d, m, group, *SPANS[type_name])
 
 
 Split = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", int]

@@ -142,6 +142,14 @@ def read_config(name: str) -> tuple[ModelConfig, str | None, gguf_native.FileTyp
     return config_from_gguf(reader), projection_type(reader), gguf_native.file_types(reader)
 
 
+def read_tokenizer(name: str) -> Tokenizer:
+    """A model's tokenizer, without its weights."""
+    path = resolve_model_path(name)
+    if path.is_dir():
+        return _open_hf_dir(path)[1]
+    return Tokenizer.from_gguf_fields(open_gguf(path).fields)
+
+
 def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
                max_positions: int | None = None, quantization: str = "none",
                tp: TensorParallel | None = None) -> LoadedModel:

@@ -229,6 +229,20 @@ void decode_block(int64_t type, const uint8_t* b, int8_t* q, float* d, float* m)
   }
 }
 
+// The folded formats' codes u = q + offset, u < 2^bits (bits <= 7): false for the types
+// whose codes span 8 bits (Q8_0, IQ4_NL, IQ4_XS).
+bool fold_span(int64_t type, int& bits, int& offset) {
+  switch (type) {
+    case kQ4_0: case kQ4_1: case kQ4_K: bits = 4, offset = 0; return true;
+    case kQ5_0: bits = 5, offset = 16; return true;
+    case kQ5_1: case kQ5_K: bits = 5, offset = 0; return true;
+    case kQ6_K: bits = 6, offset = 32; return true;
+    case kQ3_K: bits = 3, offset = 4; return true;
+    case kQ2_K: bits = 2, offset = 0; return true;
+    default: return false;
+  }
+}
+
 // One tile's 16 rows decoded: q [16][K], d and m [16][K / 16].
 struct TileRows {
   std::vector<int8_t> q;
@@ -239,8 +253,9 @@ struct TileRows {
 
 // raw [rows, row bytes] uint8 (a GGUF tensor's blocks of `type`) -> codes and scales of
 // `format` for the weight whose output row r is raw row source[r] (-1: a zero row, the
-// padding to whole tiles). Returns false, having written all it could, where W4's
-// offsets M = m - 16 d are not exact in float32 (the caller takes W8 with offsets).
+// padding to whole tiles). Returns false, having written all it could, where an offset
+// (W4's M = m - 16 d, a folded format's M = m - (offset + 2^bits) d) is not exact in
+// float32 (the caller takes an 8-bit format with offsets).
 bool repack_gguf(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, int64_t type, int64_t format,
                  const at::Tensor& source) {
   int64_t block_bytes, per_block;
@@ -250,11 +265,15 @@ bool repack_gguf(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, i
   const int64_t k = raw.size(1) / block_bytes * per_block, groups = k / 32;
   TORCH_CHECK(source.scalar_type() == at::kLong && source.is_contiguous() && source.numel() % 16 == 0,
               "source must be int64 rows, whole tiles");
+  TORCH_CHECK(format >= kAmxW4 && format <= kAmxF8G16, "unknown format ", format);
   const int64_t tiles = source.numel() / 16;
-  const bool w4 = format == kAmxW4, halves = format == kAmxW8G16 || format == kAmxW8AffineG16;
-  const bool affine = format == kAmxW4 || format == kAmxW8Affine || format == kAmxW8AffineG16;
-  const int64_t code_bytes = w4 ? 256 : 512, scale_floats = (halves ? 2 : 1) * (affine ? 32 : 16);
-  TORCH_CHECK(format >= kAmxW4 && format <= kAmxW8AffineG16, "unknown format ", format);
+  const bool folded = format >= kAmxF4, nibbles = format == kAmxW4 || format == kAmxF4;
+  const bool halves = format == kAmxW8G16 || format == kAmxW8AffineG16 || format == kAmxF8G16;
+  const bool affine = format == kAmxW4 || format == kAmxW8Affine || format == kAmxW8AffineG16 || folded;
+  const int64_t code_bytes = nibbles ? 256 : 512, scale_floats = (halves ? 2 : 1) * (affine ? 32 : 16);
+  int bits = 8, offset = 0;
+  TORCH_CHECK(!folded || fold_span(type, bits, offset), "GGUF type ", type, "'s codes span 8 bits: no folded format");
+  TORCH_CHECK(format != kAmxF4 || bits == 4, "format F4 holds 4-bit codes only");
   TORCH_CHECK(codes.is_contiguous() && codes.numel() == tiles * groups * code_bytes && codes.element_size() == 1,
               "codes must hold ", tiles * groups * code_bytes, " bytes");
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
@@ -275,8 +294,8 @@ bool repack_gguf(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, i
         float* d = t.d.data() + o * (k / 16);
         float* m = t.m.data() + o * (k / 16);
         const int64_t row = src[tile * 16 + o];
-        if (row < 0) {
-          std::memset(q, 0, k);
+        if (row < 0) {  // codes u = 0, scales 0
+          std::memset(q, -offset, k);
           std::fill(d, d + k / 16, 0.0f);
           std::fill(m, m + k / 16, 0.0f);
           continue;
@@ -289,7 +308,7 @@ bool repack_gguf(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, i
         uint8_t* c = cp + (tile * groups + g) * code_bytes;
         float* s = sp + (tile * groups + g) * scale_floats;
         const auto qat = [&](int o, int in) { return t.q[o * k + 32 * g + in]; };
-        if (w4) {
+        if (format == kAmxW4) {
           for (int v = 0; v < 4; ++v)
             for (int lane = 0; lane < 16; ++lane)
               for (int r = 0; r < 4; ++r) {
@@ -306,17 +325,36 @@ bool repack_gguf(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, i
           }
           continue;
         }
-        for (int p = 0; p < 16; ++p)
-          for (int lane = 0; lane < 16; ++lane) {
-            c[p * 32 + lane] = static_cast<uint8_t>(qat(lane / 2, 2 * p + lane % 2));
-            c[p * 32 + 16 + lane] = static_cast<uint8_t>(qat(8 + lane / 2, 2 * p + lane % 2));
-          }
+        if (format == kAmxF4) {
+          // byte j of chunk p: B row p's word j (output j / 2, input 2p + j % 2) low, row p + 8's high
+          for (int p = 0; p < 8; ++p)
+            for (int j = 0; j < 32; ++j)
+              c[p * 32 + j] = static_cast<uint8_t>(qat(j / 2, 2 * p + j % 2) | (qat(j / 2, 16 + 2 * p + j % 2) << 4));
+        } else {
+          const int shift = folded ? 7 - bits : 0;
+          for (int p = 0; p < 16; ++p)
+            for (int lane = 0; lane < 16; ++lane) {
+              c[p * 32 + lane] = static_cast<uint8_t>((qat(lane / 2, 2 * p + lane % 2) + offset) << shift);
+              c[p * 32 + 16 + lane] = static_cast<uint8_t>((qat(8 + lane / 2, 2 * p + lane % 2) + offset) << shift);
+            }
+        }
         const int nh = halves ? 2 : 1;
         for (int h = 0; h < nh; ++h) {
           float* sh = s + h * (affine ? 32 : 16);
           for (int o = 0; o < 16; ++o) {
-            sh[o] = t.d[o * (k / 16) + 2 * g + h];
-            if (affine) sh[16 + o] = t.m[o * (k / 16) + 2 * g + h];
+            const float dd = t.d[o * (k / 16) + 2 * g + h], mm = t.m[o * (k / 16) + 2 * g + h];
+            if (!folded) {
+              sh[o] = dd;
+              if (affine) sh[16 + o] = mm;
+              continue;
+            }
+            // D = 2^bits d and M = m - (offset + 2^bits) d: (offset + 2^bits) d is exact (a code
+            // scale of at most 19 bits times at most 96), so M rounds at most once
+            const float span = static_cast<float>(offset + (1 << bits));
+            const float big = std::ldexp(dd, bits), off = mm - span * dd;
+            if (static_cast<double>(off) != static_cast<double>(mm) - static_cast<double>(span) * dd) exact = false;
+            sh[o] = big;
+            sh[16 + o] = off;
           }
         }
       }

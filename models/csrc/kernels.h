@@ -48,8 +48,19 @@ void amx_w4a16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& co
 void amx_w8a16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 // The weight formats of amx_quant_linear and repack_gguf (models/gguf_linear.py AMX_FORMATS):
 // 4-bit codes with d and m per 32 inputs (pack_w4a16), 8-bit codes with d per 32 (pack_w8a16)
-// or per 16, and either with an offset m.
-enum AmxWeightFormat : int64_t { kAmxW4 = 0, kAmxW8 = 1, kAmxW8G16 = 2, kAmxW8Affine = 3, kAmxW8AffineG16 = 4 };
+// or per 16, and either with an offset m; and the folded formats, whose scales apply to each
+// block's tile product (dense_gemm_amx.cpp): 4-bit codes, or codes of up to 7 bits, with D and M
+// per 32 or per 16 inputs.
+enum AmxWeightFormat : int64_t {
+  kAmxW4 = 0,
+  kAmxW8 = 1,
+  kAmxW8G16 = 2,
+  kAmxW8Affine = 3,
+  kAmxW8AffineG16 = 4,
+  kAmxF4 = 5,
+  kAmxF8 = 6,
+  kAmxF8G16 = 7
+};
 // The same for a weight of up to 4 row ranges, each (codes, scales) in its own format
 // (AmxWeightFormat: a GGUF tensor's own codes and scales): parts holds codes0, scales0,
 // codes1, ... and formats one id per range.
