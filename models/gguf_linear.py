@@ -32,15 +32,17 @@ from models.quant import _w8a16_codes
 
 # AMX-BF16 weight formats of ``ops.amx_quant_linear`` and ``ops.repack_gguf`` (csrc/kernels.h AmxWeightFormat).
 # W4 (``quant.pack_w4a16``'s) is not made from a file: F4 holds the same codes.
-W4, W8, W8_G16, W8_AFFINE, W8_AFFINE_G16, F4, F8, F8_G16 = range(8)
+W4, W8, W8_G16, W8_AFFINE, W8_AFFINE_G16, F4, F8, F8_G16, F8_G16S = range(9)
 AMX_FORMATS = {W8: "8-bit, d per 32", W8_G16: "8-bit, d per 16", W8_AFFINE: "8-bit, d and m per 32",
                W8_AFFINE_G16: "8-bit, d and m per 16", F4: "4-bit, folded per 32",
-               F8: "7-bit, folded per 32", F8_G16: "7-bit, folded per 16"}
+               F8: "7-bit, folded per 32", F8_G16: "7-bit, folded per 16",
+               F8_G16S: "7-bit symmetric, folded per 16"}
 # The folded formats: the kernel multiplies the codes as the exact bfloat16 1 + u/2^bits and
 # applies D = 2^bits d and M = m - (offset + 2^bits) d to each 32 (16) inputs' tile product,
 # so the weights keep every bit of their scales (dense_gemm_amx.cpp). Each has an 8-bit
 # format of the same scales that holds the same codes where its offsets would round.
-FOLDED = {F4: W8_AFFINE, F8: W8_AFFINE, F8_G16: W8_AFFINE_G16}
+# F8_G16S (Q6_K, Q3_K: codes u - 2^(bits-1), no m) stores D alone: M = -1.5 D, exactly.
+FOLDED = {F4: W8_AFFINE, F8: W8_AFFINE, F8_G16: W8_AFFINE_G16, F8_G16S: W8_G16}
 
 
 def amx_format(codes: Codes) -> int:
@@ -49,11 +51,16 @@ def amx_format(codes: Codes) -> int:
     measured), else 8-bit codes with their scales (and offsets)."""
     if codes.bits <= 7 and _fold_exact(codes):
         if codes.group == 16:
-            return F8_G16
+            return F8_G16S if _symmetric(codes) else F8_G16
         return F4 if codes.bits == 4 else F8
     if codes.group == 32:
         return W8 if codes.m is None else W8_AFFINE
     return W8_G16 if codes.m is None else W8_AFFINE_G16
+
+
+def _symmetric(codes: Codes) -> bool:
+    """Codes ``u - 2^(bits - 1)`` with no offset ``m``: a folded ``M`` of ``-1.5 D``."""
+    return codes.m is None and codes.offset == 2 ** (codes.bits - 1)
 
 
 def _fold_scales(codes: Codes) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,7 +89,7 @@ def widen(codes: Codes, fmt: int) -> Codes:
     if fmt == F4:
         assert codes.bits == 4 and codes.group == 32
         return codes
-    group = 16 if fmt in (W8_G16, W8_AFFINE_G16, F8_G16) else 32
+    group = 16 if fmt in (W8_G16, W8_AFFINE_G16, F8_G16, F8_G16S) else 32
     if codes.group < group:
         raise ValueError(f"format {fmt} cannot hold scales per {codes.group} inputs")
     d = _per_16(codes.d, codes.group) if group == 16 else codes.d
@@ -104,9 +111,9 @@ def widen(codes: Codes, fmt: int) -> Codes:
 def join(fmts: list[int]) -> int:
     """The narrowest format that holds every one of ``fmts``."""
     if all(f in FOLDED for f in fmts):
-        if all(f == F4 for f in fmts):
-            return F4
-        return F8_G16 if F8_G16 in fmts else F8
+        if len(set(fmts)) == 1:
+            return fmts[0]
+        return F8_G16 if any(f in (F8_G16, F8_G16S) for f in fmts) else F8
     fmts = [FOLDED.get(f, f) for f in fmts]
     g16 = any(f in (W8_G16, W8_AFFINE_G16) for f in fmts)
     affine = any(f in (W8_AFFINE, W8_AFFINE_G16) for f in fmts)
@@ -141,7 +148,8 @@ def pack_amx(codes: Codes, fmt: int) -> tuple[torch.Tensor, torch.Tensor]:
             codes_t = (w[:, :, :8] | (w[:, :, 8:] << 4)).to(torch.uint8).contiguous()
         else:
             codes_t = _w8a16_codes(u.reshape(n + pad, groups, 32).to(torch.int8), tiles).view(torch.uint8)
-        parts = [padded(x).reshape(tiles, 16, groups, halves) for x in _fold_scales(c)]
+        scales = _fold_scales(c)[:1] if fmt == F8_G16S else _fold_scales(c)
+        parts = [padded(x).reshape(tiles, 16, groups, halves) for x in scales]
     else:
         codes_t = _w8a16_codes(padded(c.q).reshape(n + pad, groups, 32).to(torch.int8), tiles)
         parts = [padded(c.d).reshape(tiles, 16, groups, halves)]
@@ -154,7 +162,7 @@ def pack_amx(codes: Codes, fmt: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 # Each GGUF type's format (the one ``amx_format`` gives its codes, before the exactness check).
 TYPE_FORMATS = {"Q4_0": F4, "Q4_1": F4, "Q4_K": F4, "Q8_0": W8, "Q5_0": F8, "IQ4_NL": W8, "IQ4_XS": W8,
-                "Q5_1": F8, "Q5_K": F8, "Q6_K": F8_G16, "Q3_K": F8_G16, "Q2_K": F8_G16}
+                "Q5_1": F8, "Q5_K": F8, "Q6_K": F8_G16S, "Q3_K": F8_G16S, "Q2_K": F8_G16}
 
 
 def plan_segments(formats: list[int], rows: list[int]) -> list[tuple[int, list[int]]]:

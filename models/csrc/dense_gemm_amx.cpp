@@ -325,13 +325,25 @@ __attribute__((target("avx512f,avx512bw"))) void f8_blocks_to_bf16(uint16_t* dst
   }
 }
 
+// Half h's D and M of a folded block's scales: D[16], M[16] per half, or (sym) D[16] per
+// half with M = -1.5 D, exact (M = -(2^b + 2^(b-1)) d for codes u - 2^(b-1): Q6_K, Q3_K).
+__attribute__((target("avx512f"))) inline void fold_scales(const float* sc, int h, bool sym, __m512& d,
+                                                          __m512& mo) {
+  if (sym) {
+    d = _mm512_loadu_ps(sc + 16 * h);
+    mo = _mm512_mul_ps(d, _mm512_set1_ps(-1.5f));
+  } else {
+    d = _mm512_loadu_ps(sc + 32 * h);
+    mo = _mm512_loadu_ps(sc + 32 * h + 16);
+  }
+}
+
 // acc[r] += D * c[r] + M * xs[r]: a folded tile product of `rows` rows (c: the C tile as
-// stored) into its accumulators. scales: D[16] then M[16]; xs: each row's sum of the
-// inputs the product covered, every `stride` floats. The same two roundings in the same
-// order for a row whatever the batch.
-__attribute__((target("avx512f"))) inline void fold_rows(float* acc, const float* c, int64_t rows,
-                                                        const float* scales, const float* xs, int64_t stride) {
-  const __m512 d = _mm512_loadu_ps(scales), mo = _mm512_loadu_ps(scales + 16);
+// stored) into its accumulators. xs: each row's sum of the inputs the product covered,
+// every `stride` floats. The same two roundings in the same order for a row whatever the
+// batch.
+__attribute__((target("avx512f"))) inline void fold_rows(float* acc, const float* c, int64_t rows, __m512 d,
+                                                        __m512 mo, const float* xs, int64_t stride) {
   for (int64_t r = 0; r < rows; ++r) {
     __m512 a = _mm512_fmadd_ps(_mm512_load_ps(c + r * 16), d, _mm512_load_ps(acc + r * 16));
     _mm512_store_ps(acc + r * 16, _mm512_fmadd_ps(mo, _mm512_set1_ps(xs[r * stride]), a));
@@ -372,6 +384,7 @@ struct QuantSegment {
   void (*make)(uint16_t* dst, const uint8_t* codes, const float* scales, int64_t groups);
   int64_t first_tile;  // the segment's first 16-output tile in the whole weight
   int fold;            // 0: scales in the operands; 1, 2: folded per 32, per 16 inputs (B operands per block)
+  bool sym;            // folded with D alone per half, M = -1.5 D
 };
 
 // A quantised weight of up to kMaxSegments row ranges (a fused projection whose parts a
@@ -390,10 +403,14 @@ struct QuantBlocks {
     local = block - seg[i].first_tile * kbs;
     return seg[i];
   }
-  // The folding of the tile's segment (QuantSegment::fold).
+  // The folding of the tile's segment (QuantSegment::fold, ::sym).
   int fold_of(int64_t tile) const {
     int64_t local;
     return of(tile * kbs, local).fold;
+  }
+  bool sym_of(int64_t tile) const {
+    int64_t local;
+    return of(tile * kbs, local).sym;
   }
   // The scales of a block (a folded one's D[16], M[16] per half).
   const float* scales_at(int64_t block) const {
@@ -477,8 +494,10 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
     int64_t tiles, int64_t t0, uint16_t* wbuf, float* buf, float* acc, const FoldSums& xs) {
   const int nt = static_cast<int>(std::min<int64_t>(kSmallTiles, tiles - t0));
   int fold[kSmallTiles];
+  bool sym[kSmallTiles];
   for (int i = 0; i < nt; ++i) {
     fold[i] = qb.fold_of(t0 + i);
+    sym[i] = qb.sym_of(t0 + i);
     if (fold[i]) std::memset(acc + i * 256, 0, m * 64);
     else zero_c(i);
   }
@@ -498,19 +517,22 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
     for (int i = 0; i < nt; ++i) dot_c(i, operands(kb, i), fold[i] != 0);
     for (int i = 0; i < nt; ++i) {
       if (!fold[i]) continue;
-      const float* sc = qb.scales_at((t0 + i) * kbs + kb);
+      __m512 d, mo;
+      fold_scales(qb.scales_at((t0 + i) * kbs + kb), 0, sym[i], d, mo);
       store_c(i, buf);
       if (fold[i] == 1) {
-        fold_rows(acc + i * 256, buf, m, sc, xs.s32 + kb, xs.k32);
+        fold_rows(acc + i * 256, buf, m, d, mo, xs.s32 + kb, xs.k32);
       } else {
-        fold_rows(acc + i * 256, buf, m, sc, xs.s16 + 2 * kb, xs.k16);
+        fold_rows(acc + i * 256, buf, m, d, mo, xs.s16 + 2 * kb, xs.k16);
         dot_c(i, operands(kb, i) + 512, true);
       }
     }
     for (int i = 0; i < nt; ++i) {
       if (fold[i] != 2) continue;
+      __m512 d, mo;
+      fold_scales(qb.scales_at((t0 + i) * kbs + kb), 1, sym[i], d, mo);
       store_c(i, buf);
-      fold_rows(acc + i * 256, buf, m, qb.scales_at((t0 + i) * kbs + kb) + 32, xs.s16 + 2 * kb + 1, xs.k16);
+      fold_rows(acc + i * 256, buf, m, d, mo, xs.s16 + 2 * kb + 1, xs.k16);
     }
   }
   for (int i = 0; i < nt; ++i) {
@@ -546,11 +568,13 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
 
 template <int kOps>
 __attribute__((target("amx-tile,amx-bf16,avx512f"), always_inline)) inline void fold_block(
-    __m512* acc, const uint16_t* w, const float* sc, const float* xs, int64_t stride, float* buf, bool odd) {
+    __m512* acc, const uint16_t* w, const float* sc, bool sym, const float* xs, int64_t stride, float* buf,
+    bool odd) {
   if (odd) KVSERVE_FOLD_PRODUCTS(6, 7);
   else KVSERVE_FOLD_PRODUCTS(4, 5);
   for (int h = 0; h < kOps; ++h) {
-    const __m512 d = _mm512_loadu_ps(sc + 32 * h), mo = _mm512_loadu_ps(sc + 32 * h + 16);
+    __m512 d, mo;
+    fold_scales(sc, h, sym, d, mo);
 #pragma GCC unroll 16
     for (int r = 0; r < 16; ++r) {
       acc[r] = _mm512_fmadd_ps(_mm512_load_ps(buf + 256 * h + r * 16), d, acc[r]);
@@ -572,10 +596,11 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void fold_tile_rows(
   for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
   const int64_t stride = kOps == 2 ? xs.k16 : xs.k32;
   const float* xr = (kOps == 2 ? xs.s16 : xs.s32) + r0 * stride;
+  const bool sym = qb.sym_of(t);
   for (int64_t kb = 0; kb < kbs; ++kb) {
     _tile_loadd(0, xb + r0 * kp + kb * 32, kp * 2);
     const float* sc = qb.scales_at(t * kbs + kb);
-    fold_block<kOps>(acc, w + kb * kOps * 512, sc, xr + kb * kOps, stride, buf + (kb % 2) * 512, kb % 2);
+    fold_block<kOps>(acc, w + kb * kOps * 512, sc, sym, xr + kb * kOps, stride, buf + (kb % 2) * 512, kb % 2);
   }
   const int64_t cols = std::min<int64_t>(16, n - t * 16);
   const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
@@ -779,6 +804,7 @@ struct AmxFormat {
   int64_t code_bytes, scale_floats;
   void (*make)(uint16_t* dst, const uint8_t* codes, const float* scales, int64_t groups);
   int fold;  // QuantSegment::fold
+  bool sym;  // QuantSegment::sym
 };
 #if defined(__x86_64__)
 const AmxFormat kAmxFormats[] = {
@@ -790,6 +816,7 @@ const AmxFormat kAmxFormats[] = {
     {256, 32, f4_blocks_to_bf16, 1},            // kAmxF4: 4-bit codes, D and M per 32 inputs
     {512, 32, f8_blocks_to_bf16<1>, 1},         // kAmxF8: codes of up to 7 bits, D and M per 32
     {512, 64, f8_blocks_to_bf16<2>, 2},         // kAmxF8G16: the same per 16 inputs
+    {512, 32, f8_blocks_to_bf16<2>, 2, true},   // kAmxF8G16Sym: D per 16 inputs, M = -1.5 D
 };
 #endif
 
@@ -816,7 +843,7 @@ void amx_quant_linear(at::Tensor& out, const at::Tensor& x, const std::vector<at
     TORCH_CHECK(c.numel() == c.size(0) * kbs * f.code_bytes && sc.numel() == c.size(0) * kbs * f.scale_floats,
                 "segment ", i, " does not hold format ", formats[i], "'s bytes for its blocks");
     qb.seg[i] = {reinterpret_cast<const uint8_t*>(c.data_ptr()), sc.data_ptr<float>(), f.code_bytes,
-                 f.scale_floats, f.make, tiles, f.fold};
+                 f.scale_floats, f.make, tiles, f.fold, f.sym};
     tiles += c.size(0);
   }
   qb.kbs = kbs;
@@ -834,7 +861,7 @@ static void amx_quant_linear(at::Tensor& out, const at::Tensor& x, const at::Ten
   const AmxFormat& f = kAmxFormats[fmt];
   QuantBlocks qb{};
   qb.seg[0] = {reinterpret_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<float>(), f.code_bytes,
-               f.scale_floats, f.make, 0, f.fold};
+               f.scale_floats, f.make, 0, f.fold, f.sym};
   qb.count = 1;
   qb.kbs = codes.size(1);
   amx_quant_linear(out, x, qb, codes.size(0), codes.size(1));

@@ -265,15 +265,18 @@ bool repack_gguf(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, i
   const int64_t k = raw.size(1) / block_bytes * per_block, groups = k / 32;
   TORCH_CHECK(source.scalar_type() == at::kLong && source.is_contiguous() && source.numel() % 16 == 0,
               "source must be int64 rows, whole tiles");
-  TORCH_CHECK(format >= kAmxW4 && format <= kAmxF8G16, "unknown format ", format);
+  TORCH_CHECK(format >= kAmxW4 && format <= kAmxF8G16Sym, "unknown format ", format);
   const int64_t tiles = source.numel() / 16;
   const bool folded = format >= kAmxF4, nibbles = format == kAmxW4 || format == kAmxF4;
-  const bool halves = format == kAmxW8G16 || format == kAmxW8AffineG16 || format == kAmxF8G16;
-  const bool affine = format == kAmxW4 || format == kAmxW8Affine || format == kAmxW8AffineG16 || folded;
+  const bool sym = format == kAmxF8G16Sym;
+  const bool halves = format == kAmxW8G16 || format == kAmxW8AffineG16 || format == kAmxF8G16 || sym;
+  const bool affine = format == kAmxW4 || format == kAmxW8Affine || format == kAmxW8AffineG16 || (folded && !sym);
   const int64_t code_bytes = nibbles ? 256 : 512, scale_floats = (halves ? 2 : 1) * (affine ? 32 : 16);
   int bits = 8, offset = 0;
   TORCH_CHECK(!folded || fold_span(type, bits, offset), "GGUF type ", type, "'s codes span 8 bits: no folded format");
   TORCH_CHECK(format != kAmxF4 || bits == 4, "format F4 holds 4-bit codes only");
+  TORCH_CHECK(!sym || ((type == kQ6_K || type == kQ3_K) && offset == 1 << (bits - 1)),
+              "GGUF type ", type, " is not symmetric: no format F8G16Sym");
   TORCH_CHECK(codes.is_contiguous() && codes.numel() == tiles * groups * code_bytes && codes.element_size() == 1,
               "codes must hold ", tiles * groups * code_bytes, " bytes");
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
@@ -340,7 +343,7 @@ bool repack_gguf(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, i
         }
         const int nh = halves ? 2 : 1;
         for (int h = 0; h < nh; ++h) {
-          float* sh = s + h * (affine ? 32 : 16);
+          float* sh = s + h * (affine ? 32 : 16);  // sym: 16
           for (int o = 0; o < 16; ++o) {
             const float dd = t.d[o * (k / 16) + 2 * g + h], mm = t.m[o * (k / 16) + 2 * g + h];
             if (!folded) {
@@ -354,7 +357,7 @@ bool repack_gguf(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, i
             const float big = std::ldexp(dd, bits), off = mm - span * dd;
             if (static_cast<double>(off) != static_cast<double>(mm) - static_cast<double>(span) * dd) exact = false;
             sh[o] = big;
-            sh[16 + o] = off;
+            if (!sym) sh[16 + o] = off;  // sym: the kernel's M = -1.5 D is this off (m = 0), exactly
           }
         }
       }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ def test_the_text_is_long_enough():
 
 
 def fake_paths(monkeypatch, logits_by_path):
-    def fake(path, chunks, ctx):
+    def fake(path, chunks, ctx, model):
         for _ in chunks:
             yield torch.log_softmax(logits_by_path[path], dim=-1)
     monkeypatch.setattr(quality, "path_logprobs", fake)
@@ -64,6 +65,71 @@ def test_llama_perplexity_figures_are_read_from_its_output():
     assert quality._number(r"Same top p:\s*([0-9.]+)", out) == 91.234
     with pytest.raises(RuntimeError, match="printed no"):
         quality._number(r"Final estimate: PPL = ([0-9.]+)", out)
+
+
+DEFAULT = ("float32", "w4a16", "float16")
+
+
+def test_paths_start_with_the_exact_reference_and_list_each_once():
+    assert quality.select_paths(["default"], DEFAULT) == [quality.REFERENCE, DEFAULT]
+    assert quality.select_paths(["float32/none/float32", "default", "default"], DEFAULT) == \
+        [quality.REFERENCE, DEFAULT]
+    assert quality.select_paths(["bfloat16/int4/bfloat16"], DEFAULT, spans=[32]) == \
+        [quality.REFERENCE, ("bfloat16", "int4", "bfloat16"), ("float32", "w4a8", "float16", 32)]
+
+
+def test_all_paths_are_every_path_and_the_amx_ones_where_the_cpu_runs_them():
+    assert quality.select_paths(["all"], DEFAULT) == quality.PATHS
+    assert quality.select_paths(["all", "default"], DEFAULT, amx_bf16=True) == \
+        quality.PATHS + quality.AMX_BF16_PATHS
+
+
+@pytest.mark.parametrize("spec", ["float32/w4a8", "float64/none/float32", "float32/none/float8", "exact"])
+def test_a_path_that_is_not_dtype_quantization_kv_is_refused(spec):
+    with pytest.raises(ValueError, match="DTYPE/QUANTIZATION/KV"):
+        quality.select_paths([spec], DEFAULT)
+
+
+def test_the_defaults_are_the_default_model_every_path_and_every_window():
+    args = quality.build_parser().parse_args([])
+    assert (args.model, args.paths, args.max_windows) == ("smollm2", ["all"], None)
+    args = quality.build_parser().parse_args(["--model", "qwen2.5-coder-1.5b", "--paths", "default",
+                                              "--max-windows", "3"])
+    assert (args.model, args.paths, args.max_windows) == ("qwen2.5-coder-1.5b", ["default"], 3)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-windows", "0"], "at least 1"),
+    (["--model", "/no/such/model.gguf"], "neither a known name"),
+])
+def test_bad_arguments_stop_before_any_model_is_loaded(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        quality.main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_llama_cpp_scores_the_given_file_over_at_most_max_windows(monkeypatch, tmp_path):
+    calls = []
+    out = ("perplexity: calculating perplexity over 3 chunks, n_ctx=512\nFinal estimate: PPL = 9.5\n"
+           "Mean PPL(Q) : 10.25\nMean    KLD:   0.0125\n99.0%   KLD:   0.125\nSame top p: 95.5 %\n")
+
+    def run(argv, **kwargs):
+        calls.append(argv)
+        return quality.subprocess.CompletedProcess(argv, 0, out, "")
+
+    monkeypatch.setattr(quality.llama_cpp, "ensure_built",
+                        lambda cache: {"llama-quantize": Path("quantize"), "llama-perplexity": Path("perplexity")})
+    monkeypatch.setattr(quality.subprocess, "run", run)
+    gguf = tmp_path / "model-q4_k_m.gguf"
+
+    rows = quality.llama_cpp_quality(512, 2, gguf, max_windows=3, cache=tmp_path)
+
+    assert calls[0] == ["quantize", "--allow-requantize", str(gguf), str(tmp_path / "model-q4_k_m-f32.gguf"), "F32"]
+    assert calls[1][:3] == ["perplexity", "-m", str(tmp_path / "model-q4_k_m-f32.gguf")]
+    assert calls[2][:3] == ["perplexity", "-m", str(gguf)]
+    assert all(c[c.index("--chunks") + 1] == "3" for c in calls[1:])
+    assert [r.tokens for r in rows] == [3 * 255] * 2
+    assert (rows[1].perplexity, rows[1].mean_kld, rows[1].p99_kld, rows[1].same_top) == (10.25, 0.0125, 0.125, 0.955)
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])

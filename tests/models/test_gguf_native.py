@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType, quants
 
 from gguf_files import MIXED_TYPES, write_mixed_gguf
 from models import ops
-from models.gguf_linear import (F4, F8, F8_G16, FOLDED, TYPE_FORMATS, W8, W8_AFFINE, W8_AFFINE_G16, W8_G16,
+from models.gguf_linear import (F4, F8, F8_G16, F8_G16S, FOLDED, TYPE_FORMATS, W8, W8_AFFINE, W8_AFFINE_G16, W8_G16,
                                 NativeLinear, amx_format, pack_amx, plan_segments, widen)
 from models.gguf_native import empty_format, projection
 from models.gguf_reader import GGUFTensor
@@ -95,9 +95,9 @@ def test_codes_widen_to_formats_that_hold_them_and_only_those() -> None:
     _, q6k = codes_of("Q6_K")
     _, q5_0 = codes_of("Q5_0")
     for codes, fmt in ((q4k, W8_AFFINE), (q4k, W8_AFFINE_G16), (q6k, W8_AFFINE_G16), (q4k, F8), (q4k, F8_G16),
-                       (q5_0, F8), (q6k, F8_G16)):
+                       (q5_0, F8), (q6k, F8_G16), (q6k, F8_G16S)):
         wide = widen(codes, fmt)  # the same values, in the wider format's shape of scales
-        assert wide.d.shape[1] == SHAPE[1] // (16 if fmt in (W8_AFFINE_G16, F8_G16) else 32)
+        assert wide.d.shape[1] == SHAPE[1] // (16 if fmt in (W8_AFFINE_G16, F8_G16, F8_G16S) else 32)
         assert (wide.bits, wide.offset) == ((7, 0) if fmt in FOLDED else (8, 128))
         assert torch.equal(wide.dequantize(), codes.dequantize())
     with pytest.raises(ValueError, match="cannot hold scales per 16 inputs"):
@@ -179,7 +179,7 @@ def test_a_projection_of_parts_in_different_types_keeps_each_type() -> None:
     x = torch.randn(40, SHAPE[1], generator=torch.Generator().manual_seed(3))
     parts = [codes_of("Q4_K", (32, 512))[1], codes_of("Q6_K", (16, 512), 2)[1], codes_of("Q8_0", (16, 512), 3)[1]]
     linear = NativeLinear.from_codes(parts)
-    assert linear.formats == [F4, F8_G16, W8]
+    assert linear.formats == [F4, F8_G16S, W8]
     assert_segments_match(linear, x, torch.cat([p.dequantize() for p in parts]))
     unaligned = [codes_of("Q4_K", (40, 512))[1], codes_of("Q6_K", (24, 512), 2)[1]]
     linear = NativeLinear.from_codes(unaligned)
@@ -222,8 +222,8 @@ def test_w4a16_keeps_each_tensor_at_its_type(mixed_files, make_runner, arch: str
     native = load_model(str(path), "float32", "cpu", quantization="w4a16").model
     layers = native.model.layers
     assert [p.kind for layer in layers for p in (layer.self_attn.qkv_proj, layer.mlp.down_proj)] == ["native"] * 4
-    assert layers[0].self_attn.qkv_proj.formats == [F4, F8_G16]  # Q4_K q and k, then a Q6_K v
-    assert layers[0].mlp.down_proj.formats == [F8_G16]
+    assert layers[0].self_attn.qkv_proj.formats == [F4, F8_G16S]  # Q4_K q and k, then a Q6_K v
+    assert layers[0].mlp.down_proj.formats == [F8_G16S]
     # Q5_K q and Q5_0 v folded, a Q8_0 k between them in 8-bit codes with a scale per 32
     assert [MIXED_TYPES[1][k] for k in ("attn_q", "attn_k", "attn_v")] == ["Q5_K", "Q8_0", "Q5_0"]
     assert layers[1].self_attn.qkv_proj.formats == [F8, W8, F8]
@@ -254,3 +254,13 @@ def _linear(packed: torch.nn.Module) -> torch.nn.Linear:
         if packed.bias is not None:
             linear.bias.copy_(packed.bias)
     return linear
+
+
+@needs_amx_bf16
+def test_symmetric_codes_fold_the_same_from_d_alone() -> None:
+    # F8_G16S stores D alone and takes M = -1.5 D: the same M as F8_G16 stores, so equal bits.
+    _, codes = codes_of("Q6_K")
+    x = torch.randn(20, SHAPE[1], generator=torch.Generator().manual_seed(7))
+    both = [ops.amx_quant_linear(x, list(pack_amx(codes, fmt)), [fmt], SHAPE[0]) for fmt in (F8_G16, F8_G16S)]
+    assert torch.equal(both[0], both[1])
+    assert pack_amx(codes, F8_G16S)[1].numel() * 2 == pack_amx(codes, F8_G16)[1].numel()
