@@ -37,8 +37,10 @@ requests per second that completed within every one of those limits.
 ``--load quote`` (where prompt lookup pays): each prompt asks for a paragraph
 to be rewritten with its typos fixed; the paragraph is a slice of
 bench/data/quality_text.txt with a few letters swapped, so a good answer
-quotes most of the prompt. ``--load random`` (the default) is the random-tag
-load above.
+quotes most of the prompt. ``--load code`` (the same, for code): each prompt
+asks for a slice of bench/data/edit_source.py (an original file) to be given back
+with one name renamed. ``--load random`` (the default) is the random-tag load
+above.
 """
 
 from __future__ import annotations
@@ -103,10 +105,16 @@ BENCH_SCHEMA = {
 STRUCTURED = ("json",)
 # --goodput's limits (ms): time to first token, time per output token, end-to-end latency.
 SLO_KEYS = ("ttft", "tpot", "e2el")
-LOADS = ("random", "quote")
+LOADS = ("random", "quote", "code")
 QUOTE_SOURCE = Path(__file__).parent / "data" / "quality_text.txt"
 QUOTE_ASK = "Rewrite the following paragraph, fixing its typos. Change nothing else.\n\nParagraph: "
 QUOTE_ANSWER = "\n\nRewritten paragraph: "
+EDIT_SOURCE = Path(__file__).parent / "data" / "edit_source.py"
+# (old, new) names the code load renames, one drawn per prompt.
+EDIT_RENAMES = (("item", "entry"), ("amount", "count"), ("name", "label"), ("ledger", "book"),
+                ("quantity", "stock"), ("price", "cost"))
+EDIT_ASK = "Rename every `{old}` to `{new}` in the following Python code. Change nothing else.\n\n```python\n"
+EDIT_ANSWER = "```\n\nThe code with `{old}` renamed to `{new}`:\n\n```python\n"
 
 
 @dataclass
@@ -205,6 +213,18 @@ def quote_prompt(seed: int, run_id: str, level: int, index: int, num_words: int)
     return prompt_tag(seed, run_id, level, index) + "\n" + QUOTE_ASK + " ".join(para) + QUOTE_ANSWER
 
 
+def edit_prompt(seed: int, run_id: str, level: int, index: int, num_lines: int) -> str:
+    """The tag, then the request to rename one name in ``num_lines`` lines of the code
+    source (from a place drawn from the seed)."""
+    rng = random.Random(f"code:{seed}:{level}:{index}")
+    lines = EDIT_SOURCE.read_text(encoding="utf-8").splitlines(keepends=True)
+    start = rng.randrange(0, max(1, len(lines) - num_lines))
+    old, new = rng.choice(EDIT_RENAMES)
+    code = "".join(lines[start:start + num_lines])
+    return (prompt_tag(seed, run_id, level, index) + "\n" + EDIT_ASK.format(old=old, new=new) + code
+            + EDIT_ANSWER.format(old=old, new=new))
+
+
 class PromptMaker:
     """Builds prompts of about ``input_len`` tokens, using the server's tokenizer when it
     has one: vLLM/kvserve ``{"prompt"} -> {"tokens"}`` or llama-server
@@ -243,7 +263,7 @@ class PromptMaker:
     async def make(self, level: int, index: int) -> tuple[str, int]:
         """``(prompt, token count)``; the count is estimated without a tokenizer."""
         cfg = self.cfg
-        if cfg.load == "quote":
+        if cfg.load in ("quote", "code"):
             return await self._quote(level, index)
         if await self.detect() != "none":
             text = draft_prompt(cfg.seed, cfg.run_id, level, index, 2 * cfg.input_len)
@@ -262,12 +282,13 @@ class PromptMaker:
 
 
     async def _quote(self, level: int, index: int) -> tuple[str, int]:
-        # The paragraph is sized to fill --input-len (the question and the answer's
-        # lead-in are kept whole): one measured guess, then a proportional fit.
+        # The paragraph (the code's lines) is sized to fill --input-len (the question and
+        # the answer's lead-in are kept whole): one measured guess, then a proportional fit.
         cfg = self.cfg
-        words = max(8, round(cfg.input_len * 0.6))
+        code = cfg.load == "code"
+        words = max(8, round(cfg.input_len * (0.08 if code else 0.6)))
         for _ in range(3):
-            text = quote_prompt(cfg.seed, cfg.run_id, level, index, words)
+            text = (edit_prompt if code else quote_prompt)(cfg.seed, cfg.run_id, level, index, words)
             tokens = (await self._tokenize(text, self.dialect)
                       if await self.detect() != "none" else None)
             count = len(tokens) if tokens is not None else round(len(text.split()) / cfg.words_per_token)
@@ -557,8 +578,8 @@ def build_parser(prog: str = "python -m bench.serve") -> argparse.ArgumentParser
     p.add_argument("--structured", choices=STRUCTURED, default=None,
                    help="constrain every answer: json = response_format with a fixed JSON Schema")
     p.add_argument("--load", choices=LOADS, default="random",
-                   help="random: random-tag prompts; quote: paragraphs the answer must rewrite "
-                        "(where speculative prompt lookup pays)")
+                   help="random: random-tag prompts; quote: paragraphs the answer must rewrite; code: "
+                        "code the answer must give back with a name renamed (both where speculation pays)")
     p.add_argument("--extra-body", type=_json_object, default={}, metavar="JSON",
                    help="fields merged into every request's body, e.g. '{\"dry_multiplier\": 0.8}' "
                         "(they win over the bench's own)")

@@ -32,17 +32,20 @@ from models.quant import _w8a16_codes
 
 # AMX-BF16 weight formats of ``ops.amx_quant_linear`` and ``ops.repack_gguf`` (csrc/kernels.h AmxWeightFormat).
 # W4 (``quant.pack_w4a16``'s) is not made from a file: F4 holds the same codes.
-W4, W8, W8_G16, W8_AFFINE, W8_AFFINE_G16, F4, F8, F8_G16, F8_G16S = range(9)
+W4, W8, W8_G16, W8_AFFINE, W8_AFFINE_G16, F4, F8, F8_G16, F8_G16S, F4K = range(10)
 AMX_FORMATS = {W8: "8-bit, d per 32", W8_G16: "8-bit, d per 16", W8_AFFINE: "8-bit, d and m per 32",
                W8_AFFINE_G16: "8-bit, d and m per 16", F4: "4-bit, folded per 32",
                F8: "7-bit, folded per 32", F8_G16: "7-bit, folded per 16",
-               F8_G16S: "7-bit symmetric, folded per 16"}
+               F8_G16S: "7-bit symmetric, folded per 16", F4K: "4-bit, folded per 32, Q4_K's scales"}
 # The folded formats: the kernel multiplies the codes as the exact bfloat16 1 + u/2^bits and
 # applies D = 2^bits d and M = m - (offset + 2^bits) d to each 32 (16) inputs' tile product,
 # so the weights keep every bit of their scales (dense_gemm_amx.cpp). Each has an 8-bit
 # format of the same scales that holds the same codes where its offsets would round.
 # F8_G16S (Q6_K, Q3_K: codes u - 2^(bits-1), no m) stores D alone: M = -1.5 D, exactly.
-FOLDED = {F4: W8_AFFINE, F8: W8_AFFINE, F8_G16: W8_AFFINE_G16, F8_G16S: W8_G16}
+# F4K is F4 with Q4_K's own 6-bit scales and minimums per 256 inputs, from which the kernel
+# makes the same D and M (0.09 bytes a weight for the scales, against 0.25): only the
+# kernels' repack of a file's blocks makes it (``gguf_native.projection``).
+FOLDED = {F4: W8_AFFINE, F8: W8_AFFINE, F8_G16: W8_AFFINE_G16, F8_G16S: W8_G16, F4K: W8_AFFINE}
 
 
 def amx_format(codes: Codes) -> int:
@@ -110,6 +113,9 @@ def widen(codes: Codes, fmt: int) -> Codes:
 
 def join(fmts: list[int]) -> int:
     """The narrowest format that holds every one of ``fmts``."""
+    if len(set(fmts)) == 1:
+        return fmts[0]
+    fmts = [F4 if f == F4K else f for f in fmts]
     if all(f in FOLDED for f in fmts):
         if len(set(fmts)) == 1:
             return fmts[0]
@@ -130,6 +136,8 @@ def concat(parts: list[Codes]) -> Codes:
 
 def pack_amx(codes: Codes, fmt: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes, scales)`` of ``codes`` (rows padded to 16) in AMX format ``fmt``."""
+    if fmt == F4K:
+        raise ValueError("format F4K is made from a file's Q4_K blocks (ops.repack_gguf), not from codes")
     c = widen(codes, fmt)
     n, k = c.q.shape
     pad = -n % 16
@@ -161,7 +169,7 @@ def pack_amx(codes: Codes, fmt: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # Each GGUF type's format (the one ``amx_format`` gives its codes, before the exactness check).
-TYPE_FORMATS = {"Q4_0": F4, "Q4_1": F4, "Q4_K": F4, "Q8_0": W8, "Q5_0": F8, "IQ4_NL": W8, "IQ4_XS": W8,
+TYPE_FORMATS = {"Q4_0": F4, "Q4_1": F4, "Q4_K": F4K, "Q8_0": W8, "Q5_0": F8, "IQ4_NL": W8, "IQ4_XS": W8,
                 "Q5_1": F8, "Q5_K": F8, "Q6_K": F8_G16S, "Q3_K": F8_G16S, "Q2_K": F8_G16}
 
 

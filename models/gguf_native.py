@@ -22,7 +22,7 @@ from torch import nn
 
 from models import ops
 from models.config import ModelConfig
-from models.gguf_linear import (AMX_FORMATS, F4, F8, F8_G16, F8_G16S, FOLDED, TYPE_FORMATS, W8_AFFINE, W8_AFFINE_G16, W8_G16,
+from models.gguf_linear import (AMX_FORMATS, F4, F4K, F8, F8_G16, F8_G16S, FOLDED, TYPE_FORMATS, W8_AFFINE, W8_AFFINE_G16, W8_G16,
                                 NativeLinear, QuantizedEmbedding, permuted_rows, plan_segments)
 from models.gguf_loader import PERMUTED_ARCHITECTURES, dequantize, iter_gguf_weights, permute_back
 from models.gguf_quants import SPLIT_TYPES, Codes, random_blocks, split
@@ -126,6 +126,8 @@ def _raw(tensor: GGUFTensor) -> torch.Tensor:
 
 def empty_format(fmt: int, tiles: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Uninitialised codes and scales of ``pack_amx``'s shapes for ``fmt``."""
+    if fmt == F4K:
+        return torch.empty(tiles, groups, 8, 32, dtype=torch.uint8), torch.empty(tiles, groups // 8, 96)
     halves = 2 if fmt in (W8_G16, W8_AFFINE_G16, F8_G16, F8_G16S) else 1
     kinds = 2 if fmt in (W8_AFFINE, W8_AFFINE_G16, F4, F8, F8_G16) else 1
     scales = torch.empty(tiles, groups, halves, kinds, 16)

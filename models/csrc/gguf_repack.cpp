@@ -265,13 +265,16 @@ bool repack_gguf(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, i
   const int64_t k = raw.size(1) / block_bytes * per_block, groups = k / 32;
   TORCH_CHECK(source.scalar_type() == at::kLong && source.is_contiguous() && source.numel() % 16 == 0,
               "source must be int64 rows, whole tiles");
-  TORCH_CHECK(format >= kAmxW4 && format <= kAmxF8G16Sym, "unknown format ", format);
+  TORCH_CHECK(format >= kAmxW4 && format <= kAmxF4K, "unknown format ", format);
   const int64_t tiles = source.numel() / 16;
-  const bool folded = format >= kAmxF4, nibbles = format == kAmxW4 || format == kAmxF4;
+  const bool folded = format >= kAmxF4, q4k = format == kAmxF4K;
+  const bool nibbles = format == kAmxW4 || format == kAmxF4 || q4k;
   const bool sym = format == kAmxF8G16Sym;
   const bool halves = format == kAmxW8G16 || format == kAmxW8AffineG16 || format == kAmxF8G16 || sym;
   const bool affine = format == kAmxW4 || format == kAmxW8Affine || format == kAmxW8AffineG16 || (folded && !sym);
-  const int64_t code_bytes = nibbles ? 256 : 512, scale_floats = (halves ? 2 : 1) * (affine ? 32 : 16);
+  const int64_t code_bytes = nibbles ? 256 : 512;
+  const int64_t scale_floats = q4k ? 12 : (halves ? 2 : 1) * (affine ? 32 : 16);
+  TORCH_CHECK(!q4k || type == kQ4_K, "format F4K holds Q4_K only");
   int bits = 8, offset = 0;
   TORCH_CHECK(!folded || fold_span(type, bits, offset), "GGUF type ", type, "'s codes span 8 bits: no folded format");
   TORCH_CHECK(format != kAmxF4 || bits == 4, "format F4 holds 4-bit codes only");
@@ -307,6 +310,25 @@ bool repack_gguf(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, i
           decode_block(type, rp + row * rs + blk * block_bytes, q + blk * per_block, d + blk * per_block / 16,
                        m + blk * per_block / 16);
       }
+      if (q4k) {
+        // per super-block: sc[8][16] and mn[8][16] bytes, then 16d[16] and dmin[16] (kAmxF4K)
+        for (int64_t sb = 0; sb < groups / 8; ++sb) {
+          float* rec = sp + (tile * (groups / 8) + sb) * 96;
+          auto* ints = reinterpret_cast<uint8_t*>(rec);
+          for (int o = 0; o < 16; ++o) {
+            const int64_t row = src[tile * 16 + o];
+            const uint8_t* b = row < 0 ? nullptr : rp + row * rs + sb * block_bytes;
+            for (int j = 0; j < 8; ++j) {
+              int scale = 0, mn = 0;
+              if (b) k_scale_min(b + 4, j, scale, mn);
+              ints[j * 16 + o] = static_cast<uint8_t>(scale);
+              ints[128 + j * 16 + o] = static_cast<uint8_t>(mn);
+            }
+            rec[64 + o] = b ? 16 * f16(b) : 0.0f;
+            rec[80 + o] = b ? f16(b + 2) : 0.0f;
+          }
+        }
+      }
       for (int64_t g = 0; g < groups; ++g) {
         uint8_t* c = cp + (tile * groups + g) * code_bytes;
         float* s = sp + (tile * groups + g) * scale_floats;
@@ -328,7 +350,7 @@ bool repack_gguf(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, i
           }
           continue;
         }
-        if (format == kAmxF4) {
+        if (format == kAmxF4 || q4k) {
           // byte j of chunk p: B row p's word j (output j / 2, input 2p + j % 2) low, row p + 8's high
           for (int p = 0; p < 8; ++p)
             for (int j = 0; j < 32; ++j)
@@ -341,7 +363,7 @@ bool repack_gguf(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, i
               c[p * 32 + 16 + lane] = static_cast<uint8_t>((qat(8 + lane / 2, 2 * p + lane % 2) + offset) << shift);
             }
         }
-        const int nh = halves ? 2 : 1;
+        const int nh = halves ? 2 : 1;  // (F4K: one half, its D and M only checked)
         for (int h = 0; h < nh; ++h) {
           float* sh = s + h * (affine ? 32 : 16);  // sym: 16
           for (int o = 0; o < 16; ++o) {
@@ -356,6 +378,7 @@ bool repack_gguf(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, i
             const float span = static_cast<float>(offset + (1 << bits));
             const float big = std::ldexp(dd, bits), off = mm - span * dd;
             if (static_cast<double>(off) != static_cast<double>(mm) - static_cast<double>(span) * dd) exact = false;
+            if (q4k) continue;  // the super-block's fields, below
             sh[o] = big;
             if (!sym) sh[16 + o] = off;  // sym: the kernel's M = -1.5 D is this off (m = 0), exactly
           }

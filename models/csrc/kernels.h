@@ -50,7 +50,8 @@ void amx_w8a16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& co
 // 4-bit codes with d and m per 32 inputs (pack_w4a16), 8-bit codes with d per 32 (pack_w8a16)
 // or per 16, and either with an offset m; and the folded formats, whose scales apply to each
 // block's tile product (dense_gemm_amx.cpp): 4-bit codes, or codes of up to 7 bits, with D and M
-// per 32 or per 16 inputs, or with D alone where M = -1.5 D (codes symmetric about their middle).
+// per 32 or per 16 inputs, or with D alone where M = -1.5 D (codes symmetric about their middle),
+// or 4-bit codes with Q4_K's own 6-bit scales and minimums per super-block.
 enum AmxWeightFormat : int64_t {
   kAmxW4 = 0,
   kAmxW8 = 1,
@@ -60,7 +61,8 @@ enum AmxWeightFormat : int64_t {
   kAmxF4 = 5,
   kAmxF8 = 6,
   kAmxF8G16 = 7,
-  kAmxF8G16Sym = 8
+  kAmxF8G16Sym = 8,
+  kAmxF4K = 9
 };
 // The same for a weight of up to 4 row ranges, each (codes, scales) in its own format
 // (AmxWeightFormat: a GGUF tensor's own codes and scales): parts holds codes0, scales0,

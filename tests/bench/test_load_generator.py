@@ -282,3 +282,18 @@ def test_the_priority_bench_sends_urgent_requests_into_a_busy_server(capsys: pyt
     urgent = [b for b in s.bodies if b["prompt"].startswith("Urgent")]
     assert len(urgent) == 2 and all(b["priority"] == -1 and b["max_tokens"] == 8 for b in urgent)
     assert all("priority" not in b for b in s.bodies if b["prompt"].startswith("Background"))
+
+
+def test_the_code_load_asks_for_code_back_with_a_name_renamed() -> None:
+    s = FakeSettings(delay=0.0)
+    report = bench(s, [1], num_prompts=3, input_len=200, load="code")
+    assert report["levels"][0]["completed"] == 3
+    source = Path("bench/data/edit_source.py").read_text(encoding="utf-8")
+    for body in s.bodies:
+        prompt = body["prompt"]
+        assert UUID.match(prompt.split()[0])
+        ask = re.search(r"Rename every `(\w+)` to `(\w+)`", prompt)
+        assert ask and prompt.endswith(f"The code with `{ask[1]}` renamed to `{ask[2]}`:\n\n```python\n")
+        code = prompt.split("```python\n")[1].split("```")[0]
+        assert len(code.splitlines()) >= 5 and code in source  # a slice of the source, unchanged
+        assert len(prompt.split()) <= 200  # sized by the fake tokenizer's words to --input-len

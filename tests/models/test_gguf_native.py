@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType, quants
 
 from gguf_files import MIXED_TYPES, write_mixed_gguf
 from models import ops
-from models.gguf_linear import (F4, F8, F8_G16, F8_G16S, FOLDED, TYPE_FORMATS, W8, W8_AFFINE, W8_AFFINE_G16, W8_G16,
+from models.gguf_linear import (F4, F4K, F8, F8_G16, F8_G16S, FOLDED, TYPE_FORMATS, W8, W8_AFFINE, W8_AFFINE_G16, W8_G16,
                                 NativeLinear, amx_format, pack_amx, plan_segments, widen)
 from models.gguf_native import empty_format, projection
 from models.gguf_reader import GGUFTensor
@@ -61,8 +61,10 @@ def test_a_split_of_the_wrong_size_is_refused() -> None:
         split("TQ1_0", raw, (4, 256))
 
 
+# The format codes take (F4K, Q4_K's, is made from a file's blocks only: F4's codes).
+CODES_FORMATS = {t: F4 if f == F4K else f for t, f in TYPE_FORMATS.items()}
 # Each type in its own format, and the folded ones also in the 8-bit format they fall back to.
-REPACKS = [(t, TYPE_FORMATS[t]) for t in SPLIT_TYPES] + [(t, FOLDED[f]) for t, f in TYPE_FORMATS.items() if f in FOLDED]
+REPACKS = [(t, CODES_FORMATS[t]) for t in SPLIT_TYPES] + [(t, FOLDED[f]) for t, f in TYPE_FORMATS.items() if f in FOLDED]
 
 
 @pytest.mark.parametrize("type_name, fmt", REPACKS, ids=[f"{t}-{f}" for t, f in REPACKS])
@@ -70,7 +72,7 @@ def test_the_kernels_repack_the_blocks_as_the_torch_reference_packs_them(type_na
     raw, codes = codes_of(type_name)
     order = torch.randperm(SHAPE[0], generator=torch.Generator().manual_seed(0))
     codes = replace(codes, q=codes.q[order], d=codes.d[order], m=None if codes.m is None else codes.m[order])
-    assert amx_format(codes) == TYPE_FORMATS[type_name]
+    assert amx_format(codes) == CODES_FORMATS[type_name]
     want_codes, want_scales = pack_amx(codes, fmt)
     got_codes, got_scales = empty_format(fmt, SHAPE[0] // 16, SHAPE[1] // 32)
     exact = ops.repack_gguf(got_codes, got_scales, torch.from_numpy(raw), int(GGMLQuantizationType[type_name]),
@@ -87,7 +89,7 @@ def test_a_folded_format_gives_way_to_8_bit_codes_where_its_offsets_would_round(
     codes = Codes(torch.randint(0, 16, (16, 32), dtype=torch.int16), d, m, 32, 4)
     assert amx_format(codes) == W8_AFFINE
     _, real = codes_of("Q4_K")
-    assert amx_format(real) == F4 == TYPE_FORMATS["Q4_K"]
+    assert amx_format(real) == F4 == CODES_FORMATS["Q4_K"]
 
 
 def test_codes_widen_to_formats_that_hold_them_and_only_those() -> None:
@@ -169,7 +171,7 @@ def assert_segments_match(linear: NativeLinear, x: torch.Tensor, weight: torch.T
 def test_a_projection_multiplies_the_files_values(type_name: str) -> None:
     _, codes = codes_of(type_name)
     linear = NativeLinear.from_codes([codes])
-    assert linear.formats == [TYPE_FORMATS[type_name]]
+    assert linear.formats == [CODES_FORMATS[type_name]]
     x = torch.randn(40, SHAPE[1], generator=torch.Generator().manual_seed(2))
     assert_segments_match(linear, x, codes.dequantize())
 
@@ -222,7 +224,7 @@ def test_w4a16_keeps_each_tensor_at_its_type(mixed_files, make_runner, arch: str
     native = load_model(str(path), "float32", "cpu", quantization="w4a16").model
     layers = native.model.layers
     assert [p.kind for layer in layers for p in (layer.self_attn.qkv_proj, layer.mlp.down_proj)] == ["native"] * 4
-    assert layers[0].self_attn.qkv_proj.formats == [F4, F8_G16S]  # Q4_K q and k, then a Q6_K v
+    assert layers[0].self_attn.qkv_proj.formats == [F4K, F8_G16S]  # Q4_K q and k, then a Q6_K v
     assert layers[0].mlp.down_proj.formats == [F8_G16S]
     # Q5_K q and Q5_0 v folded, a Q8_0 k between them in 8-bit codes with a scale per 32
     assert [MIXED_TYPES[1][k] for k in ("attn_q", "attn_k", "attn_v")] == ["Q5_K", "Q8_0", "Q5_0"]
@@ -264,3 +266,23 @@ def test_symmetric_codes_fold_the_same_from_d_alone() -> None:
     both = [ops.amx_quant_linear(x, list(pack_amx(codes, fmt)), [fmt], SHAPE[0]) for fmt in (F8_G16, F8_G16S)]
     assert torch.equal(both[0], both[1])
     assert pack_amx(codes, F8_G16S)[1].numel() * 2 == pack_amx(codes, F8_G16)[1].numel()
+
+
+@needs_amx_bf16
+def test_q4_k_folds_from_its_own_scales_as_from_d_and_m() -> None:
+    # F4K keeps Q4_K's 6-bit scales and minimums per 256 inputs and makes F4's D and M from
+    # them: equal bits, with 0.37x the scale bytes.
+    raw, codes = codes_of("Q4_K")
+    tensor = GGUFTensor("q", int(GGMLQuantizationType.Q4_K), (SHAPE[1], SHAPE[0]), raw)
+    order = torch.randperm(SHAPE[0], generator=torch.Generator().manual_seed(8))
+    from_file = projection(None, [tensor], [order])
+    from_codes = NativeLinear.from_codes([replace(codes, q=codes.q[order], d=codes.d[order], m=codes.m[order])])
+    assert (from_file.formats, from_codes.formats) == ([F4K], [F4])
+    x = torch.randn(40, SHAPE[1], generator=torch.Generator().manual_seed(9))
+    assert torch.equal(from_file(x), from_codes(x))
+    for rows in (1, 16, 17):
+        assert torch.equal(from_file(x[:rows]), from_codes(x[:rows]))
+    scale_bytes = [t.numel() * t.element_size() for t in (from_file.fused_args[1], from_codes.fused_args[1])]
+    assert scale_bytes[0] * 8 == scale_bytes[1] * 3
+    with pytest.raises(ValueError, match="made from a file"):
+        pack_amx(codes, F4K)
