@@ -57,7 +57,8 @@ CACHE_FILE = "paths.json"
 # 6: a decode of FULL_BATCH_SEQS is timed too, and each time is the fastest round's.
 # 7: w4a16 on a GGUF file is timed on the file's own types, its 4-bit tensors as 4-bit codes.
 # 8: a GGUF file's codes of up to 7 bits run folded (scales after each block's tile product).
-PATHS_VERSION = 8
+# 9: folding is opt-in (KVSERVE_GGUF_FOLD=1, in the file types' key); scaled operands again by default.
+PATHS_VERSION = 9
 
 
 @dataclass(frozen=True)

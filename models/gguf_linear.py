@@ -3,13 +3,14 @@
 A Q4_K_M file stores most projections as Q4_K and some (half the layers' value and
 down projections, the LM head) as Q6_K. ``NativeLinear`` holds each of a
 projection's parts (``q``, ``k``, ``v`` of a fused ``qkv_proj``) in the AMX-BF16
-kernel format that holds its GGUF type exactly (``AMX_FORMATS``). Types whose codes
-have at most 7 bits (all but Q8_0, IQ4_NL and IQ4_XS) take a folded format: 4-bit
-codes (Q4_0, Q4_1, Q4_K) or codes of up to 7 bits, with D and M per 32 or 16 inputs;
-the kernel multiplies the codes as exact bfloat16 values and applies the scales to
-each block's product, so the weights keep every bit (only the inputs are rounded to
-bfloat16). The others take 8-bit codes whose operands the kernel scales and rounds
-to bfloat16 (``amx-bf16``'s arithmetic on the dequantised weight). Nothing is
+kernel format that holds its GGUF type exactly (``AMX_FORMATS``). By default
+(``SCALED_FORMATS``) the kernel makes each block's weights ``d * q + m`` bfloat16
+operands (``amx-bf16``'s arithmetic on the dequantised weight): 4-bit codes for Q4_0,
+Q4_1 and Q4_K, 8-bit codes with a scale per 32 or 16 inputs (and an offset where the
+type has one) for the others. With ``KVSERVE_GGUF_FOLD=1`` (``FOLDED_FORMATS``) types
+whose codes have at most 7 bits take a folded format instead: the kernel multiplies
+the codes as exact bfloat16 values and applies the scales to each block's product, so
+the weights keep every bit (only the inputs are rounded to bfloat16). Nothing is
 requantised and no float copy of a projection is made: the codes come from the
 file's blocks (``models.gguf_quants``), tensor by tensor.
 
@@ -19,6 +20,7 @@ embedding table (0.9 GB as float32 for a 152k-token vocabulary) is never made.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -28,12 +30,11 @@ from torch import nn
 
 from models import ops
 from models.gguf_quants import Codes, split
-from models.quant import _w8a16_codes
+from models.quant import _w4a16_layout, _w8a16_codes
 
 # AMX-BF16 weight formats of ``ops.amx_quant_linear`` and ``ops.repack_gguf`` (csrc/kernels.h AmxWeightFormat).
-# W4 (``quant.pack_w4a16``'s) is not made from a file: F4 holds the same codes.
 W4, W8, W8_G16, W8_AFFINE, W8_AFFINE_G16, F4, F8, F8_G16, F8_G16S, F4K = range(10)
-AMX_FORMATS = {W8: "8-bit, d per 32", W8_G16: "8-bit, d per 16", W8_AFFINE: "8-bit, d and m per 32",
+AMX_FORMATS = {W4: "4-bit, d and m per 32", W8: "8-bit, d per 32", W8_G16: "8-bit, d per 16", W8_AFFINE: "8-bit, d and m per 32",
                W8_AFFINE_G16: "8-bit, d and m per 16", F4: "4-bit, folded per 32",
                F8: "7-bit, folded per 32", F8_G16: "7-bit, folded per 16",
                F8_G16S: "7-bit symmetric, folded per 16", F4K: "4-bit, folded per 32, Q4_K's scales"}
@@ -46,19 +47,49 @@ AMX_FORMATS = {W8: "8-bit, d per 32", W8_G16: "8-bit, d per 16", W8_AFFINE: "8-b
 # makes the same D and M (0.09 bytes a weight for the scales, against 0.25): only the
 # kernels' repack of a file's blocks makes it (``gguf_native.projection``).
 FOLDED = {F4: W8_AFFINE, F8: W8_AFFINE, F8_G16: W8_AFFINE_G16, F8_G16S: W8_G16, F4K: W8_AFFINE}
+# The format a tensor falls back to where its own would round an offset (W4: M = m - 16 d).
+FALLBACK = {**FOLDED, W4: W8_AFFINE}
+
+# Which arithmetic a GGUF file's codes take. Scaled operands (the default): each block made
+# bfloat16 weights d * q + m in the kernel, whose C tiles sum a row's whole dot. Folded
+# (KVSERVE_GGUF_FOLD=1): the weights keep every bit and one stream decodes faster (1.5B: 76
+# against 89 ms a step at one sequence), but every block's tile is stored and folded, which
+# made a 256-token prompt 2x and a 16-sequence step 1.2x the time (bench.peers at 16
+# streams: 55.9 against 91.2 output tok/s). Read at load; the path choice keys on it.
+FOLD_SWITCH = "KVSERVE_GGUF_FOLD"
+
+
+def folding() -> bool:
+    """Whether GGUF codes load in the folded formats (``FOLD_SWITCH``)."""
+    value = os.environ.get(FOLD_SWITCH, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{FOLD_SWITCH}={value!r}: expected 0 or 1")
+    return value == "1"
 
 
 def amx_format(codes: Codes) -> int:
-    """The AMX format that holds ``codes`` exactly: folded where their codes have at most 7
-    bits and the offsets ``M`` are exact in float32 (every tensor of the real files
-    measured), else 8-bit codes with their scales (and offsets)."""
-    if codes.bits <= 7 and _fold_exact(codes):
+    """The AMX format that holds ``codes`` exactly. Folded (``folding()``): where their codes
+    have at most 7 bits and the offsets ``M`` are exact in float32 (every tensor of the real
+    files measured). Scaled: 4-bit codes where ``W4``'s offsets are exact. Else 8-bit codes
+    with their scales (and offsets)."""
+    if not folding():
+        if codes.bits == 4 and codes.group == 32 and _w4_exact(codes):
+            return W4
+    elif codes.bits <= 7 and _fold_exact(codes):
         if codes.group == 16:
             return F8_G16S if _symmetric(codes) else F8_G16
         return F4 if codes.bits == 4 else F8
     if codes.group == 32:
         return W8 if codes.m is None else W8_AFFINE
     return W8_G16 if codes.m is None else W8_AFFINE_G16
+
+
+def _w4_exact(codes: Codes) -> bool:
+    """Whether W4's offsets ``M = m - 16 d`` (``quant.pack_w4a16``) are exact in float32, so
+    that the kernel's ``(1 + q/16) * 16d + M`` rounds ``d * q + m`` once, as the file's
+    dequantisation does. Where not, the tensor takes W8_AFFINE, which holds any 4-bit codes."""
+    m = torch.zeros_like(codes.d) if codes.m is None else codes.m
+    return bool(((m - 16 * codes.d).double() == m.double() - 16 * codes.d.double()).all())
 
 
 def _symmetric(codes: Codes) -> bool:
@@ -89,7 +120,7 @@ def _per_16(x: torch.Tensor, group: int) -> torch.Tensor:
 def widen(codes: Codes, fmt: int) -> Codes:
     """``codes`` in a form ``fmt`` holds (the same values): 8 bits (F8: 7, each code's span
     made 0..127), per 16 inputs, an offset."""
-    if fmt == F4:
+    if fmt in (F4, W4):
         assert codes.bits == 4 and codes.group == 32
         return codes
     group = 16 if fmt in (W8_G16, W8_AFFINE_G16, F8_G16, F8_G16S) else 32
@@ -120,7 +151,7 @@ def join(fmts: list[int]) -> int:
         if len(set(fmts)) == 1:
             return fmts[0]
         return F8_G16 if any(f in (F8_G16, F8_G16S) for f in fmts) else F8
-    fmts = [FOLDED.get(f, f) for f in fmts]
+    fmts = [FALLBACK.get(f, f) for f in fmts]
     g16 = any(f in (W8_G16, W8_AFFINE_G16) for f in fmts)
     affine = any(f in (W8_AFFINE, W8_AFFINE_G16) for f in fmts)
     return (W8_AFFINE_G16 if affine else W8_G16) if g16 else (W8_AFFINE if affine else W8)
@@ -147,6 +178,10 @@ def pack_amx(codes: Codes, fmt: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
 
     halves = 2 if c.group == 16 else 1
+    if fmt == W4:
+        m = torch.zeros_like(c.d) if c.m is None else c.m
+        return _w4a16_layout(padded(c.q).reshape(n + pad, groups, 32).to(torch.uint8),
+                             padded(c.d).reshape(n + pad, groups), padded(m).reshape(n + pad, groups), tiles)
     if fmt in FOLDED:
         u = padded(c.q + c.offset)  # padding rows: u = 0 with D = M = 0
         if fmt == F4:
@@ -168,9 +203,17 @@ def pack_amx(codes: Codes, fmt: int) -> tuple[torch.Tensor, torch.Tensor]:
     return codes_t, scales
 
 
-# Each GGUF type's format (the one ``amx_format`` gives its codes, before the exactness check).
-TYPE_FORMATS = {"Q4_0": F4, "Q4_1": F4, "Q4_K": F4K, "Q8_0": W8, "Q5_0": F8, "IQ4_NL": W8, "IQ4_XS": W8,
-                "Q5_1": F8, "Q5_K": F8, "Q6_K": F8_G16S, "Q3_K": F8_G16S, "Q2_K": F8_G16}
+# Each GGUF type's format, scaled and folded (the one ``amx_format`` gives its codes, before the
+# exactness check; F4K only from a file's blocks).
+SCALED_FORMATS = {"Q4_0": W4, "Q4_1": W4, "Q4_K": W4, "Q8_0": W8, "Q5_0": W8, "IQ4_NL": W8, "IQ4_XS": W8,
+                  "Q5_1": W8_AFFINE, "Q5_K": W8_AFFINE, "Q6_K": W8_G16, "Q3_K": W8_G16, "Q2_K": W8_AFFINE_G16}
+FOLDED_FORMATS = {"Q4_0": F4, "Q4_1": F4, "Q4_K": F4K, "Q8_0": W8, "Q5_0": F8, "IQ4_NL": W8, "IQ4_XS": W8,
+                  "Q5_1": F8, "Q5_K": F8, "Q6_K": F8_G16S, "Q3_K": F8_G16S, "Q2_K": F8_G16}
+
+
+def type_format(type_name: str) -> int:
+    """The format a file's tensor of ``type_name`` loads in (``folding()`` chooses the table)."""
+    return (FOLDED_FORMATS if folding() else SCALED_FORMATS)[type_name]
 
 
 def plan_segments(formats: list[int], rows: list[int]) -> list[tuple[int, list[int]]]:

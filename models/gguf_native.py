@@ -22,8 +22,9 @@ from torch import nn
 
 from models import ops
 from models.config import ModelConfig
-from models.gguf_linear import (AMX_FORMATS, F4, F4K, F8, F8_G16, F8_G16S, FOLDED, TYPE_FORMATS, W8_AFFINE, W8_AFFINE_G16, W8_G16,
-                                NativeLinear, QuantizedEmbedding, permuted_rows, plan_segments)
+from models.gguf_linear import (AMX_FORMATS, F4, F4K, F8, F8_G16, F8_G16S, FALLBACK, FOLDED, W4, W8_AFFINE,
+                                W8_AFFINE_G16, W8_G16, NativeLinear, QuantizedEmbedding, folding, permuted_rows,
+                                plan_segments, type_format)
 from models.gguf_loader import PERMUTED_ARCHITECTURES, dequantize, iter_gguf_weights, permute_back
 from models.gguf_quants import SPLIT_TYPES, Codes, random_blocks, split
 from models.gguf_reader import GGUFFile, GGUFTensor
@@ -61,7 +62,8 @@ class FileTypes:
         for layer in self.layers:
             for t in layer:
                 counts[t] = counts.get(t, 0) + 1
-        return " ".join(f"{t}:{n}" for t, n in sorted(counts.items())) + f" head:{self.head}"
+        fold = " folded" if folding() else ""
+        return " ".join(f"{t}:{n}" for t, n in sorted(counts.items())) + f" head:{self.head}{fold}"
 
 
 def file_types(reader: GGUFFile) -> FileTypes | None:
@@ -128,6 +130,8 @@ def empty_format(fmt: int, tiles: int, groups: int) -> tuple[torch.Tensor, torch
     """Uninitialised codes and scales of ``pack_amx``'s shapes for ``fmt``."""
     if fmt == F4K:
         return torch.empty(tiles, groups, 8, 32, dtype=torch.uint8), torch.empty(tiles, groups // 8, 96)
+    if fmt == W4:
+        return torch.empty(tiles, groups, 4, 64, dtype=torch.uint8), torch.empty(tiles, groups, 2, 16)
     halves = 2 if fmt in (W8_G16, W8_AFFINE_G16, F8_G16, F8_G16S) else 1
     kinds = 2 if fmt in (W8_AFFINE, W8_AFFINE_G16, F4, F8, F8_G16) else 1
     scales = torch.empty(tiles, groups, halves, kinds, 16)
@@ -150,7 +154,7 @@ def projection(reader: GGUFFile | None, tensors: list[GGUFTensor], orders: list[
             parts.append(codes if order is None else permuted_rows(codes, lambda w, o=order: w[o].contiguous()))
         return NativeLinear.from_codes(parts, bias)
     segments = []
-    for fmt, members in plan_segments([TYPE_FORMATS[type_name(t)] for t in tensors], rows):
+    for fmt, members in plan_segments([type_format(type_name(t)) for t in tensors], rows):
         tiles = sum(rows[i] for i in members) // 16
         while True:
             codes, scales = empty_format(fmt, tiles, k // 32)
@@ -163,7 +167,7 @@ def projection(reader: GGUFFile | None, tensors: list[GGUFTensor], orders: list[
                 tile += n
             if exact:
                 break
-            fmt = FOLDED[fmt]  # the folded offsets were not exact: 8-bit codes with their scales hold them
+            fmt = FALLBACK[fmt]  # the offsets were not exact: 8-bit codes with their scales hold them
         segments.append((fmt, codes, scales))
     for t in tensors:
         if reader is not None:

@@ -23,8 +23,9 @@ from gguf import GGMLQuantizationType, quants
 
 from gguf_files import MIXED_TYPES, write_mixed_gguf
 from models import ops
-from models.gguf_linear import (F4, F4K, F8, F8_G16, F8_G16S, FOLDED, TYPE_FORMATS, W8, W8_AFFINE, W8_AFFINE_G16, W8_G16,
-                                NativeLinear, amx_format, pack_amx, plan_segments, widen)
+from models.gguf_linear import (F4, F4K, F8, F8_G16, F8_G16S, FALLBACK, FOLD_SWITCH, FOLDED, FOLDED_FORMATS,
+                                SCALED_FORMATS, W4, W8, W8_AFFINE, W8_AFFINE_G16, W8_G16, NativeLinear, amx_format,
+                                pack_amx, plan_segments, type_format, widen)
 from models.gguf_native import empty_format, projection
 from models.gguf_reader import GGUFTensor
 from models.gguf_quants import SPLIT_TYPES, Codes, random_blocks, split
@@ -61,10 +62,22 @@ def test_a_split_of_the_wrong_size_is_refused() -> None:
         split("TQ1_0", raw, (4, 256))
 
 
-# The format codes take (F4K, Q4_K's, is made from a file's blocks only: F4's codes).
-CODES_FORMATS = {t: F4 if f == F4K else f for t, f in TYPE_FORMATS.items()}
-# Each type in its own format, and the folded ones also in the 8-bit format they fall back to.
-REPACKS = [(t, CODES_FORMATS[t]) for t in SPLIT_TYPES] + [(t, FOLDED[f]) for t, f in TYPE_FORMATS.items() if f in FOLDED]
+@pytest.fixture(params=[False, True], ids=["scaled", "folded"])
+def fold(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Each arithmetic a GGUF file's codes can load in (``KVSERVE_GGUF_FOLD``)."""
+    monkeypatch.setenv(FOLD_SWITCH, "1" if request.param else "0")
+    return request.param
+
+
+def codes_format(type_name: str, fold: bool) -> int:
+    """The format codes of ``type_name`` take (F4K, Q4_K's own, is made from a file's blocks only)."""
+    fmt = (FOLDED_FORMATS if fold else SCALED_FORMATS)[type_name]
+    return F4 if fmt == F4K else fmt
+
+
+# Each type in each arithmetic's format, and in the 8-bit format it falls back to.
+REPACKS = sorted({(t, f) for t in SPLIT_TYPES for fold in (False, True)
+                  for f in (codes_format(t, fold), FALLBACK.get(codes_format(t, fold), codes_format(t, fold)))})
 
 
 @pytest.mark.parametrize("type_name, fmt", REPACKS, ids=[f"{t}-{f}" for t, f in REPACKS])
@@ -72,7 +85,6 @@ def test_the_kernels_repack_the_blocks_as_the_torch_reference_packs_them(type_na
     raw, codes = codes_of(type_name)
     order = torch.randperm(SHAPE[0], generator=torch.Generator().manual_seed(0))
     codes = replace(codes, q=codes.q[order], d=codes.d[order], m=None if codes.m is None else codes.m[order])
-    assert amx_format(codes) == CODES_FORMATS[type_name]
     want_codes, want_scales = pack_amx(codes, fmt)
     got_codes, got_scales = empty_format(fmt, SHAPE[0] // 16, SHAPE[1] // 32)
     exact = ops.repack_gguf(got_codes, got_scales, torch.from_numpy(raw), int(GGMLQuantizationType[type_name]),
@@ -82,14 +94,14 @@ def test_the_kernels_repack_the_blocks_as_the_torch_reference_packs_them(type_na
     assert torch.equal(got_scales.view(torch.int32), want_scales.view(torch.int32))
 
 
-def test_a_folded_format_gives_way_to_8_bit_codes_where_its_offsets_would_round() -> None:
-    # F4 stores M = m - 16 d: exact for every Q4_K tensor of the real files, not for any d and m.
+def test_4_bit_formats_give_way_to_8_bit_codes_where_their_offsets_would_round(fold: bool) -> None:
+    # W4 and F4 store M = m - 16 d: exact for every Q4_K tensor of the real files, not for any d and m.
     d = torch.tensor([[3.0e-5]] * 16)
     m = torch.tensor([[-1.0 - 2.0 ** -20]] * 16)
     codes = Codes(torch.randint(0, 16, (16, 32), dtype=torch.int16), d, m, 32, 4)
     assert amx_format(codes) == W8_AFFINE
     _, real = codes_of("Q4_K")
-    assert amx_format(real) == F4 == CODES_FORMATS["Q4_K"]
+    assert amx_format(real) == (F4 if fold else W4) == codes_format("Q4_K", fold)
 
 
 def test_codes_widen_to_formats_that_hold_them_and_only_those() -> None:
@@ -111,14 +123,15 @@ def test_codes_widen_to_formats_that_hold_them_and_only_those() -> None:
 
 
 @needs_amx_bf16
-def test_a_4_bit_tensor_whose_offsets_would_round_takes_8_bit_codes() -> None:
+def test_a_4_bit_tensor_whose_offsets_would_round_takes_8_bit_codes(fold: bool) -> None:
     raw = random_blocks("Q4_K", SHAPE, seed=4).reshape(SHAPE[0], -1, 144).copy()
     raw[..., 0:2] = np.array([0.05], dtype=np.float16).view(np.uint8)  # d: scales up to about 3
     raw[..., 2:4] = np.array([3e-6], dtype=np.float16).view(np.uint8)  # dmin: minimums far below them
     raw = raw.reshape(SHAPE[0], -1)
-    codes_t, scales_t = empty_format(F4, SHAPE[0] // 16, SHAPE[1] // 32)
+    fmt = type_format("Q4_K")
+    codes_t, scales_t = empty_format(fmt, SHAPE[0] // 16, SHAPE[1] // 32)
     source = torch.arange(SHAPE[0])
-    assert not ops.repack_gguf(codes_t, scales_t, torch.from_numpy(raw), int(GGMLQuantizationType.Q4_K), F4, source)
+    assert not ops.repack_gguf(codes_t, scales_t, torch.from_numpy(raw), int(GGMLQuantizationType.Q4_K), fmt, source)
     tensor = GGUFTensor("q", int(GGMLQuantizationType.Q4_K), (SHAPE[1], SHAPE[0]), raw)
     linear = projection(None, [tensor], [None])
     assert linear.formats == [W8_AFFINE]
@@ -134,6 +147,8 @@ def test_parts_share_a_segment_when_their_format_or_their_tile_does() -> None:
     assert plan_segments([F4, F8], [40, 24]) == [(F8, [0, 1])]
     assert plan_segments([F4, W8], [40, 24]) == [(W8_AFFINE, [0, 1])]
     assert plan_segments([W8, W8_AFFINE], [8, 8]) == [(W8_AFFINE, [0, 1])]
+    assert plan_segments([W4, W4, W8_G16], [64, 16, 16]) == [(W4, [0, 1]), (W8_G16, [2])]
+    assert plan_segments([W4, W8_G16], [40, 24]) == [(W8_AFFINE_G16, [0, 1])]
 
 
 def bf16_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -168,24 +183,24 @@ def assert_segments_match(linear: NativeLinear, x: torch.Tensor, weight: torch.T
 
 @needs_amx_bf16
 @pytest.mark.parametrize("type_name", SPLIT_TYPES)
-def test_a_projection_multiplies_the_files_values(type_name: str) -> None:
+def test_a_projection_multiplies_the_files_values(type_name: str, fold: bool) -> None:
     _, codes = codes_of(type_name)
     linear = NativeLinear.from_codes([codes])
-    assert linear.formats == [CODES_FORMATS[type_name]]
+    assert linear.formats == [codes_format(type_name, fold)]
     x = torch.randn(40, SHAPE[1], generator=torch.Generator().manual_seed(2))
     assert_segments_match(linear, x, codes.dequantize())
 
 
 @needs_amx_bf16
-def test_a_projection_of_parts_in_different_types_keeps_each_type() -> None:
+def test_a_projection_of_parts_in_different_types_keeps_each_type(fold: bool) -> None:
     x = torch.randn(40, SHAPE[1], generator=torch.Generator().manual_seed(3))
     parts = [codes_of("Q4_K", (32, 512))[1], codes_of("Q6_K", (16, 512), 2)[1], codes_of("Q8_0", (16, 512), 3)[1]]
     linear = NativeLinear.from_codes(parts)
-    assert linear.formats == [F4, F8_G16S, W8]
+    assert linear.formats == ([F4, F8_G16S, W8] if fold else [W4, W8_G16, W8])
     assert_segments_match(linear, x, torch.cat([p.dequantize() for p in parts]))
     unaligned = [codes_of("Q4_K", (40, 512))[1], codes_of("Q6_K", (24, 512), 2)[1]]
     linear = NativeLinear.from_codes(unaligned)
-    assert linear.formats == [F8_G16]
+    assert linear.formats == [F8_G16 if fold else W8_AFFINE_G16]
     assert_segments_match(linear, x, torch.cat([p.dequantize() for p in unaligned]))
 
 
@@ -219,22 +234,19 @@ def test_the_exact_path_equals_transformers_on_a_file_of_many_types(mixed_files,
 
 @needs_amx_bf16
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_w4a16_keeps_each_tensor_at_its_type(mixed_files, make_runner, arch: str) -> None:
+def test_w4a16_keeps_each_tensor_at_its_type(mixed_files, make_runner, arch: str, fold: bool) -> None:
     path, _ = mixed_files[arch]
     native = load_model(str(path), "float32", "cpu", quantization="w4a16").model
     layers = native.model.layers
     assert [p.kind for layer in layers for p in (layer.self_attn.qkv_proj, layer.mlp.down_proj)] == ["native"] * 4
-    assert layers[0].self_attn.qkv_proj.formats == [F4K, F8_G16S]  # Q4_K q and k, then a Q6_K v
-    assert layers[0].mlp.down_proj.formats == [F8_G16S]
-    # Q5_K q and Q5_0 v folded, a Q8_0 k between them in 8-bit codes with a scale per 32
+    # Q4_K q and k, then a Q6_K v; a Q5_K q, a Q8_0 k and a Q5_0 v (8-bit codes with a scale per
+    # 32, scaled: sharing one segment)
     assert [MIXED_TYPES[1][k] for k in ("attn_q", "attn_k", "attn_v")] == ["Q5_K", "Q8_0", "Q5_0"]
-    assert layers[1].self_attn.qkv_proj.formats == [F8, W8, F8]
+    want_formats = ([[F4K, F8_G16S], [F8_G16S], [F8, W8, F8]] if fold
+                    else [[W4, W8_G16], [W8_G16], [W8_AFFINE, W8]])
+    assert [layers[0].self_attn.qkv_proj.formats, layers[0].mlp.down_proj.formats,
+            layers[1].self_attn.qkv_proj.formats] == want_formats
     assert all(layer.packed_int4() for layer in layers)  # the fused layer runs them
-    # Each projection is held to its formats' arithmetic above (assert_segments_match); here
-    # the whole model: its rounding beyond the exact path's is the inputs' to bfloat16 (and
-    # Q8_0's weights'), which amx-bf16 also has (with every weight rounded too). Through the
-    # layers the inputs' roundings dominate both, so the bound is amx-bf16's distance, not a
-    # fraction of it (measured: native 0.077 / 0.301, amx-bf16 0.102 / 0.299, qwen2 / llama).
     exact = load_model(str(path), "float32", "cpu", quantization="none").model
     want = logits_of(exact, make_runner)
     for layer in exact.model.layers:
@@ -243,8 +255,17 @@ def test_w4a16_keeps_each_tensor_at_its_type(mixed_files, make_runner, arch: str
             module = getattr(layer, block)
             setattr(module, name, AmxBf16Linear(_linear(getattr(module, name)), "amx-bf16"))
     exact.lm_head = AmxBf16Linear(_linear(exact.lm_head), "amx-bf16")
-    ours = (logits_of(native, make_runner) - want).abs().max().item()
-    bf16 = (logits_of(exact, make_runner) - want).abs().max().item()
+    ours, bf16 = logits_of(native, make_runner), logits_of(exact, make_runner)
+    if not fold:
+        # The same bfloat16 operands as amx-bf16 on the dequantised weights, head included: equal bits.
+        assert torch.equal(ours, bf16)
+        return
+    # Folded, each projection is held to its formats' arithmetic above (assert_segments_match);
+    # here the whole model: its rounding beyond the exact path's is the inputs' to bfloat16 (and
+    # Q8_0's weights'), which amx-bf16 also has (with every weight rounded too). Through the
+    # layers the inputs' roundings dominate both, so the bound is amx-bf16's distance, not a
+    # fraction of it (measured: native 0.077 / 0.301, amx-bf16 0.102 / 0.299, qwen2 / llama).
+    ours, bf16 = (ours - want).abs().max().item(), (bf16 - want).abs().max().item()
     assert ours < 1.25 * bf16, f"max |logit diff| from the exact path: native {ours:.2e}, amx-bf16 {bf16:.2e}"
 
 
@@ -269,9 +290,10 @@ def test_symmetric_codes_fold_the_same_from_d_alone() -> None:
 
 
 @needs_amx_bf16
-def test_q4_k_folds_from_its_own_scales_as_from_d_and_m() -> None:
+def test_q4_k_folds_from_its_own_scales_as_from_d_and_m(monkeypatch: pytest.MonkeyPatch) -> None:
     # F4K keeps Q4_K's 6-bit scales and minimums per 256 inputs and makes F4's D and M from
     # them: equal bits, with 0.37x the scale bytes.
+    monkeypatch.setenv(FOLD_SWITCH, "1")
     raw, codes = codes_of("Q4_K")
     tensor = GGUFTensor("q", int(GGMLQuantizationType.Q4_K), (SHAPE[1], SHAPE[0]), raw)
     order = torch.randperm(SHAPE[0], generator=torch.Generator().manual_seed(8))
@@ -286,3 +308,11 @@ def test_q4_k_folds_from_its_own_scales_as_from_d_and_m() -> None:
     assert scale_bytes[0] * 8 == scale_bytes[1] * 3
     with pytest.raises(ValueError, match="made from a file"):
         pack_amx(codes, F4K)
+
+
+def test_the_fold_switch_takes_0_or_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(FOLD_SWITCH, "yes")
+    with pytest.raises(ValueError, match="expected 0 or 1"):
+        type_format("Q4_K")
+    monkeypatch.delenv(FOLD_SWITCH)
+    assert type_format("Q4_K") == W4 and type_format("Q6_K") == W8_G16  # scaled by default
