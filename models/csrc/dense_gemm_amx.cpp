@@ -394,6 +394,7 @@ struct QuantBlocks {
   QuantSegment seg[kMaxSegments];
   int count;
   int64_t kbs;
+  int ops;  // B operands per block at most: 2 where a segment folds per 16 inputs
 
   const QuantSegment& of(int64_t block, int64_t& local) const {
     const int64_t tile = block / kbs;
@@ -512,8 +513,10 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
     if (fold[i]) std::memset(acc + i * 256, 0, m * 64);
     else zero_c(i);
   }
-  // Block kb's operands: tile i's at wbuf + ((kb & 1) * kSmallTiles + i) * 1024 (2 with halves).
-  const auto operands = [&](int64_t kb, int i) { return wbuf + ((kb & 1) * kSmallTiles + i) * 1024; };
+  // Block kb's operands: tile i's at wbuf + ((kb & 1) * kSmallTiles + i) * per_tile (two B
+  // operands per tile where a segment folds per 16 inputs; one keeps the buffer in half of L1).
+  const int64_t per_tile = qb.ops * 512;
+  const auto operands = [&](int64_t kb, int i) { return wbuf + ((kb & 1) * kSmallTiles + i) * per_tile; };
   const auto make = [&](int64_t kb) {
     for (int i = 0; i < nt; ++i) {
       const int64_t blk = (t0 + i) * kbs + kb;
@@ -791,7 +794,7 @@ static void amx_quant_linear(at::Tensor& out, const at::Tensor& x, const QuantBl
     thread_local std::vector<uint16_t> wb;
     if (wb.size() < static_cast<size_t>(4 * kbs * 512 + 32)) wb.resize(static_cast<size_t>(4 * kbs * 512 + 32));
     uint16_t* w0 = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(wb.data()) + 63) & ~uintptr_t{63});
-    uint16_t* w1 = w0 + 2 * kbs * 512;
+    uint16_t* w1 = w0 + qb.ops * kbs * 512;
     const bool two = t0 + 1 < tiles;
     if (first || r0 == 0) {
       qb.to_bf16(w0, t0 * kbs, kbs);
@@ -859,6 +862,8 @@ void amx_quant_linear(at::Tensor& out, const at::Tensor& x, const std::vector<at
     tiles += c.size(0);
   }
   qb.kbs = kbs;
+  qb.ops = 1;
+  for (int i = 0; i < count; ++i) qb.ops = std::max(qb.ops, qb.seg[i].fold == 2 ? 2 : 1);
   check_rows("amx_quant_linear", out, x, tiles, false);
   amx_quant_linear(out, x, qb, tiles, kbs);
 #else
@@ -876,6 +881,7 @@ static void amx_quant_linear(at::Tensor& out, const at::Tensor& x, const at::Ten
                f.scale_floats, f.make, 0, f.fold, f.scale_kind};
   qb.count = 1;
   qb.kbs = codes.size(1);
+  qb.ops = f.fold == 2 ? 2 : 1;
   amx_quant_linear(out, x, qb, codes.size(0), codes.size(1));
 }
 #endif
