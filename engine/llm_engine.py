@@ -28,18 +28,11 @@ from engine.validation import InvalidRequestError, RequestLimits, check_request
 from engine.workers import WorkerGroup
 from models.chat_template import read_chat_template
 from models.config import ModelConfig
-from models.kv_cache import cdiv, default_dtype
+from models.kv_cache import cdiv, resolve_dtype
 from models.loader import LoadedModel, load_model
 from models.lora import LoRAAdapter, load_adapter
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """``auto`` -> ``models.kv_cache.default_dtype``; otherwise the named dtype."""
-    if kv_cache_dtype != "auto":
-        return getattr(torch, kv_cache_dtype)
-    return default_dtype(model_dtype)
 
 
 @dataclass
@@ -120,7 +113,7 @@ class LLMEngine:
         if config.max_model_len and config.max_model_len > loaded.config.max_position_embeddings:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length "
                              f"({loaded.config.max_position_embeddings})")
-        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, loaded.dtype)
+        kv_dtype = resolve_dtype(config.kv_cache_dtype, loaded.dtype)
         tp_size = config.parallel.tensor_parallel_size
         block_bytes = kv_bytes_per_block(loaded.config, kv_dtype, config.block_size, tp_size)
         free = torch.cuda.mem_get_info(loaded.device)[0] if loaded.device.type == "cuda" else available_memory()
@@ -205,7 +198,7 @@ class LLMEngine:
         if not draft.tokenizer.same_vocabulary(self.tokenizer):
             raise ValueError(f"the draft model {spec.draft_model!r} has another vocabulary than "
                              f"{c.model!r}: its proposals would be other tokens")
-        kv_dtype = resolve_kv_cache_dtype(c.kv_cache_dtype, draft.dtype)
+        kv_dtype = resolve_dtype(c.kv_cache_dtype, draft.dtype)
         logger.info("speculative: draft model %s, %d KV blocks of its own", spec.draft_model, self.num_blocks)
         return DraftProposer(draft, self.num_blocks, self.block_size, kv_dtype, spec.num_speculative_tokens,
                              self.vocab_size, max_catch_up=self.budget.max_num_batched_tokens)

@@ -64,7 +64,7 @@ class ModelRunner:
         self.config = loaded.config
         self.device = loaded.device
         self.dtype = loaded.dtype
-        self.kv_dtype = kv_dtype  # resolved by the engine (``resolve_kv_cache_dtype``)
+        self.kv_dtype = kv_dtype  # resolved by the engine (``models.kv_cache.resolve_dtype``)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.peers = peers

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig, torchrun_rank
 from engine.model_runner import Chunk, ModelRunner
+from models.kv_cache import resolve_dtype
 from models.loader import read_config, resolve_device, resolve_path
 from models.parallel import TensorParallel, check_split
 
@@ -92,15 +93,13 @@ class RankSpec:
 def rank_spec(config: EngineConfig) -> RankSpec:
     """Resolve ``config``'s path (``auto`` is measured here, once, on rank 0's host) and
     check the split; ``ValueError`` naming the numbers if the model cannot be split."""
-    from engine.llm_engine import resolve_kv_cache_dtype  # noqa: PLC0415 - llm_engine imports us
-
     par = config.parallel
     # A split model runs dequantised or requantised weights (gguf_native's own codes are not split).
     model_config, gguf_type, _ = read_config(config.model)
     device = resolve_device(config.device)
     dtype, quantization = resolve_path(config.dtype, config.quantization, model_config, gguf_type, device)
     check_split(model_config, par.tensor_parallel_size, quantized=quantization != "none")
-    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
+    kv_dtype = resolve_dtype(config.kv_cache_dtype, dtype)
     return RankSpec(model=config.model, dtype=str(dtype).removeprefix("torch."), quantization=quantization,
                     device=config.device, max_positions=config.max_model_len,
                     kv_cache_dtype=str(kv_dtype).removeprefix("torch."), block_size=config.block_size,

@@ -30,9 +30,9 @@ import torch
 from models import kv_cache, ops
 from models.attention import SeqSpec, build_attention_metadata
 from models.config import ModelConfig
+from models.fused import fused_part_sizes
 from models.gguf_loader import FOUR_BIT_TYPES
 from models.gguf_native import KINDS, PROJECTIONS, FileTypes, random_projection
-from models.llama import fused_part_sizes
 from models.quant import prepare_projections
 from models.registry import model_class
 

@@ -33,6 +33,14 @@ def default_dtype(model_dtype: torch.dtype) -> torch.dtype:
     return torch.float16 if model_dtype == torch.float32 else model_dtype
 
 
+def resolve_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache dtype of a ``--kv-cache-dtype`` setting: ``auto`` -> ``default_dtype``,
+    otherwise the named dtype."""
+    if setting != "auto":
+        return getattr(torch, setting)
+    return default_dtype(model_dtype)
+
+
 def row_width(head_dim: int, dtype: torch.dtype) -> int:
     """Elements per (token, head) row in a cache of ``dtype``."""
     return head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim

@@ -16,12 +16,13 @@ from torch import nn
 from models import ops
 from models.attention import AttentionMetadata, paged_attention
 from models.config import ModelConfig
+from models.fused import FUSED_PARTS, fused_part_sizes
 from models.gguf_linear import NativeLinear
 from models.parallel import TensorParallel, embed
 from models.quant import AmxBf16Linear, QuantizedLinear
 from models.rope import RotaryEmbedding, interleave_rotary_rows
 
-if TYPE_CHECKING:  # models.lora reads the fused layout below
+if TYPE_CHECKING:
     from models.lora import LayerLoRA, LoRABatch
 
 
@@ -178,25 +179,6 @@ class LlamaModel(nn.Module):
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
-# Checkpoint projection name -> (fused parameter, shard index).
-FUSED_PARTS = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
-
-
-def fused_part_sizes(fused: str, cfg: ModelConfig) -> list[int]:
-    """The output rows of each checkpoint projection a decoder projection holds, in order
-    (``qkv_proj``: q, k, v; ``gate_up_proj``: gate, up; ``o_proj``, ``down_proj``: one)."""
-    if fused == "qkv_proj":
-        q = cfg.num_attention_heads * cfg.head_dim
-        kv = cfg.num_key_value_heads * cfg.head_dim
-        return [q, kv, kv]
-    if fused == "gate_up_proj":
-        return [cfg.intermediate_size] * 2
-    return [cfg.hidden_size]
 
 
 class LlamaForCausalLM(nn.Module):

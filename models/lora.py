@@ -9,7 +9,7 @@ changed: a forward adds ``s * (x @ A^T) @ B^T`` to the projection's output for
 the rows of the requests that asked for the adapter (``LoRABatch``), so one
 server answers the base model and any number of adapters in the same batch.
 
-The model stores q/k/v and gate/up fused (``models.llama``); an adapter's
+The model stores q/k/v and gate/up fused (``models.fused``); an adapter's
 updates of those are stacked the same way: the ``A`` matrices one above the
 other, the ``B`` matrices block-diagonal, with the q and k rows in the
 interleaved rotary order of the fused weight. The scale is folded into ``B``.
@@ -38,7 +38,7 @@ from torch.nn import functional as F
 from models import gguf_loader, ops
 from models.config import ModelConfig
 from models.dense import DTYPES, pack_dense
-from models.llama import FUSED_PARTS, fused_part_sizes
+from models.fused import FUSED_PARTS, fused_part_sizes
 from models.parallel import RankSlices, TensorParallel, rank_slices
 from models.rope import interleave_rotary_rows
 

@@ -5,7 +5,7 @@ kvserve stores each head's Q/K features with the rotary pairs interleaved
 uses, instead of Hugging Face's split halves. Attention scores are unchanged
 by a permutation applied to both Q and K, and with pairs adjacent the rotation
 is a single complex multiplication (or one pass of the fused kernel in
-``models/ops.py``) instead of a dozen small ops per layer.
+``models.ops``) instead of a dozen small ops per layer.
 ``LlamaForCausalLM.load_weights`` permutes checkpoint Q/K rows into this layout.
 """
 

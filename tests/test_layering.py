@@ -5,6 +5,9 @@
 Imports inside functions count, and so do ``importlib.import_module`` and
 ``__import__`` with a literal name; a computed name cannot be checked and is an
 offence in itself.
+
+Nor may the project's modules import each other in a circle, within a package
+too: a name two modules share moves down into one that both import.
 """
 
 from __future__ import annotations
@@ -113,3 +116,72 @@ def test_an_upward_import_through_importlib_is_an_offence() -> None:
 def test_the_cli_is_held_to_its_own_rules() -> None:
     assert rules_for(ROOT / "server" / "cli" / "serve.py") is FORBIDDEN["server/cli"]
     assert rules_for(ROOT / "server" / "app.py") is FORBIDDEN["server"]
+
+
+PACKAGES = ("server", "engine", "models", "bench")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each of the project's modules -> the project's modules it imports
+    (``from a import b`` counts ``a.b`` only where ``a.b`` is a module)."""
+    paths = {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+    return {name: {n for n in imported_modules(path.read_text(), package_of(path))
+                   if n in paths and n != name}
+            for name, path in paths.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one module
+    (Tarjan's algorithm, iterative), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, successors = work[-1]
+            nxt = next((s for s in successors if s not in index or s in on_stack), None)
+            if nxt is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+            elif nxt in index:
+                low[node] = min(low[node], index[nxt])
+            else:
+                index[nxt] = low[nxt] = len(index)
+                stack.append(nxt)
+                on_stack.add(nxt)
+                work.append((nxt, iter(sorted(graph[nxt]))))
+    return found
+
+
+def test_no_import_cycles() -> None:
+    graph = import_graph()
+    found = [" <-> ".join(c) + ": " + "; ".join(f"{m} -> {', '.join(sorted(graph[m] & set(c)))}" for m in c)
+             for c in cycles(graph)]
+    assert not found, "\n".join(found)
+
+
+def test_the_cycle_check_finds_a_cycle_inside_a_package_and_ignores_a_chain() -> None:
+    graph = {"models.ops": {"models.autotune"}, "models.autotune": {"models.llama"},
+             "models.llama": {"models.ops", "models.rope"}, "models.rope": set(),
+             "engine.a": {"models.ops"}}
+    assert cycles(graph) == [["models.autotune", "models.llama", "models.ops"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []

@@ -19,7 +19,7 @@ import torch
 from engine import llm_engine as llm_engine_module
 from engine.config import (CPU_BUDGET, CUDA_KV_CACHE_FRACTION, CUDA_MAX_NUM_BATCHED_TOKENS, CUDA_MAX_NUM_SEQS, MiB,
                            EngineConfig, StepBudget, cpu_kv_budget, step_budget)
-from engine.llm_engine import LLMEngine, resolve_kv_cache_dtype
+from engine.llm_engine import LLMEngine
 from engine.model_runner import kv_bytes_per_block
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -437,15 +437,6 @@ def test_duplicate_request_id_is_rejected(small_engine, tokenizer):
         small_engine.add_request("dup", prompt, GREEDY)
     assert small_engine.abort_request("dup").outputs[0].finish_reason == "abort"
     assert_engine_idle(small_engine)
-
-
-@pytest.mark.parametrize("setting, model_dtype, expected", [
-    ("auto", torch.float32, torch.float16), ("auto", torch.bfloat16, torch.bfloat16),
-    ("float32", torch.float32, torch.float32), ("bfloat16", torch.float32, torch.bfloat16),
-    ("int8", torch.float32, torch.int8), ("int8", torch.bfloat16, torch.int8),
-])
-def test_kv_cache_dtype_resolution(setting, model_dtype, expected):
-    assert resolve_kv_cache_dtype(setting, model_dtype) == expected
 
 
 def test_the_path_choice_times_a_prompt_chunk_of_the_default_step_budget():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from models import autotune, ops
+from models.ops import cli
 from models.autotune import RunPath, Timing
 from models.config import ModelConfig
 from models.loader import resolve_path
@@ -189,14 +190,14 @@ def test_python_m_models_ops_reports_the_choice(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(autotune, "measure_all", lambda config, paths, **_: [Timing(
         path, decode_ms=1.0 if path.quantization == "int4" else 3.0, prompt_ms=1.0, full_batch_ms=1.0)
         for path in paths])
-    assert ops.main(["--choose-path", "tiny"]) == 0
+    assert cli.main(["--choose-path", "tiny"]) == 0
     measured = []
     monkeypatch.setattr(autotune, "choose", lambda *a, measure_again, **k: measured.append(measure_again) or
                         RunPath(DTYPES[0], "int4"))
-    assert ops.main(["--choose-path", "tiny", "--measure-again"]) == 0
+    assert cli.main(["--choose-path", "tiny", "--measure-again"]) == 0
     assert measured == [True]
     with pytest.raises(SystemExit):
-        ops.main(["--measure-again"])
+        cli.main(["--measure-again"])
     out = capsys.readouterr().out
     assert "fused CPU kernels: ready" in out
     assert f"int8 dots: {ops.int8_dots() or 'none'}; AMX-INT8: " in out

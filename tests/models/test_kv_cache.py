@@ -94,3 +94,12 @@ def test_huge_page_zeros_holds_its_memory_from_the_start(monkeypatch: pytest.Mon
     buf = kv_cache.huge_page_zeros(64 << 20)
     assert _rss_anon() - before >= 60 << 20
     assert not buf[::4096].any()
+
+
+@pytest.mark.parametrize("setting, model_dtype, expected", [
+    ("auto", torch.float32, torch.float16), ("auto", torch.bfloat16, torch.bfloat16),
+    ("float32", torch.float32, torch.float32), ("bfloat16", torch.float32, torch.bfloat16),
+    ("int8", torch.float32, torch.int8), ("int8", torch.bfloat16, torch.int8),
+])
+def test_a_kv_cache_dtype_setting_resolves_against_the_model_dtype(setting, model_dtype, expected) -> None:
+    assert kv_cache.resolve_dtype(setting, model_dtype) == expected

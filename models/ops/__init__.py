@@ -41,7 +41,8 @@ from models import kv_cache
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+_CSRC = Path(__file__).parents[1] / "csrc"  # models/csrc
+_SOURCES = sorted(_CSRC.glob("*.cpp"))
 _ext: ModuleType | None = None
 _tried = False
 _enabled = os.environ.get("KVSERVE_KERNELS", "1") != "0"
@@ -127,7 +128,7 @@ def _build_directory(name: str) -> Path:
 def sources_digest() -> str:
     """A short hash of the kernels' sources: what they compute changes with it."""
     h = hashlib.sha256()
-    for path in sorted((Path(__file__).parent / "csrc").iterdir()):
+    for path in sorted(_CSRC.iterdir()):
         if path.suffix in (".cpp", ".h"):
             h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:12]
@@ -680,43 +681,3 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
     return o[0].transpose(0, 1)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m models.ops``: build the kernels ahead of the first run; with
-    ``--choose-path MODEL``, also make (and log) the ``auto`` path choice for MODEL."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m models.ops", description=main.__doc__)
-    p.add_argument("--choose-path", metavar="MODEL", default=None,
-                   help="a model name, directory or .gguf file (e.g. smollm2)")
-    p.add_argument("--measure-again", action="store_true",
-                   help="with --choose-path: measure even if the kernel cache holds a choice, and replace it")
-    args = p.parse_args(argv)
-    if args.measure_again and not args.choose_path:
-        p.error("--measure-again goes with --choose-path MODEL")
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if kernels_available():
-        amx = ("usable, forced for w4a8 (KVSERVE_AMX=force)" if amx_usable() and amx_mode() == "force"
-               else "usable, offered to the path choice" if amx_usable()
-               else "present, not offered (KVSERVE_AMX=0 or the self-check; see above)" if amx_hardware()
-               else "not on this CPU")
-        bf16 = ("usable (w4a16 offered to the path choice; amx-bf16 when asked for)" if amx_bf16_usable()
-                else "not usable")
-        print(f"fused CPU kernels: ready ({vector_isa()}; int8 dots: {int8_dots() or 'none'}; AMX-INT8: {amx}; "
-              f"AMX-BF16: {bf16})")
-    else:
-        print("fused CPU kernels: unavailable, plain torch ops will run")
-    if args.choose_path:
-        from models import autotune
-        from models.loader import read_config
-
-        config, gguf_type, types = read_config(args.choose_path)
-        path = autotune.choose(config, "auto", "auto", four_bit=autotune.four_bit(gguf_type),
-                               measure_again=args.measure_again, types=types)
-        print(f"path auto for {args.choose_path}: {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

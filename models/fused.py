@@ -1,0 +1,28 @@
+"""The decoder's fused projections: which checkpoint projection fills which part.
+
+The decoder (``models.llama``) stores q/k/v as one ``qkv_proj`` and gate/up as
+one ``gate_up_proj``; checkpoint loading, LoRA adapters (``models.lora``) and
+the path tuner (``models.autotune``) all split or stack along this layout.
+"""
+
+from __future__ import annotations
+
+from models.config import ModelConfig
+
+# Checkpoint projection -> (the decoder's fused projection, place in it).
+FUSED_PARTS = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+def fused_part_sizes(fused: str, cfg: ModelConfig) -> list[int]:
+    """The output rows of each checkpoint projection a decoder projection holds, in order
+    (``qkv_proj``: q, k, v; ``gate_up_proj``: gate, up; ``o_proj``, ``down_proj``: one)."""
+    if fused == "qkv_proj":
+        q = cfg.num_attention_heads * cfg.head_dim
+        kv = cfg.num_key_value_heads * cfg.head_dim
+        return [q, kv, kv]
+    if fused == "gate_up_proj":
+        return [cfg.intermediate_size] * 2
+    return [cfg.hidden_size]
