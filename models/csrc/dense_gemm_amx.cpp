@@ -365,6 +365,12 @@ __attribute__((target("avx512f,avx512bw"))) FoldSums fold_sums(const uint16_t* x
   return {s16, s32, k16, k32};
 }
 
+// 16 bytes as 16 floats (a lambda would not inherit the caller's target: the AVX2 builds
+// compile this file without AVX-512 by default).
+__attribute__((target("avx512f"))) inline __m512 bytes_as_floats(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
 // How a folded segment keeps its scales: D[16] and M[16] per block half; D[16] per half with
 // M = -1.5 D (codes u - 2^(b-1), no offset: Q6_K, Q3_K); or Q4_K's own: per 8 blocks (a
 // super-block of 256 inputs) 8 x 16 bytes of 6-bit scales sc, 8 x 16 of minimums mn, then
@@ -415,11 +421,8 @@ struct QuantBlocks {
     if (s.scale_kind == kScalesQ4K) {
       const float* rec = s.scales + (local / 8) * 96;
       const auto* ints = reinterpret_cast<const uint8_t*>(rec) + (local % 8) * 16;
-      const auto as_float = [](const uint8_t* p) {
-        return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-      };
-      d = _mm512_mul_ps(_mm512_loadu_ps(rec + 64), as_float(ints));
-      mo = _mm512_fnmsub_ps(_mm512_loadu_ps(rec + 80), as_float(ints + 128), d);
+      d = _mm512_mul_ps(_mm512_loadu_ps(rec + 64), bytes_as_floats(ints));
+      mo = _mm512_fnmsub_ps(_mm512_loadu_ps(rec + 80), bytes_as_floats(ints + 128), d);
       return;
     }
     const float* sc = s.scales + local * s.scale_floats;
