@@ -34,8 +34,8 @@ from models.quant import _w4a16_layout, _w8a16_codes
 
 # AMX-BF16 weight formats of ``ops.amx_quant_linear`` and ``ops.repack_gguf`` (csrc/kernels.h AmxWeightFormat).
 W4, W8, W8_G16, W8_AFFINE, W8_AFFINE_G16, F4, F8, F8_G16, F8_G16S, F4K = range(10)
-AMX_FORMATS = {W4: "4-bit, d and m per 32", W8: "8-bit, d per 32", W8_G16: "8-bit, d per 16", W8_AFFINE: "8-bit, d and m per 32",
-               W8_AFFINE_G16: "8-bit, d and m per 16", F4: "4-bit, folded per 32",
+AMX_FORMATS = {W4: "4-bit, d and m per 32", W8: "8-bit, d per 32", W8_G16: "8-bit, d per 16",
+               W8_AFFINE: "8-bit, d and m per 32", W8_AFFINE_G16: "8-bit, d and m per 16", F4: "4-bit, folded per 32",
                F8: "7-bit, folded per 32", F8_G16: "7-bit, folded per 16",
                F8_G16S: "7-bit symmetric, folded per 16", F4K: "4-bit, folded per 32, Q4_K's scales"}
 # The folded formats: the kernel multiplies the codes as the exact bfloat16 1 + u/2^bits and
@@ -73,7 +73,8 @@ def amx_format(codes: Codes) -> int:
     files measured). Scaled: 4-bit codes where ``W4``'s offsets are exact. Else 8-bit codes
     with their scales (and offsets)."""
     if not folding():
-        if codes.bits == 4 and codes.group == 32 and _w4_exact(codes):
+        # W4 stores F4's offsets M = m - 16 d (quant.pack_w4a16): exact where F4's are
+        if codes.bits == 4 and codes.group == 32 and _fold_exact(codes):
             return W4
     elif codes.bits <= 7 and _fold_exact(codes):
         if codes.group == 16:
@@ -82,14 +83,6 @@ def amx_format(codes: Codes) -> int:
     if codes.group == 32:
         return W8 if codes.m is None else W8_AFFINE
     return W8_G16 if codes.m is None else W8_AFFINE_G16
-
-
-def _w4_exact(codes: Codes) -> bool:
-    """Whether W4's offsets ``M = m - 16 d`` (``quant.pack_w4a16``) are exact in float32, so
-    that the kernel's ``(1 + q/16) * 16d + M`` rounds ``d * q + m`` once, as the file's
-    dequantisation does. Where not, the tensor takes W8_AFFINE, which holds any 4-bit codes."""
-    m = torch.zeros_like(codes.d) if codes.m is None else codes.m
-    return bool(((m - 16 * codes.d).double() == m.double() - 16 * codes.d.double()).all())
 
 
 def _symmetric(codes: Codes) -> bool:
@@ -104,9 +97,10 @@ def _fold_scales(codes: Codes) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _fold_exact(codes: Codes) -> bool:
-    """Whether a folded format's offsets ``M`` are exact in float32, so that ``D * (1 +
-    u/2^bits) + M`` is ``d * q + m`` exactly. Where not (random scales of tests), the tensor
-    takes the 8-bit format of the same scales (``FOLDED``)."""
+    """Whether the offsets ``M`` of a folded format (and of W4, which stores F4's) are exact in
+    float32, so that ``D * (1 + u/2^bits) + M`` is ``d * q + m`` rounded once, as the file's
+    dequantisation rounds it. Where not (random scales of tests), the tensor takes the 8-bit
+    format of the same scales (``FALLBACK``)."""
     m = torch.zeros_like(codes.d) if codes.m is None else codes.m
     _, big_m = _fold_scales(codes)
     return bool((big_m.double() == m.double() - (codes.offset + 2 ** codes.bits) * codes.d.double()).all())
