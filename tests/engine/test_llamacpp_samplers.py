@@ -18,13 +18,16 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
+from engine.dry import dry_breakers, dry_penalties
 from engine.llm_engine import LLMEngine
+from engine.logits_processors import apply_logits_processors
+from engine.mirostat import apply_mirostat, mirostat_update
 from engine.model_runner import kv_bytes_per_block
 from engine.request import Request
-from engine.sampler import (Sampler, apply_logits_processors, apply_mirostat, apply_temperature_last,
-                            apply_top_k_top_p, apply_top_n_sigma, apply_typical_p, apply_xtc, dry_breakers,
-                            dry_penalties, mirostat_update)
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
+from engine.truncation import (apply_temperature_last, apply_top_k_top_p, apply_top_n_sigma, apply_typical_p,
+                               apply_xtc)
 
 # --------------------------------------------------------------------------- references
 

@@ -8,9 +8,11 @@ import math
 import pytest
 import torch
 
+from engine.logits_processors import apply_logits_processors
 from engine.request import Request
-from engine.sampler import Sampler, apply_logits_processors, apply_min_p, apply_top_k_top_p
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
+from engine.truncation import apply_min_p, apply_top_k_top_p
 
 _ids = itertools.count()
 NEG_INF = float("-inf")
