@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from models import autotune, ops
+from models.ops import build
 from models.quant import pack_int4, pack_int8
 
 
@@ -89,7 +90,7 @@ def test_emulation_off_gives_the_hardware_state_back() -> None:
 @pytest.mark.skipif(not ops.kernels_available(), reason="kvserve's CPU kernels are not built here")
 def test_the_self_check_withdraws_amx_that_disagrees(monkeypatch: pytest.MonkeyPatch,
                                                       caplog: pytest.LogCaptureFixture) -> None:
-    real = ops._ext
+    real = build.load_extension()
 
     class Disagreeing:
         amx = False
@@ -108,8 +109,8 @@ def test_the_self_check_withdraws_amx_that_disagrees(monkeypatch: pytest.MonkeyP
             if self.amx:
                 out[0, 0] += 1.0  # one wrong output is enough
 
-    monkeypatch.setattr(ops, "_amx_usable", True)
+    monkeypatch.setattr(build, "_amx_usable", True)
     fake = Disagreeing()
-    ops._check_amx(fake)
-    assert not ops._amx_usable and fake.amx is False
+    build._check_amx(fake)
+    assert not build._amx_usable and fake.amx is False
     assert "differs from VNNI" in caplog.text

@@ -94,7 +94,7 @@ def avx2_outputs(tmp_path_factory) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def avx2_vnni_outputs(tmp_path_factory) -> dict[str, torch.Tensor]:
-    # AVX-VNNI's kernels; here vpdpbusd's EVEX form on 256 bits (ops._isa_flags).
+    # AVX-VNNI's kernels; here vpdpbusd's EVEX form on 256 bits (models.ops.isa.isa_flags).
     return outputs_of("avx2-vnni", False, tmp_path_factory)
 
 

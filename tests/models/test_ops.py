@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from models import kv_cache, ops
+from models.ops import build
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
@@ -252,8 +253,8 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatc
     fresh.parent.mkdir()
     fresh.touch()
 
-    assert ops._build_directory("old") == stale.parent
-    assert ops._build_directory("building") == fresh.parent
+    assert build._build_directory("old") == stale.parent
+    assert build._build_directory("building") == fresh.parent
 
     assert not stale.exists()
     assert fresh.exists()

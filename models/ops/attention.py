@@ -1,0 +1,118 @@
+"""Paged attention over the KV cache (``csrc/paged_attention.cpp``): a decode's one
+query per sequence, and prompt chunks read in place, with the same arithmetic for both;
+each with its plain-torch twin.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from models import kv_cache
+from models.ops.build import kernels_for
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, max_ctx: int,
+                     scale: float) -> torch.Tensor:
+    """One query token per sequence ``q [B, H, D]`` over its paged context; returns ``[B, H, D]``.
+
+    The caches may hold another dtype than ``q`` (a float16 or int8 cache for float32
+    activations; see ``models.kv_cache``).
+    """
+    ext = kernels_for(q)
+    if (ext is not None and q.stride(2) == 1 and q.stride(1) == q.shape[2]
+            and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        out = q.new_empty(q.shape)
+        ext.paged_decode_attention(out, q, k_cache, v_cache, block_tables.contiguous(),
+                                   context_lens.contiguous(), scale)
+        return out
+    return _decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, max_ctx, scale)
+
+
+def _decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, context_lens: torch.Tensor, max_ctx: int,
+                            scale: float) -> torch.Tensor:
+    b, heads, head_dim = q.shape
+    block_size = k_cache.shape[1]
+    nblocks = kv_cache.cdiv(max_ctx, block_size)
+    tables = block_tables[:, :nblocks]
+    # [B, L, kv_heads, head_dim] -> [B, kv_heads, L, head_dim]
+    # index_select on the flat table is markedly faster than advanced indexing on CPU.
+    flat = tables.reshape(-1)
+    k, v = (kv_cache.from_cache_rows(c.index_select(0, flat), q.dtype).view(b, -1, c.shape[2], head_dim)
+            .transpose(1, 2) for c in (k_cache, v_cache))
+    valid = torch.arange(k.shape[2], device=q.device) < context_lens.unsqueeze(1)  # [B, L]
+    # One query per sequence: the heads sharing a KV head act as that head's
+    # queries, so GQA needs no repeated K/V: [B, kv_heads, group, head_dim].
+    qg = q.reshape(b, k.shape[1], heads // k.shape[1], head_dim)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+    return o.reshape(b, heads, head_dim)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, block_tables: torch.Tensor, query_lens: list[int],
+                      context_lens: list[int], scale: float) -> torch.Tensor:
+    """Causal attention for sequences of one or more query tokens each; returns ``[T, H, D]``.
+
+    ``q [T, H, D]`` holds the sequences' tokens one sequence after another;
+    sequence i's ``query_lens[i]`` tokens are the last of its ``context_lens[i]``
+    positions, whose keys and values are already in the paged caches (``k``,
+    ``v [T, KVH, D]`` are this step's, which the torch path uses for fresh prompts).
+    """
+    ext = kernels_for(q)
+    if (ext is not None and q.stride(2) == 1 and q.stride(1) == q.shape[2]
+            and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        out = q.new_empty(q.shape)
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        ext.paged_prefill_attention(out, q, k_cache, v_cache, block_tables.contiguous(),
+                                    torch.tensor(context_lens, dtype=torch.long),
+                                    torch.tensor(starts, dtype=torch.long), scale)
+        return out
+    return _prefill_attention_torch(q, k, v, k_cache, v_cache, block_tables, query_lens, context_lens, scale)
+
+
+def _prefill_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, block_tables: torch.Tensor, query_lens: list[int],
+                             context_lens: list[int], scale: float) -> torch.Tensor:
+    out = q.new_empty(q.shape)
+    start = 0
+    for i, (qlen, ctx) in enumerate(zip(query_lens, context_lens)):
+        end = start + qlen
+        if ctx == qlen:
+            # A fresh prompt: its keys are exactly this step's, no gather needed.
+            ks, vs = k[start:end], v[start:end]
+        else:
+            ks = kv_cache.from_cache_rows(_gather(k_cache, block_tables[i], ctx), q.dtype)
+            vs = kv_cache.from_cache_rows(_gather(v_cache, block_tables[i], ctx), q.dtype)
+        out[start:end] = _causal_attention(q[start:end], ks, vs, scale)
+        start = end
+    return out
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, ctx: int) -> torch.Tensor:
+    """The first ``ctx`` tokens of one sequence, ``[ctx, kv_heads, head_dim]``."""
+    block_size = cache.shape[1]
+    nblocks = kv_cache.cdiv(ctx, block_size)
+    return cache.index_select(0, block_table[:nblocks]).flatten(0, 1)[:ctx]
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Queries are the last ``len(q)`` positions of a context of ``len(k)`` tokens."""
+    qlen, ctx = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        # NOTE: SDPA's enable_gqa falls back to the slow math kernel on CPU;
+        # repeating K/V heads keeps the fused (flash) kernel, about 3x faster.
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, len, head_dim]
+    if qlen == ctx:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    else:
+        # Query i sits at position ctx - qlen + i and sees keys 0..that position.
+        rows = torch.arange(qlen, device=q.device).unsqueeze(1) + (ctx - qlen)
+        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return o[0].transpose(0, 1)

@@ -1,0 +1,83 @@
+"""A whole decoder layer in one kernel call (``csrc/fused_layer.cpp``): its arguments
+that stay the same from step to step (``FusedWeights``), those a step's layers share
+(``FusedStep``), and the GEMM each projection runs on (``GEMM_*``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from models.ops.build import load_extension
+
+
+# The fused layer's GEMM for a layer's projections (csrc/kernels.h ProjectionGemm): the
+# grouped kernel with float or int8 activations, AMX-BF16 on bfloat16 weights, or
+# AMX-BF16 on 4-bit weights made bfloat16 in the kernel, or on a GGUF file's own codes
+# (amx_quant_linear: row ranges in their formats).
+GEMM_GROUPED, GEMM_GROUPED_INT8, GEMM_AMX_BF16, GEMM_AMX_W4A16, GEMM_AMX_QUANT = 0, 1, 2, 3, 4
+
+
+@dataclass(frozen=True, slots=True)
+class FusedWeights:
+    """A decoder layer's arguments to ``fused_layer`` that stay the same from step to step:
+    its norms, and each projection as its ``(codes, scales)`` multiplied by the GEMM
+    ``gemm`` names (``GEMM_*``, one for all four: the projection's ``fused_gemm``)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    eps: float
+    qkv: list[torch.Tensor]
+    qkv_bias: torch.Tensor | None
+    o_proj: list[torch.Tensor]
+    gate_up: list[torch.Tensor]
+    down: list[torch.Tensor]
+    num_heads: int
+    num_kv_heads: int
+    scale: float
+    gemm: int
+
+
+@dataclass(frozen=True, slots=True)
+class FusedStep:
+    """What every layer's ``fused_layer`` call in one step shares, prepared once a step.
+
+    The step is ``num_decodes`` decodes (one token per sequence) and then, when
+    ``prefill_query_start`` is given, prompt chunks: the remaining sequences'
+    tokens, at those offsets (int64, from 0 to their token count) after the
+    decode rows. ``rotations``: the RoPE table (complex, as ``RotaryEmbedding`` keeps it).
+    """
+
+    rotations: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    num_decodes: int
+    prefill_query_start: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        # The kernel reads the table as real pairs and the tables as dense rows.
+        object.__setattr__(self, "rotations", torch.view_as_real(self.rotations))
+        object.__setattr__(self, "block_tables", self.block_tables.contiguous())
+        object.__setattr__(self, "context_lens", self.context_lens.contiguous())
+
+
+def fused_layer(x: torch.Tensor, residual: torch.Tensor | None, weights: FusedWeights, step: FusedStep,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                lora: tuple[list[torch.Tensor], list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole decoder layer for a step in one kernel call; ``(mlp_out, residual)``.
+
+    Float32 activations on CPU. ``lora``: LoRA updates for row ranges
+    (``models.lora.LoRABatch.fused_args``). The same arithmetic as the layer's op-by-op path.
+    """
+    ext = load_extension()
+    assert ext is not None, "fused_layer needs the fused CPU kernels"
+    w = weights
+    out, res = ext.fused_layer(x, residual, w.input_norm, w.post_norm, w.eps, w.qkv, w.qkv_bias, w.o_proj,
+                                w.gate_up, w.down, step.rotations, step.positions, k_cache, v_cache,
+                                step.slot_mapping, step.block_tables, step.context_lens, w.num_heads,
+                                w.num_kv_heads, w.scale, w.gemm, step.num_decodes, step.prefill_query_start,
+                                *(lora or ([], [])))
+    return out, res

@@ -1,0 +1,97 @@
+"""The GEMMs of packed weights (``csrc/grouped_gemm.cpp``, ``csrc/dense_gemm*.cpp``,
+the AMX kernels): ``x [M, K] @ W^T`` for each packing of ``models.quant``,
+``models.dense`` and ``models.gguf_linear``, and the repacking of a GGUF file's blocks.
+They have no torch twin: a caller checks ``kernels_available`` (or an AMX query) first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.ops.build import load_extension
+
+
+def grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int,
+                   int8_activations: bool = False, plain: bool = False) -> torch.Tensor:
+    """``x [M, K] @ W^T`` (float32) for a weight packed by ``quant.pack_int4`` or ``quant.pack_int8``.
+
+    ``int8_activations`` rounds every 16 inputs of ``x`` to 8 bits and runs
+    integer dot products (see ``has_int8_dots``); ``plain`` takes
+    the portable C++ instead of the vector code (for tests).
+    """
+    ext = load_extension()
+    if ext is None:
+        raise RuntimeError("grouped_linear needs the fused CPU kernels")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = x.new_empty(x.shape[0], out_features)
+    ext.grouped_linear(out, x, codes, scales, int8_activations, plain)
+    return out
+
+
+def dense_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x [M, K] @ W^T`` for a weight packed by ``dense.pack_dense`` (float32, or bfloat16 for bfloat16 x).
+
+    Each output is one chain of FMAs over the inputs in order, so a row's
+    result does not depend on the other rows (MKL's and oneDNN's does).
+    """
+    ext = load_extension()
+    if ext is None:
+        raise RuntimeError("dense_linear needs the fused CPU kernels")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = x.new_empty(x.shape[0], out_features)
+    ext.dense_linear(out, x, packed)
+    return out
+
+
+def amx_bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x [M, K] @ W^T`` in float32 on AMX-BF16 tiles, x's rows rounded to bfloat16 (RNE),
+    for a weight packed by ``models.quant.pack_amx_bf16``. A row's result does not depend
+    on the other rows; it is this CPU kind's own (tdpbf16ps rounds as the hardware does)."""
+    return _amx_linear("amx_bf16_linear", x, out_features, packed)
+
+
+def amx_w4a16_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x [M, K] @ W^T`` in float32 on AMX-BF16 tiles for 4-bit weights packed by
+    ``models.quant.pack_w4a16``: the kernel makes each weight ``d * q + m`` a bfloat16
+    and rounds x's rows to bfloat16 (RNE). ``amx_bf16_linear`` on those bfloat16
+    weights gives the same bits; a row's result does not depend on the other rows."""
+    return _amx_linear("amx_w4a16_linear", x, out_features, codes, scales)
+
+
+def amx_w8a16_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``amx_w4a16_linear`` for 8-bit weights packed by ``models.quant.pack_w8a16``: each
+    weight ``d * q`` made a bfloat16 in the kernel."""
+    return _amx_linear("amx_w8a16_linear", x, out_features, codes, scales)
+
+
+def amx_quant_linear(x: torch.Tensor, parts: list[torch.Tensor], formats: list[int], out_features: int
+                     ) -> torch.Tensor:
+    """``x [M, K] @ W^T`` in float32 on AMX-BF16 tiles for a weight of row ranges, each
+    ``(codes, scales)`` in its format (``models.gguf_linear.AMX_FORMATS``; ``parts``: codes0,
+    scales0, codes1, ...): each block made bfloat16 in the kernel, x's rows rounded to
+    bfloat16 (RNE). A row's result does not depend on the other rows."""
+    return _amx_linear("amx_quant_linear", x, out_features, parts, formats)
+
+
+def repack_gguf(codes: torch.Tensor, scales: torch.Tensor, raw: torch.Tensor, type_id: int, fmt: int,
+                source: torch.Tensor) -> bool:
+    """Write a GGUF tensor's blocks (``raw [rows, row bytes]`` uint8 of ggml type ``type_id``)
+    into ``codes`` and ``scales`` in ``amx_quant_linear``'s format ``fmt``, row ``r`` of the
+    weight from ``raw`` row ``source[r]`` (-1: zeros). False where format W4's offsets are
+    not exact (nothing else is wrong; take a format with 8-bit codes)."""
+    ext = load_extension()
+    if ext is None:
+        raise RuntimeError("repack_gguf needs the fused CPU kernels")
+    return ext.repack_gguf(codes, scales, raw, type_id, fmt, source)
+
+
+def _amx_linear(kernel: str, x: torch.Tensor, out_features: int, *weight) -> torch.Tensor:
+    # Per call only what is cheap: AmxBf16Linear checked amx_bf16_usable() when it was
+    # built, and the kernels refuse a CPU without AMX-BF16 themselves.
+    ext = load_extension()
+    if ext is None:
+        raise RuntimeError(f"{kernel} needs the fused CPU kernels")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    getattr(ext, kernel)(out, x, *weight)
+    return out
