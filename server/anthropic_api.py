@@ -21,7 +21,8 @@ from pydantic import BaseModel, Field, model_validator
 
 from server.body import validate
 from server.errors import APIError, renamed_params
-from server.protocol import ChatCompletionRequest, _Strict
+from server.protocol import _Strict
+from server.protocol_chat import ChatCompletionRequest
 from server.protocol_responses import Usage
 
 # Anthropic's error type for an HTTP status (the rest are api_error).

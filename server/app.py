@@ -28,10 +28,10 @@ from server.errors import (APIError, ClientDisconnected, bad_request, install_ex
                            unavailable)
 from server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from server.middleware import OPEN_PATHS, APIKeyMiddleware, BodySizeLimitMiddleware, DrainMiddleware
-from server.protocol import (ApplyTemplateRequest, DetokenizeRequest, LoadLoRAAdapterRequest, TokenizeRequest,
-                             UnloadLoRAAdapterRequest, template_messages)
+from server.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from server.protocol_chat import ApplyTemplateRequest, DetokenizeRequest, TokenizeRequest, template_messages
 from server.serving_chat import apply_template, create_chat_completion
-from server.serving_common import client_disconnected
+from server.driver import client_disconnected
 from server.serving_completions import create_completion
 from server.serving_embeddings import create_embedding, create_llamacpp_embedding, create_rerank, create_score
 from server.serving_llamacpp import create_llamacpp_completion, create_llamacpp_infill, llamacpp_defaults
@@ -136,7 +136,7 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
 
     async def on_client_disconnect(request: Request, _: Exception) -> Response:
         # Hung up while its body was read or before its answer was ready; a stream
-        # that loses its client counts itself (serving_common.SSEResponse).
+        # that loses its client counts itself (server.driver.SSEResponse).
         return client_disconnected(state, None)
 
     app.add_exception_handler(ClientDisconnected, on_client_disconnect)

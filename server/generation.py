@@ -1,32 +1,24 @@
-"""Driving engine generations for one HTTP request.
+"""The engine streams of one HTTP request, merged.
 
 One API request may become several engine requests (a list of prompts); their
-output streams are merged here. This module also owns the two cancellation
-paths: a non-streaming request races its generation against client
-disconnect, and every path closes the engine iterators (which aborts the
-engine requests and frees their KV blocks) however it ends.
+output streams are merged here, engine failures become ``EngineFault`` and
+``RequestAborted``, and closing the merged stream closes the engine iterators
+(which aborts the engine requests and frees their KV blocks) however it ends.
+``server.driver`` runs a request on them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
 
 import anyio
-from starlette.requests import Request
 
 from engine.outputs import RequestOutput
-from server.errors import ClientDisconnected
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-# How often a non-streaming request checks whether its client went away.
-DISCONNECT_POLL_SECONDS = 0.25
 
 
 class EngineFault(Exception):
@@ -147,24 +139,3 @@ async def merge_outputs(
             await asyncio.gather(*tasks, return_exceptions=True)
         for g in checked:
             await close_quietly(g)
-
-
-async def race_disconnect(request: Request, work: Awaitable[T], poll: float | None = None) -> T:
-    """Await ``work`` unless the client disconnects first.
-
-    On disconnect ``work`` is cancelled (which aborts its engine requests) and
-    ``ClientDisconnected`` is raised.
-    """
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll or DISCONNECT_POLL_SECONDS)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise ClientDisconnected()
-    finally:
-        if not task.done():
-            task.cancel()
-            with anyio.CancelScope(shield=True), contextlib.suppress(BaseException):
-                await task

@@ -21,7 +21,8 @@ from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, mode
 from engine.sampling_params import MAX_LOGPROBS
 from server.body import validate
 from server.errors import bad_request, renamed_params
-from server.protocol import ChatCompletionRequest, _Exact, _Strict
+from server.protocol import _Exact, _Strict
+from server.protocol_chat import ChatCompletionRequest
 from server.protocol_responses import ChatTokenLogprob, Usage
 
 # What a Responses body field is called in the chat body it is translated into,

@@ -14,13 +14,14 @@ from server.answers import AnswerReader, plan_answer
 from server.body import read_model
 from server.engine_client import TokenizerLike
 from server.errors import bad_request
-from server.protocol import ChatCompletionRequest, template_messages, truncate_prompt
+from server.protocol import truncate_prompt
+from server.protocol_chat import ChatCompletionRequest, template_messages
 from server.protocol_responses import (AssistantMessage, ChatChoice, ChatChunkChoice,
                                        ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
                                        ChatTokenLogprob, DeltaMessage, FunctionCall, ToolCall, TopLogprob,
                                        json_logprob, now, sse)
-from server.serving_common import (Choices, TokenIdDeltas, first_output, launch, run_to_completion,
-                                   stream_response, token_name, vllm_prompt_logprobs)
+from server.driver import First, Job, Renderer, respond
+from server.serving_common import Choices, TokenIdDeltas, token_name, vllm_prompt_logprobs
 from server.state import ServerState, new_request_id
 from server.tools import ToolFormat
 
@@ -92,79 +93,81 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     body = await read_model(request, ChatCompletionRequest)
     model = state.check_model(body.model)
     params, reader, prompt = prepare_chat(state, body)
-    tok = state.engine.tokenizer
-    request_id = new_request_id("chatcmpl")
-    choices = Choices([len(prompt)], params.n)
-    merged = await launch(state, request_id, [prompt], params,
-                          {"prompt": "messages", "structured": body.structured_param}, model)
-    want_logprobs = params.logprobs is not None
-    as_ids = bool(body.return_tokens_as_token_ids)
+    job = Job(new_request_id("chatcmpl"), model, [prompt], params,
+              {"prompt": "messages", "structured": body.structured_param}, bool(body.stream))
+    return await respond(state, request, job, ChatRenderer(state, body, job, reader))
 
-    def message(text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
-        reasoning, text, calls = reader.whole(text)
+
+class ChatRenderer(Renderer):
+    """A chat completion: one message per choice, or its chunks (OpenAI's shapes, with
+    vLLM's extensions: token ids, prompt logprobs)."""
+
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, job: Job, reader: AnswerReader) -> None:
+        super().__init__(Choices([len(job.prompts[0])], job.params.n))
+        self.tok, self.fmt, self.body, self.job, self.reader = state.engine.tokenizer, state.tool_format, body, job, reader
+        self.want_logprobs = job.params.logprobs is not None
+        self.as_ids = bool(body.return_tokens_as_token_ids)
+        self.created = now()
+        self.ids = TokenIdDeltas(bool(body.return_token_ids))
+        self.answers = [reader.stream() for _ in self.choices.states]
+
+    def _message(self, text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
+        reasoning, text, calls = self.reader.whole(text)
         if calls is None:
             return AssistantMessage(content=text, reasoning_content=reasoning), finish_reason
         return AssistantMessage(content=None, reasoning_content=reasoning, tool_calls=[
-            ToolCall(id=state.tool_format.call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+            ToolCall(id=self.fmt.call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
             for c in calls]), "tool_calls" if finish_reason == "stop" else finish_reason
 
-    if not body.stream:
-        await run_to_completion(request, merged, choices)
-        answers = [message("".join(st.text), st.finish_reason) for st in choices.states]
-        result = ChatCompletionResponse(id=request_id, model=model,
+    def whole(self) -> Response:
+        body, choices, tok = self.body, self.choices, self.tok
+        answers = [self._message("".join(st.text), st.finish_reason) for st in choices.states]
+        result = ChatCompletionResponse(id=self.job.request_id, model=self.job.model,
                                         usage=choices.usage(), choices=[
             ChatChoice(index=idx, message=msg, finish_reason=reason,
-                       logprobs=chat_logprobs(tok, st.logprobs, as_ids) if want_logprobs else None,
+                       logprobs=chat_logprobs(tok, st.logprobs, self.as_ids) if self.want_logprobs else None,
                        token_ids=st.token_ids if body.return_token_ids else None)
             for idx, (st, (msg, reason)) in enumerate(zip(choices.states, answers))],
             # One prompt: every sample's prompt logprobs are the same (vLLM sends them once).
             prompt_logprobs=(vllm_prompt_logprobs(tok, choices.states[0].prompt_logprobs)
                              if body.prompt_logprobs is not None else None),
-            prompt_token_ids=prompt if body.return_token_ids else None)
+            prompt_token_ids=self.job.prompts[0] if body.return_token_ids else None)
         return JSONResponse(result.model_dump(mode="json"))
 
-    first = await first_output(request, merged)
-    created = now()
-    include_usage = body.include_usage
-
-    ids = TokenIdDeltas(bool(body.return_token_ids))
-
-    def chunk(choice: ChatChunkChoice | None, usage: bool = body.continuous_usage,
-              prompt_ids: list[int] | None = None) -> str:
+    def _chunk(self, choice: ChatChunkChoice | None, usage: bool | None = None,
+               prompt_ids: list[int] | None = None) -> str:
+        usage = self.body.continuous_usage if usage is None else usage
         return sse(ChatCompletionChunk(
-            id=request_id, created=created, model=model,
-            choices=[choice] if choice else [], usage=choices.usage() if usage else None,
-            prompt_token_ids=prompt_ids), include_usage=include_usage)
+            id=self.job.request_id, created=self.created, model=self.job.model,
+            choices=[choice] if choice else [], usage=self.choices.usage() if usage else None,
+            prompt_token_ids=prompt_ids), include_usage=self.body.include_usage)
 
-    def prelude() -> Iterator[str]:
+    def prelude(self, first: First) -> Iterator[str]:
         # The first chunk of every choice announces the role, as OpenAI's do; with
         # return_token_ids the very first carries the prompt's ids, as vLLM's does.
-        for idx in range(len(choices.states)):
-            yield chunk(ChatChunkChoice(index=idx, delta=DeltaMessage(role="assistant", content=""),
-                                        token_ids=ids.take(idx)),
-                        prompt_ids=prompt if ids.enabled and idx == 0 else None)
+        for idx in range(len(self.choices.states)):
+            yield self._chunk(ChatChunkChoice(index=idx, delta=DeltaMessage(role="assistant", content=""),
+                                              token_ids=self.ids.take(idx)),
+                              prompt_ids=self.job.prompts[0] if self.ids.enabled and idx == 0 else None)
 
-    answers = [reader.stream() for _ in choices.states]
-
-    def render(prompt_index: int, ro: RequestOutput) -> Iterator[str]:
-        for idx, out, finished in choices.update(prompt_index, ro):
-            ids.add(idx, out.token_ids)
-            reasoning, text, calls = answers[idx].feed(out.text, finished)
+    def delta(self, prompt_index: int, ro: RequestOutput) -> Iterator[str]:
+        for idx, out, finished in self.choices.update(prompt_index, ro):
+            self.ids.add(idx, out.token_ids)
+            answer = self.answers[idx]
+            reasoning, text, calls = answer.feed(out.text, finished)
             if text or reasoning or calls or out.logprobs:
-                lps = chat_logprobs(tok, out.logprobs or [], as_ids) if want_logprobs else None
-                yield chunk(ChatChunkChoice(index=idx, delta=DeltaMessage(
+                lps = chat_logprobs(self.tok, out.logprobs or [], self.as_ids) if self.want_logprobs else None
+                yield self._chunk(ChatChunkChoice(index=idx, delta=DeltaMessage(
                     content=text if text or not (calls or reasoning) else None,
                     reasoning_content=reasoning or None, tool_calls=calls or None), logprobs=lps,
-                    token_ids=ids.take(idx)))
+                    token_ids=self.ids.take(idx)))
             if finished:
-                reason = choices.states[idx].finish_reason
-                if answers[idx].were_calls and reason == "stop":
+                reason = self.choices.states[idx].finish_reason
+                if answer.were_calls and reason == "stop":
                     reason = "tool_calls"
-                yield chunk(ChatChunkChoice(index=idx, delta=DeltaMessage(), finish_reason=reason,
-                                            token_ids=ids.take(idx)))
+                yield self._chunk(ChatChunkChoice(index=idx, delta=DeltaMessage(), finish_reason=reason,
+                                                  token_ids=self.ids.take(idx)))
 
-    def epilogue() -> Iterator[str]:
-        if include_usage:
-            yield chunk(None, usage=True)
-
-    return stream_response(state, request_id, first, merged, prelude(), render, epilogue)
+    def epilogue(self) -> Iterator[str]:
+        if self.body.include_usage:
+            yield self._chunk(None, usage=True)

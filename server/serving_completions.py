@@ -14,8 +14,9 @@ from server.fim import suffix_prompt
 from server.protocol import CompletionRequest, truncate_prompt
 from server.protocol_responses import (CompletionChoice, CompletionLogprobs, CompletionResponse, Usage,
                                        json_logprob, now, sse)
-from server.serving_common import (ChoiceState, Choices, TokenIdDeltas, encode_prompts, first_output, launch,
-                                   run_to_completion, stream_response, token_name, vllm_prompt_logprobs)
+from server.driver import Job, Renderer, respond
+from server.serving_common import (ChoiceState, Choices, TokenIdDeltas, encode_prompts, token_name,
+                                   vllm_prompt_logprobs)
 from server.state import ServerState, new_request_id
 
 
@@ -72,90 +73,95 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     prompts = [truncate_prompt(p, keep, state.engine.max_model_len) for p in encode_prompts(tok, body.prompts())]
     if body.suffix:
         prompts = [suffix_prompt(tok, p, body.suffix) for p in prompts]
-    request_id = new_request_id("cmpl")
-    merged = await launch(state, request_id, prompts, params,
-                          {"prompt": "prompt", "structured": body.structured_param}, model)
-    # NOTE: echo of a token-id (or truncated) prompt returns its decoded text.
-    echoes = [(p if isinstance(p, str) and keep is None else tok.decode(ids)) if body.echo else ""
-              for p, ids in zip(body.prompts(), prompts)]
-    choices = Choices([len(p) for p in prompts], params.n)
-    want_logprobs = params.logprobs is not None
-    # echo with max_tokens 0: the prompt alone; the token the engine sampled is dropped.
-    echo_only = body.echo_only
-    # One writer per choice. With echo the prompt's tokens come first, so the generated
-    # ones' text_offset starts after theirs (which may hold a BOS the echoed text does not).
-    writers = [LogprobsWriter(tok, bool(body.return_tokens_as_token_ids)) for _ in choices.states]
+    job = Job(new_request_id("cmpl"), model, prompts, params,
+              {"prompt": "prompt", "structured": body.structured_param}, bool(body.stream))
+    return await respond(state, request, job, CompletionRenderer(tok, body, job))
 
-    def echo_logprobs(idx: int, st: ChoiceState) -> CompletionLogprobs | None:
-        if not want_logprobs:
+
+class CompletionRenderer(Renderer):
+    """A text completion: a choice per prompt and sample, whole or in chunks, with the
+    prompt echoed where asked (OpenAI's shapes, with vLLM's extensions)."""
+
+    def __init__(self, tok: TokenizerLike, body: CompletionRequest, job: Job) -> None:
+        super().__init__(Choices([len(p) for p in job.prompts], job.params.n))
+        self.tok, self.body, self.job = tok, body, job
+        # NOTE: echo of a token-id (or truncated) prompt returns its decoded text.
+        self.echoes = [(p if isinstance(p, str) and body.truncate_prompt_tokens is None else tok.decode(ids))
+                       if body.echo else "" for p, ids in zip(body.prompts(), job.prompts)]
+        self.want_logprobs = job.params.logprobs is not None
+        # echo with max_tokens 0: the prompt alone; the token the engine sampled is dropped.
+        self.echo_only = body.echo_only
+        # One writer per choice. With echo the prompt's tokens come first, so the generated
+        # ones' text_offset starts after theirs (which may hold a BOS the echoed text does not).
+        self.writers = [LogprobsWriter(tok, bool(body.return_tokens_as_token_ids)) for _ in self.choices.states]
+        self.created = now()
+        self.echoed = [False] * len(self.choices.states)
+        self.ids = TokenIdDeltas(bool(body.return_token_ids))
+        self.sent_prompt_ids: set[int] = set()
+
+    def _prompt(self, idx: int) -> list[int]:
+        return self.job.prompts[idx // self.job.params.n]
+
+    def _echo_logprobs(self, idx: int, st: ChoiceState) -> CompletionLogprobs | None:
+        if not self.want_logprobs:
             return None
-        if not body.echo:
+        if not self.body.echo:
             return CompletionLogprobs()
-        return writers[idx].prompt(prompts[idx // params.n], st.prompt_logprobs)
+        return self.writers[idx].prompt(self._prompt(idx), st.prompt_logprobs)
 
-    def finish_reason(st: ChoiceState) -> str | None:
-        return "length" if echo_only else st.finish_reason
+    def _finish_reason(self, st: ChoiceState) -> str | None:
+        return "length" if self.echo_only else st.finish_reason
 
-    def usage() -> Usage:
-        return choices.usage(generated=not echo_only)
+    def _usage(self) -> Usage:
+        return self.choices.usage(generated=not self.echo_only)
 
-    if not body.stream:
-        await run_to_completion(request, merged, choices)
-        result = CompletionResponse(id=request_id, model=model,
-                                    usage=usage(), choices=[])
-        for idx, st in enumerate(choices.states):
-            echo = echoes[idx // params.n]
-            lps = echo_logprobs(idx, st)
+    def whole(self) -> Response:
+        body, echo_only = self.body, self.echo_only
+        result = CompletionResponse(id=self.job.request_id, model=self.job.model, usage=self._usage(), choices=[])
+        for idx, st in enumerate(self.choices.states):
+            echo = self.echoes[idx // self.job.params.n]
+            lps = self._echo_logprobs(idx, st)
             if lps is not None and not echo_only:
-                writers[idx].tokens(st.logprobs, lps)
+                self.writers[idx].tokens(st.logprobs, lps)
             text = echo if echo_only else echo + "".join(st.text)
             result.choices.append(CompletionChoice(
-                index=idx, text=text, logprobs=lps, finish_reason=finish_reason(st),
-                prompt_logprobs=(vllm_prompt_logprobs(tok, st.prompt_logprobs)
+                index=idx, text=text, logprobs=lps, finish_reason=self._finish_reason(st),
+                prompt_logprobs=(vllm_prompt_logprobs(self.tok, st.prompt_logprobs)
                                  if body.prompt_logprobs is not None else None),
-                prompt_token_ids=prompts[idx // params.n] if body.return_token_ids else None,
+                prompt_token_ids=self._prompt(idx) if body.return_token_ids else None,
                 token_ids=([] if echo_only else st.token_ids) if body.return_token_ids else None))
         return JSONResponse(result.model_dump(mode="json"))
 
-    first = await first_output(request, merged)
-    created = now()
-    include_usage = body.include_usage
-    echoed = [False] * len(choices.states)
-    ids = TokenIdDeltas(bool(body.return_token_ids))
-    sent_prompt_ids: set[int] = set()
-
-    def chunk(idx: int, text: str, finish_reason: str | None = None,
-              logprobs: CompletionLogprobs | None = None) -> str:
+    def _chunk(self, idx: int, text: str, finish_reason: str | None = None,
+               logprobs: CompletionLogprobs | None = None) -> str:
         # With return_token_ids: the prompt's ids on a choice's first chunk, and the new ids on each.
         prompt_ids = None
-        if ids.enabled and idx not in sent_prompt_ids:
-            sent_prompt_ids.add(idx)
-            prompt_ids = prompts[idx // params.n]
+        if self.ids.enabled and idx not in self.sent_prompt_ids:
+            self.sent_prompt_ids.add(idx)
+            prompt_ids = self._prompt(idx)
         return sse(CompletionResponse(
-            id=request_id, created=created, model=model,
+            id=self.job.request_id, created=self.created, model=self.job.model,
             choices=[CompletionChoice(index=idx, text=text, logprobs=logprobs, finish_reason=finish_reason,
-                                      prompt_token_ids=prompt_ids, token_ids=ids.take(idx))],
-            usage=usage() if body.continuous_usage else None),
-            include_usage=include_usage)
+                                      prompt_token_ids=prompt_ids, token_ids=self.ids.take(idx))],
+            usage=self._usage() if self.body.continuous_usage else None),
+            include_usage=self.body.include_usage)
 
-    def render(prompt_index: int, ro: RequestOutput) -> Iterator[str]:
-        for idx, out, finished in choices.update(prompt_index, ro):
-            st = choices.states[idx]
-            if body.echo and not echoed[idx]:
+    def delta(self, prompt_index: int, ro: RequestOutput) -> Iterator[str]:
+        for idx, out, finished in self.choices.update(prompt_index, ro):
+            st = self.choices.states[idx]
+            if self.body.echo and not self.echoed[idx]:
                 # On the choice's first delta, which carries the prompt's logprobs.
-                echoed[idx] = True
-                yield chunk(idx, echoes[prompt_index], logprobs=echo_logprobs(idx, st))
-            if not echo_only:
-                ids.add(idx, out.token_ids)
-            if not echo_only and (out.text or out.logprobs):
-                lps = writers[idx].tokens(out.logprobs or []) if want_logprobs else None
-                yield chunk(idx, out.text, logprobs=lps)
+                self.echoed[idx] = True
+                yield self._chunk(idx, self.echoes[prompt_index], logprobs=self._echo_logprobs(idx, st))
+            if not self.echo_only:
+                self.ids.add(idx, out.token_ids)
+            if not self.echo_only and (out.text or out.logprobs):
+                lps = self.writers[idx].tokens(out.logprobs or []) if self.want_logprobs else None
+                yield self._chunk(idx, out.text, logprobs=lps)
             if finished:
-                yield chunk(idx, "", finish_reason=finish_reason(st))
+                yield self._chunk(idx, "", finish_reason=self._finish_reason(st))
 
-    def epilogue() -> Iterator[str]:
-        if include_usage:
-            yield sse(CompletionResponse(id=request_id, created=created, model=model,
-                                         choices=[], usage=usage()), include_usage=True)
-
-    return stream_response(state, request_id, first, merged, (), render, epilogue)
+    def epilogue(self) -> Iterator[str]:
+        if self.body.include_usage:
+            yield sse(CompletionResponse(id=self.job.request_id, created=self.created, model=self.job.model,
+                                         choices=[], usage=self._usage()), include_usage=True)

@@ -21,9 +21,11 @@ from starlette.responses import JSONResponse, Response
 from engine.sampling_params import SamplingParams
 from server.body import read_model, validate
 from server.errors import bad_request, renamed_params
-from server.protocol import EmbeddingRequest, RerankRequest, ScoreRequest, _Strict, truncate_prompt
+from server.protocol import _Strict, truncate_prompt
+from server.protocol_pooling import EmbeddingRequest, RerankRequest, ScoreRequest
 from server.protocol_responses import now
-from server.serving_common import Choices, encode_prompts, launch, run_to_completion
+from server.driver import Job, collect_all
+from server.serving_common import encode_prompts
 from server.state import ServerState, new_request_id
 
 
@@ -43,8 +45,7 @@ async def embed(state: ServerState, request: Request, request_id: str, inputs: l
     refuses names ``field``."""
     prompts = [truncate_prompt(p, truncate, state.engine.max_model_len)
                for p in encode_prompts(state.engine.tokenizer, inputs, add_special_tokens)]
-    merged = await launch(state, request_id, prompts, params, {"prompt": field}, model)
-    choices = await run_to_completion(request, merged, Choices([len(p) for p in prompts], 1))
+    choices = await collect_all(state, request, Job(request_id, model, prompts, params, {"prompt": field}))
     vectors = []
     for st in choices.states:
         assert st.embedding is not None, "an embedding request ends with its embedding"

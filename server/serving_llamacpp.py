@@ -26,7 +26,8 @@ from server.errors import bad_request, renamed_params
 from server.fim import infill_prompt
 from server.protocol import CompletionRequest, _Strict
 from server.protocol_responses import json_logprob, sse_json
-from server.serving_common import Choices, first_output, launch, run_to_completion, stream_response, token_name
+from server.driver import Job, Renderer, respond
+from server.serving_common import Choices, token_name
 from server.state import ServerState, new_request_id
 
 # The /v1/completions field a 400 names -> the llama.cpp field it came from.
@@ -310,20 +311,32 @@ async def _complete(state: ServerState, request: Request, body: LlamaCppCompleti
     completion = body.as_completion(prompts, tok, state.engine.sampling_overrides)
     with renamed_params(_TO_LLAMACPP):
         params = completion.sampling_params()
-    evaluate_only = body.n_predict == 0
-    request_id = new_request_id("cmpl")
-    merged = await launch(state, request_id, prompts, params,
-                          {"prompt": "prompt", **_TO_LLAMACPP,
-                           "structured": "grammar" if body.grammar is not None else "json_schema"}, model)
-    choices = _TimedChoices([len(p) for p in prompts], params.n)
+    job = Job(new_request_id("cmpl"), model, prompts, params,
+              {"prompt": "prompt", **_TO_LLAMACPP,
+               "structured": "grammar" if body.grammar is not None else "json_schema"}, bool(body.stream))
     settings = body.generation_settings(params, state.engine.max_model_len, model)
-    several = len(choices.states) > 1
+    return await respond(state, request, job, LlamaCppRenderer(tok, body, job, settings))
 
-    def final(idx: int, streamed: bool) -> dict[str, Any]:
+
+class LlamaCppRenderer(Renderer):
+    """llama.cpp's completion result per choice (a list of them for several), or its
+    stream: ``content`` events, then the result's fields with ``"stop": true``."""
+
+    done = None  # llama.cpp's stream has no [DONE]
+    choices: _TimedChoices
+
+    def __init__(self, tok: TokenizerLike, body: LlamaCppCompletionRequest, job: Job,
+                 settings: dict[str, Any]) -> None:
+        super().__init__(_TimedChoices([len(p) for p in job.prompts], job.params.n))
+        self.tok, self.body, self.job, self.settings = tok, body, job, settings
+        self.evaluate_only = body.n_predict == 0
+
+    def _final(self, idx: int, streamed: bool) -> dict[str, Any]:
+        choices, body, n = self.choices, self.body, self.job.params.n
         st = choices.states[idx]
-        tokens = [] if evaluate_only else st.token_ids
-        content = "" if evaluate_only or streamed else "".join(st.text)
-        if st.finish_reason == "length" or evaluate_only:
+        tokens = [] if self.evaluate_only else st.token_ids
+        content = "" if self.evaluate_only or streamed else "".join(st.text)
+        if st.finish_reason == "length" or self.evaluate_only:
             stop_type, word = "limit", ""
         elif isinstance(st.stop_reason, str):
             stop_type, word = "word", st.stop_reason
@@ -331,37 +344,33 @@ async def _complete(state: ServerState, request: Request, body: LlamaCppCompleti
             stop_type, word = "eos", ""
         out: dict[str, Any] = {
             "index": idx, "content": content, "tokens": tokens if body.return_tokens and not streamed else [],
-            "id_slot": -1, "stop": True, "model": model, "tokens_predicted": len(tokens),
-            "tokens_evaluated": choices.prompt_lens[idx // params.n], "generation_settings": settings,
-            "prompt": tok.decode(prompts[idx // params.n], skip_special_tokens=False),
-            "has_new_line": "\n" in "".join(st.text) and not evaluate_only, "truncated": False,
-            "stop_type": stop_type, "stopping_word": word, "tokens_cached": choices.cached[idx // params.n],
+            "id_slot": -1, "stop": True, "model": self.job.model, "tokens_predicted": len(tokens),
+            "tokens_evaluated": choices.prompt_lens[idx // n], "generation_settings": self.settings,
+            "prompt": self.tok.decode(self.job.prompts[idx // n], skip_special_tokens=False),
+            "has_new_line": "\n" in "".join(st.text) and not self.evaluate_only, "truncated": False,
+            "stop_type": stop_type, "stopping_word": word, "tokens_cached": choices.cached[idx // n],
             "timings": choices.timings(idx, len(tokens))}
-        if body.n_probs and not streamed and not evaluate_only:
-            out["completion_probabilities"] = _probabilities(tok, st.logprobs)
+        if body.n_probs and not streamed and not self.evaluate_only:
+            out["completion_probabilities"] = _probabilities(self.tok, st.logprobs)
         return out
 
-    if not body.stream:
-        await run_to_completion(request, merged, choices)
-        results = [final(idx, streamed=False) for idx in range(len(choices.states))]
-        return JSONResponse(results if several else results[0])
+    def whole(self) -> Response:
+        results = [self._final(idx, streamed=False) for idx in range(len(self.choices.states))]
+        return JSONResponse(results if len(results) > 1 else results[0])
 
-    first = await first_output(request, merged)
-
-    def render(prompt_index: int, ro: RequestOutput) -> Iterator[str]:
+    def delta(self, prompt_index: int, ro: RequestOutput) -> Iterator[str]:
+        choices = self.choices
         for idx, out, finished in choices.update(prompt_index, ro):
-            if not evaluate_only and (out.text or out.token_ids):
+            if not self.evaluate_only and (out.text or out.token_ids):
                 event: dict[str, Any] = {"index": idx, "content": out.text, "tokens": out.token_ids,
                                          "stop": False, "id_slot": -1,
                                          "tokens_predicted": choices.states[idx].num_tokens,
                                          "tokens_evaluated": choices.prompt_lens[prompt_index]}
-                if body.n_probs:
-                    event["completion_probabilities"] = _probabilities(tok, out.logprobs or [])
+                if self.body.n_probs:
+                    event["completion_probabilities"] = _probabilities(self.tok, out.logprobs or [])
                 yield sse_json(_json(event))
             if finished:
-                yield sse_json(_json(final(idx, streamed=True)))
-
-    return stream_response(state, request_id, first, merged, (), render, lambda: (), done=None)
+                yield sse_json(_json(self._final(idx, streamed=True)))
 
 
 def _json(payload: dict[str, Any]) -> str:

@@ -21,11 +21,13 @@ from starlette.responses import JSONResponse, Response
 from engine.outputs import RequestOutput
 from server.anthropic_api import (AnthropicUsage, MessagesRequest, anthropic_error, messages_params, new_block_id,
                                   stop_reason)
+from server.answers import AnswerReader
 from server.body import read_model
 from server.errors import APIError
 from server.protocol_responses import DeltaToolCall
 from server.serving_chat import prepare_chat, render_prompt
-from server.serving_common import Choices, first_output, launch, run_to_completion, stream_response
+from server.driver import First, Job, Renderer, respond
+from server.serving_common import Choices
 from server.state import ServerState
 
 
@@ -75,41 +77,56 @@ async def _create_message(state: ServerState, request: Request) -> Response:
     chat = body.chat_request()
     with messages_params():
         params, reader, prompt = prepare_chat(state, chat)
-    message_id = new_block_id("msg")
-    choices = Choices([len(prompt)], 1)
-    merged = await launch(state, message_id, [prompt], params,
-                          {"prompt": "messages", "max_tokens": "max_tokens", "structured": "tools"}, model)
+    job = Job(new_block_id("msg"), model, [prompt], params,
+              {"prompt": "messages", "max_tokens": "max_tokens", "structured": "tools"}, bool(body.stream))
+    return await respond(state, request, job, MessageRenderer(job, reader))
 
-    if not body.stream:
-        await run_to_completion(request, merged, choices)
-        st = choices.states[0]
-        reasoning, text, calls = reader.whole("".join(st.text))
+
+class MessageRenderer(Renderer):
+    """An Anthropic message: content blocks, or their stream of typed events."""
+
+    done = None  # Anthropic's stream ends with message_stop
+
+    def __init__(self, job: Job, reader: AnswerReader) -> None:
+        super().__init__(Choices([len(job.prompts[0])], 1))
+        self.job, self.reader = job, reader
+        self.answer = reader.stream()
+        self.events: MessageEvents | None = None  # made with the first delta (its cached tokens)
+
+    def whole(self) -> Response:
+        st = self.choices.states[0]
+        reasoning, text, calls = self.reader.whole("".join(st.text))
         reason, sequence = stop_reason(st.finish_reason, st.stop_reason, calls is not None)
-        return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "model": model,
-                             "content": answer_blocks(reasoning, text, calls), "stop_reason": reason,
-                             "stop_sequence": sequence, "usage": AnthropicUsage.of(choices.usage()).model_dump()})
+        return JSONResponse({"id": self.job.request_id, "type": "message", "role": "assistant",
+                             "model": self.job.model, "content": answer_blocks(reasoning, text, calls),
+                             "stop_reason": reason, "stop_sequence": sequence,
+                             "usage": AnthropicUsage.of(self.choices.usage()).model_dump()})
 
-    first = await first_output(request, merged)
-    events = MessageEvents(message_id, model, len(prompt), first[1].num_cached_tokens if first else 0)
-    answer = reader.stream()
+    def prelude(self, first: First) -> Iterator[str]:
+        self.events = MessageEvents(self.job.request_id, self.job.model, len(self.job.prompts[0]),
+                                    first[1].num_cached_tokens if first else 0)
+        return self.events.start()
 
-    def render(prompt_index: int, ro: RequestOutput) -> Iterator[str]:
-        for _, out, finished in choices.update(prompt_index, ro):
-            reasoning, text, calls = answer.feed(out.text, finished)
+    def delta(self, prompt_index: int, ro: RequestOutput) -> Iterator[str]:
+        assert self.events is not None, "the prelude comes first"
+        for _, out, finished in self.choices.update(prompt_index, ro):
+            reasoning, text, calls = self.answer.feed(out.text, finished)
             if reasoning:
-                yield from events.thinking(reasoning)
+                yield from self.events.thinking(reasoning)
             if text:
-                yield from events.text(text)
+                yield from self.events.text(text)
             for call in calls:
-                yield from events.call(call)
+                yield from self.events.call(call)
 
-    def epilogue() -> Iterator[str]:
-        st = choices.states[0]
-        yield from events.finish(*stop_reason(st.finish_reason, st.stop_reason, answer.were_calls),
-                                 choices.usage().completion_tokens)
+    def epilogue(self) -> Iterator[str]:
+        assert self.events is not None, "the prelude comes first"
+        st = self.choices.states[0]
+        yield from self.events.finish(*stop_reason(st.finish_reason, st.stop_reason, self.answer.were_calls),
+                                      self.choices.usage().completion_tokens)
 
-    return stream_response(state, message_id, first, merged, events.start(), render, epilogue,
-                           on_error=events.failed, done=None)
+    def error(self, error: APIError) -> Iterator[str]:
+        assert self.events is not None, "the prelude comes first"
+        return self.events.failed(error)
 
 
 class MessageEvents:

@@ -11,7 +11,7 @@ out as OpenAI's typed events (``event: <type>`` lines, each numbered by
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pydantic import BaseModel
@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.outputs import RequestOutput
+from server.answers import AnswerReader
 from server.body import read_model
 from server.errors import APIError
 from server.protocol_responses import ChatTokenLogprob, DeltaToolCall, Usage, now
@@ -27,7 +28,8 @@ from server.responses_api import (OutputFunctionCall, OutputItem, OutputMessage,
                                   OutputReasoningText, OutputText, ResponseObject, ResponsesRequest,
                                   new_item_id, responses_params)
 from server.serving_chat import chat_logprobs, prepare_chat
-from server.serving_common import Choices, first_output, launch, run_to_completion, stream_response
+from server.driver import First, Job, Renderer, respond
+from server.serving_common import Choices
 from server.state import ServerState
 from server.tools import ToolFormat
 
@@ -64,50 +66,62 @@ async def create_response(state: ServerState, request: Request) -> Response:
     model = state.check_model(body.model)
     history, earlier_items = _previous(state, body)
     chat = body.chat_request(history)
-    tok = state.engine.tokenizer
     with responses_params():
         params, reader, prompt = prepare_chat(state, chat)
-    response_id = new_item_id("resp")
-    choices = Choices([len(prompt)], 1)
-    merged = await launch(state, response_id, [prompt], params,
-                          {"prompt": "input", "max_tokens": "max_output_tokens",
-                           "structured": "tools" if reader.calls is not None else "text.format"}, model)
+    job = Job(new_item_id("resp"), model, [prompt], params,
+              {"prompt": "input", "max_tokens": "max_output_tokens",
+               "structured": "tools" if reader.calls is not None else "text.format"}, bool(body.stream))
     stored = bool(body.store) and state.responses.capacity > 0
-    response = ResponseObject.start(response_id, now(), model, body, chat, stored)
+    response = ResponseObject.start(job.request_id, now(), model, body, chat, stored)
 
     def keep(sent: dict[str, Any]) -> None:
         """Store the response as ``sent``, with the conversation up to it."""
         if stored:
-            state.responses.put(response_id, StoredResponse(
+            state.responses.put(job.request_id, StoredResponse(
                 sent, history + body.input_messages() + response.conversation(),
                 earlier_items + body.input_items()))
 
-    if not body.stream:
-        await run_to_completion(request, merged, choices)
-        st = choices.states[0]
-        reasoning, text, calls = reader.whole("".join(st.text))
-        lps = chat_logprobs(tok, st.logprobs).content if body.wants_logprobs else []
-        response.output = answer_items(text, calls, lps, state.tool_format, reasoning)
-        response.finish(st.finish_reason, choices.usage())
-        sent = response.model_dump(mode="json")
-        keep(sent)
+    return await respond(state, request, job, ResponseRenderer(state, body, job, reader, response, keep))
+
+
+class ResponseRenderer(Renderer):
+    """A response object, or its stream of numbered typed events; ``keep`` stores what
+    was sent (the whole object, or the final one a stream built)."""
+
+    done = None  # the Responses API's stream ends with response.completed (or .incomplete, .failed)
+
+    def __init__(self, state: ServerState, body: ResponsesRequest, job: Job, reader: AnswerReader,
+                 response: ResponseObject, keep: Callable[[dict[str, Any]], None]) -> None:
+        super().__init__(Choices([len(job.prompts[0])], 1))
+        self.tok, self.fmt, self.body, self.reader = state.engine.tokenizer, state.tool_format, body, reader
+        self.response, self.keep = response, keep
+        self.events = ResponseEvents(response)
+        self.answer = reader.stream()
+        # Logprobs of text held back until the answer shows whether it is calls: they go
+        # out with that text, or nowhere (a function call item has none).
+        self.held: list[ChatTokenLogprob] = []
+
+    def whole(self) -> Response:
+        st = self.choices.states[0]
+        reasoning, text, calls = self.reader.whole("".join(st.text))
+        lps = chat_logprobs(self.tok, st.logprobs).content if self.body.wants_logprobs else []
+        self.response.output = answer_items(text, calls, lps, self.fmt, reasoning)
+        self.response.finish(st.finish_reason, self.choices.usage())
+        sent = self.response.model_dump(mode="json")
+        self.keep(sent)
         return JSONResponse(sent)
 
-    first = await first_output(request, merged)
-    events = ResponseEvents(response)
-    answer = reader.stream()
+    def prelude(self, first: First) -> Iterator[str]:
+        return self.events.start()
 
-    # Logprobs of text held back until the answer shows whether it is calls: they go
-    # out with that text, or nowhere (a function call item has none).
-    held: list[ChatTokenLogprob] = []
-
-    def render(prompt_index: int, ro: RequestOutput) -> Iterator[str]:
-        for _, out, finished in choices.update(prompt_index, ro):
+    def delta(self, prompt_index: int, ro: RequestOutput) -> Iterator[str]:
+        answer, events, held = self.answer, self.events, self.held
+        for _, out, finished in self.choices.update(prompt_index, ro):
             reasoning, text, calls = answer.feed(out.text, finished)
             if reasoning:
                 yield from events.reasoning(reasoning)
-            if body.wants_logprobs:
-                held.extend(chat_logprobs(tok, out.logprobs or []).content)
+            if self.body.wants_logprobs:
+                held.extend(chat_logprobs(self.tok, out.logprobs or []).content)
             if answer.in_calls:
                 held.clear()
             elif text or (held and not answer.deciding):
@@ -116,12 +130,12 @@ async def create_response(state: ServerState, request: Request) -> Response:
             for call in calls:
                 yield from events.call(call)
 
-    def epilogue() -> Iterator[str]:
-        yield from events.finish(choices.states[0].finish_reason, choices.usage())
-        keep(response.model_dump(mode="json"))
+    def epilogue(self) -> Iterator[str]:
+        yield from self.events.finish(self.choices.states[0].finish_reason, self.choices.usage())
+        self.keep(self.response.model_dump(mode="json"))
 
-    return stream_response(state, response_id, first, merged, events.start(), render, epilogue,
-                           on_error=events.failed, done=None)
+    def error(self, error: APIError) -> Iterator[str]:
+        return self.events.failed(error)
 
 
 def _plain(value: Any) -> Any:

@@ -52,7 +52,7 @@ class ServerState:
     think_tokens: ThinkTokens | None = None
     # Stored Responses API answers (previous_response_id, GET /v1/responses/{id}).
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(DEFAULT_STORED_RESPONSES))
-    # --enable-log-requests: one log line per generation request (serving_common.log_request), its prompt
+    # --enable-log-requests: one log line per generation request (server.driver.log_request), its prompt
     # cut to max_log_len characters and ids (None: whole).
     log_requests: bool = False
     max_log_len: int | None = None

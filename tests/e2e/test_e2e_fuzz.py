@@ -16,8 +16,9 @@ import pytest
 from e2e_helpers import KVServe, metric, parse_metrics
 
 from server.anthropic_api import MessagesRequest
-from server.protocol import (ApplyTemplateRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                             EmbeddingRequest, RerankRequest, ScoreRequest, TokenizeRequest)
+from server.protocol import CompletionRequest
+from server.protocol_chat import ApplyTemplateRequest, ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
+from server.protocol_pooling import EmbeddingRequest, RerankRequest, ScoreRequest
 from server.responses_api import ResponsesRequest
 from server.serving_embeddings import LlamaCppEmbeddingRequest
 from server.serving_llamacpp import LlamaCppCompletionRequest, LlamaCppInfillRequest

@@ -70,7 +70,7 @@ async def test_without_cors_no_headers() -> None:
 
 
 async def test_requests_are_logged_only_when_asked_and_cut_to_max_log_len(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="server.serving_common")
+    caplog.set_level(logging.INFO, logger="server.driver")
     async with serving() as (client, _):
         await client.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 2})
     assert "Received request" not in caplog.text

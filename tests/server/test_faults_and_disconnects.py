@@ -11,7 +11,7 @@ import anyio
 import httpx
 import pytest
 
-import server.generation
+import server.driver
 from api_helpers import assert_error, sse_events
 from fake_engine import FakeEngine
 from server.app import build_app
@@ -100,7 +100,7 @@ async def drive(app: Any, body: dict[str, Any], path: str,
 @pytest.fixture
 def slow_engine(engine: FakeEngine, monkeypatch: pytest.MonkeyPatch) -> FakeEngine:
     engine.step_delay = 0.01  # 200 tokens would take 2 s
-    monkeypatch.setattr(server.generation, "DISCONNECT_POLL_SECONDS", 0.01)
+    monkeypatch.setattr(server.driver, "DISCONNECT_POLL_SECONDS", 0.01)
     return engine
 
 

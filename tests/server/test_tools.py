@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.protocol import ChatMessage, template_messages
+from server.protocol_chat import ChatMessage, template_messages
 from models.chat_template import read_chat_template, render_chat_template, template_tool_syntax
 from server.tools import FORMATS, CallStream, FunctionSpec, calls_schema, tool_format_for
 
