@@ -10,7 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.serve import BenchConfig, check_loopback, main, run_async, send_request
+from bench.serve import main
+from bench.serve_config import BenchConfig, check_loopback
+from bench.serve_load import run_async, send_request
 from fake_openai_server import MODEL, FakeSettings, serving
 
 UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
@@ -185,7 +187,7 @@ def test_cli_rejects_a_remote_url(capsys: pytest.CaptureFixture[str]) -> None:
 def test_structured_json_sends_the_fixed_schema_which_forces_long_answers() -> None:
     import jsonschema
 
-    from bench.serve import BENCH_SCHEMA
+    from bench.serve_load import BENCH_SCHEMA
 
     s = FakeSettings()
     report = bench(s, [2], num_prompts=3, structured="json")
@@ -203,7 +205,7 @@ def test_arrival_gaps_have_the_rates_mean_and_the_burstiness_spread() -> None:
     import random
     import statistics
 
-    from bench.serve import arrival_gaps
+    from bench.serve_load import arrival_gaps
 
     poisson = arrival_gaps(4.0, 1.0, 20000, random.Random(1))
     assert statistics.fmean(poisson) == pytest.approx(0.25, rel=0.03)
