@@ -24,9 +24,9 @@ from server.body import read_model
 from server.errors import APIError
 from server.protocol_responses import ChatTokenLogprob, DeltaToolCall, Usage, now
 from server.response_store import StoredResponse
-from server.responses_api import (OutputFunctionCall, OutputItem, OutputMessage, OutputReasoning,
-                                  OutputReasoningText, OutputText, ResponseObject, ResponsesRequest,
-                                  new_item_id, responses_params)
+from server.responses_api import ResponsesRequest, new_item_id, responses_params
+from server.responses_output import (OutputFunctionCall, OutputItem, OutputMessage, OutputReasoning,
+                                     OutputReasoningText, OutputText, ResponseObject)
 from server.serving_chat import chat_logprobs, prepare_chat
 from server.driver import First, Job, Renderer, respond
 from server.serving_common import Choices

@@ -17,7 +17,8 @@ from fake_engine import SCRIPT, FakeEngine
 from server.app import build_app
 from server.protocol_responses import Usage
 from server.response_store import ResponseStore, StoredResponse
-from server.responses_api import ResponseObject, ResponsesRequest
+from server.responses_api import ResponsesRequest
+from server.responses_output import ResponseObject
 from server.serving_responses import ResponseEvents
 from server.tools import FORMATS, CallStream
 
