@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.sampler_settings import BY_NAME, type_error
 from engine.sampling_params import SamplingParams
 
 MiB = 1024 * 1024
@@ -23,13 +24,10 @@ SPECULATIVE_METHODS = ("ngram", "draft")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # What --override-generation-config may set: the defaults of requests that leave these
 # out (SamplingParams' names; max_new_tokens bounds an answer of no set length).
-GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                          "frequency_penalty", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
-                          "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
-                          "dry_sequence_breakers", "repeat_last_n", "dynatemp_range", "dynatemp_exponent",
-                          "temperature_last", "mirostat", "mirostat_tau", "mirostat_eta", "samplers",
-                          "max_new_tokens")
-_INTEGER_KEYS = ("top_k", "dry_allowed_length", "dry_penalty_last_n", "repeat_last_n", "mirostat", "max_new_tokens")
+# What --override-generation-config sets: the sampler settings (engine.sampler_settings),
+# llama.cpp's samplers chain and the answer's default length.
+_OTHER_KEYS = {"samplers": "strings", "max_new_tokens": "int"}  # (their kinds)
+GENERATION_CONFIG_KEYS = (*BY_NAME, *_OTHER_KEYS)
 
 
 @dataclass(frozen=True)
@@ -316,15 +314,8 @@ class EngineConfig:
             raise ValueError(f"override_generation_config cannot set {', '.join(unknown)}; it sets "
                              f"{', '.join(GENERATION_CONFIG_KEYS)}")
         for key, value in override.items():
-            if key in ("dry_sequence_breakers", "samplers"):
-                ok, kind = isinstance(value, list) and all(isinstance(v, str) for v in value), "a list of strings"
-            elif key == "temperature_last":
-                ok, kind = isinstance(value, bool), "true or false"
-            elif key in _INTEGER_KEYS:
-                ok, kind = isinstance(value, int) and not isinstance(value, bool), "an integer"
-            else:
-                ok, kind = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
-            if not ok:
+            kind = type_error(BY_NAME[key].kind if key in BY_NAME else _OTHER_KEYS[key], value)
+            if kind is not None:
                 raise ValueError(f"override_generation_config's {key} must be {kind}, got {value!r}")
         if override.get("max_new_tokens", 1) < 1:
             raise ValueError(f"override_generation_config's max_new_tokens must be >= 1, "

@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.sampler_settings import SETTINGS, default
+
 # Limits that keep one request from monopolising the engine; the server maps
 # violations to HTTP 400.
 MAX_N = 16
@@ -19,8 +21,6 @@ STRUCTURED_KINDS = ("json_object", "json", "regex", "choice", "grammar")
 MAX_GRAMMAR_BYTES = 64 * 1024
 MAX_CHOICES = 256
 
-# llama.cpp's DRY defaults: the strings that end a repeat (a newline, a colon, a quote, an asterisk).
-DRY_SEQUENCE_BREAKERS = ("\n", ":", "\"", "*")
 MAX_DRY_SEQUENCE_BREAKERS = 16
 # The steps of llama.cpp's ``samplers`` chain that SamplingParams.samplers orders (its names).
 SAMPLER_STEPS = ("top_k", "typ_p", "top_p", "min_p", "xtc", "temperature", "top_n_sigma")
@@ -117,13 +117,13 @@ class SamplingParams:
     """
 
     n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 (or -1) disables top-k
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    temperature: float = default("temperature")
+    top_p: float = default("top_p")
+    top_k: int = default("top_k")  # 0 (or -1) disables top-k
+    min_p: float = default("min_p")
+    repetition_penalty: float = default("repetition_penalty")
+    presence_penalty: float = default("presence_penalty")
+    frequency_penalty: float = default("frequency_penalty")
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -159,42 +159,42 @@ class SamplingParams:
     # penalty over prompt and output, presence and frequency over the output. An int:
     # llama.cpp's repeat_last_n, all three over the last that many tokens of prompt and
     # output (-1: all of them; 0: no penalty).
-    repeat_last_n: int | None = None
+    repeat_last_n: int | None = default("repeat_last_n")
     # llama.cpp's samplers beyond vLLM's (each off by default; engine/sampler.py has the order).
     # Locally typical sampling: the most typical tokens (log-probability nearest the entropy)
     # whose probability reaches typical_p (1: off).
-    typical_p: float = 1.0
+    typical_p: float = default("typical_p")
     # llama.cpp's order: the temperature divides the logits after the truncations
     # (top-k ... XTC), not before them as in vLLM.
-    temperature_last: bool = False
+    temperature_last: bool = default("temperature_last")
     # Dynamic temperature: between temperature -/+ dynatemp_range (not below 0), higher the
     # flatter the distribution left after the truncations (dynatemp_exponent shapes how);
     # it comes last, as in llama.cpp. 0: the plain temperature.
-    dynatemp_range: float = 0.0
-    dynatemp_exponent: float = 1.0
+    dynatemp_range: float = default("dynatemp_range")
+    dynatemp_exponent: float = default("dynatemp_exponent")
     # Top-n-sigma: only logits within top_n_sigma standard deviations of the largest (<= 0: off).
-    top_n_sigma: float = -1.0
+    top_n_sigma: float = default("top_n_sigma")
     # XTC: with probability xtc_probability, every token at least xtc_threshold likely is
     # dropped but the least likely of them (a threshold above 0.5 turns it off).
-    xtc_probability: float = 0.0
-    xtc_threshold: float = 0.1
+    xtc_probability: float = default("xtc_probability")
+    xtc_threshold: float = default("xtc_threshold")
     # DRY: a token that would extend a repeat of the context longer than dry_allowed_length
     # tokens loses dry_multiplier * dry_base ** (length - dry_allowed_length) from its logit;
     # a repeat ends at any of dry_sequence_breakers. dry_penalty_last_n: how many of the
     # last tokens (prompt included) are searched, -1 all. dry_multiplier 0: off.
-    dry_multiplier: float = 0.0
-    dry_base: float = 1.75
-    dry_allowed_length: int = 2
-    dry_penalty_last_n: int = -1
-    dry_sequence_breakers: list[str] = field(default_factory=lambda: list(DRY_SEQUENCE_BREAKERS))
+    dry_multiplier: float = default("dry_multiplier")
+    dry_base: float = default("dry_base")
+    dry_allowed_length: int = default("dry_allowed_length")
+    dry_penalty_last_n: int = default("dry_penalty_last_n")
+    dry_sequence_breakers: list[str] = field(default_factory=lambda: list(default("dry_sequence_breakers")))
     # Mirostat (Basu et al.; llama.cpp's 1 and 2, 0: off): instead of the truncations above,
     # keep the tokens whose surprise (-log2 p, after the temperature) is within mu, and move
     # mu by mirostat_eta * (the sampled token's surprise - mirostat_tau) after each token,
     # so that the answer's surprise per token stays near mirostat_tau bits. Version 1 keeps
     # the top k tokens, k estimated from mu and the distribution's Zipf exponent.
-    mirostat: int = 0
-    mirostat_tau: float = 5.0
-    mirostat_eta: float = 0.1
+    mirostat: int = default("mirostat")
+    mirostat_tau: float = default("mirostat_tau")
+    mirostat_eta: float = default("mirostat_eta")
     # llama.cpp's ``samplers``: the truncations and the temperature to run, in this order
     # (SAMPLER_STEPS' names), and no other; None: the default order (engine/sampler.py).
     # The penalties and DRY come first either way; mirostat ignores it, as llama.cpp's.
@@ -215,36 +215,15 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def finite(name: str, value: float) -> None:
-            if not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value}")
-
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
-                     "presence_penalty", "frequency_penalty", "typical_p", "top_n_sigma",
-                     "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base",
-                     "dynatemp_range", "dynatemp_exponent", "mirostat_tau", "mirostat_eta"):
-            finite(name, getattr(self, name))
+        for setting in SETTINGS:  # the sampler knobs: their rules are the table's
+            setting.check(getattr(self, setting.name))
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise ValueError("cache_salt must be a non-empty string if given")
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be between 1 and {MAX_N}, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not -2 <= self.presence_penalty <= 2:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2 <= self.frequency_penalty <= 2:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        self._validate_llamacpp_samplers()
+        self._validate_lists()
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:
@@ -276,37 +255,11 @@ class SamplingParams:
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise ValueError("seed must fit in a signed 64-bit integer")
 
-    def _validate_llamacpp_samplers(self) -> None:
-        if not 0 < self.typical_p <= 1:
-            raise ValueError(f"typical_p must be in (0, 1], got {self.typical_p}")
-        if self.dynatemp_range < 0:
-            raise ValueError(f"dynatemp_range must be >= 0, got {self.dynatemp_range}")
-        if self.dynatemp_exponent <= 0:
-            raise ValueError(f"dynatemp_exponent must be > 0, got {self.dynatemp_exponent}")
-        if not 0 <= self.xtc_probability <= 1:
-            raise ValueError(f"xtc_probability must be in [0, 1], got {self.xtc_probability}")
-        if not 0 <= self.xtc_threshold <= 1:
-            raise ValueError(f"xtc_threshold must be in [0, 1], got {self.xtc_threshold}")
+    def _validate_lists(self) -> None:
         if self.samplers is not None and (len(self.samplers) > 4 * len(SAMPLER_STEPS)
                                           or any(step not in SAMPLER_STEPS for step in self.samplers)):
             raise ValueError(f"samplers must list at most {4 * len(SAMPLER_STEPS)} of {', '.join(SAMPLER_STEPS)}, "
                              f"got {list(self.samplers)!r}")
-        if self.mirostat not in (0, 1, 2) or isinstance(self.mirostat, bool):
-            raise ValueError(f"mirostat must be 0 (off), 1 or 2, got {self.mirostat!r}")
-        if self.mirostat_tau < 0:
-            raise ValueError(f"mirostat_tau must be >= 0, got {self.mirostat_tau}")
-        if self.mirostat_eta < 0:
-            raise ValueError(f"mirostat_eta must be >= 0, got {self.mirostat_eta}")
-        if self.dry_multiplier < 0:
-            raise ValueError(f"dry_multiplier must be >= 0, got {self.dry_multiplier}")
-        if self.dry_base < 1:
-            raise ValueError(f"dry_base must be >= 1, got {self.dry_base}")
-        if self.dry_allowed_length < 1:
-            raise ValueError(f"dry_allowed_length must be >= 1, got {self.dry_allowed_length}")
-        if self.repeat_last_n is not None and self.repeat_last_n < -1:
-            raise ValueError(f"repeat_last_n must be -1 (all) or >= 0, got {self.repeat_last_n}")
-        if self.dry_penalty_last_n < -1:
-            raise ValueError(f"dry_penalty_last_n must be -1 (all) or >= 0, got {self.dry_penalty_last_n}")
         breakers = self.dry_sequence_breakers
         if len(breakers) > MAX_DRY_SEQUENCE_BREAKERS:
             raise ValueError(f"at most {MAX_DRY_SEQUENCE_BREAKERS} dry_sequence_breakers are allowed, "

@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from engine.sampler_settings import SETTINGS
 from engine.sampling_params import SamplingParams, StructuredOutput
 from server.errors import APIError, bad_request
 
@@ -97,25 +98,26 @@ def _check_truncate(value: int | None) -> int | None:
     return value
 
 
-class _SamplingRequest(_Strict):
-    """Fields shared by completions and chat completions (OpenAI + vLLM extras)."""
+# Every sampler setting (engine.sampler_settings: OpenAI's temperature, top_p and penalties,
+# vLLM's top_k, min_p and repetition_penalty, llama.cpp's samplers by its names), each an
+# optional field: None means the default.
+_SamplerFields = create_model("_SamplerFields", __base__=_Strict,
+                              **{s.name: (s.annotation | None, None) for s in SETTINGS})
+
+
+class _SamplingRequest(_SamplerFields):
+    """Fields shared by completions and chat completions (OpenAI + vLLM extras), beside
+    the sampler settings."""
 
     model: str | None = None
     n: int | None = 1
-    temperature: float | None = None
-    top_p: float | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored
     # vLLM extensions.
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     allowed_token_ids: list[int] | None = None
@@ -137,23 +139,6 @@ class _SamplingRequest(_Strict):
     structured_outputs: StructuredOutputs | None = None
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
-    # llama.cpp's samplers, by its names (SamplingParams says what each does).
-    typical_p: float | None = None
-    top_n_sigma: float | None = None
-    xtc_probability: float | None = None
-    xtc_threshold: float | None = None
-    dry_multiplier: float | None = None
-    dry_base: float | None = None
-    dry_allowed_length: int | None = None
-    dry_penalty_last_n: int | None = None
-    dry_sequence_breakers: list[str] | None = None
-    repeat_last_n: int | None = None  # the penalties over the last N tokens, prompt included
-    dynatemp_range: float | None = None
-    dynatemp_exponent: float | None = None
-    temperature_last: bool | None = None  # llama.cpp's order: the truncations, then the temperature
-    mirostat: int | None = None  # 1 or 2: llama.cpp's mirostat in place of the truncations
-    mirostat_tau: float | None = None
-    mirostat_eta: float | None = None
     # llama.cpp's sampler chain, its names or letters ("kypmxt"): only these, in this order.
     samplers: list[str] | str | None = None
 
@@ -242,24 +227,12 @@ class _SamplingRequest(_Strict):
                            prompt_logprobs: int | None) -> SamplingParams:
         """Build the engine's params; an invalid value becomes a 400 naming the field."""
         given: dict[str, Any] = {
-            "n": self.n, "temperature": self.temperature, "top_p": self.top_p,
-            "top_k": self.top_k, "min_p": self.min_p,
-            "repetition_penalty": self.repetition_penalty,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty, "seed": self.seed,
-            "stop": self.stop, "stop_token_ids": self.stop_token_ids,
+            "n": self.n, "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
             "skip_special_tokens": self.skip_special_tokens, "allowed_token_ids": self.allowed_token_ids,
             "bad_words": self.bad_words, "priority": self.priority, "cache_salt": self.cache_salt,
-            "typical_p": self.typical_p, "top_n_sigma": self.top_n_sigma,
-            "xtc_probability": self.xtc_probability, "xtc_threshold": self.xtc_threshold,
-            "dry_multiplier": self.dry_multiplier, "dry_base": self.dry_base,
-            "dry_allowed_length": self.dry_allowed_length, "dry_penalty_last_n": self.dry_penalty_last_n,
-            "dry_sequence_breakers": self.dry_sequence_breakers, "repeat_last_n": self.repeat_last_n,
-            "dynatemp_range": self.dynatemp_range, "dynatemp_exponent": self.dynatemp_exponent,
-            "temperature_last": self.temperature_last, "mirostat": self.mirostat,
-            "mirostat_tau": self.mirostat_tau, "mirostat_eta": self.mirostat_eta,
+            **{s.name: getattr(self, s.name) for s in SETTINGS},
             "samplers": llamacpp_sampler_order(self.samplers),
         }
         # None means "the default", so only pass what the client set.

@@ -15,11 +15,13 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from pydantic import create_model
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.outputs import RequestOutput, TokenLogprob
-from engine.sampling_params import DRY_SEQUENCE_BREAKERS, SamplingParams
+from engine.sampler_settings import LLAMACPP_SETTINGS
+from engine.sampling_params import SamplingParams
 from server.body import read_model, validate
 from server.engine_client import TokenizerLike
 from server.errors import bad_request, renamed_params
@@ -32,17 +34,14 @@ from server.state import ServerState, new_request_id
 
 # The /v1/completions field a 400 names -> the llama.cpp field it came from.
 _TO_LLAMACPP = {"max_tokens": "n_predict", "logprobs": "n_probs", "n": "n_cmpl",
-                "repetition_penalty": "repeat_penalty"}
+                **{s.name: name for name, s in LLAMACPP_SETTINGS.items() if name != s.name}}
 # llama.cpp's "random seed" (LLAMA_DEFAULT_SEED, 0xFFFFFFFF) and -1.
 _RANDOM_SEEDS = (-1, 0xFFFFFFFF)
-# llama.cpp's defaults for what a request leaves out (GET /props shows them).
+# llama.cpp's defaults for what a request leaves out (GET /props shows them): its
+# sampler settings' (engine.sampler_settings) and these.
 LLAMACPP_DEFAULTS: dict[str, Any] = {
-    "n_predict": -1, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0,
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "seed": -1, "n_probs": 0, "ignore_eos": False,
-    "typical_p": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1,
-    "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
-    "dry_sequence_breakers": list(DRY_SEQUENCE_BREAKERS), "repeat_last_n": 64, "dynatemp_range": 0.0,
-    "dynatemp_exponent": 1.0, "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1}
+    "n_predict": -1, "seed": -1, "n_probs": 0, "ignore_eos": False,
+    **{name: s.llamacpp_value for name, s in LLAMACPP_SETTINGS.items()}}
 
 
 def llamacpp_defaults(overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -59,46 +58,22 @@ def llamacpp_defaults(overrides: Mapping[str, Any]) -> dict[str, Any]:
 # Samplers and options kvserve does not have, each with its value that turns it off: a
 # request that turns one on is a 400, not answered by other sampling than it asked for.
 _OFF = {"post_sampling_probs": False, "n_indent": 0, "t_max_predict_ms": 0}
-# Sampler fields with the same name and meaning in the engine (SamplingParams).
-_SAME_NAME = ("min_p", "presence_penalty", "frequency_penalty", "typical_p", "top_n_sigma", "xtc_probability",
-              "xtc_threshold", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
-              "dry_sequence_breakers", "repeat_last_n", "dynatemp_range", "dynatemp_exponent", "mirostat", "mirostat_tau",
-              "mirostat_eta")
-
-
 # The chain /completion runs unless a request sends its own ``samplers`` (llama.cpp's names).
 _DEFAULT_CHAIN = ("top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 
 
-class LlamaCppCompletionRequest(_Strict):
+# llama.cpp's sampler settings (engine.sampler_settings), by its names, with its defaults.
+_LlamaCppSamplerFields = create_model("_LlamaCppSamplerFields", __base__=_Strict,
+                                      **{name: (s.annotation, s.llamacpp_value) for name, s in LLAMACPP_SETTINGS.items()})
+
+
+class LlamaCppCompletionRequest(_LlamaCppSamplerFields):
     """``POST /completion``: llama.cpp's fields and defaults (``temperature`` 0.8,
     ``top_k`` 40, ``top_p`` 0.95, ``min_p`` 0.05, ``n_predict`` -1: up to the context)."""
 
     model: str | None = None
     prompt: str | list[Any]
     n_predict: int = LLAMACPP_DEFAULTS["n_predict"]
-    temperature: float = LLAMACPP_DEFAULTS["temperature"]
-    top_k: int = LLAMACPP_DEFAULTS["top_k"]
-    top_p: float = LLAMACPP_DEFAULTS["top_p"]
-    min_p: float = LLAMACPP_DEFAULTS["min_p"]
-    repeat_penalty: float = LLAMACPP_DEFAULTS["repeat_penalty"]
-    presence_penalty: float = LLAMACPP_DEFAULTS["presence_penalty"]
-    frequency_penalty: float = LLAMACPP_DEFAULTS["frequency_penalty"]
-    typical_p: float = LLAMACPP_DEFAULTS["typical_p"]
-    top_n_sigma: float = LLAMACPP_DEFAULTS["top_n_sigma"]
-    xtc_probability: float = LLAMACPP_DEFAULTS["xtc_probability"]
-    xtc_threshold: float = LLAMACPP_DEFAULTS["xtc_threshold"]
-    dry_multiplier: float = LLAMACPP_DEFAULTS["dry_multiplier"]
-    dry_base: float = LLAMACPP_DEFAULTS["dry_base"]
-    dry_allowed_length: int = LLAMACPP_DEFAULTS["dry_allowed_length"]
-    dry_penalty_last_n: int = LLAMACPP_DEFAULTS["dry_penalty_last_n"]
-    dry_sequence_breakers: list[str] = list(DRY_SEQUENCE_BREAKERS)
-    repeat_last_n: int = LLAMACPP_DEFAULTS["repeat_last_n"]
-    dynatemp_range: float = LLAMACPP_DEFAULTS["dynatemp_range"]
-    dynatemp_exponent: float = LLAMACPP_DEFAULTS["dynatemp_exponent"]
-    mirostat: int = LLAMACPP_DEFAULTS["mirostat"]
-    mirostat_tau: float = LLAMACPP_DEFAULTS["mirostat_tau"]
-    mirostat_eta: float = LLAMACPP_DEFAULTS["mirostat_eta"]
     stop: str | list[str] = []
     seed: int = LLAMACPP_DEFAULTS["seed"]
     ignore_eos: bool = LLAMACPP_DEFAULTS["ignore_eos"]
@@ -155,8 +130,9 @@ class LlamaCppCompletionRequest(_Strict):
             "model": self.model, "prompt": prompts, "n": self.n_cmpl,
             # -1: the rest of the context; 0: the prompt evaluated, nothing generated.
             "max_tokens": None if self.n_predict == -1 else self.n_predict, "echo": self.n_predict == 0,
-            "temperature": max(self.temperature, 0.0), "top_k": max(self.top_k, 0), "top_p": self.top_p,
-            "repetition_penalty": self.repeat_penalty, **{name: getattr(self, name) for name in _SAME_NAME},
+            **{s.name: getattr(self, name) for name, s in LLAMACPP_SETTINGS.items()},
+            # (llama.cpp's off values below the engine's)
+            "temperature": max(self.temperature, 0.0), "top_k": max(self.top_k, 0),
             # llama.cpp's chain divides by the temperature after its truncations.
             "temperature_last": True, "samplers": self.samplers,
             "stop": self.stop, "seed": None if self.seed in _RANDOM_SEEDS else self.seed,
@@ -174,9 +150,7 @@ class LlamaCppCompletionRequest(_Strict):
     def generation_settings(self, params: SamplingParams, n_ctx: int, model: str) -> dict[str, Any]:
         """What ran, in llama.cpp's names (its ``generation_settings``)."""
         return {"n_ctx": n_ctx, "model": model, "n_predict": self.n_predict, "seed": self.seed,
-                "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
-                "repeat_penalty": params.repetition_penalty,
-                **{name: getattr(params, name) for name in _SAME_NAME},
+                **{name: getattr(params, s.name) for name, s in LLAMACPP_SETTINGS.items()},
                 "samplers": ["penalties", "dry", *(params.samplers if params.samplers is not None
                                                    else _DEFAULT_CHAIN)],
                 "stop": list(params.stop), "ignore_eos": params.ignore_eos, "n_probs": self.n_probs,
