@@ -8,10 +8,10 @@ when its last ``n`` tokens, ``ngram_max`` down to ``ngram_min``, occurred
 before, the tokens that followed that occurrence), and
 ``engine.draft.DraftProposer`` from a smaller model. The scheduler runs them as extra
 positions of the request (``ScheduledRequest.spec_token_ids``); the engine
-samples each of those positions as its own step would (``LLMEngine._verify``)
+samples each of those positions as its own step would (``sample_proposals``)
 and keeps the proposals that equal what it sampled, plus the token after the
-last one kept, so the output is the same as without speculation (in
-distribution, and token for token when greedy or seeded).
+last one kept (``verify``), so the output is the same as without speculation
+(in distribution, and token for token when greedy or seeded).
 
 ``Speculator`` decides per step and per request: not when the step's batch
 holds more than ``max_batch`` decodes (past that the step is compute-bound on
@@ -22,11 +22,18 @@ rejected (``min_acceptance``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
 from engine.config import SpeculativeConfig
+from engine.outputs import TokenLogprob
 from engine.request import Request
+from engine.sampler import Sampler
+from engine.scheduler import ScheduledRequest
+from engine.stats import StepStats
 
 
 class NgramProposer:
@@ -182,3 +189,104 @@ class Speculator:
         """The request finished: drop its proposer state and acceptance record."""
         self._tracked.pop(request_id, None)
         self.proposer.forget(request_id)
+
+
+# -- verification ------------------------------------------------------------
+
+
+@dataclass
+class Proposed:
+    """What the model picked after each of a request's proposals, and its generator's
+    state before those picks (None: not seeded)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+    generator_state: torch.Tensor | None
+
+
+def proposal_rows(items: list[ScheduledRequest]) -> tuple[list[int], dict[str, list[int]]]:
+    """The logits rows of each request's last known token, and of each request's proposals
+    (by request id; only requests with proposals)."""
+    main: list[int] = []
+    extra: dict[str, list[int]] = {}
+    row = 0
+    for item in items:
+        main.append(row)
+        k = len(item.spec_token_ids)
+        if k:
+            extra[item.request.request_id] = list(range(row + 1, row + 1 + k))
+        row += 1 + k
+    return main, extra
+
+
+def sample_proposals(sampler: Sampler, logits: torch.Tensor, items: list[ScheduledRequest],
+                     extra: dict[str, list[int]], masks: dict[str, torch.Tensor]) -> dict[str, Proposed]:
+    """Sample the row after each proposal (``extra``, from :func:`proposal_rows`) as the
+    request's next steps would: its own sampling settings and logits processors with the
+    proposals before it as output, its grammar's mask after them (``masks``, by request id),
+    and for a seeded request the next draws of its generator (whose state is kept, to be
+    wound back to what the kept tokens used). Call it after sampling the rows of the last
+    known tokens: each request's noise comes in order."""
+    if not extra:
+        return {}
+    rows: list[int] = []
+    requests: list[Request] = []
+    states: dict[str, torch.Tensor | None] = {}
+    masked_rows: list[int] = []
+    for item in items:
+        rid = item.request.request_id
+        if rid in extra:
+            if rid in masks:
+                masked_rows += range(len(rows), len(rows) + len(extra[rid]))
+            rows += extra[rid]
+            # The logits processors (penalties, min_tokens) see the proposals before
+            # each position as output, as that position's own step would.
+            spec = item.spec_token_ids
+            requests += [dataclasses.replace(item.request, output_token_ids=item.request.output_token_ids + spec[:j])
+                         for j in range(1, len(spec) + 1)]
+            states[rid] = item.request.generator.get_state() if item.request.generator is not None else None
+    grammar_masks = None
+    if masked_rows:
+        grammar_masks = (masked_rows, torch.cat([masks[rid] for rid in states if rid in masks]))
+    out = sampler(logits[rows], requests, grammar_masks)
+    proposed: dict[str, Proposed] = {}
+    start = 0
+    for rid, state in states.items():
+        k = len(extra[rid])
+        proposed[rid] = Proposed(out.token_ids[start:start + k], out.logprobs[start:start + k], state)
+        start += k
+    return proposed
+
+
+def verify(item: ScheduledRequest, token: int, logprob: TokenLogprob | None, proposed: Proposed | None,
+           sampler: Sampler, speculator: Speculator | None, stats: StepStats
+           ) -> tuple[list[int], list[TokenLogprob | None]]:
+    """The tokens a request keeps and their logprobs: the sampled ``token`` and, while each
+    proposal equals the model's own pick at its position, the pick after it (a request
+    without proposals keeps ``token`` alone).
+
+    Exact in distribution (and token for token for a seeded request): each kept
+    token is what sampling that position alone would give. For a proposal this
+    accepts it with the model's probability of it and otherwise samples from the
+    rest, as rejection sampling against a one-token draft does. The acceptance goes
+    to ``stats`` and to ``speculator``, which learns from it."""
+    spec = item.spec_token_ids
+    if not spec:
+        return [token], [logprob]
+    assert proposed is not None and len(proposed.token_ids) == len(spec)
+    picks = [token] + proposed.token_ids
+    accepted = 0
+    while accepted < len(spec) and spec[accepted] == picks[accepted]:
+        accepted += 1
+    request = item.request
+    if proposed.generator_state is not None and accepted < len(spec):
+        # The rows past the last kept token drew noise that was never used.
+        sampler.replay_noise(request, proposed.generator_state, accepted)
+    stats.spec_drafts += 1
+    stats.spec_draft_tokens += len(spec)
+    stats.spec_accepted_tokens += accepted
+    for position in range(accepted):
+        stats.spec_accepted_per_position[position] = stats.spec_accepted_per_position.get(position, 0) + 1
+    assert speculator is not None
+    speculator.record(request, len(spec), accepted)
+    return picks[:accepted + 1], ([logprob] + proposed.logprobs)[:accepted + 1]
