@@ -6,7 +6,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+# What each rope_scaling type must give (models/rope.py computes the tables from them).
+_ROPE_REQUIRED = {"linear": ("factor",), "llama3": ("factor", "original_max_position_embeddings"),
+                  "longrope": ("long_factor", "short_factor", "original_max_position_embeddings"),
+                  "yarn": ("factor",), "dynamic": ("factor",)}
 # A base model saved without its LM head (transformers' AutoModel, as embedding models
 # are published) runs as its causal-LM class: the same layers.
 _BASE_MODELS = {arch.removesuffix("ForCausalLM") + "Model": arch for arch in SUPPORTED_ARCHITECTURES}
@@ -33,6 +37,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
+    # A GGUF file's rope_freqs: each rotary pair's frequency is divided by its factor (how
+    # llama.cpp's converter stores Llama 3.1's scaling); None: no such tensor.
+    rope_freq_factors: tuple[float, ...] | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # each head's query and key are RMS-normalised before RoPE (Qwen3)
@@ -60,6 +67,16 @@ class ModelConfig:
                 raise ValueError(
                     f"unsupported rope_scaling type {rope_type!r}; supported: "
                     f"{', '.join(_SUPPORTED_ROPE_TYPES)}")
+            missing = [k for k in _ROPE_REQUIRED.get(rope_type, ()) if self.rope_scaling.get(k) is None]
+            if missing:
+                raise ValueError(f"rope_scaling of type {rope_type} lacks {', '.join(missing)}")
+            for key in ("long_factor", "short_factor"):
+                if key in self.rope_scaling and len(self.rope_scaling[key]) != self.head_dim // 2:
+                    raise ValueError(f"rope_scaling's {key} has {len(self.rope_scaling[key])} values; "
+                                     f"the head size {self.head_dim} needs {self.head_dim // 2}")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ValueError(f"rope_freqs has {len(self.rope_freq_factors)} factors; the head size "
+                             f"{self.head_dim} needs {self.head_dim // 2}")
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "ModelConfig":
@@ -88,6 +105,10 @@ class ModelConfig:
         rope_scaling = cfg.get("rope_scaling")
         if rope_scaling is None and rope.get("rope_type", "default") != "default":
             rope_scaling = rope
+        if rope_scaling is not None and rope_scaling.get("original_max_position_embeddings") is None \
+                and cfg.get("original_max_position_embeddings") is not None:
+            # (Phi-3 keeps it beside rope_scaling; transformers moves it in)
+            rope_scaling = {**rope_scaling, "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
         sampling = {k: v for k, v in (generation_config or {}).items()
                     if k in SAMPLING_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)}
         longest = (generation_config or {}).get("max_new_tokens")

@@ -11,7 +11,7 @@ import torch
 
 from models.config import ModelConfig
 from models.gguf_quants import SPLIT_TYPES
-from models.gguf_reader import GGUFFile, GGUFTensor, read_gguf
+from models.gguf_reader import GGMLQuantizationType, GGUFFile, GGUFTensor, read_gguf
 
 # Types we dequantise (with the `gguf` package's reference code): the float ones and the
 # quantised ones models.gguf_quants splits into codes and scales (what w4a16 keeps).
@@ -55,6 +55,24 @@ def field_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
     return reader.fields.get(key, default)
 
 
+def _rope_scaling(get: Any) -> dict[str, Any] | None:
+    """A GGUF file's ``rope.scaling.*`` fields as a transformers ``rope_scaling`` (None:
+    unscaled). llama.cpp's converter writes linear and YaRN scaling so; Llama 3.1's goes
+    into the ``rope_freqs`` tensor instead."""
+    scaling_type = get("rope.scaling.type")
+    if scaling_type in (None, "none"):
+        return None
+    if scaling_type not in ("linear", "yarn"):
+        raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported (linear and yarn are)")
+    scaling = {"rope_type": scaling_type, "factor": get("rope.scaling.factor")}
+    if scaling_type == "yarn":
+        optional = {"original_max_position_embeddings": get("rope.scaling.original_context_length"),
+                    "attention_factor": get("rope.scaling.attn_factor"),
+                    "beta_fast": get("rope.scaling.yarn_beta_fast"), "beta_slow": get("rope.scaling.yarn_beta_slow")}
+        scaling.update({k: v for k, v in optional.items() if v is not None})
+    return scaling
+
+
 def config_from_gguf(reader: GGUFFile) -> ModelConfig:
     """Translate GGUF metadata into a ModelConfig."""
     arch = field_value(reader, "general.architecture")
@@ -70,15 +88,11 @@ def config_from_gguf(reader: GGUFFile) -> ModelConfig:
         raise ValueError(f"GGUF metadata lacks {arch}.embedding_length/block_count/attention.head_count")
     tokens = field_value(reader, "tokenizer.ggml.tokens") or []
     names = {t.name for t in reader.tensors}
-    rope_scaling = None
-    scaling_type = get("rope.scaling.type")
-    if scaling_type not in (None, "none"):
-        if scaling_type != "linear":
-            raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported (only linear)")
-        rope_scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
-    if "rope_freqs.weight" in names:
-        raise ValueError("GGUF files with rope_freqs (Llama 3.1 rope scaling) are not supported yet; "
-                         "use the Hugging Face checkpoint directory instead")
+    rope_scaling = _rope_scaling(get)
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None and freqs.tensor_type != GGMLQuantizationType.F32:
+        raise ValueError(f"rope_freqs.weight is of type {GGMLQuantizationType(freqs.tensor_type).name}; "
+                         "llama.cpp writes it as F32")
     eos = field_value(reader, "tokenizer.ggml.eos_token_id")
     eot = field_value(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
@@ -95,6 +109,7 @@ def config_from_gguf(reader: GGUFFile) -> ModelConfig:
         rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=get("rope.freq_base", 10000.0),
         rope_scaling=rope_scaling,
+        rope_freq_factors=None if freqs is None else tuple(float(f) for f in freqs.data.view("<f4")),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm=arch == "qwen3",

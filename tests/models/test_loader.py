@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -38,15 +39,22 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def write_gguf(path: Path, hf_model, arch: str = "llama", drop: tuple[str, ...] = (),
                replace: dict[str, np.ndarray] | None = None,
-               quantize: dict[str, gguf.GGMLQuantizationType] | None = None) -> Path:
+               quantize: dict[str, gguf.GGMLQuantizationType] | None = None,
+               extra: dict[str, np.ndarray] | None = None,
+               fields: Callable[[gguf.GGUFWriter], None] | None = None) -> Path:
     """Write ``hf_model`` as llama.cpp would, F32 tensors and a minimal gpt2 tokenizer.
 
     ``drop`` leaves GGUF tensors out, ``replace`` swaps a tensor's data, ``quantize``
-    stores a tensor in another quantisation type.
+    stores a tensor in another quantisation type, ``extra`` adds tensors (first, as
+    llama.cpp's converter puts rope_freqs) and ``fields`` writes more metadata.
     """
     cfg = hf_model.config
     writer = gguf.GGUFWriter(str(path), arch)
     write_header(writer, cfg)
+    if fields is not None:
+        fields(writer)
+    for name, data in (extra or {}).items():
+        writer.add_tensor(name, data)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"<t{i}>" for i in range(cfg.vocab_size)])
     for hf, tensor in hf_model.state_dict().items():
