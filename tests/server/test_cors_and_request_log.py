@@ -85,3 +85,11 @@ async def test_requests_are_logged_only_when_asked_and_cut_to_max_log_len(caplog
     assert "prompt 0: " in line and "... (" in line.split("prompt 0: ")[1].split(",")[0]
     assert f"prompt 1: {engine.tokenizer.decode(engine.tokenizer.encode('ab'), skip_special_tokens=False)!r}" in line
     assert "temperature=0.5" in line and "max_tokens=2" in line
+
+
+@pytest.fixture
+def engine():
+    """NOTE: this file's tests still run on the fake engine (issue 41 item 5 converts them)."""
+    from fake_engine import FakeEngine
+
+    return FakeEngine()

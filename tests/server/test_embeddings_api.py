@@ -160,3 +160,11 @@ async def test_llama_cpps_embedding_route_normalises_as_llama_cpp(client: httpx.
                         ({"content": "hi", "embd_normalize": -2}, "embd_normalize"),
                         ({"content": "hi", "model": "nope"}, "model")]:
         assert_error(await client.post("/embedding", json=body), 400 if param != "model" else 404, param)
+
+
+@pytest.fixture
+def engine():
+    """NOTE: this file's tests still run on the fake engine (issue 41 item 5 converts them)."""
+    from fake_engine import FakeEngine
+
+    return FakeEngine()

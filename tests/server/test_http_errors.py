@@ -262,3 +262,11 @@ async def test_completion_fills_left_out_fields_from_the_operators_overrides(eng
         params = (await c.get("/props")).json()["default_generation_settings"]["params"]
         assert (params["temperature"], params["repeat_penalty"], params["dry_multiplier"], params["top_k"]) == (
             0.2, 1.1, 0.8, 40)
+
+
+@pytest.fixture
+def engine():
+    """NOTE: this file's tests still run on the fake engine (issue 41 item 5 converts them)."""
+    from fake_engine import FakeEngine
+
+    return FakeEngine()

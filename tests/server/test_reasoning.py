@@ -214,3 +214,11 @@ def test_the_cli_takes_the_parser() -> None:
     assert args.reasoning_parser == "deepseek_r1"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--reasoning-parser", "o1"])
+
+
+@pytest.fixture
+def engine():
+    """NOTE: this file's tests still run on the fake engine (issue 41 item 5 converts them)."""
+    from fake_engine import FakeEngine
+
+    return FakeEngine()

@@ -1,0 +1,175 @@
+"""The server tests' engine: the real ``AsyncEngine`` over a tiny random checkpoint.
+
+``write_tiny_checkpoint`` makes a 2-layer random Llama with SmolLM2's tokenizer and chat
+template (once per session, in conftest.py); ``build_engine`` starts an ``AsyncEngine`` on
+those shared weights. ``ServedEngine`` wraps it thinly: it records what each request asked
+(for assertions on the translated ``SamplingParams``) and can inject faults, but every
+answer, stop string, logprob and cache hit is the real engine's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_runner import kv_bytes_per_block
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+MODEL_NAME = "fake-model"  # the served name the tests ask for (api_helpers.MODEL)
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 256
+NUM_KV_BLOCKS = 64
+
+
+def write_tiny_checkpoint(path: Path, tokenizer) -> Path:
+    """A random 2-layer Llama (hidden 64, GQA 4/2) with ``tokenizer``'s vocabulary, its
+    ``tokenizer.json`` and chat template, as ``save_pretrained`` writes a checkpoint."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=2048, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        # NOTE: weights far larger than an initialiser's make the logits peaked, so
+        # greedy answers vary from token to token instead of repeating one.
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.5 * torch.randn_like(p))
+    model.save_pretrained(path, safe_serialization=True)
+    (path / "tokenizer.json").write_text(tokenizer.to_json())
+    name = tokenizer._backend.id_to_token
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": name(tokenizer.bos_token_id), "eos_token": name(tokenizer.eos_token_ids[0]),
+        "chat_template": tokenizer.chat_template, "add_bos_token": False}))
+    return path
+
+
+def build_engine(loaded, checkpoint: Path, **overrides) -> AsyncEngine:
+    """An ``AsyncEngine`` on the shared weights ``loaded``, with its own KV cache of
+    ``NUM_KV_BLOCKS`` blocks; ``overrides`` are ``EngineConfig`` fields."""
+    budget = NUM_KV_BLOCKS * kv_bytes_per_block(loaded.config, loaded.dtype, BLOCK_SIZE)
+    settings = dict(model=str(checkpoint), served_model_name=MODEL_NAME, dtype="float32", device="cpu",
+                    kv_cache_memory=budget, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+                    kv_cache_dtype="float32", quantization="none")
+    return AsyncEngine(LLMEngine(EngineConfig(**{**settings, **overrides}), loaded=loaded))
+
+
+@dataclass
+class SeenRequest:
+    """What the engine was asked for one generate call, and what it answered."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    group: str | None = None
+    adapter: str | None = None
+    outputs: list[RequestOutput] = field(default_factory=list)
+    aborted: bool = False  # the stream was closed before its last delta
+
+
+class ServedEngine:
+    """The real ``AsyncEngine`` with a record of its requests and faults on cue.
+
+    ``fail_after_steps``: each stream, after that many deltas, ends with
+    ``RequestOutput.error`` (``fault="error"``) or raises ``EngineDeadError`` and
+    the engine reports itself dead (``fault="raise"``, as a dead loop does).
+    ``step_delay`` slows each delta (seconds) so a test can act mid-stream.
+    """
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.inner = engine
+        self.requests: list[SeenRequest] = []
+        self.fail_after_steps: int | None = None
+        self.fault = "error"
+        self.step_delay = 0.0
+        self.started = False
+        self.shut_down = False
+        self._killed = False
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    @property
+    def is_alive(self) -> bool:
+        return self.inner.is_alive and not self._killed
+
+    @property
+    def groups(self) -> dict[str, str]:
+        """Request id -> the admission group generate() was given (default: the id)."""
+        return {r.request_id: r.group or r.request_id for r in self.requests}
+
+    @property
+    def adapters(self) -> dict[str, str | None]:
+        return {r.request_id: r.adapter for r in self.requests}
+
+    @property
+    def aborted(self) -> list[str]:
+        return [r.request_id for r in self.requests if r.aborted]
+
+    async def start(self) -> None:
+        self.started = True
+        await self.inner.start()
+
+    async def shutdown(self) -> None:
+        self.shut_down = True
+        await self.inner.shutdown()
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 group: str | None = None, adapter: str | None = None) -> AsyncIterator[RequestOutput]:
+        stream = self.inner.generate(request_id, prompt_token_ids, params, group=group, adapter=adapter)
+        seen = SeenRequest(request_id, list(prompt_token_ids), params, group, adapter)
+        self.requests.append(seen)
+        return self._watch(seen, stream)
+
+    async def _watch(self, seen: SeenRequest, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            if self._killed:
+                raise EngineDeadError("the engine is not running")
+            async for out in stream:
+                if self.fail_after_steps is not None and len(seen.outputs) >= self.fail_after_steps:
+                    finished = True
+                    if self.fault == "raise":
+                        self._killed = True
+                        raise EngineDeadError("engine loop died")
+                    yield RequestOutput(seen.request_id, [], seen.prompt_token_ids, finished=True,
+                                        error="simulated engine fault")
+                    return
+                if self.step_delay:
+                    await asyncio.sleep(self.step_delay)
+                seen.outputs.append(out)
+                finished = out.finished
+                yield out
+        finally:
+            seen.aborted = not finished
+            await stream.aclose()
+
+
+async def answer(engine: ServedEngine, prompt: list[int], params: SamplingParams) -> list[tuple[str, str | None]]:
+    """The engine's own answer to ``prompt``, run directly: per sample, (text, finish_reason)."""
+    texts: dict[int, list] = {}
+    async for out in engine.inner.generate(f"direct-{len(engine.requests)}-{id(params)}", prompt, params):
+        for o in out.outputs:
+            t = texts.setdefault(o.index, ["", None])
+            t[0] += o.text
+            t[1] = o.finish_reason or t[1]
+    return [tuple(texts[i]) for i in sorted(texts)]
+
+
+def start_loop(engine: AsyncEngine) -> tuple[threading.Thread, threading.Event]:
+    """Run the engine loop on a daemon thread; set the event to stop a loop never started."""
+    give_up = threading.Event()
+    thread = threading.Thread(target=engine.run_loop, args=(give_up,), name="server-test-engine", daemon=True)
+    thread.start()
+    return thread, give_up
