@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Phi3ForCausalLM")
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 # What each rope_scaling type must give (models/rope.py computes the tables from them).
 _ROPE_REQUIRED = {"linear": ("factor",), "llama3": ("factor", "original_max_position_embeddings"),
@@ -23,7 +24,7 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3)."""
+    """Hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3)."""
 
     architecture: str
     vocab_size: int
@@ -92,7 +93,7 @@ class ModelConfig:
             # Mistral v0.1 and some Qwen2 configs declare a window; kvserve runs full attention,
             # which is exact as long as the window covers the whole context.
             window = cfg.get(option)
-            use = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
+            use = cfg.get("use_sliding_window", arch in ("MistralForCausalLM", "Phi3ForCausalLM"))
             if window is not None and use and window < cfg.get("max_position_embeddings", 0):
                 raise ValueError(
                     f"sliding-window attention (window {window}) is not supported; "
@@ -102,6 +103,9 @@ class ModelConfig:
         # transformers >= 5 writes rope settings as one `rope_parameters` dict.
         rope = dict(cfg.get("rope_parameters") or {})
         rope_theta = cfg.get("rope_theta", rope.pop("rope_theta", 10000.0))
+        partial = cfg.get("partial_rotary_factor", rope.pop("partial_rotary_factor", 1.0))
+        if partial != 1.0:  # (Phi-4-mini's 0.75: the rotary kernels turn every pair of a head)
+            raise ValueError(f"partial_rotary_factor {partial} is not supported: RoPE turns whole heads here")
         rope_scaling = cfg.get("rope_scaling")
         if rope_scaling is None and rope.get("rope_type", "default") != "default":
             rope_scaling = rope

@@ -7,6 +7,8 @@ the path tuner (``models.autotune``) all split or stack along this layout.
 
 from __future__ import annotations
 
+import torch
+
 from models.config import ModelConfig
 
 # Checkpoint projection -> (the decoder's fused projection, place in it).
@@ -26,3 +28,19 @@ def fused_part_sizes(fused: str, cfg: ModelConfig) -> list[int]:
     if fused == "gate_up_proj":
         return [cfg.intermediate_size] * 2
     return [cfg.hidden_size]
+
+
+def split_fused_checkpoint(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """A checkpoint tensor as the projections the loader knows: Phi-3 stores q, k and v
+    as one ``qkv_proj`` and gate and up as one ``gate_up_proj`` (in this module's order),
+    which become their parts; any other tensor is itself."""
+    for fused in ("qkv_proj", "gate_up_proj"):
+        if f".{fused}." in name:
+            parts = [ckpt for ckpt, (f, _) in FUSED_PARTS.items() if f == fused]
+            sizes = fused_part_sizes(fused, cfg)
+            if tensor.shape[0] != sum(sizes):
+                raise ValueError(f"tensor {name!r} has {tensor.shape[0]} rows, expected {sum(sizes)} "
+                                 f"({' + '.join(map(str, sizes))})")
+            return [(name.replace(f".{fused}.", f".{ckpt}."), part)
+                    for ckpt, part in zip(parts, tensor.split(sizes))]
+    return [(name, tensor)]

@@ -16,7 +16,7 @@ from torch import nn
 from models import ops
 from models.attention import AttentionMetadata, paged_attention
 from models.config import ModelConfig
-from models.fused import FUSED_PARTS, fused_part_sizes
+from models.fused import FUSED_PARTS, fused_part_sizes, split_fused_checkpoint
 from models.gguf_linear import NativeLinear
 from models.parallel import TensorParallel, embed
 from models.quant import AmxBf16Linear, QuantizedLinear
@@ -272,7 +272,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         cfg = self.config
-        for name, tensor in weights:
+        for name, tensor in (part for item in weights for part in split_fused_checkpoint(*item, cfg)):
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and cfg.tie_word_embeddings:

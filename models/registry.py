@@ -7,14 +7,16 @@ from torch import nn
 from models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from models.llama import LlamaForCausalLM
 
-# Mistral, Qwen2 and Qwen3 are Llama with other settings (no q/k/v bias / with
-# it / per-head query and key norms), which ModelConfig carries, so one
-# implementation serves all four.
+# Mistral, Qwen2, Qwen3 and Phi-3 are Llama with other settings (no q/k/v bias / with
+# it / per-head query and key norms / q, k, v and gate, up stored fused, which
+# models.fused splits at load), which ModelConfig carries, so one implementation
+# serves all five.
 _REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
 }
 assert set(_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 

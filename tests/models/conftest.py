@@ -89,7 +89,7 @@ def make_runner() -> Callable[..., PagedRunner]:
 
 
 def tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides):
-    """A random transformers Llama, Qwen2 or Qwen3 with ``TINY_CONFIG`` (+ overrides), float32.
+    """A random transformers Llama, Qwen2, Qwen3 or Phi-3 with ``TINY_CONFIG`` (+ overrides), float32.
 
     Every parameter is random, norms and biases included, so a loader that
     drops or misplaces any of them changes the logits.
@@ -100,7 +100,10 @@ def tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides):
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),  # q, k, v and gate, up stored fused
     }[arch]
+    if arch == "phi3":
+        overrides = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **overrides}
     if arch == "qwen3":
         # Qwen3's head_dim is its own (128 where hidden / heads is 64): 32 here, not 16.
         overrides = {"head_dim": 32, **overrides}

@@ -149,6 +149,11 @@ VARIANTS = {
     "tied-embeddings": dict(arch="llama", tie_word_embeddings=True),
     "llama3-rope": dict(arch="llama", rope_scaling=LLAMA3_ROPE),
     "sharded": dict(arch="llama", max_shard_size="40KB"),
+    "phi3": dict(arch="phi3"),
+    # Phi-3's 128k models: LongRoPE, its original context beside rope_scaling in config.json
+    "phi3-longrope": dict(arch="phi3", original_max_position_embeddings=16, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+        "long_factor": [2.0 + 0.5 * i for i in range(8)]}),
 }
 
 
@@ -194,3 +199,14 @@ def test_qwen3_logits_do_not_depend_on_chunks_or_batch(tiny_checkpoint, tiny_pro
     parts.append(runner.step([(seq, tiny_prompt[16:])])[0])
 
     assert torch.equal(torch.cat(parts), whole)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75 is not supported"),
+    ({"sliding_window": 64}, r"sliding-window attention \(window 64\) is not supported"),
+], ids=["partial-rotary", "sliding-window"])
+def test_phi3_settings_kvserve_cannot_run_are_errors_naming_them(tiny_checkpoint, overrides, message):
+    # Phi-4-mini turns 3/4 of each head; Phi-3-mini-4k's window (2047) is shorter than its context.
+    path, _ = tiny_checkpoint("phi3", **overrides)
+    with pytest.raises(ValueError, match=message):
+        load_model(str(path), dtype="float32", device="cpu")
