@@ -184,11 +184,18 @@ def test_logits_indices_pick_the_rows_sent_to_the_lm_head(tiny_checkpoint, tiny_
     assert max_diff(picked, every_row[[n - 1, 3]]) < 1e-5
 
 
+FAMILIES = {"qwen3": dict(arch="qwen3"), "phi3-longrope": VARIANTS["phi3-longrope"],
+            "llama-yarn": dict(arch="llama", rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                           "original_max_position_embeddings": 16})}
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=FAMILIES.keys())
 @pytest.mark.parametrize("quantization", ["none", "w4a8", "int4"])
-def test_qwen3_logits_do_not_depend_on_chunks_or_batch(tiny_checkpoint, tiny_prompt, make_runner, quantization):
-    # Qwen3's per-head q/k norms run op by op (no fused layer kernel): a row's result
+def test_logits_do_not_depend_on_chunks_or_batch(tiny_checkpoint, tiny_prompt, make_runner, quantization, family):
+    # Qwen3's per-head q/k norms run op by op (no fused layer kernel); Phi-3 loads from
+    # fused checkpoint tensors; YaRN and LongRoPE scale the rotation table: a row's result
     # must still be the same, bit for bit, in one prefill, in chunks, and beside others.
-    path, _ = tiny_checkpoint("qwen3")
+    path, _ = tiny_checkpoint(**FAMILIES[family])
     model = load_model(str(path), dtype="float32", device="cpu", quantization=quantization).model
     whole = prefill(make_runner(model), tiny_prompt)
 
