@@ -19,7 +19,7 @@ from engine.stats import StepStats
 from server.app import build_app
 from server.batch import BatchRequest, parse_batch, run_batch
 from server.cli import run_batch as run_batch_cli
-from fake_engine import FakeEngine
+from real_engine import ServedEngine
 
 pytestmark = pytest.mark.anyio
 
@@ -124,16 +124,16 @@ def test_the_input_and_output_can_be_http_urls(files: Files, tmp_path: Path) -> 
         cli.main(["run-batch", "-i", f"{files.url}/empty.jsonl", "-o", f"{files.url}/refuse/out.jsonl"])
 
 
-async def answer(engine: FakeEngine, lines: list[str], concurrency: int = 8) -> tuple[list[dict], Any]:
+async def answer(engine: ServedEngine, lines: list[str], concurrency: int = 8) -> tuple[list[dict], Any]:
     out = io.StringIO()
     summary = await run_batch(build_app(engine), parse_batch(lines), out, concurrency=concurrency, progress=False)
     return [json.loads(x) for x in out.getvalue().splitlines()], summary
 
 
-async def test_answers_come_in_the_input_order_and_equal_the_servers(client: httpx.AsyncClient) -> None:
-    engine = FakeEngine(step_delay=0.002)
+async def test_answers_come_in_the_input_order_and_equal_the_servers(client: httpx.AsyncClient, make_engine) -> None:
+    engine = make_engine()
     bodies = [{"prompt": "abc", "max_tokens": 30 - 5 * i, "temperature": 0} for i in range(5)]
-    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 7}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 7, "temperature": 0}
     got, summary = await answer(engine, [line(f"q{i}", **b) for i, b in enumerate(bodies)]
                                 + [line("chat", "/v1/chat/completions", **chat)])
     # The longest request is first and finishes last: the file keeps the input's order anyway.
@@ -149,8 +149,8 @@ async def test_answers_come_in_the_input_order_and_equal_the_servers(client: htt
         assert g["response"]["body"]["usage"] == direct["usage"]
 
 
-async def test_refused_requests_keep_their_status_and_error(client: httpx.AsyncClient) -> None:
-    engine = FakeEngine()
+async def test_refused_requests_keep_their_status_and_error(client: httpx.AsyncClient, make_engine) -> None:
+    engine = make_engine()
     got, summary = await answer(engine, [
         line("bad", prompt="x", max_tokens=-3),
         line("model", "/v1/chat/completions", model="nope", messages=[{"role": "user", "content": "hi"}]),
@@ -182,21 +182,13 @@ class Running:
 
 
 @pytest.mark.parametrize("concurrency", [1, 3])
-async def test_at_most_concurrency_requests_are_in_flight(concurrency: int) -> None:
-    engine = FakeEngine(step_delay=0.002)
+async def test_at_most_concurrency_requests_are_in_flight(concurrency: int, make_engine) -> None:
+    engine = make_engine()
     running = Running()
     engine.add_stat_logger(running)
-    lines = [line(f"q{i}", prompt="abc", max_tokens=8 + i) for i in range(10)]
+    lines = [line(f"q{i}", prompt="abc", max_tokens=40 + i, ignore_eos=True) for i in range(10)]
     got, _ = await answer(engine, lines, concurrency=concurrency)
     assert len(got) == 10 and all(g["error"] is None for g in got)
     assert running.most == concurrency
     # And the app's lifespan ran around them: started, then shut down.
     assert engine.started and engine.shut_down
-
-
-@pytest.fixture
-def engine():
-    """NOTE: this file's tests still run on the fake engine (issue 41 item 5 converts them)."""
-    from fake_engine import FakeEngine
-
-    return FakeEngine()

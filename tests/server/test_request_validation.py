@@ -7,12 +7,14 @@ import pytest
 
 from api_helpers import MODEL, assert_error
 from engine.validation import InvalidRequestError
+from real_engine import MAX_MODEL_LEN, ServedEngine
 
 pytestmark = pytest.mark.anyio
 
 CMPL = "/v1/completions"
 CHAT = "/v1/chat/completions"
 MSGS = [{"role": "user", "content": "hi"}]
+VOCAB = 49152  # the tiny model's (SmolLM2's) vocabulary: the first id past it
 
 
 @pytest.mark.parametrize("raw, contains", [
@@ -47,10 +49,10 @@ async def test_malformed_bodies(client: httpx.AsyncClient, raw: bytes, contains:
     ({"prompt": []}, "prompt"),
     ({"prompt": ["ok", ""]}, "prompt"),
     ({"prompt": [[1], []]}, "prompt"),
-    ({"prompt": [1, 263]}, "prompt"),
+    ({"prompt": [1, VOCAB]}, "prompt"),
     ({"prompt": [-1]}, "prompt"),
-    ({"prompt": "hi", "stop_token_ids": [999]}, "stop_token_ids"),
-    ({"prompt": "hi", "logit_bias": {"4096": 1}}, "logit_bias"),
+    ({"prompt": "hi", "stop_token_ids": [VOCAB]}, "stop_token_ids"),
+    ({"prompt": "hi", "logit_bias": {str(VOCAB): 1}}, "logit_bias"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": -3}, "max_tokens"),
     ({"prompt": "hi", "temperature": -0.1}, "temperature"),
@@ -133,20 +135,23 @@ async def test_chat_400s(client: httpx.AsyncClient, body: dict, param: str | Non
     assert_error(r, 400, param=param)
 
 
-async def test_prompt_plus_max_tokens_over_context(client: httpx.AsyncClient) -> None:
-    # max_model_len is 256; "hi" is 3 tokens.
-    r = await client.post(CMPL, json={"prompt": "hi", "max_tokens": 254})
+async def test_prompt_plus_max_tokens_over_context(client: httpx.AsyncClient, engine: ServedEngine) -> None:
+    n = len(engine.tokenizer.encode("hi"))
+    over = MAX_MODEL_LEN - n + 1
+    r = await client.post(CMPL, json={"prompt": "hi", "max_tokens": over})
     err = assert_error(r, 400, param="prompt")
-    assert "256" in err["message"] and "257" in err["message"]
-    assert "3 in the prompt" in err["message"] and "254 for the completion" in err["message"]
-    ok = await client.post(CMPL, json={"prompt": "hi", "max_tokens": 253})
+    assert str(MAX_MODEL_LEN) in err["message"] and str(MAX_MODEL_LEN + 1) in err["message"]
+    assert f"{n} in the prompt" in err["message"] and f"{over} for the completion" in err["message"]
+    ok = await client.post(CMPL, json={"prompt": "hi", "max_tokens": over - 1})
     assert ok.status_code == 200
 
 
-async def test_prompt_alone_fills_context(client: httpx.AsyncClient) -> None:
-    r = await client.post(CHAT, json={"messages": [{"role": "user", "content": "x" * 300}]})
+async def test_prompt_alone_fills_context(client: httpx.AsyncClient, engine: ServedEngine) -> None:
+    content = "x " * 300
+    assert len(engine.tokenizer.encode(content)) > MAX_MODEL_LEN
+    r = await client.post(CHAT, json={"messages": [{"role": "user", "content": content}]})
     err = assert_error(r, 400, param="messages")
-    assert "256" in err["message"] and "tokens" in err["message"]
+    assert str(MAX_MODEL_LEN) in err["message"] and "tokens" in err["message"]
 
 
 async def test_engine_value_error_is_400(client: httpx.AsyncClient, engine) -> None:
@@ -194,11 +199,3 @@ async def test_client_errors_never_5xx(client: httpx.AsyncClient) -> None:
         for raw in junk:
             r = await client.post(path, content=raw)
             assert 400 <= r.status_code < 500, (path, raw, r.status_code, r.text)
-
-
-@pytest.fixture
-def engine():
-    """NOTE: this file's tests still run on the fake engine (issue 41 item 5 converts them)."""
-    from fake_engine import FakeEngine
-
-    return FakeEngine()
