@@ -18,7 +18,12 @@ from models.gguf_reader import GGMLQuantizationType, GGUFFile, GGUFTensor, read_
 SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", *SPLIT_TYPES)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+# Phi-3's file stores q, k, v as one attn_qkv and gate, up as one ffn_up (gate first), as its
+# checkpoint does (models.fused splits them at load).
+FUSED_FFN_ARCHITECTURES = ("Phi3ForCausalLM",)
+# Tensors that hold RoPE settings, read into the config (not weights).
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # llama.cpp permutes only llama-arch Q/K (Qwen's RoPE already rotates halves, as HF's).
 PERMUTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 
@@ -29,6 +34,7 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
@@ -55,10 +61,24 @@ def field_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
     return reader.fields.get(key, default)
 
 
-def _rope_scaling(get: Any) -> dict[str, Any] | None:
-    """A GGUF file's ``rope.scaling.*`` fields as a transformers ``rope_scaling`` (None:
-    unscaled). llama.cpp's converter writes linear and YaRN scaling so; Llama 3.1's goes
-    into the ``rope_freqs`` tensor instead."""
+def _f32_values(tensor: GGUFTensor) -> tuple[float, ...]:
+    if tensor.tensor_type != GGMLQuantizationType.F32:
+        raise ValueError(f"{tensor.name} is of type {GGMLQuantizationType(tensor.tensor_type).name}; "
+                         "llama.cpp writes it as F32")
+    return tuple(float(f) for f in np.asarray(tensor.data).view("<f4"))
+
+
+def _rope_scaling(get: Any, rope: dict[str, tuple[float, ...]]) -> dict[str, Any] | None:
+    """A GGUF file's ``rope.scaling.*`` fields (and Phi-3's ``rope_factors_long/short``
+    tensors: LongRoPE) as a transformers ``rope_scaling`` (None: unscaled). llama.cpp's
+    converter writes linear and YaRN scaling so; Llama 3.1's goes into the ``rope_freqs``
+    tensor instead (``ModelConfig.rope_freq_factors``)."""
+    if "rope_factors_long.weight" in rope or "rope_factors_short.weight" in rope:
+        scaling = {"rope_type": "longrope", "long_factor": list(rope.get("rope_factors_long.weight", ())),
+                   "short_factor": list(rope.get("rope_factors_short.weight", ())),
+                   "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+                   "attention_factor": get("rope.scaling.attn_factor")}
+        return {k: v for k, v in scaling.items() if v is not None}
     scaling_type = get("rope.scaling.type")
     if scaling_type in (None, "none"):
         return None
@@ -88,11 +108,8 @@ def config_from_gguf(reader: GGUFFile) -> ModelConfig:
         raise ValueError(f"GGUF metadata lacks {arch}.embedding_length/block_count/attention.head_count")
     tokens = field_value(reader, "tokenizer.ggml.tokens") or []
     names = {t.name for t in reader.tensors}
-    rope_scaling = _rope_scaling(get)
-    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if freqs is not None and freqs.tensor_type != GGMLQuantizationType.F32:
-        raise ValueError(f"rope_freqs.weight is of type {GGMLQuantizationType(freqs.tensor_type).name}; "
-                         "llama.cpp writes it as F32")
+    rope = {t.name: _f32_values(t) for t in reader.tensors if t.name in ROPE_TENSORS}
+    rope_scaling = _rope_scaling(get, rope)
     eos = field_value(reader, "tokenizer.ggml.eos_token_id")
     eot = field_value(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
@@ -109,7 +126,7 @@ def config_from_gguf(reader: GGUFFile) -> ModelConfig:
         rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=get("rope.freq_base", 10000.0),
         rope_scaling=rope_scaling,
-        rope_freq_factors=None if freqs is None else tuple(float(f) for f in freqs.data.view("<f4")),
+        rope_freq_factors=rope.get("rope_freqs.weight"),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm=arch == "qwen3",
@@ -118,13 +135,17 @@ def config_from_gguf(reader: GGUFFile) -> ModelConfig:
     )
 
 
-def hf_name(gguf_name: str) -> str:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+def hf_name(gguf_name: str, architecture: str | None = None) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (Phi-3's
+    ``ffn_up`` is its fused ``mlp.gate_up_proj``)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+        module = _LAYER_NAMES[parts[2]]
+        if parts[2] == "ffn_up" and architecture in FUSED_FFN_ARCHITECTURES:
+            module = "mlp.gate_up_proj"
+        return f"model.layers.{parts[1]}.{module}.{parts[3]}"
     raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a supported Llama-family model")
 
 
@@ -176,9 +197,9 @@ def iter_gguf_weights(reader: GGUFFile, config: ModelConfig,
     """Yield ``(hf_name, float32 tensor)`` for every tensor of the file but those named in ``skip``."""
     permute = config.architecture in PERMUTED_ARCHITECTURES
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight" or t.name in skip:
+        if t.name in ROPE_TENSORS or t.name in skip:
             continue
-        name = hf_name(t.name)
+        name = hf_name(t.name, config.architecture)
         w = dequantize(t)
         if permute and ".q_proj." in name:
             w = permute_back(w, config.num_attention_heads)

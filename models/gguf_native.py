@@ -69,9 +69,9 @@ class FileTypes:
 def file_types(reader: GGUFFile) -> FileTypes | None:
     """The file's ``FileTypes``, or None where a projection is of a type ``gguf_quants`` does
     not split (the file then runs dequantised or requantised)."""
-    if not splittable(reader):
-        return None
     by_name = {t.name: type_name(t) for t in reader.tensors}
+    if not splittable(reader) or any(f"blk.0.{k}.weight" not in by_name for k in KINDS):
+        return None  # (Phi-3 keeps q, k, v and gate, up fused: such a file runs dequantised)
     count = 1 + max(int(name.split(".")[1]) for name in by_name if name.startswith("blk."))
     layers = tuple(tuple(by_name[f"blk.{i}.{k}.weight"] for k in KINDS) for i in range(count))
     return FileTypes(layers, by_name.get("output.weight", by_name["token_embd.weight"]))
@@ -201,7 +201,7 @@ def build_model(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> nn
     model.lm_head = _head(reader, head)
     model.model.embed_tokens = _embedding(embed, dtype)
     _materialize(model, dtype)
-    skip = {"token_embd.weight", "output.weight", "rope_freqs.weight"} | {
+    skip = {"token_embd.weight", "output.weight"} | {
         f"blk.{i}.{k}.weight" for i in range(config.num_hidden_layers) for parts in PROJECTIONS.values()
         for k in parts}
     model.load_weights(iter_gguf_weights(reader, config, skip=skip))

@@ -22,7 +22,9 @@ _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight"
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-          "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+          "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+          # Phi-3's fused projections, as llama.cpp's converter names them
+          "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 
 
 def gguf_name(hf_name: str) -> str:
@@ -93,8 +95,8 @@ def tiny_llama(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("arch, overrides", [("llama", {}), ("llama", {"tie_word_embeddings": True}),
-                                             ("qwen2", {}), ("qwen3", {})],
-                         ids=["llama", "llama-tied", "qwen2", "qwen3"])
+                                             ("qwen2", {}), ("qwen3", {}), ("phi3", {})],
+                         ids=["llama", "llama-tied", "qwen2", "qwen3", "phi3"])
 def test_tiny_gguf_matches_transformers_on_the_hf_checkpoint(tiny_checkpoint, tiny_prompt, make_runner,
                                                              tmp_path, arch, overrides):
     # llama.cpp permutes llama Q/K rows (not qwen2's): the loader must undo exactly that.

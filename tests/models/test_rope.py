@@ -129,3 +129,19 @@ def test_gguf_rope_freqs_and_yarn_metadata_match_transformers(tiny_checkpoint, m
     assert loaded.config.rope_scaling == {"rope_type": "yarn", "factor": 4.0,
                                           "original_max_position_embeddings": ORIGINAL}
     assert compare(loaded.model, yarn, make_runner, prompt(100)) < 1e-4
+
+
+def test_phi3_gguf_longrope_factors_match_transformers(tiny_checkpoint, make_runner, tmp_path):
+    scaling = {k: v for k, v in SCALINGS["longrope"].items() if k != "original_max_position_embeddings"}
+    _, phi3 = tiny_checkpoint("phi3", original_max_position_embeddings=ORIGINAL, rope_scaling=scaling)
+
+    def longrope_fields(writer: gguf.GGUFWriter) -> None:
+        writer.add_rope_scaling_orig_ctx_len(ORIGINAL)
+
+    path = write_gguf(tmp_path / "phi3.gguf", phi3, arch="phi3", fields=longrope_fields, extra={
+        "rope_factors_long.weight": np.array(scaling["long_factor"], dtype=np.float32),
+        "rope_factors_short.weight": np.array(scaling["short_factor"], dtype=np.float32)})
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    assert loaded.config.architecture == "Phi3ForCausalLM"
+    assert loaded.config.rope_scaling["long_factor"] == pytest.approx(scaling["long_factor"])
+    assert compare(loaded.model, phi3, make_runner, prompt(100)) < 1e-4
