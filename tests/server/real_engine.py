@@ -67,7 +67,7 @@ def build_engine(loaded, checkpoint: Path, **overrides) -> AsyncEngine:
 
 @dataclass
 class SeenRequest:
-    """What the engine was asked for one generate call, and what it answered."""
+    """What the engine was asked for one request that entered it, and what it answered."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -128,11 +128,11 @@ class ServedEngine:
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  group: str | None = None, adapter: str | None = None) -> AsyncIterator[RequestOutput]:
         stream = self.inner.generate(request_id, prompt_token_ids, params, group=group, adapter=adapter)
-        seen = SeenRequest(request_id, list(prompt_token_ids), params, group, adapter)
-        self.requests.append(seen)
-        return self._watch(seen, stream)
+        return self._watch(SeenRequest(request_id, list(prompt_token_ids), params, group, adapter), stream)
 
     async def _watch(self, seen: SeenRequest, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        # Recorded once iterated: that is when the request enters the engine.
+        self.requests.append(seen)
         finished = False
         try:
             if self._killed:

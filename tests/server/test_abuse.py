@@ -1,4 +1,4 @@
-"""What a hostile client tries, over ASGI with the fake engine: a burst past --max-queue,
+"""What a hostile client tries, over ASGI with the real engine on the tiny checkpoint: a burst past --max-queue,
 a drain that runs out of time, one body of many prompts, min_tokens past the context,
 a client that hangs up while its body is read, and /metrics behind the key."""
 
@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from api_helpers import assert_error, client_for, sse_events
-from fake_engine import FakeEngine
+from real_engine import MAX_MODEL_LEN, ServedEngine
 from server.app import build_app
 from server.protocol import MAX_PROMPTS
 
@@ -23,10 +23,11 @@ def disconnects(app: Any) -> float:
     return app.state.kvserve.metrics.client_disconnected._value.get()
 
 
-async def test_a_burst_is_bounded_by_max_queue_exactly() -> None:
-    engine = FakeEngine(step_delay=0.05)  # 20 tokens: a second each, longer than the burst
+async def test_a_burst_is_bounded_by_max_queue_exactly(make_engine) -> None:
+    engine = make_engine()
+    engine.step_delay = 0.05  # 20 tokens: a second each, longer than the burst
     app = build_app(engine, max_queue=4)
-    body = {"prompt": "hi", "max_tokens": 20}
+    body = {"prompt": "hi", "max_tokens": 20, "ignore_eos": True}
     async with app.router.lifespan_context(app), client_for(app) as c:
         responses = await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(20)))
     codes = sorted(r.status_code for r in responses)
@@ -37,8 +38,9 @@ async def test_a_burst_is_bounded_by_max_queue_exactly() -> None:
 
 
 async def test_a_drain_past_its_timeout_ends_every_stream_with_an_error_and_done(
-        caplog: pytest.LogCaptureFixture) -> None:
-    engine = FakeEngine(step_delay=0.02)
+        caplog: pytest.LogCaptureFixture, make_engine) -> None:
+    engine = make_engine()
+    engine.step_delay = 0.02
     app = build_app(engine)
     state = app.state.kvserve
     long = {"prompt": "hi", "max_tokens": 250, "ignore_eos": True}
@@ -64,12 +66,13 @@ async def test_a_drain_past_its_timeout_ends_every_stream_with_an_error_and_done
     assert engine.num_unfinished_requests == 0 and state.in_flight == {}
 
 
-async def test_requests_that_finish_within_the_drain_are_not_aborted() -> None:
-    engine = FakeEngine(step_delay=0.01)
+async def test_requests_that_finish_within_the_drain_are_not_aborted(make_engine) -> None:
+    engine = make_engine()
+    engine.step_delay = 0.01
     app = build_app(engine)
     async with app.router.lifespan_context(app), client_for(app) as c:
         pending = asyncio.ensure_future(
-            c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "stream": True}))
+            c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "ignore_eos": True, "stream": True}))
         while not engine.requests:
             await asyncio.sleep(0.01)
         app.state.kvserve.begin_drain(5.0)
@@ -79,7 +82,7 @@ async def test_requests_that_finish_within_the_drain_are_not_aborted() -> None:
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
 
 
-async def test_prompts_per_request_are_bounded(engine: FakeEngine, client: httpx.AsyncClient) -> None:
+async def test_prompts_per_request_are_bounded(engine: ServedEngine, client: httpx.AsyncClient) -> None:
     r = await client.post("/v1/completions", json={"prompt": ["x"] * (MAX_PROMPTS + 1), "max_tokens": 1})
     err = assert_error(r, 400, param="prompt")
     assert str(MAX_PROMPTS) in err["message"]
@@ -87,7 +90,7 @@ async def test_prompts_per_request_are_bounded(engine: FakeEngine, client: httpx
     assert r.status_code == 200 and len(r.json()["choices"]) == MAX_PROMPTS
 
 
-async def test_the_prompts_of_one_request_form_one_group(engine: FakeEngine,
+async def test_the_prompts_of_one_request_form_one_group(engine: ServedEngine,
                                                          client: httpx.AsyncClient) -> None:
     r = await client.post("/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 1})
     assert r.status_code == 200
@@ -102,11 +105,11 @@ async def test_the_prompts_of_one_request_form_one_group(engine: FakeEngine,
 async def test_min_tokens_past_the_context_is_400(client: httpx.AsyncClient, path: str,
                                                   body: dict) -> None:
     err = assert_error(await client.post(path, json=body), 400, param="min_tokens")
-    assert "256 tokens" in err["message"]  # the fake's context
+    assert f"{MAX_MODEL_LEN} tokens" in err["message"]  # the engine's context
 
 
 async def test_a_client_that_hangs_up_while_its_body_is_read_is_counted_not_an_error(
-        engine: FakeEngine, caplog: pytest.LogCaptureFixture) -> None:
+        engine: ServedEngine, caplog: pytest.LogCaptureFixture) -> None:
     app = build_app(engine)
     sent: list[dict[str, Any]] = []
     messages = [{"type": "http.request", "body": b'{"prompt": "hi', "more_body": True},
@@ -131,22 +134,14 @@ async def test_a_client_that_hangs_up_while_its_body_is_read_is_counted_not_an_e
     assert engine.requests == []
 
 
-async def test_metrics_can_require_the_key(engine: FakeEngine) -> None:
+async def test_metrics_can_require_the_key(engine: ServedEngine, make_engine) -> None:
     open_app = build_app(engine, api_key="k")
     async with client_for(open_app) as c:
         assert (await c.get("/metrics")).status_code == 200
-    app = build_app(FakeEngine(), api_key="k", metrics_require_key=True)
-    async with client_for(app) as c:
+    app = build_app(make_engine(), api_key="k", metrics_require_key=True)
+    async with app.router.lifespan_context(app), client_for(app) as c:
         assert_error(await c.get("/metrics"), 401)
         assert (await c.get("/metrics", headers={"Authorization": "Bearer k"})).status_code == 200
         assert (await c.get("/health")).status_code == 200
     with pytest.raises(ValueError, match="api_key"):
-        build_app(FakeEngine(), metrics_require_key=True)
-
-
-@pytest.fixture
-def engine():
-    """NOTE: this file's tests still run on the fake engine (issue 41 item 5 converts them)."""
-    from fake_engine import FakeEngine
-
-    return FakeEngine()
+        build_app(engine, metrics_require_key=True)

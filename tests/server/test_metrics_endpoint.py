@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -9,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from api_helpers import MODEL, sse_events
 from engine.sampling_params import SamplingParams
 from engine.stats import StepStats, StructuredRequestStats
-from fake_engine import FakeEngine
+from real_engine import ServedEngine
 from server.metrics import PrometheusStatLogger
 
 pytestmark = pytest.mark.anyio
@@ -37,7 +39,7 @@ def value(metrics: dict, name: str, **labels: str) -> float:
     return metrics[(f"kvserve_{name}", tuple(sorted({"model_name": MODEL, **labels}.items())))]
 
 
-async def test_names_types_and_labels(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+async def test_names_types_and_labels(client: httpx.AsyncClient, engine: ServedEngine) -> None:
     r = await client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(r.text)}
@@ -58,17 +60,18 @@ async def test_names_types_and_labels(client: httpx.AsyncClient, engine: FakeEng
     assert value(m, "kv_cache_blocks_used") == 0
 
 
-async def test_counters_equal_summed_usage(client: httpx.AsyncClient, engine: FakeEngine) -> None:
-    engine.eos_at = 5
+async def test_counters_equal_summed_usage(client: httpx.AsyncClient, engine: ServedEngine) -> None:
+    eos = engine.tokenizer.eos_token_ids[0]
     usages = []
-    for body in ({"prompt": "hello", "max_tokens": 3},
-                 {"prompt": ["a", "bb"], "max_tokens": 9, "n": 2},
-                 {"prompt": "hello", "max_tokens": 4, "stream": True,
+    for body in ({"prompt": "hello", "max_tokens": 3, "ignore_eos": True},
+                 # EOS is held back for 5 tokens, then biased to come next.
+                 {"prompt": ["a", "bb"], "max_tokens": 9, "n": 2, "min_tokens": 5, "logit_bias": {str(eos): 100}},
+                 {"prompt": "hello", "max_tokens": 4, "stream": True, "ignore_eos": True,
                   "stream_options": {"include_usage": True}}):
         r = await client.post("/v1/completions", json=body)
         usages.append(sse_events(r.text)[-2]["usage"] if body.get("stream") else r.json()["usage"])
     r = await client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "yo"}], "max_tokens": 2})
+        "messages": [{"role": "user", "content": "yo"}], "max_tokens": 2, "ignore_eos": True})
     usages.append(r.json()["usage"])
 
     m = samples((await client.get("/metrics")).text)
@@ -76,7 +79,8 @@ async def test_counters_equal_summed_usage(client: httpx.AsyncClient, engine: Fa
     assert value(m, "generation_tokens_total") == sum(u["completion_tokens"] for u in usages)
     assert value(m, "prefix_cache_hits_total") == sum(
         u["prompt_tokens_details"]["cached_tokens"] for u in usages)
-    assert value(m, "prefix_cache_queries_total") == value(m, "prompt_tokens_total")
+    # Each sample looks its prompt up (usage counts a prompt once): the n=2 prompts twice.
+    assert value(m, "prefix_cache_queries_total") == value(m, "prompt_tokens_total") + usages[1]["prompt_tokens"]
     # Sequences: 1 + 2 * 2 + 1 + 1; the n=2 ones hit EOS after 5 tokens, others hit max_tokens.
     assert value(m, "request_success_total", finished_reason="length") == 3
     assert value(m, "request_success_total", finished_reason="stop") == 4
@@ -87,20 +91,34 @@ async def test_counters_equal_summed_usage(client: httpx.AsyncClient, engine: Fa
                  "request_time_per_output_token_seconds"):
         assert value(m, f"{name}_count") == 7, name
     assert value(m, "e2e_request_latency_seconds_count") == 7
-    assert value(m, "time_to_first_token_seconds_count") == 5
+    assert value(m, "time_to_first_token_seconds_count") == 7  # each sequence's first token
     assert value(m, "num_requests_running") == 0
     assert value(m, "kv_cache_blocks_total") == engine.num_kv_blocks
 
 
-async def test_aborted_requests_are_counted(engine: FakeEngine) -> None:
+async def test_aborted_requests_are_counted(engine: ServedEngine) -> None:
     logger = PrometheusStatLogger(MODEL)
     engine.add_stat_logger(logger)
-    gen = engine.generate("r1", [1, 2, 3], SamplingParams(max_tokens=10, n=2))
-    await gen.__anext__()
-    await gen.aclose()
-    m = samples(logger.render().decode())
-    assert value(m, "request_success_total", finished_reason="abort") == 2
-    assert value(m, "generation_tokens_total") == 2
+    await engine.start()
+    try:
+        gen = engine.generate("r1", [1, 2, 3], SamplingParams(max_tokens=10, n=2, ignore_eos=True))
+        await gen.__anext__()
+        await gen.aclose()
+
+        def aborts() -> float:
+            return value(samples(logger.render().decode()), "request_success_total", finished_reason="abort")
+
+        for _ in range(500):  # the engine thread records the abort at its next step
+            if aborts() == 2:
+                break
+            await asyncio.sleep(0.01)
+        m = samples(logger.render().decode())
+        assert value(m, "request_success_total", finished_reason="abort") == 2
+        # Each sample's tokens until the abort, fewer than it asked for; counted per sequence too.
+        assert value(m, "generation_tokens_total") in range(2, 20, 2)
+        assert value(m, "request_generation_tokens_sum") == value(m, "generation_tokens_total")
+    finally:
+        await engine.shutdown()
 
 
 def test_structured_requests_are_counted_by_kind_with_their_compile_time() -> None:
@@ -130,11 +148,3 @@ def test_lora_requests_running_and_waiting_per_adapter() -> None:
     m = samples(logger.render().decode())
     assert value(m, "lora_requests_running", lora_name="sql") == 0
     assert ("kvserve_lora_requests_running", (("lora_name", "poet"), ("model_name", MODEL))) not in m
-
-
-@pytest.fixture
-def engine():
-    """NOTE: this file's tests still run on the fake engine (issue 41 item 5 converts them)."""
-    from fake_engine import FakeEngine
-
-    return FakeEngine()
