@@ -9,7 +9,6 @@ answer, stop string, logprob and cache hit is the real engine's.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 from collections.abc import AsyncIterator
@@ -84,7 +83,8 @@ class ServedEngine:
     ``fail_after_steps``: each stream, after that many deltas, ends with
     ``RequestOutput.error`` (``fault="error"``) or raises ``EngineDeadError`` and
     the engine reports itself dead (``fault="raise"``, as a dead loop does).
-    ``step_delay`` slows each delta (seconds) so a test can act mid-stream.
+    ``step_delay`` makes each engine step take that long (seconds), so a test can act
+    mid-stream; a shutdown cuts the wait short.
     """
 
     def __init__(self, engine: AsyncEngine) -> None:
@@ -96,6 +96,15 @@ class ServedEngine:
         self.started = False
         self.shut_down = False
         self._killed = False
+        self._stopping = threading.Event()
+        step = engine.engine.step
+
+        def paced_step():  # on the engine thread
+            if self.step_delay:
+                self._stopping.wait(self.step_delay)
+            return step()
+
+        engine.engine.step = paced_step
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
@@ -123,6 +132,7 @@ class ServedEngine:
 
     async def shutdown(self) -> None:
         self.shut_down = True
+        self._stopping.set()
         await self.inner.shutdown()
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -146,8 +156,6 @@ class ServedEngine:
                     yield RequestOutput(seen.request_id, [], seen.prompt_token_ids, finished=True,
                                         error="simulated engine fault")
                     return
-                if self.step_delay:
-                    await asyncio.sleep(self.step_delay)
                 seen.outputs.append(out)
                 finished = out.finished
                 yield out

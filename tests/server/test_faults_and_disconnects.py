@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -13,7 +13,8 @@ import pytest
 
 import server.driver
 from api_helpers import assert_error, sse_events
-from fake_engine import FakeEngine
+from engine.sampling_params import SamplingParams
+from real_engine import ServedEngine, answer
 from server.app import build_app
 
 pytestmark = pytest.mark.anyio
@@ -22,24 +23,28 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.mark.parametrize("fault", ["error", "raise"])
-async def test_fault_mid_stream_sends_error_then_done(engine: FakeEngine,
+async def test_fault_mid_stream_sends_error_then_done(engine: ServedEngine,
                                                       client: httpx.AsyncClient, fault: str) -> None:
     engine.fail_after_steps, engine.fault = 2, fault
-    r = await client.post("/v1/chat/completions", json={**CHAT, "stream": True, "max_tokens": 10})
+    r = await client.post("/v1/chat/completions", json={**CHAT, "stream": True, "max_tokens": 10,
+                                                        "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200
     events = sse_events(r.text)
     assert events[-1] == "[DONE]"
     error = events[-2]["error"]
     assert error["type"] == "server_error" and error["code"] == "engine_error"
     chunks = events[:-2]
-    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "he"
+    engine.fail_after_steps = None
+    [(first_two, _)] = await answer(engine, engine.requests[-1].prompt_token_ids,
+                                    SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert first_two and "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == first_two
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
     if fault == "raise":
         assert_error(await client.get("/health"), 503)
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_fault_before_output_is_500(engine: FakeEngine, client: httpx.AsyncClient,
+async def test_fault_before_output_is_500(engine: ServedEngine, client: httpx.AsyncClient,
                                           stream: bool) -> None:
     engine.fail_after_steps = 0
     r = await client.post("/v1/completions", json={"prompt": "hi", "stream": stream})
@@ -47,7 +52,7 @@ async def test_fault_before_output_is_500(engine: FakeEngine, client: httpx.Asyn
     assert err["code"] == "engine_error" and "simulated engine fault" in err["message"]
 
 
-async def test_fault_in_one_of_several_prompts(engine: FakeEngine, client: httpx.AsyncClient) -> None:
+async def test_fault_in_one_of_several_prompts(engine: ServedEngine, client: httpx.AsyncClient) -> None:
     engine.fail_after_steps = 3
     r = await client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 8})
     assert_error(r, 500)
@@ -98,10 +103,13 @@ async def drive(app: Any, body: dict[str, Any], path: str,
 
 
 @pytest.fixture
-def slow_engine(engine: FakeEngine, monkeypatch: pytest.MonkeyPatch) -> FakeEngine:
+async def slow_engine(engine: ServedEngine, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[ServedEngine]:
+    """The engine, started (the tests drive the app without its lifespan), 10 ms a step."""
     engine.step_delay = 0.01  # 200 tokens would take 2 s
     monkeypatch.setattr(server.driver, "DISCONNECT_POLL_SECONDS", 0.01)
-    return engine
+    await engine.start()
+    yield engine
+    await engine.shutdown()
 
 
 def after(seconds: float) -> Callable[[list[dict[str, Any]]], bool]:
@@ -117,13 +125,14 @@ def after(seconds: float) -> Callable[[list[dict[str, Any]]], bool]:
     ("/v1/responses", {"input": "hi", "max_output_tokens": 200}),
     ("/v1/messages", {**CHAT, "max_tokens": 200}),
 ])
-async def test_non_streaming_disconnect_aborts(slow_engine: FakeEngine, path: str,
+async def test_non_streaming_disconnect_aborts(slow_engine: ServedEngine, path: str,
                                                body: dict) -> None:
     app = build_app(slow_engine)
     await drive(app, body, path, after(0.1))
     assert slow_engine.requests and all(r.aborted for r in slow_engine.requests)
     assert sorted(slow_engine.aborted) == sorted(r.request_id for r in slow_engine.requests)
-    assert all(s.num_tokens < 200 for r in slow_engine.requests for s in r.samples)
+    assert all(sum(len(o.token_ids) for out in r.outputs for o in out.outputs if o.index == i) < 200
+               for r in slow_engine.requests for i in range(r.params.n))
     assert slow_engine.num_unfinished_requests == 0
 
 
@@ -134,7 +143,7 @@ async def test_non_streaming_disconnect_aborts(slow_engine: FakeEngine, path: st
     ("/v1/responses", {"input": "hi", "max_output_tokens": 200, "stream": True}),
     ("/v1/messages", {**CHAT, "max_tokens": 200, "stream": True}),
 ])
-async def test_streaming_disconnect_aborts(slow_engine: FakeEngine, path: str, body: dict) -> None:
+async def test_streaming_disconnect_aborts(slow_engine: ServedEngine, path: str, body: dict) -> None:
     app = build_app(slow_engine)
     sent = await drive(app, body, path,
                        lambda sent: sum(m["type"] == "http.response.body" for m in sent) >= 5)
@@ -144,7 +153,7 @@ async def test_streaming_disconnect_aborts(slow_engine: FakeEngine, path: str, b
     assert slow_engine.num_unfinished_requests == 0
 
 
-async def test_streaming_disconnect_seen_by_send_aborts(slow_engine: FakeEngine) -> None:
+async def test_streaming_disconnect_seen_by_send_aborts(slow_engine: ServedEngine) -> None:
     # ASGI spec 2.4 servers report a gone client by failing ``send`` (OSError)
     # instead of a disconnect message; the stream must still abort at once.
     app = build_app(slow_engine)
@@ -172,17 +181,9 @@ async def test_streaming_disconnect_seen_by_send_aborts(slow_engine: FakeEngine)
     assert app.state.kvserve.metrics.client_disconnected._value.get() == 1
 
 
-async def test_disconnect_while_waiting_for_first_token(slow_engine: FakeEngine) -> None:
+async def test_disconnect_while_waiting_for_first_token(slow_engine: ServedEngine) -> None:
     slow_engine.step_delay = 5.0
     app = build_app(slow_engine)
     sent = await drive(app, {"prompt": "hi", "stream": True}, "/v1/completions", after(0.05))
     assert all(r.aborted for r in slow_engine.requests)
     assert sent[0]["status"] == 499
-
-
-@pytest.fixture
-def engine():
-    """NOTE: this file's tests still run on the fake engine (issue 41 item 5 converts them)."""
-    from fake_engine import FakeEngine
-
-    return FakeEngine()
