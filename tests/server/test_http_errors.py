@@ -7,7 +7,8 @@ import pytest
 from starlette.routing import Route
 
 from api_helpers import MODEL, assert_error, client_for
-from fake_engine import FAKE_FIM, FakeEngine
+from models.tokenizer import FimTokens
+from real_engine import ServedEngine
 from server.app import build_app
 from server.middleware import OPEN_PATHS
 
@@ -34,8 +35,10 @@ def _all_endpoints(app) -> list[tuple[str, str]]:
     return out
 
 
-async def test_every_route_requires_the_key_except_probes(engine: FakeEngine) -> None:
-    engine.tokenizer.fim_tokens = FAKE_FIM  # /infill needs a code model's markers
+async def test_every_route_requires_the_key_except_probes(engine: ServedEngine,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # /infill needs a code model's markers: three of the tokenizer's special tokens stand in.
+    monkeypatch.setattr(engine.tokenizer, "fim_tokens", FimTokens(prefix=3, suffix=4, middle=5))
     app = build_app(engine, api_key=KEY)
     endpoints = _all_endpoints(app)
     assert {p for _, p in endpoints} >= {"/v1/completions", "/v1/chat/completions", "/v1/models",
@@ -76,7 +79,7 @@ async def test_every_route_requires_the_key_except_probes(engine: FakeEngine) ->
             assert r.status_code == (404 if NO_SUCH_RESPONSE in path else 200), (method, path, r.text)
 
 
-async def test_unknown_route_needs_key_then_404(engine: FakeEngine) -> None:
+async def test_unknown_route_needs_key_then_404(engine: ServedEngine) -> None:
     app = build_app(engine, api_key=KEY)
     async with client_for(app) as c:
         assert_error(await c.get("/v1/nope"), 401)
@@ -104,16 +107,16 @@ async def test_unknown_model_is_404(client: httpx.AsyncClient, method, path, bod
     assert err["code"] == "model_not_found" and "other-model" in err["message"]
 
 
-async def test_served_model_name(engine: FakeEngine) -> None:
+async def test_served_model_name(engine: ServedEngine) -> None:
     app = build_app(engine, served_model_name="alias")
-    async with client_for(app) as c:
+    async with app.router.lifespan_context(app), client_for(app) as c:
         r = await c.post("/v1/completions", json={"model": "alias", "prompt": "hi", "max_tokens": 1})
         assert r.json()["model"] == "alias"
         assert_error(await c.post("/v1/completions", json={"model": MODEL, "prompt": "hi"}), 404)
 
 
 
-async def test_several_served_model_names(engine: FakeEngine) -> None:
+async def test_several_served_model_names(engine: ServedEngine) -> None:
     # vLLM's --served-model-name A B: a request may name either; the first answers.
     app = build_app(engine, served_model_name=["first", "second"], runtime_lora=True)
     async with app.router.lifespan_context(app), client_for(app) as c:
@@ -130,18 +133,18 @@ async def test_several_served_model_names(engine: FakeEngine) -> None:
         assert_error(r, 400, "lora_name")
 
 
-async def test_declared_body_over_limit_is_413(engine: FakeEngine) -> None:
+async def test_declared_body_over_limit_is_413(engine: ServedEngine) -> None:
     app = build_app(engine, max_body_size=1024)
     async with client_for(app) as c:
         r = await c.post("/v1/completions", content=b'{"prompt": "' + b"x" * 2000 + b'"}')
         err = assert_error(r, 413)
         assert "1024" in err["message"]
-        at_limit = b'{"prompt": "' + b"x" * (1024 - 15) + b'"}'
+        at_limit = b'{"prompt": "' + b"x " * 504 + b'x"}'
         r = await c.post("/v1/completions", content=at_limit + b" " * (1024 - len(at_limit)))
         assert_error(r, 400, contains="context length")  # past the body limit, refused later
 
 
-async def test_streamed_body_over_limit_is_413_before_the_end(engine: FakeEngine) -> None:
+async def test_streamed_body_over_limit_is_413_before_the_end(engine: ServedEngine) -> None:
     app = build_app(engine, max_body_size=1024)
     pulled = []
 
@@ -156,11 +159,11 @@ async def test_streamed_body_over_limit_is_413_before_the_end(engine: FakeEngine
     assert len(pulled) < 10
 
 
-async def test_queue_full_is_503_with_retry_after(engine: FakeEngine) -> None:
+async def test_queue_full_is_503_with_retry_after(engine: ServedEngine) -> None:
     app = build_app(engine, max_queue=2)
     body = {"prompt": "hi", "max_tokens": 1}
     in_flight = app.state.kvserve.in_flight  # what admission counts: requests not yet answered
-    async with client_for(app) as c:
+    async with app.router.lifespan_context(app), client_for(app) as c:
         in_flight["other-1"] = 0.0
         assert (await c.post("/v1/completions", json=body)).status_code == 200
         assert list(in_flight) == ["other-1"], "an answered request gives its place back"
@@ -173,7 +176,7 @@ async def test_queue_full_is_503_with_retry_after(engine: FakeEngine) -> None:
             assert err["type"] == "server_error"
 
 
-async def test_draining_refuses_new_requests(engine: FakeEngine) -> None:
+async def test_draining_refuses_new_requests(engine: ServedEngine) -> None:
     app = build_app(engine)
     async with app.router.lifespan_context(app), client_for(app) as c:
         assert (await c.get("/ready")).status_code == 200
@@ -188,18 +191,18 @@ async def test_draining_refuses_new_requests(engine: FakeEngine) -> None:
     assert engine.shut_down
 
 
-async def test_dead_engine(engine: FakeEngine, client: httpx.AsyncClient) -> None:
-    engine.is_alive = False
+async def test_dead_engine(engine: ServedEngine, client: httpx.AsyncClient) -> None:
+    await engine.inner.shutdown()  # the engine loop is gone
     assert_error(await client.get("/health"), 503)
     assert_error(await client.get("/ready"), 503)
     assert_error(await client.post("/v1/completions", json={"prompt": "hi"}), 503)
 
 
-async def test_unexpected_bug_is_a_json_500(engine: FakeEngine) -> None:
+async def test_unexpected_bug_is_a_json_500(engine: ServedEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*args, **kwargs):
         raise RuntimeError("tokenizer bug")
 
-    engine.tokenizer.encode = boom  # type: ignore[method-assign]
+    monkeypatch.setattr(engine.tokenizer, "encode", boom)
     app = build_app(engine)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
                                  base_url="http://test") as c:
@@ -208,7 +211,7 @@ async def test_unexpected_bug_is_a_json_500(engine: FakeEngine) -> None:
     assert err["type"] == "server_error" and "tokenizer bug" not in err["message"]
 
 
-async def test_framework_validation_errors_are_400_not_422(engine: FakeEngine) -> None:
+async def test_framework_validation_errors_are_400_not_422(engine: ServedEngine) -> None:
     app = build_app(engine)
 
     @app.get("/v1/_probe")
@@ -220,7 +223,7 @@ async def test_framework_validation_errors_are_400_not_422(engine: FakeEngine) -
         assert_error(await c.get("/v1/_probe", params={"count": "many"}), 400, param="count")
 
 
-async def test_the_models_sampling_defaults_fill_what_a_request_leaves_out(engine: FakeEngine) -> None:
+async def test_the_models_sampling_defaults_fill_what_a_request_leaves_out(engine: ServedEngine) -> None:
     # vLLM's --generation-config auto: generation_config.json's values (engine.sampling_defaults).
     # --override-generation-config adds its own (llama.cpp's samplers among them).
     engine.sampling_defaults = {"temperature": 0.6, "top_k": 20, "dry_multiplier": 0.8,
@@ -243,7 +246,7 @@ async def test_the_models_sampling_defaults_fill_what_a_request_leaves_out(engin
         assert (engine.requests[-1].params.temperature, engine.requests[-1].params.top_k) == (0.8, 40)
 
 
-async def test_completion_fills_left_out_fields_from_the_operators_overrides(engine: FakeEngine) -> None:
+async def test_completion_fills_left_out_fields_from_the_operators_overrides(engine: ServedEngine) -> None:
     # --override-generation-config is the operator's, as llama-server's own --temp, --top-k:
     # llama.cpp's /completion applies it too, under a request's own values, over llama.cpp's
     # defaults (and not the model's generation_config.json, which only the OpenAI routes apply).
@@ -262,11 +265,3 @@ async def test_completion_fills_left_out_fields_from_the_operators_overrides(eng
         params = (await c.get("/props")).json()["default_generation_settings"]["params"]
         assert (params["temperature"], params["repeat_penalty"], params["dry_multiplier"], params["top_k"]) == (
             0.2, 1.1, 0.8, 40)
-
-
-@pytest.fixture
-def engine():
-    """NOTE: this file's tests still run on the fake engine (issue 41 item 5 converts them)."""
-    from fake_engine import FakeEngine
-
-    return FakeEngine()
