@@ -22,12 +22,13 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import kv_bytes_per_block
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import PoolingParams, SamplingParams
 
 MODEL_NAME = "fake-model"  # the served name the tests ask for (api_helpers.MODEL)
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 256
 NUM_KV_BLOCKS = 64
+HIDDEN_SIZE = 64  # the tiny model's: an embedding's length
 
 
 def write_tiny_checkpoint(path: Path, tokenizer) -> Path:
@@ -36,7 +37,7 @@ def write_tiny_checkpoint(path: Path, tokenizer) -> Path:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128,
+    config = transformers.LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=HIDDEN_SIZE, intermediate_size=128,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                       max_position_embeddings=2048, tie_word_embeddings=True)
     model = transformers.LlamaForCausalLM(config)
@@ -173,6 +174,13 @@ async def answer(engine: ServedEngine, prompt: list[int], params: SamplingParams
             t[0] += o.text
             t[1] = o.finish_reason or t[1]
     return [tuple(texts[i]) for i in sorted(texts)]
+
+
+async def embed(engine: ServedEngine, prompt: list[int], normalize: bool = True) -> list[float]:
+    """The engine's own embedding of ``prompt``, run directly."""
+    params = SamplingParams.embedding(PoolingParams(normalize=normalize))
+    outs = [out async for out in engine.inner.generate(f"embed-{id(params)}", prompt, params)]
+    return outs[-1].outputs[0].embedding
 
 
 def start_loop(engine: AsyncEngine) -> tuple[threading.Thread, threading.Event]:

@@ -122,19 +122,21 @@ def test_generate_calls_llm_engine(monkeypatch: pytest.MonkeyPatch,
     assert seen["config"].lora_modules == (LoRAModule(seen["adapter"], "/adapters/sql"),)
 
 
-def test_serve_wiring_and_startup_log(monkeypatch: pytest.MonkeyPatch,
-                                      caplog: pytest.LogCaptureFixture) -> None:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from fake_engine import FakeEngine
+def test_serve_wiring_and_startup_log(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+                                      tiny_loaded, tiny_checkpoint: Path) -> None:
+    from real_engine import build_engine
 
-    engines = []
+    engines, loop_threads = [], []
 
     def async_engine(config):
-        engines.append(FakeEngine(model_name=config.served_model_name or config.model))
-        return engines[-1]
+        engine = build_engine(tiny_loaded, tiny_checkpoint, served_model_name=config.served_model_name or config.model)
+        run_loop = engine.run_loop
+        engine.run_loop = lambda give_up=None: loop_threads.append(threading.current_thread()) or run_loop(give_up)
+        engines.append(engine)
+        return engine
 
     class StubLLMEngine:
-        """LLMEngine(config) loads the model; the fake AsyncEngine takes the config instead."""
+        """LLMEngine(config) loads the model; the tiny model's AsyncEngine is built instead."""
 
         def __init__(self, config) -> None:
             self.served_model_name, self.model = config.served_model_name, config.model
@@ -169,7 +171,7 @@ def test_serve_wiring_and_startup_log(monkeypatch: pytest.MonkeyPatch,
                          "--shutdown-timeout", "2"])
     assert code == 0 and made["ran"] and (made["host"], made["port"]) == ("127.0.0.1", 9123)
     assert llms[0].shut_down
-    assert engines[0].loop_thread is threading.main_thread(), "the engine loop must run on the main thread"
+    assert loop_threads == [threading.main_thread()], "the engine loop must run on the main thread"
     state = made["app"].state.kvserve
     assert (state.api_key, state.max_queue, state.draining) == ("k", 3, True)
     text = caplog.text
@@ -190,13 +192,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-SERVE_FAKE = textwrap.dedent("""
+SERVE_TINY = textwrap.dedent("""
     import sys
     sys.path.insert(0, {tests!r})
-    from fake_engine import FakeEngine
+    from models.loader import load_model
+    from real_engine import ServedEngine, build_engine
     from server.app import build_app
     from server.cli.serve import make_server, serve_app
-    engine = FakeEngine(step_delay=0.02)
+    engine = ServedEngine(build_engine(load_model({checkpoint!r}, dtype="float32", device="cpu",
+                                                  quantization="none"), {checkpoint!r}))
+    engine.step_delay = 0.02
     app = build_app(engine)
     server = make_server(app, "127.0.0.1", {port}, {timeout}, "warning",
                          lambda: setattr(app.state.kvserve, "draining", True))
@@ -209,9 +214,10 @@ SERVE_FAKE = textwrap.dedent("""
 
 
 @pytest.mark.timeout(60)
-def test_sigterm_lets_in_flight_finish_then_exits_0() -> None:
+def test_sigterm_lets_in_flight_finish_then_exits_0(tiny_checkpoint: Path) -> None:
     port = _free_port()
-    script = SERVE_FAKE.format(tests=str(Path(__file__).parent), port=port, timeout=10)
+    script = SERVE_TINY.format(tests=str(Path(__file__).parent), checkpoint=str(tiny_checkpoint), port=port,
+                               timeout=10)
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ})
     try:
@@ -226,7 +232,7 @@ def test_sigterm_lets_in_flight_finish_then_exits_0() -> None:
                 pass
             assert time.monotonic() < deadline, "the server never became ready"
             time.sleep(0.05)
-        body = {"prompt": "hi", "max_tokens": 40, "stream": True}  # about 0.8 s
+        body = {"prompt": "hi", "max_tokens": 40, "ignore_eos": True, "stream": True}  # about 0.8 s
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()
             first = next(line for line in lines if line.startswith("data:"))
@@ -308,10 +314,9 @@ def _certificate(directory: Path, name: str, ca: tuple[Path, Path] | None = None
     return key, cert
 
 
-def test_https_and_client_certificates(tmp_path: Path) -> None:
+def test_https_and_client_certificates(tmp_path: Path, make_engine) -> None:
     import ssl
 
-    from fake_engine import FakeEngine
     from server.app import build_app
 
     key, cert = _certificate(tmp_path, "server")
@@ -320,7 +325,7 @@ def test_https_and_client_certificates(tmp_path: Path) -> None:
     for tls, client_cert in ((cli_serve.TLSSettings(str(key), str(cert)), None),
                              (cli_serve.TLSSettings(str(key), str(cert), str(ca[1]), ssl.CERT_REQUIRED), client)):
         port = _free_port()
-        server = cli_serve.make_server(build_app(FakeEngine()), "127.0.0.1", port, 1.0, "warning", lambda: None, tls)
+        server = cli_serve.make_server(build_app(make_engine()), "127.0.0.1", port, 1.0, "warning", lambda: None, tls)
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         try:

@@ -1,4 +1,4 @@
-"""``POST /v1/embeddings`` over the fake engine: OpenAI's shape, each input one engine
+"""``POST /v1/embeddings`` over the real engine on the tiny checkpoint: OpenAI's shape, each input one engine
 request, float and base64 encodings, and the errors."""
 
 from __future__ import annotations
@@ -10,20 +10,22 @@ import httpx
 import pytest
 
 from api_helpers import MODEL, assert_error
-from fake_engine import FAKE_HIDDEN_SIZE, FakeEngine
+from real_engine import HIDDEN_SIZE, ServedEngine, embed
 
 pytestmark = pytest.mark.anyio
 
+FLOAT32_EPS = 1e-6  # the engine normalises in float32
 
-async def test_one_text_gets_one_normalised_embedding(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+
+async def test_one_text_gets_one_normalised_embedding(client: httpx.AsyncClient, engine: ServedEngine) -> None:
     r = await client.post("/v1/embeddings", json={"model": MODEL, "input": "hi"})
     assert r.status_code == 200, r.text
     body = r.json()
     assert (body["object"], body["model"]) == ("list", MODEL)
     [item] = body["data"]
     assert (item["object"], item["index"]) == ("embedding", 0)
-    assert len(item["embedding"]) == FAKE_HIDDEN_SIZE
-    assert abs(sum(v * v for v in item["embedding"]) - 1) < 1e-9
+    assert len(item["embedding"]) == HIDDEN_SIZE
+    assert abs(sum(v * v for v in item["embedding"]) - 1) < FLOAT32_EPS
     prompt = engine.requests[-1].prompt_token_ids
     assert prompt == engine.tokenizer.encode("hi")
     assert body["usage"] == {"prompt_tokens": len(prompt), "total_tokens": len(prompt)}
@@ -31,17 +33,18 @@ async def test_one_text_gets_one_normalised_embedding(client: httpx.AsyncClient,
     assert params.pooling is not None and (params.n, params.max_tokens) == (1, 1)
 
 
-async def test_a_list_of_inputs_keeps_its_order(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+async def test_a_list_of_inputs_keeps_its_order(client: httpx.AsyncClient, engine: ServedEngine) -> None:
     for inputs in (["a", "bb", "ccc", "dddd"], [[5], [5, 6], [5, 6, 7], [5, 6, 7, 8]]):
         body = (await client.post("/v1/embeddings", json={"input": inputs})).json()
         assert [d["index"] for d in body["data"]] == [0, 1, 2, 3]
         assert len({tuple(r.prompt_token_ids) for r in engine.requests[-4:]}) == 4
         # One group: the inputs take turns with other requests together.
         assert len({engine.groups[r.request_id] for r in engine.requests[-4:]}) == 1
-        # The fake's first value is the prompt's length: the data follow the inputs.
-        lengths = [len(engine.tokenizer.encode(t)) if isinstance(t, str) else len(t) for t in inputs]
+        # The data follow the inputs: each is the engine's own embedding of its input.
+        prompts = [engine.tokenizer.encode(t) if isinstance(t, str) else t for t in inputs]
+        lengths = [len(p) for p in prompts]
         raw = (await client.post("/v1/embeddings", json={"input": inputs, "normalize": False})).json()
-        assert [d["embedding"][0] for d in raw["data"]] == lengths
+        assert [d["embedding"] for d in raw["data"]] == [await embed(engine, p, normalize=False) for p in prompts]
         assert body["usage"]["prompt_tokens"] == sum(lengths)
     assert_error(await client.post("/v1/embeddings", json={"input": ["a", [5]]}), 400)
 
@@ -57,7 +60,7 @@ async def test_base64_is_the_float32_bytes(client: httpx.AsyncClient) -> None:
 async def test_dimensions_cut_then_normalise(client: httpx.AsyncClient) -> None:
     body = (await client.post("/v1/embeddings", json={"input": "hi", "dimensions": 3})).json()
     vector = body["data"][0]["embedding"]
-    assert len(vector) == 3 and abs(sum(v * v for v in vector) - 1) < 1e-9
+    assert len(vector) == 3 and abs(sum(v * v for v in vector) - 1) < FLOAT32_EPS
 
 
 @pytest.mark.parametrize("body,param", [
@@ -66,14 +69,14 @@ async def test_dimensions_cut_then_normalise(client: httpx.AsyncClient) -> None:
     ({"input": ["ok", ""]}, "input"),
     ({"input": [[]]}, "input"),
     ({"input": "hi", "dimensions": 0}, "dimensions"),
-    ({"input": "hi", "dimensions": FAKE_HIDDEN_SIZE + 1}, "dimensions"),
+    ({"input": "hi", "dimensions": HIDDEN_SIZE + 1}, "dimensions"),
     ({"input": "hi", "encoding_format": "int8"}, None),
     ({"input": [1, 10**9]}, "input"),
-    ({"input": "x" * 300}, "input"),
+    ({"input": "x " * 300}, "input"),
     ({"input": ["a"] * 2049}, None),
     ({"input": 3}, None),
 ])
-async def test_bad_input_is_a_400_and_runs_nothing(client: httpx.AsyncClient, engine: FakeEngine,
+async def test_bad_input_is_a_400_and_runs_nothing(client: httpx.AsyncClient, engine: ServedEngine,
                                                   body: dict, param: str | None) -> None:
     r = await client.post("/v1/embeddings", json=body)
     err = assert_error(r, 400)
@@ -86,33 +89,28 @@ async def test_an_unknown_model_is_a_404(client: httpx.AsyncClient) -> None:
     assert_error(await client.post("/v1/embeddings", json={"input": "hi", "model": "chess"}), 404)
 
 
-def _unit(prompt: list[int]) -> list[float]:
-    from fake_engine import fake_embedding
-    from engine.sampling_params import PoolingParams
-
-    return fake_embedding(prompt, PoolingParams())
-
-
-async def test_score_is_the_cosine_of_the_embeddings(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+async def test_score_is_the_cosine_of_the_embeddings(client: httpx.AsyncClient, engine: ServedEngine) -> None:
     tok = engine.tokenizer
     r = await client.post("/v1/score", json={"text_1": "ab", "text_2": ["ab", "abcd", "z"]})
     assert r.status_code == 200, r.text
     body = r.json()
-    expected = [sum(x * y for x, y in zip(_unit(tok.encode("ab")), _unit(tok.encode(t)))) for t in ["ab", "abcd", "z"]]
+    query = await embed(engine, tok.encode("ab"))
+    expected = [sum(x * y for x, y in zip(query, await embed(engine, tok.encode(t)))) for t in ["ab", "abcd", "z"]]
     assert [d["index"] for d in body["data"]] == [0, 1, 2] and body["data"][0]["object"] == "score"
     assert [d["score"] for d in body["data"]] == pytest.approx(expected, abs=1e-12)
     assert body["data"][0]["score"] == pytest.approx(1.0)
     # Each distinct text embedded once, in one group.
-    assert sorted(tuple(r.prompt_token_ids) for r in engine.requests) == sorted(
+    assert sorted(tuple(r.prompt_token_ids) for r in engine.requests[:3]) == sorted(
         tuple(tok.encode(t)) for t in ["ab", "abcd", "z"])
     assert body["usage"]["prompt_tokens"] == sum(len(tok.encode(t)) for t in ["ab", "abcd", "z"])
     pairwise = (await client.post("/score", json={"text_1": ["ab", "z"], "text_2": ["abcd", "z"]})).json()
-    assert [d["score"] for d in pairwise["data"]] == pytest.approx([expected[1], 1.0], abs=1e-12)
+    z = await embed(engine, tok.encode("z"))
+    assert [d["score"] for d in pairwise["data"]] == pytest.approx([expected[1], sum(v * v for v in z)], abs=1e-12)
     assert_error(await client.post("/v1/score", json={"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}), 400, "text_2")
     assert_error(await client.post("/v1/score", json={"text_1": "", "text_2": "a"}), 400, "text_1")
 
 
-async def test_rerank_orders_the_documents_by_score(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+async def test_rerank_orders_the_documents_by_score(client: httpx.AsyncClient, engine: ServedEngine) -> None:
     docs = ["z", "abcd", {"text": "abc"}, "ab"]
     r = await client.post("/v1/rerank", json={"query": "ab", "documents": docs, "top_n": 3})
     assert r.status_code == 200, r.text
@@ -131,7 +129,7 @@ async def test_rerank_orders_the_documents_by_score(client: httpx.AsyncClient, e
 
 
 async def test_llama_cpps_embedding_route_normalises_as_llama_cpp(client: httpx.AsyncClient,
-                                                                  engine: FakeEngine) -> None:
+                                                                  engine: ServedEngine) -> None:
     # llama.cpp's /embedding: [{"index", "embedding": [[...]]}], the raw vector normalised by
     # embd_normalize (default 2); `content` or `input`, one text or several; /embeddings too.
     r = await client.post("/embedding", json={"content": "hi", "embd_normalize": -1})
@@ -139,7 +137,7 @@ async def test_llama_cpps_embedding_route_normalises_as_llama_cpp(client: httpx.
     [item] = r.json()
     prompt = engine.requests[-1].prompt_token_ids
     assert engine.requests[-1].params.pooling.normalize is False
-    raw = [float(len(prompt)), float(sum(prompt)), float(prompt[-1])] + [1.0] * (FAKE_HIDDEN_SIZE - 3)
+    raw = await embed(engine, prompt, normalize=False)
     assert item == {"index": 0, "embedding": [raw]}
     for how, expect in [(2, [v / sum(x * x for x in raw) ** 0.5 for v in raw]),
                         (1, [v / sum(abs(x) for x in raw) for v in raw]),
@@ -151,7 +149,7 @@ async def test_llama_cpps_embedding_route_normalises_as_llama_cpp(client: httpx.
     [item] = (await client.post("/embedding", json={"content": "hi", "embd_normalize": 10**6})).json()
     assert max(abs(v) for v in item["embedding"][0]) == pytest.approx(1.0, rel=1e-4)
     assert [len(x["embedding"][0]) for x in (await client.post("/embedding", json={"content": "hi"})).json()] == [
-        FAKE_HIDDEN_SIZE]
+        HIDDEN_SIZE]
     several = (await client.post("/embedding", json={"content": ["a", "bb", "ccc"]})).json()
     assert [x["index"] for x in several] == [0, 1, 2]
     ids = (await client.post("/embedding", json={"content": [[5, 6], [7]]})).json()
@@ -160,11 +158,3 @@ async def test_llama_cpps_embedding_route_normalises_as_llama_cpp(client: httpx.
                         ({"content": "hi", "embd_normalize": -2}, "embd_normalize"),
                         ({"content": "hi", "model": "nope"}, "model")]:
         assert_error(await client.post("/embedding", json=body), 400 if param != "model" else 404, param)
-
-
-@pytest.fixture
-def engine():
-    """NOTE: this file's tests still run on the fake engine (issue 41 item 5 converts them)."""
-    from fake_engine import FakeEngine
-
-    return FakeEngine()
