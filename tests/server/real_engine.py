@@ -165,10 +165,15 @@ class ServedEngine:
             await stream.aclose()
 
 
+async def direct(engine: ServedEngine, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
+    """Every delta of the engine's own answer to ``prompt``, run directly (not recorded)."""
+    return [out async for out in engine.inner.generate(f"direct-{id(params)}", prompt, params)]
+
+
 async def answer(engine: ServedEngine, prompt: list[int], params: SamplingParams) -> list[tuple[str, str | None]]:
     """The engine's own answer to ``prompt``, run directly: per sample, (text, finish_reason)."""
     texts: dict[int, list] = {}
-    async for out in engine.inner.generate(f"direct-{len(engine.requests)}-{id(params)}", prompt, params):
+    for out in await direct(engine, prompt, params):
         for o in out.outputs:
             t = texts.setdefault(o.index, ["", None])
             t[0] += o.text
@@ -178,8 +183,7 @@ async def answer(engine: ServedEngine, prompt: list[int], params: SamplingParams
 
 async def embed(engine: ServedEngine, prompt: list[int], normalize: bool = True) -> list[float]:
     """The engine's own embedding of ``prompt``, run directly."""
-    params = SamplingParams.embedding(PoolingParams(normalize=normalize))
-    outs = [out async for out in engine.inner.generate(f"embed-{id(params)}", prompt, params)]
+    outs = await direct(engine, prompt, SamplingParams.embedding(PoolingParams(normalize=normalize)))
     return outs[-1].outputs[0].embedding
 
 

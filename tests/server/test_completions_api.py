@@ -1,24 +1,77 @@
-"""POST /v1/completions: the wire format, streaming and not, against the fake engine."""
+"""POST /v1/completions: the wire format, streaming and not, against the real engine on the
+tiny checkpoint. Texts, token counts and logprobs are the engine's own for the same prompt and
+params, run directly (``greedy``)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from itertools import accumulate
 
 import httpx
 import pytest
 
-from api_helpers import MODEL, assert_error, sse_events
-from fake_engine import SCRIPT, FakeEngine
+from api_helpers import MODEL, assert_error, client_for, sse_events
+from engine.outputs import TokenLogprob
+from engine.sampling_params import SamplingParams
+from real_engine import ServedEngine, direct
+from server.app import build_app
 
 pytestmark = pytest.mark.anyio
+
+GREEDY = {"temperature": 0, "ignore_eos": True}  # a request whose answer the engine repeats
+
+
+@dataclass
+class Greedy:
+    """The engine's own greedy answer to a prompt (one sample)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    prompt_logprobs: list[TokenLogprob | None] | None
+
+
+async def greedy(engine: ServedEngine, prompt: str | list[int], max_tokens: int, **params) -> Greedy:
+    ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    outs = await direct(engine, ids, SamplingParams(max_tokens=max_tokens, **GREEDY, **params))
+    samples = [o.outputs[0] for o in outs if o.outputs]
+    return Greedy("".join(o.text for o in samples), [t for o in samples for t in o.token_ids],
+                  [lp for o in samples for lp in o.logprobs or []],
+                  next((o.prompt_logprobs for o in samples if o.prompt_logprobs), None))
+
+
+def name(engine: ServedEngine, token_id: int) -> str:
+    return engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def top(engine: ServedEngine, lp: TokenLogprob) -> dict[str, float]:
+    """A logprobs entry's alternatives, and its own token (OpenAI's "up to logprobs + 1")."""
+    return {name(engine, t): v for t, v in lp.top} | {name(engine, lp.token_id): lp.logprob}
+
+
+def offsets(names: list[str]) -> list[int]:
+    return [0, *accumulate(len(n) for n in names)][:-1]
+
+
+def a_stop_string(text: str) -> str:
+    """A piece of ``text`` from its middle, to stop the same answer at."""
+    stop = text[len(text) // 2:][:4]
+    assert stop.strip(), text
+    return stop
+
+
+def tokens_until(engine: ServedEngine, token_ids: list[int], stop: str) -> int:
+    """How many of ``token_ids`` the engine generates before its text holds ``stop``."""
+    return next(k for k in range(1, len(token_ids) + 1) if stop in engine.tokenizer.decode(token_ids[:k]))
 
 
 async def complete(client: httpx.AsyncClient, **body) -> httpx.Response:
     return await client.post("/v1/completions", json={"model": MODEL, **body})
 
 
-async def test_non_streaming_shape(client: httpx.AsyncClient) -> None:
-    r = await complete(client, prompt="hi")
+async def test_non_streaming_shape(client: httpx.AsyncClient, engine: ServedEngine) -> None:
+    r = await complete(client, prompt="hi", **GREEDY)
     assert r.status_code == 200
     body = r.json()
     assert set(body) == {"id", "object", "created", "model", "choices", "usage"}
@@ -26,14 +79,15 @@ async def test_non_streaming_shape(client: httpx.AsyncClient) -> None:
     assert body["object"] == "text_completion"
     assert body["model"] == MODEL
     assert isinstance(body["created"], int)
-    # Default max_tokens is 16; "hi" is BOS + 2 bytes.
-    assert body["choices"] == [{"text": SCRIPT[:16], "index": 0, "logprobs": None,
+    # Default max_tokens is 16.
+    n = len(engine.tokenizer.encode("hi"))
+    assert body["choices"] == [{"text": (await greedy(engine, "hi", 16)).text, "index": 0, "logprobs": None,
                                 "finish_reason": "length"}]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 16, "total_tokens": 19,
+    assert body["usage"] == {"prompt_tokens": n, "completion_tokens": 16, "total_tokens": n + 16,
                              "prompt_tokens_details": {"cached_tokens": 0}}
 
 
-async def test_params_reach_the_engine(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+async def test_params_reach_the_engine(client: httpx.AsyncClient, engine: ServedEngine) -> None:
     r = await complete(client, prompt="hi", max_tokens=5, temperature=0.5, top_p=0.9, seed=7,
                        presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={"65": 2.5},
                        top_k=40, min_p=0.1, repetition_penalty=1.2, ignore_eos=True, min_tokens=1,
@@ -47,82 +101,92 @@ async def test_params_reach_the_engine(client: httpx.AsyncClient, engine: FakeEn
     assert engine.requests[-1].request_id.startswith("cmpl-")
 
 
-async def test_token_id_prompt(client: httpx.AsyncClient, engine: FakeEngine) -> None:
-    r = await complete(client, prompt=[104, 105], max_tokens=2)
-    assert r.json()["choices"][0]["text"] == "he"
+async def test_token_id_prompt(client: httpx.AsyncClient, engine: ServedEngine) -> None:
+    r = await complete(client, prompt=[104, 105], max_tokens=2, **GREEDY)
+    assert r.json()["choices"][0]["text"] == (await greedy(engine, [104, 105], 2)).text
     assert engine.requests[-1].prompt_token_ids == [104, 105]
 
 
-async def test_multiple_prompts_and_n(client: httpx.AsyncClient) -> None:
-    r = await complete(client, prompt=["a", "bc"], n=2, max_tokens=3)
+async def test_multiple_prompts_and_n(client: httpx.AsyncClient, engine: ServedEngine) -> None:
+    r = await complete(client, prompt=["a", "bc"], n=2, max_tokens=3, **GREEDY)
     body = r.json()
-    # Choice i * n + k is sample k of prompt i.
-    assert [(c["index"], c["text"]) for c in body["choices"]] == [
-        (0, "hel"), (1, "ell"), (2, "hel"), (3, "ell")]
-    assert body["usage"]["prompt_tokens"] == 2 + 3
+    # Choice i * n + k is sample k of prompt i (greedy: both samples are the prompt's answer).
+    a, bc = (await greedy(engine, "a", 3)).text, (await greedy(engine, "bc", 3)).text
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, a), (1, a), (2, bc), (3, bc)]
+    assert body["usage"]["prompt_tokens"] == len(engine.tokenizer.encode("a")) + len(engine.tokenizer.encode("bc"))
     assert body["usage"]["completion_tokens"] == 12
 
 
-async def test_stop_string_is_not_returned(client: httpx.AsyncClient) -> None:
-    r = await complete(client, prompt="hi", stop="world", max_tokens=30)
+async def test_stop_string_is_not_returned(client: httpx.AsyncClient, engine: ServedEngine) -> None:
+    g = await greedy(engine, "hi", 30)
+    stop = a_stop_string(g.text)
+    r = await complete(client, prompt="hi", stop=stop, max_tokens=30, **GREEDY)
     choice = r.json()["choices"][0]
-    assert choice["text"] == "hello "
+    assert choice["text"] == g.text[:g.text.find(stop)]
     assert choice["finish_reason"] == "stop"
-    assert r.json()["usage"]["completion_tokens"] == len("hello world")
+    assert r.json()["usage"]["completion_tokens"] == tokens_until(engine, g.token_ids, stop)
 
 
-async def test_eos_finishes_with_stop(engine: FakeEngine, client: httpx.AsyncClient) -> None:
-    engine.eos_at = 4
-    r = await complete(client, prompt="hi", max_tokens=10)
-    assert r.json()["choices"][0] == {"text": "hell", "index": 0, "logprobs": None,
+async def test_eos_finishes_with_stop(engine: ServedEngine, client: httpx.AsyncClient) -> None:
+    # EOS held back for 4 tokens, then biased to come next.
+    eos = engine.tokenizer.eos_token_ids[0]
+    r = await complete(client, prompt="hi", max_tokens=10, temperature=0, min_tokens=4, logit_bias={str(eos): 100})
+    assert r.json()["choices"][0] == {"text": (await greedy(engine, "hi", 4)).text, "index": 0, "logprobs": None,
                                       "finish_reason": "stop"}
     assert r.json()["usage"]["completion_tokens"] == 5  # EOS counts as a generated token
 
 
 async def test_max_tokens_null_means_rest_of_context(client: httpx.AsyncClient,
-                                                     engine: FakeEngine) -> None:
-    r = await complete(client, prompt="hi", max_tokens=None)
-    assert r.json()["usage"]["completion_tokens"] == engine.max_model_len - 3
+                                                     engine: ServedEngine) -> None:
+    r = await complete(client, prompt="hi", max_tokens=None, ignore_eos=True)
+    assert r.json()["usage"]["completion_tokens"] == engine.max_model_len - len(engine.tokenizer.encode("hi"))
 
 
-async def test_echo(client: httpx.AsyncClient) -> None:
-    r = await complete(client, prompt="hi ", max_tokens=2, echo=True)
-    assert r.json()["choices"][0]["text"] == "hi he"
+async def test_echo(client: httpx.AsyncClient, engine: ServedEngine) -> None:
+    r = await complete(client, prompt="hi ", max_tokens=2, echo=True, **GREEDY)
+    assert r.json()["choices"][0]["text"] == "hi " + (await greedy(engine, "hi ", 2)).text
 
 
 async def test_echo_with_logprobs_lists_the_prompt_tokens_first(client: httpx.AsyncClient,
-                                                                  engine: FakeEngine) -> None:
-    r = await complete(client, prompt="hi", max_tokens=2, echo=True, logprobs=1)
+                                                                  engine: ServedEngine) -> None:
+    r = await complete(client, prompt="hi there", max_tokens=2, echo=True, logprobs=1, **GREEDY)
     choice = r.json()["choices"][0]
-    assert choice["text"] == "hihe"
+    g = await greedy(engine, "hi there", 2, logprobs=1, prompt_logprobs=1)
+    assert choice["text"] == "hi there" + g.text
     lp = choice["logprobs"]
-    # "hi" is BOS, "h", "i": the first token has no logprob, as OpenAI sends it.
-    assert lp["tokens"] == ["<s>", "h", "i", "h", "e"]
-    assert lp["token_logprobs"] == [None, -0.5, -1.0, -0.25, -0.25]
-    assert lp["top_logprobs"] == [None, {"h": -0.5}, {"i": -1.0}, {"h": -0.25}, {"e": -0.25}]
-    assert lp["text_offset"] == [0, 3, 4, 5, 6]
+    # The first token has no logprob, as OpenAI sends it.
+    prompt = engine.tokenizer.encode("hi there")
+    names = [name(engine, t) for t in prompt + g.token_ids]
+    scored = g.prompt_logprobs[1:] + g.logprobs
+    assert lp["tokens"] == names
+    assert lp["token_logprobs"] == [None] + [e.logprob for e in scored]
+    assert lp["top_logprobs"] == [None] + [top(engine, e) for e in scored]
+    assert lp["text_offset"] == offsets(names)
     assert engine.requests[-1].params.prompt_logprobs == 1
 
 
-async def test_echo_with_max_tokens_0_scores_the_prompt_alone(client: httpx.AsyncClient) -> None:
-    r = await complete(client, prompt="hi", max_tokens=0, echo=True, logprobs=0)
+async def test_echo_with_max_tokens_0_scores_the_prompt_alone(client: httpx.AsyncClient,
+                                                              engine: ServedEngine) -> None:
+    r = await complete(client, prompt="hi there", max_tokens=0, echo=True, logprobs=0)
     body = r.json()
-    assert body["choices"][0]["text"] == "hi"
+    assert body["choices"][0]["text"] == "hi there"
     assert body["choices"][0]["finish_reason"] == "length"
     lp = body["choices"][0]["logprobs"]
-    assert lp["tokens"] == ["<s>", "h", "i"]
-    assert lp["token_logprobs"] == [None, -0.5, -1.0]
-    assert lp["top_logprobs"] == [None, {"h": -0.5}, {"i": -1.0}]
+    prompt = engine.tokenizer.encode("hi there")
+    scored = (await greedy(engine, prompt, 1, prompt_logprobs=0)).prompt_logprobs[1:]
+    assert lp["tokens"] == [name(engine, t) for t in prompt]
+    assert lp["token_logprobs"] == [None] + [e.logprob for e in scored]
+    assert lp["top_logprobs"] == [None] + [{name(engine, e.token_id): e.logprob} for e in scored]
     assert body["usage"]["completion_tokens"] == 0
-    assert body["usage"]["prompt_tokens"] == 3
+    assert body["usage"]["prompt_tokens"] == len(prompt)
 
-    plain = (await complete(client, prompt="hi", max_tokens=0, echo=True)).json()
-    assert plain["choices"][0]["text"] == "hi" and plain["choices"][0]["logprobs"] is None
+    plain = (await complete(client, prompt="hi there", max_tokens=0, echo=True)).json()
+    assert plain["choices"][0]["text"] == "hi there" and plain["choices"][0]["logprobs"] is None
 
 
 @pytest.mark.parametrize("max_tokens", [0, 4])
 async def test_streamed_echo_logprobs_equal_the_non_streamed(client: httpx.AsyncClient, max_tokens: int) -> None:
-    body = dict(prompt=["hi", "abc"], n=2, max_tokens=max_tokens, echo=True, logprobs=1)
+    body = dict(prompt=["hi", "abc"], n=2, max_tokens=max_tokens, echo=True, logprobs=1, **GREEDY)
     plain = (await complete(client, **body)).json()
     events = sse_events((await complete(client, stream=True, stream_options={"include_usage": True},
                                         **body)).text)[:-1]
@@ -135,68 +199,80 @@ async def test_streamed_echo_logprobs_equal_the_non_streamed(client: httpx.Async
         assert [m["finish_reason"] for m in mine if m["finish_reason"]] == [choice["finish_reason"]]
 
 
-async def test_tokens_as_token_ids_keep_the_text_offsets(client: httpx.AsyncClient) -> None:
-    body = dict(prompt="hi", max_tokens=2, echo=True, logprobs=1)
+async def test_tokens_as_token_ids_keep_the_text_offsets(client: httpx.AsyncClient, engine: ServedEngine) -> None:
+    body = dict(prompt="hi there", max_tokens=2, echo=True, logprobs=1, **GREEDY)
     named = (await complete(client, **body)).json()["choices"][0]["logprobs"]
     ids = (await complete(client, **body, return_tokens_as_token_ids=True)).json()["choices"][0]["logprobs"]
-    assert ids["tokens"] == ["token_id:256", "token_id:104", "token_id:105", "token_id:104", "token_id:101"]
-    assert ids["top_logprobs"][1] == {"token_id:104": -0.5} and ids["top_logprobs"][3] == {"token_id:104": -0.25}
-    # Offsets still count the tokens' texts ("<s>" is 3 characters).
-    assert ids["text_offset"] == named["text_offset"] == [0, 3, 4, 5, 6]
+    g = await greedy(engine, "hi there", 2, logprobs=1, prompt_logprobs=1)
+    tokens = engine.tokenizer.encode("hi there") + g.token_ids
+    assert ids["tokens"] == [f"token_id:{t}" for t in tokens]
+    scored = g.prompt_logprobs[1:] + g.logprobs
+    assert ids["top_logprobs"][1:] == [{f"token_id:{t}": v for t, v in e.top} | {f"token_id:{e.token_id}": e.logprob}
+                                       for e in scored]
+    # Offsets still count the tokens' texts.
+    assert ids["text_offset"] == named["text_offset"] == offsets([name(engine, t) for t in tokens])
     assert ids["token_logprobs"] == named["token_logprobs"]
 
 
-async def test_prompt_logprobs_in_vllm_s_shape(client: httpx.AsyncClient, engine: FakeEngine) -> None:
-    r = await complete(client, prompt="hi", max_tokens=1, prompt_logprobs=2)
+async def test_prompt_logprobs_in_vllm_s_shape(client: httpx.AsyncClient, engine: ServedEngine) -> None:
+    r = await complete(client, prompt="hi there", max_tokens=1, prompt_logprobs=2)
     choice = r.json()["choices"][0]
+    scored = (await greedy(engine, "hi there", 1, prompt_logprobs=2)).prompt_logprobs
+
+    def entry(token_id: int, logprob: float, rank: int) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": name(engine, token_id)}
+
     # Token id -> its entry: the prompt token first (with its rank), then the alternatives.
-    assert choice["prompt_logprobs"] == [
-        None,
-        {"104": {"logprob": -0.5, "rank": 1, "decoded_token": "h"},
-         "120": {"logprob": -10.0, "rank": 2, "decoded_token": "x"}},
-        {"105": {"logprob": -1.0, "rank": 1, "decoded_token": "i"},
-         "120": {"logprob": -10.0, "rank": 2, "decoded_token": "x"}}]
+    assert choice["prompt_logprobs"] == [None] + [
+        {str(e.token_id): entry(e.token_id, e.logprob, e.rank)}
+        | {str(t): entry(t, v, rank) for rank, (t, v) in enumerate(e.top, start=1) if t != e.token_id}
+        for e in scored[1:]]
+    assert list(choice["prompt_logprobs"][1])[0] == str(scored[1].token_id)
     assert list(choice)[-1] == "prompt_logprobs" and choice["logprobs"] is None
     assert engine.requests[-1].params.prompt_logprobs == 2
     # Only there when asked for; echo's logprobs take prompt_logprobs' alternatives.
     assert "prompt_logprobs" not in (await complete(client, prompt="hi", max_tokens=1)).json()["choices"][0]
-    echoed = (await complete(client, prompt="hi", max_tokens=1, echo=True, logprobs=0, prompt_logprobs=2)).json()
-    assert echoed["choices"][0]["logprobs"]["top_logprobs"][1] == {"h": -0.5, "x": -10.0}
+    echoed = (await complete(client, prompt="hi there", max_tokens=1, echo=True, logprobs=0, prompt_logprobs=2)).json()
+    assert echoed["choices"][0]["logprobs"]["top_logprobs"][1] == top(engine, scored[1])
 
 
 async def test_prompt_logprobs_are_not_streamed(client: httpx.AsyncClient) -> None:
     assert_error(await complete(client, prompt="hi", prompt_logprobs=1, stream=True), 400)
 
 
-async def test_logprobs(client: httpx.AsyncClient) -> None:
-    r = await complete(client, prompt="hi", max_tokens=3, logprobs=2)
+async def test_logprobs(client: httpx.AsyncClient, engine: ServedEngine) -> None:
+    r = await complete(client, prompt="hi", max_tokens=3, logprobs=2, **GREEDY)
     lp = r.json()["choices"][0]["logprobs"]
-    assert lp["tokens"] == ["h", "e", "l"]
-    assert lp["token_logprobs"] == [-0.25, -0.25, -0.25]
-    assert lp["top_logprobs"][0] == {"h": -0.25, "x": -2.0}
-    assert lp["text_offset"] == [0, 1, 2]
+    g = await greedy(engine, "hi", 3, logprobs=2)
+    names = [name(engine, t) for t in g.token_ids]
+    assert lp["tokens"] == names
+    assert lp["token_logprobs"] == [e.logprob for e in g.logprobs]
+    assert lp["top_logprobs"][0] == top(engine, g.logprobs[0]) and len(lp["top_logprobs"][0]) == 2
+    assert lp["text_offset"] == offsets(names)
 
 
-async def test_logprobs_0_gives_the_sampled_tokens_entry_and_never_null(client: httpx.AsyncClient) -> None:
+async def test_logprobs_0_gives_the_sampled_tokens_entry_and_never_null(client: httpx.AsyncClient,
+                                                                        engine: ServedEngine) -> None:
     # OpenAI: "up to logprobs + 1" entries, the sampled token's always among them (vLLM too).
+    g = await greedy(engine, "hi", 3, logprobs=0)
     for stream in (False, True):
-        r = await complete(client, prompt="hi", max_tokens=3, logprobs=0, stream=stream)
+        r = await complete(client, prompt="hi", max_tokens=3, logprobs=0, stream=stream, **GREEDY)
         events = ([json.loads(line[6:]) for line in r.text.splitlines()
                    if line.startswith("data: {")] if stream else [r.json()])
         tops = [t for e in events for c in e["choices"] if c["logprobs"] for t in c["logprobs"]["top_logprobs"]]
-        assert tops == [{"h": -0.25}, {"e": -0.25}, {"l": -0.25}], (stream, tops)
+        assert tops == [{name(engine, e.token_id): e.logprob} for e in g.logprobs], (stream, tops)
 
 
 async def test_cached_tokens_reported(client: httpx.AsyncClient) -> None:
-    prompt = "a long shared prefix that spans blocks " * 2
+    prompt = "a long shared prefix that spans blocks " * 5
     await complete(client, prompt=prompt, max_tokens=1)
     r = await complete(client, prompt=prompt, max_tokens=1)
     cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached > 0 and cached % 16 == 0
 
 
-async def test_streaming_wire_format(client: httpx.AsyncClient) -> None:
-    r = await complete(client, prompt="hi", max_tokens=4, stream=True)
+async def test_streaming_wire_format(client: httpx.AsyncClient, engine: ServedEngine) -> None:
+    r = await complete(client, prompt="hi", max_tokens=4, stream=True, **GREEDY)
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/event-stream")
     events = sse_events(r.text)
@@ -209,39 +285,44 @@ async def test_streaming_wire_format(client: httpx.AsyncClient) -> None:
         assert c["object"] == "text_completion" and c["model"] == MODEL
         assert len(c["choices"]) == 1
         assert set(c["choices"][0]) == {"text", "index", "logprobs", "finish_reason"}
-    assert "".join(c["choices"][0]["text"] for c in chunks) == "hell"
+    assert "".join(c["choices"][0]["text"] for c in chunks) == (await greedy(engine, "hi", 4)).text
     reasons = [c["choices"][0]["finish_reason"] for c in chunks]
     assert reasons[-1] == "length" and reasons.count("length") == 1
     assert all(r is None for r in reasons[:-1])
 
 
-async def test_streaming_include_usage(client: httpx.AsyncClient) -> None:
+async def test_streaming_include_usage(client: httpx.AsyncClient, engine: ServedEngine) -> None:
     r = await complete(client, prompt="hi", max_tokens=4, n=2, stream=True,
-                       stream_options={"include_usage": True})
+                       stream_options={"include_usage": True}, **GREEDY)
     events = sse_events(r.text)
     assert events[-1] == "[DONE]"
     *chunks, last = events[:-1]
     assert all(c["usage"] is None for c in chunks)
     assert last["choices"] == []
-    assert last["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11,
+    n = len(engine.tokenizer.encode("hi"))
+    assert last["usage"] == {"prompt_tokens": n, "completion_tokens": 8, "total_tokens": n + 8,
                              "prompt_tokens_details": {"cached_tokens": 0}}
-    for idx, text in ((0, "hell"), (1, "ello")):
+    text = (await greedy(engine, "hi", 4)).text
+    for idx in (0, 1):
         mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == idx]
         assert "".join(ch["text"] for ch in mine) == text
         assert [ch["finish_reason"] for ch in mine if ch["finish_reason"]] == ["length"]
 
 
-async def test_streaming_stop_and_echo(client: httpx.AsyncClient) -> None:
-    r = await complete(client, prompt="hi ", stop=["world"], max_tokens=30, stream=True, echo=True)
+async def test_streaming_stop_and_echo(client: httpx.AsyncClient, engine: ServedEngine) -> None:
+    g = await greedy(engine, "hi ", 30)
+    stop = a_stop_string(g.text)
+    r = await complete(client, prompt="hi ", stop=[stop], max_tokens=30, stream=True, echo=True, **GREEDY)
     chunks = sse_events(r.text)[:-1]
     assert chunks[0]["choices"][0]["text"] == "hi "
-    assert "".join(c["choices"][0]["text"] for c in chunks) == "hi hello "
+    # Held back while it could become the stop string, then cut before it.
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "hi " + g.text[:g.text.find(stop)]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client: httpx.AsyncClient) -> None:
-    plain = (await complete(client, prompt="hey", max_tokens=5, n=2)).json()
-    events = sse_events((await complete(client, prompt="hey", max_tokens=5, n=2, stream=True, stream_options={
+    plain = (await complete(client, prompt="hey", max_tokens=5, n=2, **GREEDY)).json()
+    events = sse_events((await complete(client, prompt="hey", max_tokens=5, n=2, stream=True, **GREEDY, stream_options={
         "include_usage": True, "continuous_usage_stats": True})).text)[:-1]
     generated = [e["usage"]["completion_tokens"] for e in events]
     assert all(e["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] for e in events)
@@ -256,65 +337,74 @@ async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client
 
 
 async def test_stream_equals_non_stream(client: httpx.AsyncClient) -> None:
-    plain = (await complete(client, prompt="hey", max_tokens=9, n=2)).json()
+    plain = (await complete(client, prompt="hey", max_tokens=9, n=2, **GREEDY)).json()
     streamed = sse_events((await complete(client, prompt="hey", max_tokens=9, n=2,
-                                          stream=True)).text)[:-1]
+                                          stream=True, **GREEDY)).text)[:-1]
     for choice in plain["choices"]:
         parts = [c["choices"][0]["text"] for c in streamed
                  if c["choices"][0]["index"] == choice["index"]]
         assert "".join(parts) == choice["text"]
 
 
-async def test_batch_of_token_id_prompts(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+async def test_batch_of_token_id_prompts(client: httpx.AsyncClient, engine: ServedEngine) -> None:
     r = await complete(client, prompt=[[104], [105, 106]], max_tokens=1)
     assert [c["index"] for c in r.json()["choices"]] == [0, 1]
     assert sorted(req.prompt_token_ids for req in engine.requests) == [[104], [105, 106]]
     assert r.json()["usage"]["prompt_tokens"] == 3
 
 
-async def test_truncate_prompt_tokens_and_allowed_token_ids(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+async def test_truncate_prompt_tokens_and_allowed_token_ids(client: httpx.AsyncClient, engine: ServedEngine) -> None:
     # vLLM's: the prompt's last N tokens (-1: the context length), and the only tokens allowed.
-    r = await complete(client, prompt="hello world", max_tokens=2, truncate_prompt_tokens=5, echo=True,
+    text = "hello world, how are you doing today?"
+    ids = engine.tokenizer.encode(text)
+    r = await complete(client, prompt=text, max_tokens=2, truncate_prompt_tokens=5, echo=True,
                        allowed_token_ids=[104, 101])
     assert r.status_code == 200, r.text
-    assert engine.requests[-1].prompt_token_ids == list(b"world")
-    assert r.json()["choices"][0]["text"].startswith("world")  # the echo is the prompt that ran
+    assert engine.requests[-1].prompt_token_ids == ids[-5:]
+    # The echo is the prompt that ran.
+    assert r.json()["choices"][0]["text"].startswith(engine.tokenizer.decode(ids[-5:]))
     assert r.json()["usage"]["prompt_tokens"] == 5
     assert engine.requests[-1].params.allowed_token_ids == [104, 101]
     await complete(client, prompt="hi", max_tokens=1, truncate_prompt_tokens=-1)
-    assert engine.requests[-1].prompt_token_ids == [256, 104, 105]
+    assert engine.requests[-1].prompt_token_ids == engine.tokenizer.encode("hi")
     await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello"}],
                                                      "max_tokens": 1, "truncate_prompt_tokens": 4})
-    assert engine.requests[-1].prompt_token_ids == list(b"ant|>")[-4:]  # the rendered prompt's end
-    r = await client.post("/v1/embeddings", json={"input": "hello world", "truncate_prompt_tokens": 3})
+    rendered = engine.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}])
+    # The rendered prompt's end.
+    assert engine.requests[-1].prompt_token_ids == engine.tokenizer.encode(rendered, add_special_tokens=False)[-4:]
+    r = await client.post("/v1/embeddings", json={"input": text, "truncate_prompt_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3
     await complete(client, prompt="hi", max_tokens=1, bad_words=["zz", " y"])
     assert engine.requests[-1].params.bad_words == ["zz", " y"]
     for body, param in [({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"), ({"bad_words": [""]}, "bad_words"),
                         ({"allowed_token_ids": []}, "allowed_token_ids"),
-                        ({"allowed_token_ids": [99999]}, "allowed_token_ids")]:
+                        ({"allowed_token_ids": [engine.vocab_size]}, "allowed_token_ids")]:
         assert_error(await complete(client, prompt="hi", max_tokens=1, **body), 400, param)
 
 
-async def test_priority_reaches_the_engine_from_every_api(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+async def test_priority_reaches_the_engine_from_every_api(client: httpx.AsyncClient, engine: ServedEngine,
+                                                          make_engine) -> None:
     # vLLM's priority: refused (naming it) unless the engine's policy is priority, then passed on.
     assert_error(await complete(client, prompt="hi", max_tokens=1, priority=3), 400, "priority")
     assert_error(await client.post("/v1/embeddings", json={"input": "hi", "priority": 3}), 400, "priority")
     await complete(client, prompt="hi", max_tokens=1, priority=0)
     assert engine.requests[-1].params.priority == 0
-    engine.priority_scheduling = True
-    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    for url, body in [("/v1/completions", {"prompt": "hi", "max_tokens": 1}), ("/v1/chat/completions", chat),
-                      ("/v1/embeddings", {"input": "hi"}), ("/v1/responses", {"input": "hi", "max_output_tokens": 1})]:
-        r = await client.post(url, json={**body, "priority": -7})
-        assert r.status_code == 200, (url, r.text)
-        assert engine.requests[-1].params.priority == -7, url
-    assert_error(await complete(client, prompt="hi", max_tokens=1, priority="high"), 400, "priority")
-    await complete(client, prompt="hi", max_tokens=1)
-    assert engine.requests[-1].params.priority == 0
+    engine = make_engine(scheduling_policy="priority")
+    app = build_app(engine)
+    async with app.router.lifespan_context(app), client_for(app) as client:
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        for url, body in [("/v1/completions", {"prompt": "hi", "max_tokens": 1}), ("/v1/chat/completions", chat),
+                          ("/v1/embeddings", {"input": "hi"}),
+                          ("/v1/responses", {"input": "hi", "max_output_tokens": 1})]:
+            r = await client.post(url, json={**body, "priority": -7})
+            assert r.status_code == 200, (url, r.text)
+            assert engine.requests[-1].params.priority == -7, url
+        assert_error(await complete(client, prompt="hi", max_tokens=1, priority="high"), 400, "priority")
+        await complete(client, prompt="hi", max_tokens=1)
+        assert engine.requests[-1].params.priority == 0
 
 
-async def test_cache_salt_reaches_the_engine_from_every_api(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+async def test_cache_salt_reaches_the_engine_from_every_api(client: httpx.AsyncClient, engine: ServedEngine) -> None:
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     for url, body in [("/v1/completions", {"prompt": "hi", "max_tokens": 1}), ("/v1/chat/completions", chat),
                       ("/v1/embeddings", {"input": "hi"}), ("/v1/responses", {"input": "hi", "max_output_tokens": 1})]:
@@ -327,7 +417,7 @@ async def test_cache_salt_reaches_the_engine_from_every_api(client: httpx.AsyncC
 
 
 async def test_llama_cpps_samplers_reach_the_engine_from_completions_and_chat(client: httpx.AsyncClient,
-                                                                              engine: FakeEngine) -> None:
+                                                                              engine: ServedEngine) -> None:
     # llama.cpp's own sampler fields, as its OpenAI-compatible endpoints take them.
     fields = {"typical_p": 0.8, "top_n_sigma": 1.0, "xtc_probability": 0.3, "xtc_threshold": 0.15,
               "dry_multiplier": 0.8, "dry_base": 2.0, "dry_allowed_length": 3, "dry_penalty_last_n": 128,
@@ -351,16 +441,20 @@ async def test_llama_cpps_samplers_reach_the_engine_from_completions_and_chat(cl
     assert (p.mirostat, p.mirostat_tau, p.mirostat_eta, p.samplers) == (0, 5.0, 0.1, None)
 
 
-async def test_return_token_ids(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+async def test_return_token_ids(client: httpx.AsyncClient, engine: ServedEngine) -> None:
     # vLLM's return_token_ids: the prompt's ids and the answer's, streamed or not; a token
     # whose text a stop string holds back still has its id sent (with the next chunk).
-    body = {"prompt": ["hi", "a"], "n": 2, "max_tokens": 12, "stop": ["world"], "return_token_ids": True}
+    answers = [await greedy(engine, p, 12) for p in ("hi", "a")]
+    stop = a_stop_string(answers[0].text)
+    body = {"prompt": ["hi", "a"], "n": 2, "max_tokens": 12, "stop": [stop], "return_token_ids": True, **GREEDY}
     whole = (await complete(client, **body)).json()
     for i, choice in enumerate(whole["choices"]):
         assert choice["prompt_token_ids"] == engine.tokenizer.encode(["hi", "a"][i // 2])
-        # Sample k types SCRIPT from k on; its text stops before "world", its tokens after it.
-        assert choice["text"] + "world" == SCRIPT[i % 2:][:len(choice["text"]) + 5]
-        assert choice["token_ids"] == [ord(c) for c in choice["text"] + "world"]
+        # Its text stops before the stop string, its tokens after it.
+        g = answers[i // 2]
+        cut = g.text.find(stop)
+        assert choice["text"] == (g.text[:cut] if cut >= 0 else g.text)
+        assert choice["token_ids"] == g.token_ids[:tokens_until(engine, g.token_ids, stop) if cut >= 0 else None]
     events = [e for e in sse_events((await complete(client, **body, stream=True)).text) if e != "[DONE]"]
     for i, choice in enumerate(whole["choices"]):
         mine = [c for e in events for c in e["choices"] if c["index"] == i]
@@ -369,11 +463,3 @@ async def test_return_token_ids(client: httpx.AsyncClient, engine: FakeEngine) -
         assert [t for c in mine for t in c["token_ids"]] == choice["token_ids"]
     plain = (await complete(client, prompt="hi", max_tokens=2)).json()["choices"][0]
     assert "token_ids" not in plain and "prompt_token_ids" not in plain
-
-
-@pytest.fixture
-def engine():
-    """NOTE: this file's tests still run on the fake engine (issue 41 item 5 converts them)."""
-    from fake_engine import FakeEngine
-
-    return FakeEngine()
