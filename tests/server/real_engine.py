@@ -13,6 +13,7 @@ import json
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import kv_bytes_per_block
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import PoolingParams, SamplingParams
 
 MODEL_NAME = "fake-model"  # the served name the tests ask for (api_helpers.MODEL)
@@ -179,6 +180,56 @@ async def answer(engine: ServedEngine, prompt: list[int], params: SamplingParams
             t[0] += o.text
             t[1] = o.finish_reason or t[1]
     return [tuple(texts[i]) for i in sorted(texts)]
+
+
+GREEDY = {"temperature": 0, "ignore_eos": True}  # a request whose answer the engine repeats
+
+
+@dataclass
+class Greedy:
+    """The engine's own greedy answer to a prompt (one sample)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    prompt_logprobs: list[TokenLogprob | None] | None
+
+
+async def greedy(engine: ServedEngine, prompt: str | list[int], max_tokens: int, **params) -> Greedy:
+    """The engine's own answer to ``prompt`` with ``GREEDY`` params, run directly."""
+    ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    outs = await direct(engine, ids, SamplingParams(max_tokens=max_tokens, **GREEDY, **params))
+    samples = [o.outputs[0] for o in outs if o.outputs]
+    return Greedy("".join(o.text for o in samples), [t for o in samples for t in o.token_ids],
+                  [lp for o in samples for lp in o.logprobs or []],
+                  next((o.prompt_logprobs for o in samples if o.prompt_logprobs), None))
+
+
+def name(engine: ServedEngine, token_id: int) -> str:
+    """A token's text, as logprobs name it."""
+    return engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def top(engine: ServedEngine, lp: TokenLogprob) -> dict[str, float]:
+    """A logprobs entry's alternatives, and its own token (OpenAI's "up to logprobs + 1")."""
+    return {name(engine, t): v for t, v in lp.top} | {name(engine, lp.token_id): lp.logprob}
+
+
+def offsets(names: list[str]) -> list[int]:
+    """Where each token's text starts, counted in the tokens' texts."""
+    return [0, *accumulate(len(n) for n in names)][:-1]
+
+
+def a_stop_string(text: str) -> str:
+    """A piece of ``text`` from its middle, to stop the same answer at."""
+    stop = text[len(text) // 2:][:4]
+    assert stop.strip(), text
+    return stop
+
+
+def tokens_until(engine: ServedEngine, token_ids: list[int], stop: str) -> int:
+    """How many of ``token_ids`` the engine generates before its text holds ``stop``."""
+    return next(k for k in range(1, len(token_ids) + 1) if stop in engine.tokenizer.decode(token_ids[:k]))
 
 
 async def embed(engine: ServedEngine, prompt: list[int], normalize: bool = True) -> list[float]:

@@ -5,66 +5,15 @@ params, run directly (``greedy``)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from itertools import accumulate
 
 import httpx
 import pytest
 
 from api_helpers import MODEL, assert_error, client_for, sse_events
-from engine.outputs import TokenLogprob
-from engine.sampling_params import SamplingParams
-from real_engine import ServedEngine, direct
+from real_engine import GREEDY, ServedEngine, a_stop_string, greedy, name, offsets, tokens_until, top
 from server.app import build_app
 
 pytestmark = pytest.mark.anyio
-
-GREEDY = {"temperature": 0, "ignore_eos": True}  # a request whose answer the engine repeats
-
-
-@dataclass
-class Greedy:
-    """The engine's own greedy answer to a prompt (one sample)."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob]
-    prompt_logprobs: list[TokenLogprob | None] | None
-
-
-async def greedy(engine: ServedEngine, prompt: str | list[int], max_tokens: int, **params) -> Greedy:
-    ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    outs = await direct(engine, ids, SamplingParams(max_tokens=max_tokens, **GREEDY, **params))
-    samples = [o.outputs[0] for o in outs if o.outputs]
-    return Greedy("".join(o.text for o in samples), [t for o in samples for t in o.token_ids],
-                  [lp for o in samples for lp in o.logprobs or []],
-                  next((o.prompt_logprobs for o in samples if o.prompt_logprobs), None))
-
-
-def name(engine: ServedEngine, token_id: int) -> str:
-    return engine.tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def top(engine: ServedEngine, lp: TokenLogprob) -> dict[str, float]:
-    """A logprobs entry's alternatives, and its own token (OpenAI's "up to logprobs + 1")."""
-    return {name(engine, t): v for t, v in lp.top} | {name(engine, lp.token_id): lp.logprob}
-
-
-def offsets(names: list[str]) -> list[int]:
-    return [0, *accumulate(len(n) for n in names)][:-1]
-
-
-def a_stop_string(text: str) -> str:
-    """A piece of ``text`` from its middle, to stop the same answer at."""
-    stop = text[len(text) // 2:][:4]
-    assert stop.strip(), text
-    return stop
-
-
-def tokens_until(engine: ServedEngine, token_ids: list[int], stop: str) -> int:
-    """How many of ``token_ids`` the engine generates before its text holds ``stop``."""
-    return next(k for k in range(1, len(token_ids) + 1) if stop in engine.tokenizer.decode(token_ids[:k]))
-
 
 async def complete(client: httpx.AsyncClient, **body) -> httpx.Response:
     return await client.post("/v1/completions", json={"model": MODEL, **body})
