@@ -91,8 +91,9 @@ def build_attention_metadata(seqs: list[SeqSpec], block_size: int,
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal attention of each sequence's queries over its cached context.
+                    meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+    """Causal attention of each sequence's queries over its cached context (with
+    ``window`` > 0, over the last ``window`` positions up to each query's own).
 
     ``q`` is ``[T, heads, head_dim]``; ``k``/``v`` are this step's new keys and
     values ``[T, kv_heads, head_dim]`` (already written to the caches).
@@ -101,11 +102,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     d = meta.num_decodes
     if d == meta.num_seqs:
         return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                max(meta.context_lens_host), scale)
+                                max(meta.context_lens_host), scale, window)
     out = q.new_empty(q.shape)
     if d:
         out[:d] = decode_attention(q[:d], k_cache, v_cache, meta.block_tables[:d],
-                                   meta.context_lens[:d], max(meta.context_lens_host[:d]), scale)
+                                   meta.context_lens[:d], max(meta.context_lens_host[:d]), scale, window)
     out[d:] = prefill_attention(q[d:], k[d:], v[d:], k_cache, v_cache, meta.block_tables[d:],
-                                meta.query_lens_host[d:], meta.context_lens_host[d:], scale)
+                                meta.query_lens_host[d:], meta.context_lens_host[d:], scale, window)
     return out

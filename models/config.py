@@ -17,6 +17,26 @@ _ROPE_REQUIRED = {"linear": ("factor",), "llama3": ("factor", "original_max_posi
 _BASE_MODELS = {arch.removesuffix("ForCausalLM") + "Model": arch for arch in SUPPORTED_ARCHITECTURES}
 
 
+def _layer_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
+    """Each layer's sliding window from a config.json (empty: none), as transformers reads
+    it: ``layer_types`` where given; else Mistral v0.1 and Phi-3 window every layer, Qwen2
+    (with ``use_sliding_window``) the layers from ``max_window_layers`` on. A window that
+    covers the whole context is none."""
+    window = cfg.get("sliding_window")
+    layers = cfg["num_hidden_layers"]
+    if not window or window >= cfg.get("max_position_embeddings", 0):
+        return ()
+    types = cfg.get("layer_types")
+    if types is not None:
+        windowed = [t == "sliding_attention" for t in types]
+    elif arch == "Qwen2ForCausalLM":
+        first = cfg.get("max_window_layers", layers)
+        windowed = [cfg.get("use_sliding_window", False) and i >= first for i in range(layers)]
+    else:
+        windowed = [cfg.get("use_sliding_window", arch in ("MistralForCausalLM", "Phi3ForCausalLM"))] * layers
+    return tuple(window if w else 0 for w in windowed) if any(windowed) else ()
+
+
 # generation_config.json's sampling settings a request may leave to the model (vLLM's list;
 # its max_new_tokens is ModelConfig.max_new_tokens).
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -41,6 +61,10 @@ class ModelConfig:
     # A GGUF file's rope_freqs: each rotary pair's frequency is divided by its factor (how
     # llama.cpp's converter stores Llama 3.1's scaling); None: no such tensor.
     rope_freq_factors: tuple[float, ...] | None = None
+    # Each layer's sliding window (positions a query sees, its own included; 0: the whole
+    # context); empty: no layer has one. Mistral v0.1 and Phi-3 window every layer, Qwen2
+    # with use_sliding_window those from max_window_layers on, as transformers' layer_types.
+    layer_windows: tuple[int, ...] = ()
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # each head's query and key are RMS-normalised before RoPE (Qwen3)
@@ -75,9 +99,17 @@ class ModelConfig:
                 if key in self.rope_scaling and len(self.rope_scaling[key]) != self.head_dim // 2:
                     raise ValueError(f"rope_scaling's {key} has {len(self.rope_scaling[key])} values; "
                                      f"the head size {self.head_dim} needs {self.head_dim // 2}")
+        if self.layer_windows and (len(self.layer_windows) != self.num_hidden_layers
+                                   or any(w < 0 for w in self.layer_windows)):
+            raise ValueError(f"layer_windows must give each of the {self.num_hidden_layers} layers a window "
+                             f">= 0, got {self.layer_windows}")
         if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
             raise ValueError(f"rope_freqs has {len(self.rope_freq_factors)} factors; the head size "
                              f"{self.head_dim} needs {self.head_dim // 2}")
+
+    def layer_window(self, index: int) -> int:
+        """Layer ``index``'s sliding window (0: none)."""
+        return self.layer_windows[index] if self.layer_windows else 0
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "ModelConfig":
@@ -89,15 +121,7 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        for option in ("sliding_window",):
-            # Mistral v0.1 and some Qwen2 configs declare a window; kvserve runs full attention,
-            # which is exact as long as the window covers the whole context.
-            window = cfg.get(option)
-            use = cfg.get("use_sliding_window", arch in ("MistralForCausalLM", "Phi3ForCausalLM"))
-            if window is not None and use and window < cfg.get("max_position_embeddings", 0):
-                raise ValueError(
-                    f"sliding-window attention (window {window}) is not supported; "
-                    "pass a checkpoint without it or set max_model_len <= the window")
+        windows = _layer_windows(cfg, arch)
         hidden = cfg["hidden_size"]
         heads = cfg["num_attention_heads"]
         # transformers >= 5 writes rope settings as one `rope_parameters` dict.
@@ -140,4 +164,5 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             sampling_defaults=sampling,
             max_new_tokens=longest,
+            layer_windows=windows,
         )

@@ -109,6 +109,10 @@ def config_from_gguf(reader: GGUFFile) -> ModelConfig:
     tokens = field_value(reader, "tokenizer.ggml.tokens") or []
     names = {t.name for t in reader.tensors}
     rope = {t.name: _f32_values(t) for t in reader.tensors if t.name in ROPE_TENSORS}
+    # A sliding window over every layer (llama.cpp writes one for Phi-3-mini-4k); none where
+    # it covers the whole context.
+    window, layers = get("attention.sliding_window") or 0, get("block_count")
+    windows = (window,) * layers if 0 < window < get("context_length", 2048) else ()
     rope_scaling = _rope_scaling(get, rope)
     eos = field_value(reader, "tokenizer.ggml.eos_token_id")
     eot = field_value(reader, "tokenizer.ggml.eot_token_id")
@@ -127,6 +131,7 @@ def config_from_gguf(reader: GGUFFile) -> ModelConfig:
         rope_theta=get("rope.freq_base", 10000.0),
         rope_scaling=rope_scaling,
         rope_freq_factors=rope.get("rope_freqs.weight"),
+        layer_windows=windows,
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm=arch == "qwen3",

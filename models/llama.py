@@ -41,7 +41,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, window: int = 0) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -49,6 +49,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
+        self.window = window  # a sliding window's positions per query (0: the whole context)
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
@@ -80,7 +81,7 @@ class Attention(nn.Module):
             qkv = self._norm_heads(qkv)
         q, k, v = ops.rotary_and_cache(qkv, rope.rotations, positions, k_cache, v_cache,
                                        meta.slot_mapping, self.num_heads, self.num_kv_heads)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale).reshape(t, self.q_size)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window).reshape(t, self.q_size)
         out = self.o_proj(o)
         if lora is not None:
             out = lora.add("o_proj", o, out)
@@ -107,10 +108,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, config.layer_window(index))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -136,8 +137,9 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         fused = all(isinstance(p, (QuantizedLinear, AmxBf16Linear, NativeLinear)) and p.fused for p in projections)
-        # NOTE: the fused layer kernel has no per-head q/k norm: Qwen3 runs op by op.
-        return (fused and attn.q_norm is None
+        # NOTE: the fused layer kernel has no per-head q/k norm and no sliding window:
+        # Qwen3's layers and windowed ones run op by op.
+        return (fused and attn.q_norm is None and not attn.window
                 and {p.kind for p in projections} in ({"int4"}, {"amx-bf16"}, {"w4a16"}, {"native"})
                 and all(p.bias is None for p in projections[1:]))
 
@@ -177,7 +179,7 @@ class LlamaModel(nn.Module):
         # on, one second of every start-up.
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

@@ -125,11 +125,13 @@ inline void prefetch_rows(const char* row, int64_t n, int64_t stride, int64_t ro
   }
 }
 
+// Tokens before `first` (outside a sliding window) are not visited: their blocks are
+// skipped whole, and f's t still counts from the sequence's start.
 template <typename C, typename F>
-inline void for_each_token(const C* cache, int64_t row_bytes, const PagedView& pv, int64_t head_offset, int64_t ctx,
-                           F&& f, const C* also = nullptr) {
+inline void for_each_token(const C* cache, int64_t row_bytes, const PagedView& pv, int64_t head_offset, int64_t first,
+                           int64_t ctx, F&& f, const C* also = nullptr) {
   const int64_t blocks = (ctx + pv.block_size - 1) / pv.block_size;
-  for (int64_t start = 0, i = 0; start < ctx; start += pv.block_size, ++i) {
+  for (int64_t i = first / pv.block_size, start = i * pv.block_size; start < ctx; start += pv.block_size, ++i) {
     if (i + 1 < blocks) {
       const int64_t n_next = std::min(pv.block_size, ctx - start - pv.block_size);
       const int64_t next = pv.table[i + 1] * pv.block_size * pv.token_stride + head_offset;
@@ -138,47 +140,51 @@ inline void for_each_token(const C* cache, int64_t row_bytes, const PagedView& p
       if (also) prefetch_rows<2>(reinterpret_cast<const char*>(also + next), n_next, stride, row_bytes);
     }
     const int64_t n = std::min(pv.block_size, ctx - start);
-    int64_t off = pv.table[i] * pv.block_size * pv.token_stride + head_offset;
-    for (int64_t j = 0; j < n; ++j, off += pv.token_stride) f(start + j, off);
+    const int64_t skip = std::max<int64_t>(first - start, 0);
+    int64_t off = pv.table[i] * pv.block_size * pv.token_stride + head_offset + skip * pv.token_stride;
+    for (int64_t j = skip; j < n; ++j, off += pv.token_stride) f(start + j, off);
   }
 }
 
 #if defined(KVSERVE_V16)
-// The G query heads of one KV head, scores over ``ctx`` tokens: each key row
+// The G query heads of one KV head, scores over tokens first..ctx-1 (s holds
+// n = ctx - first per head): each key row
 // is loaded (and converted) once for all G heads, the queries held in
 // registers. Each token's G products wait, unreduced, until 16 tokens are in;
 // sum16 then reduces them together. vc: the value cache to ask for ahead, or null.
 template <typename C, int HD, int G>
 inline void scores_v16(float* s, const float* q, const C* kc, const PagedView& pv, int64_t head_offset,
-                       int64_t ctx, const C* vc) {
+                       int64_t first, int64_t ctx, const C* vc) {
+  const int64_t n_all = ctx - first;
   constexpr int kVecs = HD / 16;
   V16 qv[G][kVecs];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < kVecs; ++i) qv[g][i] = v16_load(q + g * HD + 16 * i);
   alignas(64) float parts[G][16][16];
   alignas(64) float scales[16];  // the key rows' int8 scales
-  const auto flush = [&](int64_t first, int n) {
+  const auto flush = [&](int64_t done, int n) {
     for (int g = 0; g < G; ++g) {
       V16 v[16];
       for (int j = 0; j < 16; ++j) v[j] = j < n ? v16_load(parts[g][j]) : v16_zero();
       V16 sums = sum16(v);
       if constexpr (kRowExtra<C> > 0) sums = sums * v16_load(scales);
-      v16_store_n(s + g * ctx + first, sums, n);
+      v16_store_n(s + g * n_all + done, sums, n);
     }
   };
-  for_each_token(kc, (HD + kRowExtra<C>) * sizeof(C), pv, head_offset, ctx, [&](int64_t t, int64_t off) {
+  for_each_token(kc, (HD + kRowExtra<C>) * sizeof(C), pv, head_offset, first, ctx, [&](int64_t t, int64_t off) {
     V16 k[kVecs];
     for (int i = 0; i < kVecs; ++i) k[i] = load16(kc + off + 16 * i);
-    const int j = static_cast<int>(t % 16);
+    const int64_t u = t - first;  // the token's place in s
+    const int j = static_cast<int>(u % 16);
     if constexpr (kRowExtra<C> > 0) scales[j] = row_scale(kc + off, HD);
     for (int g = 0; g < G; ++g) {
       V16 acc = qv[g][0] * k[0];
       for (int i = 1; i < kVecs; ++i) acc = v16_fmadd(qv[g][i], k[i], acc);
       v16_store(parts[g][j], acc);
     }
-    if (j == 15) flush(t - 15, 16);
+    if (j == 15) flush(u - 15, 16);
   }, vc);
-  if (ctx % 16) flush(ctx - ctx % 16, static_cast<int>(ctx % 16));
+  if (n_all % 16) flush(n_all - n_all % 16, static_cast<int>(n_all % 16));
 }
 
 // sum_t p[g][t] * v[t] for the G query heads, each value row loaded once and
@@ -186,17 +192,18 @@ inline void scores_v16(float* s, const float* q, const C* kc, const PagedView& p
 // wait for the previous store).
 template <typename C, int HD, int G>
 inline void values_v16(float* out, const float* p, const C* vc, const PagedView& pv, int64_t head_offset,
-                       int64_t ctx) {
+                       int64_t first, int64_t ctx) {
+  const int64_t n_all = ctx - first;
   constexpr int kVecs = HD / 16;
   V16 acc[G][kVecs];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < kVecs; ++i) acc[g][i] = v16_zero();
-  for_each_token(vc, (HD + kRowExtra<C>) * sizeof(C), pv, head_offset, ctx, [&](int64_t t, int64_t off) {
+  for_each_token(vc, (HD + kRowExtra<C>) * sizeof(C), pv, head_offset, first, ctx, [&](int64_t t, int64_t off) {
     V16 v[kVecs];
     for (int i = 0; i < kVecs; ++i) v[i] = load16(vc + off + 16 * i);
     const float vs = row_scale(vc + off, HD);
     for (int g = 0; g < G; ++g) {
-      const V16 pt = v16_set1(p[g * ctx + t] * vs);
+      const V16 pt = v16_set1(p[g * n_all + t - first] * vs);
       for (int i = 0; i < kVecs; ++i) acc[g][i] = v16_fmadd(pt, v[i], acc[g][i]);
     }
   });
@@ -231,43 +238,46 @@ inline void for_head_passes(int64_t group, F&& f) {
 }
 #endif
 
-// The ``group`` query heads sharing one KV head, for one sequence of ``ctx``
-// tokens: scores, softmax, weighted sum of values. ``qf`` is pre-scaled.
+// The ``group`` query heads sharing one KV head, for one sequence's tokens
+// first..ctx-1 (all ``ctx`` but where a sliding window leaves the first out):
+// scores, softmax, weighted sum of values. ``qf`` is pre-scaled.
 // HD is the head size when known at compile time (0: read ``head_dim``), so
 // the common sizes get fully unrolled, register-resident loops.
 template <typename T, typename C, int HD>
 void attend_group(T* out, const float* qf, const C* kc, const C* vc, const PagedView& pv, int64_t head_offset,
-                  int64_t head_dim, int64_t group, int64_t ctx, std::vector<float>& scores,
+                  int64_t head_dim, int64_t group, int64_t first, int64_t ctx, std::vector<float>& scores,
                   std::vector<float>& acc) {
   const int64_t hd = HD ? HD : head_dim;
-  scores.resize(group * ctx);
+  const int64_t n = ctx - first;
+  scores.resize(group * n);
   float* s = scores.data();
   acc.assign(group * hd, 0.0f);
   float* a = acc.data();
 #if defined(KVSERVE_V16)
   if constexpr (HD > 0 && HD % 16 == 0) {
-    for_head_passes<HD>(group, [&](auto n, int64_t g) {
-      scores_v16<C, HD, decltype(n)::value>(s + g * ctx, qf + g * hd, kc, pv, head_offset, ctx, g == 0 ? vc : nullptr);
+    for_head_passes<HD>(group, [&](auto heads, int64_t g) {
+      scores_v16<C, HD, decltype(heads)::value>(s + g * n, qf + g * hd, kc, pv, head_offset, first, ctx,
+                                                g == 0 ? vc : nullptr);
     });
-    softmax_rows(s, group, ctx);
-    for_head_passes<HD>(group, [&](auto n, int64_t g) {
-      values_v16<C, HD, decltype(n)::value>(a + g * hd, s + g * ctx, vc, pv, head_offset, ctx);
+    softmax_rows(s, group, n);
+    for_head_passes<HD>(group, [&](auto heads, int64_t g) {
+      values_v16<C, HD, decltype(heads)::value>(a + g * hd, s + g * n, vc, pv, head_offset, first, ctx);
     });
     for (int64_t i = 0; i < group * hd; ++i) out[i] = static_cast<T>(a[i]);
     return;
   }
 #endif
   const int64_t row_bytes = (hd + kRowExtra<C>) * sizeof(C);
-  for_each_token(kc, row_bytes, pv, head_offset, ctx, [&](int64_t t, int64_t off) {
+  for_each_token(kc, row_bytes, pv, head_offset, first, ctx, [&](int64_t t, int64_t off) {
     const C* k = kc + off;
     const float ks = row_scale(k, hd);
-    for (int64_t g = 0; g < group; ++g) s[g * ctx + t] = dot_row(qf + g * hd, k, hd) * ks;
+    for (int64_t g = 0; g < group; ++g) s[g * n + t - first] = dot_row(qf + g * hd, k, hd) * ks;
   });
-  softmax_rows(s, group, ctx);
-  for_each_token(vc, row_bytes, pv, head_offset, ctx, [&](int64_t t, int64_t off) {
+  softmax_rows(s, group, n);
+  for_each_token(vc, row_bytes, pv, head_offset, first, ctx, [&](int64_t t, int64_t off) {
     const C* v = vc + off;
     const float vs = row_scale(v, hd);
-    for (int64_t g = 0; g < group; ++g) axpy_row(a + g * hd, s[g * ctx + t] * vs, v, hd);
+    for (int64_t g = 0; g < group; ++g) axpy_row(a + g * hd, s[g * n + t - first] * vs, v, hd);
   });
   for (int64_t i = 0; i < group * hd; ++i) out[i] = static_cast<T>(a[i]);
 }
@@ -318,13 +328,16 @@ struct PagedCall {
   const C* vc;
   const PagedShapes& p;
   float scale;
+  int64_t window;  // a sliding window's keys per query (0: all)
 };
 
 // Query row `row` (its heads of KV head h) over the first ctx tokens of the
-// sequence whose block table is `table`: the one routine behind decodes and
-// prompt chunks alike. qf is a per-thread buffer.
+// sequence whose block table is `table` (with a sliding window, its last
+// `window` of them): the one routine behind decodes and prompt chunks alike.
+// qf is a per-thread buffer.
 template <typename T, typename C>
 void attend_token(const PagedCall<T, C>& c, int64_t row, int64_t h, const int64_t* table, int64_t ctx) {
+  const int64_t first = c.window > 0 && ctx > c.window ? ctx - c.window : 0;
   const PagedShapes& p = c.p;
   const int64_t group = p.heads / p.kv_heads, d = p.head_dim;
   const int64_t row_elems = d + kRowExtra<C>;  // cache elements per (token, head)
@@ -334,21 +347,25 @@ void attend_token(const PagedCall<T, C>& c, int64_t row, int64_t h, const int64_
   for (int64_t i = 0; i < group * d; ++i) qf[i] = to_f(src[i]) * c.scale;
   const PagedView pv{p.block_size, p.kv_heads * row_elems, table};
   T* dst = c.out + (row * p.heads + h * group) * d;
-  if (d == 64) attend_group<T, C, 64>(dst, qf.data(), c.kc, c.vc, pv, h * row_elems, d, group, ctx, scores, acc);
-  else if (d == 128) attend_group<T, C, 128>(dst, qf.data(), c.kc, c.vc, pv, h * row_elems, d, group, ctx, scores, acc);
-  else attend_group<T, C, 0>(dst, qf.data(), c.kc, c.vc, pv, h * row_elems, d, group, ctx, scores, acc);
+  if (d == 64) attend_group<T, C, 64>(dst, qf.data(), c.kc, c.vc, pv, h * row_elems, d, group, first, ctx, scores,
+                                        acc);
+  else if (d == 128) attend_group<T, C, 128>(dst, qf.data(), c.kc, c.vc, pv, h * row_elems, d, group, first, ctx, scores,
+                                        acc);
+  else attend_group<T, C, 0>(dst, qf.data(), c.kc, c.vc, pv, h * row_elems, d, group, first, ctx, scores,
+                                        acc);
 }
 
 // Calls f(PagedCall<scalar_t, C>) for q's dtype and the caches' element type.
 template <typename F>
 void dispatch_paged(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                    const PagedShapes& p, double scale, F&& f) {
+                    const PagedShapes& p, double scale, int64_t window, F&& f) {
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     dispatch_cache_type(k_cache.scalar_type(), [&](auto cache_tag) {
       using C = decltype(cache_tag);
       f(PagedCall<scalar_t, C>{q.data_ptr<scalar_t>(), q.stride(0), out.data_ptr<scalar_t>(),
                                static_cast<const C*>(k_cache.data_ptr()), static_cast<const C*>(v_cache.data_ptr()),
-                               p, static_cast<float>(scale)});
+                               p, static_cast<float>(scale), window});
     });
   });
 }
@@ -363,10 +380,10 @@ void dispatch_paged(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
 // and value row is read once per sequence.
 void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, double scale) {
+                            const at::Tensor& context_lens, double scale, int64_t window) {
   const PagedShapes p = check_paged(out, q, k_cache, v_cache, block_tables, context_lens);
   TORCH_CHECK(context_lens.numel() == q.size(0), "one query token per sequence");
-  dispatch_paged(out, q, k_cache, v_cache, p, scale, [&](const auto& call) {
+  dispatch_paged(out, q, k_cache, v_cache, p, scale, window, [&](const auto& call) {
     kvserve::parallel_chunks(q.size(0) * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
         const int64_t b = item / p.kv_heads, h = item % p.kv_heads;
@@ -385,7 +402,8 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
 // each sequence (which see the most keys) first.
 void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_tables,
-                             const at::Tensor& context_lens, const at::Tensor& query_start, double scale) {
+                             const at::Tensor& context_lens, const at::Tensor& query_start, double scale,
+                             int64_t window) {
   const PagedShapes p = check_paged(out, q, k_cache, v_cache, block_tables, context_lens);
   const int64_t seqs = context_lens.numel();
   TORCH_CHECK(query_start.is_contiguous() && query_start.scalar_type() == at::kLong && query_start.numel() == seqs + 1,
@@ -396,7 +414,7 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Ten
     const int64_t qlen = starts[i + 1] - starts[i];
     TORCH_CHECK(qlen >= 1 && qlen <= p.lens[i], "sequence ", i, ": ", qlen, " query tokens, context length ", p.lens[i]);
   }
-  dispatch_paged(out, q, k_cache, v_cache, p, scale, [&](const auto& call) {
+  dispatch_paged(out, q, k_cache, v_cache, p, scale, window, [&](const auto& call) {
     kvserve::parallel_chunks(q.size(0) * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
         const int64_t token = item / p.kv_heads, h = item % p.kv_heads;

@@ -1,6 +1,7 @@
 """Paged attention over the KV cache (``csrc/paged_attention.cpp``): a decode's one
 query per sequence, and prompt chunks read in place, with the same arithmetic for both;
-each with its plain-torch twin.
+each with its plain-torch twin. ``window`` > 0 is a sliding window: a query at position
+p sees the keys at positions p - window + 1 .. p (transformers' sliding attention).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from models.ops.build import kernels_for
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, max_ctx: int,
-                     scale: float) -> torch.Tensor:
+                     scale: float, window: int = 0) -> torch.Tensor:
     """One query token per sequence ``q [B, H, D]`` over its paged context; returns ``[B, H, D]``.
 
     The caches may hold another dtype than ``q`` (a float16 or int8 cache for float32
@@ -25,14 +26,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             and k_cache.is_contiguous() and v_cache.is_contiguous()):
         out = q.new_empty(q.shape)
         ext.paged_decode_attention(out, q, k_cache, v_cache, block_tables.contiguous(),
-                                   context_lens.contiguous(), scale)
+                                   context_lens.contiguous(), scale, window)
         return out
-    return _decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, max_ctx, scale)
+    return _decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, max_ctx, scale, window)
 
 
 def _decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, max_ctx: int,
-                            scale: float) -> torch.Tensor:
+                            scale: float, window: int = 0) -> torch.Tensor:
     b, heads, head_dim = q.shape
     block_size = k_cache.shape[1]
     nblocks = kv_cache.cdiv(max_ctx, block_size)
@@ -42,7 +43,10 @@ def _decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     flat = tables.reshape(-1)
     k, v = (kv_cache.from_cache_rows(c.index_select(0, flat), q.dtype).view(b, -1, c.shape[2], head_dim)
             .transpose(1, 2) for c in (k_cache, v_cache))
-    valid = torch.arange(k.shape[2], device=q.device) < context_lens.unsqueeze(1)  # [B, L]
+    places = torch.arange(k.shape[2], device=q.device)
+    valid = places < context_lens.unsqueeze(1)  # [B, L]
+    if window:
+        valid &= places >= context_lens.unsqueeze(1) - window
     # One query per sequence: the heads sharing a KV head act as that head's
     # queries, so GQA needs no repeated K/V: [B, kv_heads, group, head_dim].
     qg = q.reshape(b, k.shape[1], heads // k.shape[1], head_dim)
@@ -52,7 +56,7 @@ def _decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, block_tables: torch.Tensor, query_lens: list[int],
-                      context_lens: list[int], scale: float) -> torch.Tensor:
+                      context_lens: list[int], scale: float, window: int = 0) -> torch.Tensor:
     """Causal attention for sequences of one or more query tokens each; returns ``[T, H, D]``.
 
     ``q [T, H, D]`` holds the sequences' tokens one sequence after another;
@@ -69,14 +73,15 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
             starts.append(starts[-1] + n)
         ext.paged_prefill_attention(out, q, k_cache, v_cache, block_tables.contiguous(),
                                     torch.tensor(context_lens, dtype=torch.long),
-                                    torch.tensor(starts, dtype=torch.long), scale)
+                                    torch.tensor(starts, dtype=torch.long), scale, window)
         return out
-    return _prefill_attention_torch(q, k, v, k_cache, v_cache, block_tables, query_lens, context_lens, scale)
+    return _prefill_attention_torch(q, k, v, k_cache, v_cache, block_tables, query_lens, context_lens, scale,
+                                    window)
 
 
 def _prefill_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, block_tables: torch.Tensor, query_lens: list[int],
-                             context_lens: list[int], scale: float) -> torch.Tensor:
+                             context_lens: list[int], scale: float, window: int = 0) -> torch.Tensor:
     out = q.new_empty(q.shape)
     start = 0
     for i, (qlen, ctx) in enumerate(zip(query_lens, context_lens)):
@@ -87,7 +92,7 @@ def _prefill_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         else:
             ks = kv_cache.from_cache_rows(_gather(k_cache, block_tables[i], ctx), q.dtype)
             vs = kv_cache.from_cache_rows(_gather(v_cache, block_tables[i], ctx), q.dtype)
-        out[start:end] = _causal_attention(q[start:end], ks, vs, scale)
+        out[start:end] = _causal_attention(q[start:end], ks, vs, scale, window)
         start = end
     return out
 
@@ -99,7 +104,8 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, ctx: int) -> torch.T
     return cache.index_select(0, block_table[:nblocks]).flatten(0, 1)[:ctx]
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      window: int = 0) -> torch.Tensor:
     """Queries are the last ``len(q)`` positions of a context of ``len(k)`` tokens."""
     qlen, ctx = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]
@@ -108,11 +114,15 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         # repeating K/V heads keeps the fused (flash) kernel, about 3x faster.
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, len, head_dim]
-    if qlen == ctx:
+    if qlen == ctx and not window:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
     else:
-        # Query i sits at position ctx - qlen + i and sees keys 0..that position.
+        # Query i sits at position ctx - qlen + i and sees keys 0..that position
+        # (with a window, its last `window` of them).
         rows = torch.arange(qlen, device=q.device).unsqueeze(1) + (ctx - qlen)
-        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
+        keys = torch.arange(ctx, device=q.device).unsqueeze(0)
+        mask = keys <= rows
+        if window:
+            mask &= keys > rows - window
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
     return o[0].transpose(0, 1)

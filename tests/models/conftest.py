@@ -101,6 +101,7 @@ def tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides):
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),  # q, k, v and gate, up stored fused
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }[arch]
     if arch == "phi3":
         overrides = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **overrides}

@@ -51,6 +51,10 @@ def _attention(gen: torch.Generator) -> dict[str, torch.Tensor]:
             qp = torch.randn(5 + 19, heads, head_dim, generator=gen)
             out[f"prefill {key}"] = ops.prefill_attention(qp, None, None, *caches, tables, [5, 19], [37, 96],
                                                           head_dim ** -0.5)
+            # a sliding window of 21 positions: it starts inside a block
+            out[f"decode window {key}"] = ops.decode_attention(q, *caches, tables, lens, 96, head_dim ** -0.5, 21)
+            out[f"prefill window {key}"] = ops.prefill_attention(qp, None, None, *caches, tables, [5, 19], [37, 96],
+                                                                 head_dim ** -0.5, 21)
     return out
 
 

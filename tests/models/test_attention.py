@@ -26,17 +26,22 @@ HEAD_DIM = 16
 SCALE = HEAD_DIM ** -0.5
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
     """softmax(QK^T * scale + causal mask) V in float64, KV heads repeated for each query group.
 
-    ``q`` is ``[n, heads, d]``, the last ``n`` positions of a context ``k``/``v`` ``[ctx, kv_heads, d]``.
+    ``q`` is ``[n, heads, d]``, the last ``n`` positions of a context ``k``/``v`` ``[ctx, kv_heads, d]``;
+    with ``window``, a query at position p sees keys p - window + 1 .. p only.
     """
     group = q.shape[1] // k.shape[1]
     q, k, v = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
     n, ctx = q.shape[0], k.shape[0]
     scores = torch.einsum("qhd,khd->hqk", q, k) * SCALE
     query_pos = torch.arange(n)[:, None] + (ctx - n)
-    scores = scores.masked_fill(torch.arange(ctx)[None, :] > query_pos, float("-inf"))
+    keys = torch.arange(ctx)[None, :]
+    hidden = keys > query_pos
+    if window:
+        hidden |= keys <= query_pos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
@@ -53,20 +58,22 @@ class Case:
     block_size: int
     full_k: list[torch.Tensor]  # per sequence [context_len, kv_heads, d]
     full_v: list[torch.Tensor]
+    window: int = 0  # a sliding window (0: none)
 
     def run(self) -> list[torch.Tensor]:
         """write_kv then paged_attention, as a model layer does; outputs split per sequence."""
         meta = build_attention_metadata(self.specs, self.block_size)
         write_kv(self.k_cache, self.v_cache, self.k, self.v, meta.slot_mapping)
-        out = paged_attention(self.q, self.k, self.v, self.k_cache, self.v_cache, meta, SCALE)
+        out = paged_attention(self.q, self.k, self.v, self.k_cache, self.v_cache, meta, SCALE, self.window)
         return list(out.split([s.query_len for s in self.specs]))
 
     def reference(self) -> list[torch.Tensor]:
         qs = self.q.split([s.query_len for s in self.specs])
-        return [dense_attention(q, k, v) for q, k, v in zip(qs, self.full_k, self.full_v)]
+        return [dense_attention(q, k, v, self.window) for q, k, v in zip(qs, self.full_k, self.full_v)]
 
 
-def make_case(lengths: list[tuple[int, int]], block_size: int, group: int, seed: int = 0) -> Case:
+def make_case(lengths: list[tuple[int, int]], block_size: int, group: int, seed: int = 0,
+              head_dim: int = HEAD_DIM, window: int = 0) -> Case:
     """Random data for sequences given as ``(query_len, context_len)``, decodes first.
 
     Each sequence gets blocks from a random permutation of the pool (with spare
@@ -81,25 +88,25 @@ def make_case(lengths: list[tuple[int, int]], block_size: int, group: int, seed:
 
     needed = [kv_cache.cdiv(ctx, block_size) for _, ctx in lengths]
     pool = torch.randperm(sum(needed) + 5, generator=gen).tolist()
-    k_cache = randn(len(pool), block_size, KV_HEADS, HEAD_DIM)
-    v_cache = randn(len(pool), block_size, KV_HEADS, HEAD_DIM)
+    k_cache = randn(len(pool), block_size, KV_HEADS, head_dim)
+    v_cache = randn(len(pool), block_size, KV_HEADS, head_dim)
     specs, qs, ks, vs, full_k, full_v = [], [], [], [], [], []
     for (qlen, ctx), n in zip(lengths, needed):
         table, pool = pool[:n], pool[n:]
         if n > 1 and table == sorted(table):
             table.reverse()  # an ascending table could hide a gather that ignores the order
-        k, v = randn(ctx, KV_HEADS, HEAD_DIM), randn(ctx, KV_HEADS, HEAD_DIM)
+        k, v = randn(ctx, KV_HEADS, head_dim), randn(ctx, KV_HEADS, head_dim)
         for p in range(ctx - qlen):  # the cached prefix
             k_cache[table[p // block_size], p % block_size] = k[p]
             v_cache[table[p // block_size], p % block_size] = v[p]
         specs.append(SeqSpec(qlen, ctx, table))
-        qs.append(randn(qlen, KV_HEADS * group, HEAD_DIM))
+        qs.append(randn(qlen, KV_HEADS * group, head_dim))
         ks.append(k[ctx - qlen:])
         vs.append(v[ctx - qlen:])
         full_k.append(k)
         full_v.append(v)
     return Case(torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, specs, block_size,
-                full_k, full_v)
+                full_k, full_v, window)
 
 
 def assert_matches_reference(case: Case) -> None:
@@ -126,6 +133,17 @@ def test_prefill_only_batch_matches_dense_attention(block_size: int) -> None:
     # A one-token prompt, a prompt of exactly one block, chunks after cached prefixes.
     lengths = [(1, 1), (16, 16), (5, 37), (30, 31)]
     assert_matches_reference(make_case(lengths, block_size, group=8))
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])  # the generic loop, and the two unrolled ones
+@pytest.mark.parametrize("window", [1, 5, 16, 17])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_sliding_window_batch_matches_dense_attention(block_size: int, window: int, head_dim: int) -> None:
+    # Decodes and chunks whose windows start inside a block, at a block's start, or reach
+    # back past the context's start; queries sharing a KV head in passes of 1, 2 and 3.
+    lengths = [(1, 1), (1, 17), (1, 40), (23, 23), (9, 41), (30, 31)]
+    for group in (1, 3, 4):
+        assert_matches_reference(make_case(lengths, block_size, group, head_dim=head_dim, window=window))
 
 
 def test_write_kv_stores_each_token_in_its_slot() -> None:

@@ -185,6 +185,7 @@ def test_logits_indices_pick_the_rows_sent_to_the_lm_head(tiny_checkpoint, tiny_
 
 
 FAMILIES = {"qwen3": dict(arch="qwen3"), "phi3-longrope": VARIANTS["phi3-longrope"],
+            "mistral-window": dict(arch="mistral", sliding_window=8),
             "llama-yarn": dict(arch="llama", rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                            "original_max_position_embeddings": 16})}
 
@@ -208,12 +209,28 @@ def test_logits_do_not_depend_on_chunks_or_batch(tiny_checkpoint, tiny_prompt, m
     assert torch.equal(torch.cat(parts), whole)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75 is not supported"),
-    ({"sliding_window": 64}, r"sliding-window attention \(window 64\) is not supported"),
-], ids=["partial-rotary", "sliding-window"])
-def test_phi3_settings_kvserve_cannot_run_are_errors_naming_them(tiny_checkpoint, overrides, message):
-    # Phi-4-mini turns 3/4 of each head; Phi-3-mini-4k's window (2047) is shorter than its context.
-    path, _ = tiny_checkpoint("phi3", **overrides)
-    with pytest.raises(ValueError, match=message):
+def test_phi3_partial_rotary_heads_are_an_error_naming_them(tiny_checkpoint):
+    # Phi-4-mini turns 3/4 of each head.
+    path, _ = tiny_checkpoint("phi3", partial_rotary_factor=0.75)
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.75 is not supported"):
         load_model(str(path), dtype="float32", device="cpu")
+
+
+# Sliding windows shorter than the 21-token prompt: every layer (Mistral v0.1, Phi-3-mini-4k),
+# or Qwen2's layers from max_window_layers on.
+WINDOWED = {
+    "mistral-window": dict(arch="mistral", sliding_window=8),
+    "phi3-window": dict(arch="phi3", sliding_window=8),
+    "qwen2-window": dict(arch="qwen2", use_sliding_window=True, sliding_window=5, max_window_layers=1),
+}
+
+
+@pytest.mark.parametrize("variant", WINDOWED.values(), ids=WINDOWED.keys())
+def test_sliding_windows_match_transformers(tiny_checkpoint, tiny_prompt, make_runner, variant):
+    path, reference = tiny_checkpoint(**variant)
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    assert any(loaded.config.layer_windows), "the window must reach the model"
+    diff = max_diff(prefill(make_runner(loaded.model), tiny_prompt), reference_logits(reference, tiny_prompt))
+    assert diff < 1e-4, f"max |logits diff| vs transformers is {diff:.2e}"
+    # and decoding past the window, token by token, gives transformers' greedy tokens
+    assert make_runner(loaded.model).greedy(tiny_prompt, 6) == reference_greedy(reference, tiny_prompt, 6)

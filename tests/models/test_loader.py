@@ -234,3 +234,16 @@ def test_generation_config_sampling_becomes_the_models_defaults():
     assert config.eos_token_ids == (2,) and ModelConfig.from_hf(cfg).sampling_defaults == {}
     assert config.max_new_tokens == 100 and ModelConfig.from_hf(cfg).max_new_tokens is None
     assert ModelConfig.from_hf(cfg, {"max_new_tokens": 0}).max_new_tokens is None
+
+
+def test_a_gguf_sliding_window_matches_transformers(tiny_checkpoint, tiny_prompt, make_runner, tmp_path):
+    # Phi-3-mini-4k's GGUF carries its window as phi3.attention.sliding_window.
+    _, reference = tiny_checkpoint("phi3", sliding_window=8)
+    path = write_gguf(tmp_path / "phi3.gguf", reference, arch="phi3", fields=lambda w: w.add_sliding_window(8))
+    loaded = load(path)
+    assert loaded.config.layer_windows == (8, 8)
+    runner = make_runner(loaded.model)
+    ours = runner.step([(runner.new_seq(len(tiny_prompt)), tiny_prompt)])[0]
+    with torch.no_grad():
+        expected = reference(torch.tensor([tiny_prompt])).logits[0]
+    assert (ours - expected).abs().max().item() < 1e-4
