@@ -9,6 +9,7 @@ answer, stop string, logprob and cache hit is the real engine's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import AsyncIterator
@@ -23,7 +24,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import kv_bytes_per_block
 from engine.outputs import RequestOutput, TokenLogprob
-from engine.sampling_params import PoolingParams, SamplingParams
+from engine.sampling_params import PoolingParams, SamplingParams, StructuredOutput
 
 MODEL_NAME = "fake-model"  # the served name the tests ask for (api_helpers.MODEL)
 BLOCK_SIZE = 16
@@ -86,7 +87,9 @@ class ServedEngine:
     ``RequestOutput.error`` (``fault="error"``) or raises ``EngineDeadError`` and
     the engine reports itself dead (``fault="raise"``, as a dead loop does).
     ``step_delay`` makes each engine step take that long (seconds), so a test can act
-    mid-stream; a shutdown cuts the wait short.
+    mid-stream; a shutdown cuts the wait short. ``script``: the text every generation
+    answers, which the engine itself writes under a structured-output constraint (a
+    ``choice`` of that one text), then ends with EOS; the recorded params are the server's.
     """
 
     def __init__(self, engine: AsyncEngine) -> None:
@@ -95,6 +98,7 @@ class ServedEngine:
         self.fail_after_steps: int | None = None
         self.fault = "error"
         self.step_delay = 0.0
+        self.script: str | None = None
         self.started = False
         self.shut_down = False
         self._killed = False
@@ -139,7 +143,11 @@ class ServedEngine:
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  group: str | None = None, adapter: str | None = None) -> AsyncIterator[RequestOutput]:
+        asked = params
+        if self.script is not None and params.pooling is None and params.structured is None:
+            params = dataclasses.replace(params, structured=StructuredOutput("choice", (self.script,)))
         stream = self.inner.generate(request_id, prompt_token_ids, params, group=group, adapter=adapter)
+        params = asked
         return self._watch(SeenRequest(request_id, list(prompt_token_ids), params, group, adapter), stream)
 
     async def _watch(self, seen: SeenRequest, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
@@ -236,6 +244,17 @@ async def embed(engine: ServedEngine, prompt: list[int], normalize: bool = True)
     """The engine's own embedding of ``prompt``, run directly."""
     outs = await direct(engine, prompt, SamplingParams.embedding(PoolingParams(normalize=normalize)))
     return outs[-1].outputs[0].embedding
+
+
+# Each message as <|role|>content (its reasoning as <think>...</think> first), then the
+# template's keyword arguments as [name=value]: rendered prompts that read easily.
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>"
+    "{% if m.reasoning_content is defined %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}"
+    "{% if not (continue_final_message and loop.last) %}{{ '\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    "{% if enable_thinking is defined %}[enable_thinking={{ enable_thinking }}]{% endif %}"
+    "{% if x is defined %}[x={{ x }}]{% endif %}")
 
 
 def start_loop(engine: AsyncEngine) -> tuple[threading.Thread, threading.Event]:

@@ -1,5 +1,5 @@
 """POST /v1/chat/completions: the wire format, streaming and not, against the real engine on the
-tiny checkpoint, served with a plain chat template (``TEMPLATE``) so rendered prompts read easily.
+tiny checkpoint, served with a plain chat template (``PLAIN_TEMPLATE``) so rendered prompts read easily.
 Answers are the engine's own for the same prompt and params, run directly (``greedy``)."""
 
 from __future__ import annotations
@@ -8,21 +8,14 @@ import httpx
 import pytest
 
 from api_helpers import MODEL, assert_error, sse_events
-from real_engine import GREEDY, ServedEngine, a_stop_string, greedy, name
+from real_engine import GREEDY, PLAIN_TEMPLATE, ServedEngine, a_stop_string, greedy, name
 
 pytestmark = pytest.mark.anyio
 
 HELLO = [{"role": "user", "content": "hi"}]
-# Each message as <|role|>content, then the template's keyword arguments as [name=value].
-TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% if not (continue_final_message and loop.last) %}"
-            "{{ '\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-            "{% if enable_thinking is defined %}[enable_thinking={{ enable_thinking }}]{% endif %}"
-            "{% if x is defined %}[x={{ x }}]{% endif %}")
-
-
 @pytest.fixture
 def engine(make_engine) -> ServedEngine:
-    return make_engine(chat_template=TEMPLATE)
+    return make_engine(chat_template=PLAIN_TEMPLATE)
 
 
 def chat_prompt(engine: ServedEngine, messages=HELLO) -> list[int]:

@@ -1,4 +1,4 @@
-"""POST /v1/messages (Anthropic's Messages API) against the fake engine: the wire format,
+"""POST /v1/messages (Anthropic's Messages API) against the real engine on the tiny checkpoint: the wire format,
 the stream's events, the ``anthropic`` SDK's own parsing, tool turns, and errors in
 Anthropic's shape."""
 
@@ -13,12 +13,23 @@ import httpx2
 import pytest
 
 from api_helpers import MODEL
-from fake_engine import SCRIPT, FakeEngine
+from real_engine import PLAIN_TEMPLATE, ServedEngine, a_stop_string, greedy
 from server.app import build_app
 
 pytestmark = pytest.mark.anyio
 
 HI = [{"role": "user", "content": "hi"}]
+SCRIPT = "hello world"  # what the engine is made to answer, then EOS (ServedEngine.script)
+
+
+@pytest.fixture
+def engine(make_engine) -> ServedEngine:
+    return make_engine(chat_template=PLAIN_TEMPLATE)
+
+
+def output_tokens(engine: ServedEngine) -> int:
+    """The tokens the engine generated for the last request (its EOS included)."""
+    return sum(len(o.token_ids) for out in engine.requests[-1].outputs for o in out.outputs)
 
 
 async def create(client: httpx.AsyncClient, **body: Any) -> httpx.Response:
@@ -43,35 +54,39 @@ def anthropic_error(r: httpx.Response, status: int, kind: str) -> str:
     return body["error"]["message"]
 
 
-def prompt_text(engine: FakeEngine) -> str:
+def prompt_text(engine: ServedEngine) -> str:
     return engine.tokenizer.decode(engine.requests[-1].prompt_token_ids)
 
 
-async def test_a_text_answer(client: httpx.AsyncClient, engine: FakeEngine) -> None:
-    engine.eos_at = 11
+async def test_a_text_answer(client: httpx.AsyncClient, engine: ServedEngine) -> None:
+    engine.script = SCRIPT
     r = await create(client, system="be brief", temperature=0.5, top_k=3)
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["id"].startswith("msg_") and body["type"] == "message" and body["role"] == "assistant"
-    assert body["content"] == [{"type": "text", "text": SCRIPT[:11]}]
+    assert body["content"] == [{"type": "text", "text": SCRIPT}]
     assert (body["stop_reason"], body["stop_sequence"]) == ("end_turn", None)
     assert prompt_text(engine) == "<|system|>be brief\n<|user|>hi\n<|assistant|>"
     params = engine.requests[-1].params
     assert (params.max_tokens, params.temperature, params.top_k) == (50, 0.5, 3)
     n = len(engine.requests[-1].prompt_token_ids)
-    assert body["usage"] == {"input_tokens": n, "output_tokens": 12, "cache_read_input_tokens": 0,
+    assert body["usage"] == {"input_tokens": n, "output_tokens": output_tokens(engine), "cache_read_input_tokens": 0,
                              "cache_creation_input_tokens": 0}
-    cut = (await create(client, max_tokens=4)).json()
-    assert cut["stop_reason"] == "max_tokens" and cut["content"][0]["text"] == "hell"
-    stopped = (await create(client, stop_sequences=["wor"])).json()
-    assert (stopped["stop_reason"], stopped["stop_sequence"]) == ("stop_sequence", "wor")
-    assert stopped["content"][0]["text"] == "hello "
+    engine.script = None
+    prompt = engine.tokenizer.encode("<|user|>hi\n<|assistant|>", add_special_tokens=False)
+    answer = (await greedy(engine, prompt, 50)).text
+    cut = (await create(client, max_tokens=4, temperature=0)).json()
+    assert cut["stop_reason"] == "max_tokens" and cut["content"][0]["text"] == (await greedy(engine, prompt, 4)).text
+    stop = a_stop_string(answer)
+    stopped = (await create(client, stop_sequences=[stop], temperature=0)).json()
+    assert (stopped["stop_reason"], stopped["stop_sequence"]) == ("stop_sequence", stop)
+    assert stopped["content"][0]["text"] == answer[:answer.find(stop)]
 
 
-async def test_the_stream_is_anthropics_event_sequence(client: httpx.AsyncClient, engine: FakeEngine) -> None:
-    engine.eos_at = 9
-    whole = (await create(client)).json()
-    r = await create(client, stream=True)
+async def test_the_stream_is_anthropics_event_sequence(client: httpx.AsyncClient, engine: ServedEngine) -> None:
+    engine.script = SCRIPT
+    whole = (await create(client, temperature=0)).json()
+    r = await create(client, stream=True, temperature=0)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = events_of(r.text)
     kinds = [e["type"] for e in events]
@@ -86,15 +101,16 @@ async def test_the_stream_is_anthropics_event_sequence(client: httpx.AsyncClient
     assert events[-2]["usage"] == {"output_tokens": whole["usage"]["output_tokens"]}
 
 
-async def test_tool_turns_become_chat_turns() -> None:
-    engine = FakeEngine(max_model_len=1024)  # room for the tools listed in the system message
+async def test_tool_turns_become_chat_turns(make_engine) -> None:
+    # Room for the tools listed in the system message.
+    engine = make_engine(chat_template=PLAIN_TEMPLATE, max_model_len=1024)
     app = build_app(engine)
     async with app.router.lifespan_context(app), httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
         await _tool_turns(client, engine)
 
 
-async def _tool_turns(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+async def _tool_turns(client: httpx.AsyncClient, engine: ServedEngine) -> None:
     messages = [
         {"role": "user", "content": [{"type": "text", "text": "weather?"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "Let me look."},
@@ -115,22 +131,24 @@ async def _tool_turns(client: httpx.AsyncClient, engine: FakeEngine) -> None:
                          "<|tool|>sunny\n<|user|>thanks\n<|assistant|>")
 
 
-async def test_a_last_assistant_message_is_a_prefill(client: httpx.AsyncClient, engine: FakeEngine) -> None:
-    engine.eos_at = 3
-    r = await create(client, messages=HI + [{"role": "assistant", "content": [{"type": "text", "text": "Sure:"}]}])
+async def test_a_last_assistant_message_is_a_prefill(client: httpx.AsyncClient, engine: ServedEngine) -> None:
+    r = await create(client, messages=HI + [{"role": "assistant", "content": [{"type": "text", "text": "Sure:"}]}],
+                     max_tokens=3, temperature=0)
     assert r.status_code == 200, r.text
     assert prompt_text(engine) == "<|user|>hi\n<|assistant|>Sure:"  # the turn is left open
-    assert r.json()["content"] == [{"type": "text", "text": "hel"}]  # the continuation alone, as Anthropic's
+    # The continuation alone, as Anthropic's.
+    continuation = (await greedy(engine, engine.requests[-1].prompt_token_ids, 3)).text
+    assert r.json()["content"] == [{"type": "text", "text": continuation}]
 
 
-async def test_the_anthropic_sdk_reads_it(engine: FakeEngine) -> None:
-    engine.eos_at = 11
+async def test_the_anthropic_sdk_reads_it(engine: ServedEngine) -> None:
+    engine.script = SCRIPT
     app = build_app(engine, api_key="k3y")
     async with app.router.lifespan_context(app):
         http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://test")
         sdk = anthropic.AsyncAnthropic(api_key="k3y", base_url="http://test", http_client=http)  # x-api-key
         message = await sdk.messages.create(model=MODEL, max_tokens=50, messages=HI)
-        assert message.content[0].text == SCRIPT[:11] and message.stop_reason == "end_turn"
+        assert message.content[0].text == SCRIPT and message.stop_reason == "end_turn"
         async with sdk.messages.stream(model=MODEL, max_tokens=50, messages=HI) as stream:
             pieces = [t async for t in stream.text_stream]
             final = await stream.get_final_message()
@@ -145,7 +163,7 @@ async def test_the_anthropic_sdk_reads_it(engine: FakeEngine) -> None:
                 model=MODEL, max_tokens=5, messages=HI)
 
 
-async def test_a_fault_mid_stream_is_an_error_event(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+async def test_a_fault_mid_stream_is_an_error_event(client: httpx.AsyncClient, engine: ServedEngine) -> None:
     engine.fail_after_steps = 2
     r = await create(client, stream=True)
     events = events_of(r.text)
@@ -169,7 +187,7 @@ async def test_a_fault_mid_stream_is_an_error_event(client: httpx.AsyncClient, e
     ({"max_tokens": 10_000}, 400, "invalid_request_error", "maximum context length"),
     ({"model": "claude-sonnet-4-5"}, 404, "not_found_error", "does not exist"),
 ])
-async def test_errors_are_in_anthropics_shape(client: httpx.AsyncClient, engine: FakeEngine, body: dict,
+async def test_errors_are_in_anthropics_shape(client: httpx.AsyncClient, engine: ServedEngine, body: dict,
                                               status: int, kind: str, says: str) -> None:
     payload = {"model": MODEL, "max_tokens": 50, "messages": HI, **body}
     payload = {k: v for k, v in payload.items() if v is not None}
@@ -178,9 +196,9 @@ async def test_errors_are_in_anthropics_shape(client: httpx.AsyncClient, engine:
     assert engine.num_unfinished_requests == 0
 
 
-async def test_thinking_comes_back_as_a_thinking_block(engine: FakeEngine) -> None:
+async def test_thinking_comes_back_as_a_thinking_block(engine: ServedEngine) -> None:
     thought = "<think>Let me see.</think>\n\nHello!"
-    engine.script, engine.eos_at = thought, len(thought)
+    engine.script = thought
     app = build_app(engine, reasoning_parser="qwen3")
     async with app.router.lifespan_context(app), httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
@@ -197,11 +215,3 @@ async def test_thinking_comes_back_as_a_thinking_block(engine: FakeEngine) -> No
         await create(client, messages=turns, max_tokens=1)
         assert prompt_text(engine) == ("<|user|>hi\n<|assistant|><think>Let me see.</think>\n\nHello!\n"
                                        "<|user|>more\n<|assistant|>")
-
-
-@pytest.fixture
-def engine():
-    """NOTE: this file's tests still run on the fake engine (issue 41 item 5 converts them)."""
-    from fake_engine import FakeEngine
-
-    return FakeEngine()
