@@ -1,5 +1,5 @@
 // The Python module: every kernel of kernels.h and grouped_gemm.h, as
-// models/ops.py calls them.
+// models/ops/ calls them.
 #include <torch/csrc/utils/pybind.h>
 
 #include "grouped_gemm.h"

@@ -32,7 +32,7 @@ void add_lora(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>&
   }
 }
 
-// y = x @ W^T for projection p by `gemm` (models/ops.py GEMM_*): grouped_linear's codes
+// y = x @ W^T for projection p by `gemm` (models/ops/layer.py GEMM_*): grouped_linear's codes
 // and scales, float or int8 activations; amx_bf16_linear's bfloat16 B operands (codes
 // only); amx_w4a16_linear's 4-bit codes and scales; or amx_quant_linear's segments.
 void project(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& p, int64_t gemm) {

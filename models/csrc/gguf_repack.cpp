@@ -378,7 +378,7 @@ bool repack_gguf(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, i
             const float span = static_cast<float>(offset + (1 << bits));
             const float big = std::ldexp(dd, bits), off = mm - span * dd;
             if (static_cast<double>(off) != static_cast<double>(mm) - static_cast<double>(span) * dd) exact = false;
-            if (q4k) continue;  // the super-block's fields, below
+            if (q4k) continue;  // F4K keeps the super-block's own fields (written above)
             sh[o] = big;
             if (!sym) sh[16 + o] = off;  // sym: the kernel's M = -1.5 D is this off (m = 0), exactly
           }

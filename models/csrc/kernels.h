@@ -2,7 +2,7 @@
 //
 // Each kernel replaces a chain of eager torch ops (and their dispatch, which
 // dominates a batch-1 decode step on a small model) with one pass over the
-// data. Every kernel has a plain-torch twin in models/ops.py, and the tests
+// data. Every kernel has a plain-torch twin in models/ops/, and the tests
 // compare the two. Arithmetic is float32 whatever the storage dtype, rounding
 // to the storage dtype exactly where the eager torch code does.
 //
@@ -84,7 +84,7 @@ void argmax_rows(at::Tensor& out, const at::Tensor& x);
 // token_bitmask.cpp: a structured output's allowed tokens, the others set to -inf in place.
 void apply_token_bitmask(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& masks);
 
-// fused_layer.cpp. The projections' GEMM (models/ops.py GEMM_*).
+// fused_layer.cpp. The projections' GEMM (models/ops/layer.py GEMM_*).
 // kGemmAmxQuant: amx_quant_linear, each projection (codes, scales, ...) with its formats
 // as a last int64 tensor.
 enum ProjectionGemm : int64_t {

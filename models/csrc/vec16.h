@@ -26,7 +26,7 @@
 #define KVSERVE_ALWAYS_INLINE inline __attribute__((always_inline))
 
 // KVSERVE_FORCE_V16_AVX2 builds the AVX2 kernels where AVX-512 is enabled:
-// the AVX-VNNI kernels' test build (models/ops.py, KVSERVE_CPU_ISA=avx2-vnni on
+// the AVX-VNNI kernels' test build (models/ops/isa.py, KVSERVE_CPU_ISA=avx2-vnni on
 // a CPU with AVX512-VNNI but not AVX-VNNI) needs AVX512-VL for vpdpbusd on
 // 256 bits.
 #if defined(__AVX512F__) && !defined(KVSERVE_FORCE_V16_AVX2)
