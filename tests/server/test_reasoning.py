@@ -1,5 +1,6 @@
 """--reasoning-parser: a thinking model's <think> block apart from its answer, whole and
-streamed in any pieces, on chat completions and the Responses API (fake engine)."""
+streamed in any pieces, on chat completions and the Responses API (the real engine on the tiny
+checkpoint, made to write a thinking model's answer: ``ServedEngine.script``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from openai.types.responses import ResponseStreamEvent
 
 from api_helpers import MODEL, sse_events
-from fake_engine import FakeEngine
+from real_engine import PLAIN_TEMPLATE, ServedEngine
 from server.app import build_app
 from engine.sampling_params import ThinkTokens
 from server.reasoning import REASONING_FORMATS, ReasoningStream, reasoning_format
@@ -78,11 +79,11 @@ class _Vocab:
         return " ".join(self.words[i] for i in ids)
 
 
-def test_the_tags_become_think_tokens_only_where_each_is_one_token() -> None:
+def test_the_tags_become_think_tokens_only_where_each_is_one_token(engine: ServedEngine) -> None:
     assert QWEN3.tokens(_Vocab(["<unk>", "a", "<think>", "</think>"])) == ThinkTokens(2, 3, opens_in_prompt=False)
     assert R1.tokens(_Vocab(["<unk>", "<think>", "</think>"])) == ThinkTokens(1, 2, opens_in_prompt=True)
     assert QWEN3.tokens(_Vocab(["<unk>", "<think>"])) is None  # </think> is the unknown token
-    assert QWEN3.tokens(FakeEngine().tokenizer) is None  # bytes: seven tokens for <think>
+    assert QWEN3.tokens(engine.tokenizer) is None  # SmolLM2's: several tokens for <think>
 
 
 def test_an_unknown_parser_is_refused() -> None:
@@ -95,13 +96,33 @@ THOUGHT = "<think>\nLet me see.\n</think>\n\nHello!"
 
 
 @pytest.fixture
-async def thinking() -> Any:
-    engine = FakeEngine(eos_at=len(THOUGHT))
+def engine(make_engine) -> ServedEngine:
+    return make_engine(chat_template=PLAIN_TEMPLATE)
+
+
+async def serve_thinking(engine) -> Any:
     engine.script = THOUGHT
     app = build_app(engine, reasoning_parser="qwen3")
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
             yield c
+
+
+@pytest.fixture
+async def thinking(engine: ServedEngine) -> Any:
+    async for c in serve_thinking(engine):
+        yield c
+
+
+@pytest.fixture
+async def fake_thinking() -> Any:
+    """NOTE: the fake engine still, for the one test whose answer must both match the request's
+    own constraint and hold a <think> block (no real model writes that on cue)."""
+    from fake_engine import FakeEngine
+
+    engine = FakeEngine(eos_at=len(THOUGHT))
+    async for c in serve_thinking(engine):
+        yield c
 
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -175,7 +196,8 @@ async def test_responses_put_the_reasoning_in_its_own_item(thinking: httpx.Async
 
 
 async def test_a_constrained_answer_thinks_first_where_the_tags_are_single_tokens(
-        thinking: httpx.AsyncClient) -> None:
+        fake_thinking: httpx.AsyncClient) -> None:
+    thinking = fake_thinking
     state = thinking._transport.app.state.kvserve
     engine = state.engine
     constrained = {"model": MODEL, "messages": MESSAGES, "structured_outputs": {"regex": "[a-zA-Z!]+"}}
@@ -202,8 +224,8 @@ async def test_a_constrained_answer_thinks_first_where_the_tags_are_single_token
     assert body["output"][1]["content"][0]["text"] == "Hello!"
 
 
-async def test_without_a_parser_the_tags_are_content(client: httpx.AsyncClient, engine: FakeEngine) -> None:
-    engine.script, engine.eos_at = THOUGHT, len(THOUGHT)
+async def test_without_a_parser_the_tags_are_content(client: httpx.AsyncClient, engine: ServedEngine) -> None:
+    engine.script = THOUGHT
     body = (await client.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES})).json()
     assert body["choices"][0]["message"] == {"role": "assistant", "content": THOUGHT}
 
@@ -214,11 +236,3 @@ def test_the_cli_takes_the_parser() -> None:
     assert args.reasoning_parser == "deepseek_r1"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--reasoning-parser", "o1"])
-
-
-@pytest.fixture
-def engine():
-    """NOTE: this file's tests still run on the fake engine (issue 41 item 5 converts them)."""
-    from fake_engine import FakeEngine
-
-    return FakeEngine()
