@@ -240,6 +240,17 @@ def tokens_until(engine: ServedEngine, token_ids: list[int], stop: str) -> int:
     return next(k for k in range(1, len(token_ids) + 1) if stop in engine.tokenizer.decode(token_ids[:k]))
 
 
+def generated_tokens(engine: ServedEngine) -> int:
+    """The tokens the engine generated for the last request (its EOS included)."""
+    return sum(len(o.token_ids) for out in engine.requests[-1].outputs for o in out.outputs)
+
+
+def logprob_entry(engine: ServedEngine, token_id: int, logprob: float, as_id: bool = False) -> dict:
+    """A token's logprobs entry as the chat and Responses APIs send it."""
+    token = f"token_id:{token_id}" if as_id else name(engine, token_id)
+    return {"token": token, "logprob": logprob, "bytes": list(engine.tokenizer.token_bytes(token_id))}
+
+
 async def embed(engine: ServedEngine, prompt: list[int], normalize: bool = True) -> list[float]:
     """The engine's own embedding of ``prompt``, run directly."""
     outs = await direct(engine, prompt, SamplingParams.embedding(PoolingParams(normalize=normalize)))

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from api_helpers import MODEL, assert_error, sse_events
-from real_engine import GREEDY, PLAIN_TEMPLATE, ServedEngine, a_stop_string, greedy, name
+from real_engine import GREEDY, PLAIN_TEMPLATE, ServedEngine, a_stop_string, greedy, logprob_entry, name
 
 pytestmark = pytest.mark.anyio
 
@@ -118,18 +118,13 @@ async def test_prompt_logprobs_once_for_the_response(client: httpx.AsyncClient, 
     assert "prompt_logprobs" not in plain
 
 
-def entry(engine: ServedEngine, token_id: int, logprob: float, as_id: bool = False) -> dict:
-    token = f"token_id:{token_id}" if as_id else name(engine, token_id)
-    return {"token": token, "logprob": logprob, "bytes": list(engine.tokenizer.token_bytes(token_id))}
-
-
 async def test_logprobs(client: httpx.AsyncClient, engine: ServedEngine) -> None:
     r = await chat(client, max_tokens=2, logprobs=True, top_logprobs=2, **GREEDY)
     content = r.json()["choices"][0]["logprobs"]["content"]
     g = await greedy(engine, chat_prompt(engine), 2, logprobs=2)
     first = g.logprobs[0]
-    assert content[0] == {**entry(engine, first.token_id, first.logprob),
-                          "top_logprobs": [entry(engine, t, v) for t, v in first.top]}
+    assert content[0] == {**logprob_entry(engine, first.token_id, first.logprob),
+                          "top_logprobs": [logprob_entry(engine, t, v) for t, v in first.top]}
     assert len(content[0]["top_logprobs"]) == 2
     assert [c["token"] for c in content] == [name(engine, t) for t in g.token_ids]
 
@@ -146,8 +141,8 @@ async def test_tokens_as_token_ids(client: httpx.AsyncClient, engine: ServedEngi
     # Named by id; the bytes are still the token's own.
     g = await greedy(engine, chat_prompt(engine), 2, logprobs=2)
     first = g.logprobs[0]
-    assert content[0] == {**entry(engine, first.token_id, first.logprob, as_id=True),
-                          "top_logprobs": [entry(engine, t, v, as_id=True) for t, v in first.top]}
+    assert content[0] == {**logprob_entry(engine, first.token_id, first.logprob, as_id=True),
+                          "top_logprobs": [logprob_entry(engine, t, v, as_id=True) for t, v in first.top]}
     assert [c["token"] for c in content] == [f"token_id:{t}" for t in g.token_ids]
 
 

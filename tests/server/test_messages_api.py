@@ -13,7 +13,7 @@ import httpx2
 import pytest
 
 from api_helpers import MODEL
-from real_engine import PLAIN_TEMPLATE, ServedEngine, a_stop_string, greedy
+from real_engine import PLAIN_TEMPLATE, ServedEngine, a_stop_string, generated_tokens, greedy
 from server.app import build_app
 
 pytestmark = pytest.mark.anyio
@@ -25,11 +25,6 @@ SCRIPT = "hello world"  # what the engine is made to answer, then EOS (ServedEng
 @pytest.fixture
 def engine(make_engine) -> ServedEngine:
     return make_engine(chat_template=PLAIN_TEMPLATE)
-
-
-def output_tokens(engine: ServedEngine) -> int:
-    """The tokens the engine generated for the last request (its EOS included)."""
-    return sum(len(o.token_ids) for out in engine.requests[-1].outputs for o in out.outputs)
 
 
 async def create(client: httpx.AsyncClient, **body: Any) -> httpx.Response:
@@ -70,7 +65,7 @@ async def test_a_text_answer(client: httpx.AsyncClient, engine: ServedEngine) ->
     params = engine.requests[-1].params
     assert (params.max_tokens, params.temperature, params.top_k) == (50, 0.5, 3)
     n = len(engine.requests[-1].prompt_token_ids)
-    assert body["usage"] == {"input_tokens": n, "output_tokens": output_tokens(engine), "cache_read_input_tokens": 0,
+    assert body["usage"] == {"input_tokens": n, "output_tokens": generated_tokens(engine), "cache_read_input_tokens": 0,
                              "cache_creation_input_tokens": 0}
     engine.script = None
     prompt = engine.tokenizer.encode("<|user|>hi\n<|assistant|>", add_special_tokens=False)

@@ -1,4 +1,4 @@
-"""POST /v1/responses (OpenAI's Responses API) against the fake engine: the wire format,
+"""POST /v1/responses (OpenAI's Responses API) against the real engine on the tiny checkpoint: the wire format,
 the stream's events, the ``openai`` SDK's own parsing, stored responses, and errors."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from openai.types.responses import (ResponseCompletedEvent, ResponseFunctionCall
                                     ResponseTextDeltaEvent)
 
 from api_helpers import MODEL, assert_error
-from fake_engine import SCRIPT, FakeEngine
+from real_engine import PLAIN_TEMPLATE, ServedEngine, generated_tokens, greedy, logprob_entry, name
 from server.app import build_app
 from server.protocol_responses import Usage
 from server.response_store import ResponseStore, StoredResponse
@@ -23,6 +23,15 @@ from server.serving_responses import ResponseEvents
 from server.tools import FORMATS, CallStream
 
 pytestmark = pytest.mark.anyio
+
+SCRIPT = "hello world, this is kvserve"  # what the engine is made to answer, then EOS (ServedEngine.script)
+# A prompt of more than one 16-token block, so that a second request hits the prefix cache.
+LONG = "hi, please tell me all about the weather in Paris today and tomorrow"
+
+
+@pytest.fixture
+def engine(make_engine) -> ServedEngine:
+    return make_engine(chat_template=PLAIN_TEMPLATE)
 
 
 async def respond(client: httpx.AsyncClient, **body: Any) -> httpx.Response:
@@ -44,12 +53,12 @@ def events_of(body: str) -> list[dict[str, Any]]:
     return out
 
 
-def prompt_text(engine: FakeEngine) -> str:
+def prompt_text(engine: ServedEngine) -> str:
     return engine.tokenizer.decode(engine.requests[-1].prompt_token_ids)
 
 
-async def test_a_text_answer_with_instructions(client: httpx.AsyncClient, engine: FakeEngine) -> None:
-    engine.eos_at = 12
+async def test_a_text_answer_with_instructions(client: httpx.AsyncClient, engine: ServedEngine) -> None:
+    engine.script = SCRIPT
     r = await respond(client, input="hi", instructions="be brief", metadata={"k": "v"})
     assert r.status_code == 200, r.text
     body = r.json()
@@ -59,25 +68,31 @@ async def test_a_text_answer_with_instructions(client: httpx.AsyncClient, engine
     [item] = body["output"]
     assert item["type"] == "message" and item["role"] == "assistant" and item["status"] == "completed"
     assert item["id"].startswith("msg_")
-    assert item["content"] == [{"type": "output_text", "text": SCRIPT[:12], "annotations": [], "logprobs": []}]
+    assert item["content"] == [{"type": "output_text", "text": SCRIPT, "annotations": [], "logprobs": []}]
     # Instructions are a system message first; the input a user message.
     assert prompt_text(engine) == "<|system|>be brief\n<|user|>hi\n<|assistant|>"
     n_prompt = len(engine.requests[-1].prompt_token_ids)
-    assert body["usage"] == {"input_tokens": n_prompt, "output_tokens": 13, "total_tokens": n_prompt + 13,
+    n = generated_tokens(engine)
+    assert body["usage"] == {"input_tokens": n_prompt, "output_tokens": n, "total_tokens": n_prompt + n,
                              "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                              "output_tokens_details": {"reasoning_tokens": 0}}
 
 
-async def test_cut_by_max_output_tokens_is_incomplete(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+async def test_cut_by_max_output_tokens_is_incomplete(client: httpx.AsyncClient, engine: ServedEngine) -> None:
+    engine.script = SCRIPT
     r = await respond(client, input="hi", max_output_tokens=5, temperature=0.5, top_p=0.9)
     body = r.json()
     assert engine.requests[-1].params.max_tokens == 5
     assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
-    assert body["output"][0]["status"] == "incomplete" and body["output"][0]["content"][0]["text"] == "hello"
+    # The five tokens the engine wrote: the start of its answer.
+    text = body["output"][0]["content"][0]["text"]
+    assert generated_tokens(engine) == 5 and SCRIPT.startswith(text) and text != SCRIPT
+    assert body["output"][0]["status"] == "incomplete"
+    assert text == engine.tokenizer.decode([t for out in engine.requests[-1].outputs for t in out.outputs[0].token_ids])
     assert (body["max_output_tokens"], body["temperature"], body["top_p"]) == (5, 0.5, 0.9)
 
 
-async def test_input_items_become_chat_turns(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+async def test_input_items_become_chat_turns(client: httpx.AsyncClient, engine: ServedEngine) -> None:
     items = [{"role": "developer", "content": "rules"},
              {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"},
                                                              {"type": "input_text", "text": "b"}]},
@@ -92,14 +107,15 @@ async def test_input_items_become_chat_turns(client: httpx.AsyncClient, engine: 
     # kvserve's generic tool format (the fake template knows nothing of tools): an
     # assistant turn's calls follow its text as their JSON.
     calls = '[{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]'
-    assert prompt_text(engine) == (f"<|developer|>rules\n<|user|>a\nb\n<|assistant|>calling\n{calls}\n"
+    # A template that never names the developer role renders it as system (models.chat_template).
+    assert prompt_text(engine) == (f"<|system|>rules\n<|user|>a\nb\n<|assistant|>calling\n{calls}\n"
                                    "<|tool|>42\n<|tool|>ok\n<|assistant|>")
 
 
-async def test_the_stream_is_openais_event_sequence(client: httpx.AsyncClient, engine: FakeEngine) -> None:
-    engine.eos_at = 9
-    plain = (await respond(client, input="hi")).json()
-    r = await respond(client, input="hi", stream=True)
+async def test_the_stream_is_openais_event_sequence(client: httpx.AsyncClient, engine: ServedEngine) -> None:
+    engine.script = SCRIPT
+    plain = (await respond(client, input=LONG, temperature=0)).json()
+    r = await respond(client, input=LONG, stream=True, temperature=0)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = events_of(r.text)
     kinds = [e["type"] for e in events]
@@ -110,7 +126,7 @@ async def test_the_stream_is_openais_event_sequence(client: httpx.AsyncClient, e
                         "response.completed"])
     assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
     text = "".join(d["delta"] for d in deltas)
-    assert text == plain["output"][0]["content"][0]["text"] == SCRIPT[:9]
+    assert text == plain["output"][0]["content"][0]["text"] == SCRIPT
     item_id = events[2]["item"]["id"]
     assert all(e["item_id"] == item_id and e["output_index"] == 0 for e in deltas)
     assert events[-4]["text"] == text and events[-2]["item"]["status"] == "completed"
@@ -122,16 +138,18 @@ async def test_the_stream_is_openais_event_sequence(client: httpx.AsyncClient, e
                                                                          "cache_write_tokens": 0}}
 
 
-async def test_logprobs_come_with_include(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+async def test_logprobs_come_with_include(client: httpx.AsyncClient, engine: ServedEngine) -> None:
     r = await respond(client, input="hi", max_output_tokens=3, top_logprobs=2)
     assert r.json()["output"][0]["content"][0]["logprobs"] == []  # not without include
     asked = {"input": "hi", "max_output_tokens": 3, "top_logprobs": 2,
-             "include": ["message.output_text.logprobs"]}
+             "include": ["message.output_text.logprobs"], "temperature": 0}
     plain = (await respond(client, **asked)).json()["output"][0]["content"][0]["logprobs"]
-    assert [e["token"] for e in plain] == ["h", "e", "l"]
-    assert plain[0] == {"token": "h", "logprob": -0.25, "bytes": [104],
-                        "top_logprobs": [{"token": "h", "logprob": -0.25, "bytes": [104]},
-                                         {"token": "x", "logprob": -2.0, "bytes": [120]}]}
+    g = await greedy(engine, engine.requests[-1].prompt_token_ids, 3, logprobs=2)
+    assert [e["token"] for e in plain] == [name(engine, t) for t in g.token_ids]
+    first = g.logprobs[0]
+    assert plain[0] == {**logprob_entry(engine, first.token_id, first.logprob),
+                        "top_logprobs": [logprob_entry(engine, t, v) for t, v in first.top]}
+    assert len(plain[0]["top_logprobs"]) == 2
     events = events_of((await respond(client, stream=True, **asked)).text)
     streamed = [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
     assert streamed == plain
@@ -139,8 +157,8 @@ async def test_logprobs_come_with_include(client: httpx.AsyncClient, engine: Fak
 
 
 async def test_previous_response_id_continues_the_conversation(client: httpx.AsyncClient,
-                                                               engine: FakeEngine) -> None:
-    engine.eos_at = 5
+                                                               engine: ServedEngine) -> None:
+    engine.script = "hello"
     first = (await respond(client, input="hi", instructions="be brief")).json()
     second = (await respond(client, input="more", previous_response_id=first["id"], stream=True)).text
     # The earlier turns (not its instructions, as OpenAI does) come before the new input.
@@ -162,8 +180,8 @@ async def test_previous_response_id_continues_the_conversation(client: httpx.Asy
 
 
 async def test_input_items_list_every_item_up_to_the_answer(client: httpx.AsyncClient,
-                                                           engine: FakeEngine) -> None:
-    engine.eos_at = 5
+                                                           engine: ServedEngine) -> None:
+    engine.script = "hello"
     first = (await respond(client, input="hi", instructions="be brief")).json()
     items = [{"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
              {"type": "function_call", "id": "fc_mine", "call_id": "call_1", "name": "weather",
@@ -198,7 +216,7 @@ async def test_input_items_list_every_item_up_to_the_answer(client: httpx.AsyncC
     assert_error(await listed("resp_nope"), 404, "response_id")
 
 
-async def test_store_false_and_the_store_bound(engine: FakeEngine) -> None:
+async def test_store_false_and_the_store_bound(engine: ServedEngine, make_engine) -> None:
     app = build_app(engine, max_stored_responses=2)
     async with app.router.lifespan_context(app), httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
@@ -207,7 +225,7 @@ async def test_store_false_and_the_store_bound(engine: FakeEngine) -> None:
         assert_error(await client.get(f"/v1/responses/{unstored['id']}"), 404)
         ids = [(await respond(client, input="a", max_output_tokens=1)).json()["id"] for _ in range(3)]
         assert [(await client.get(f"/v1/responses/{i}")).status_code for i in ids] == [404, 200, 200]
-    app = build_app(FakeEngine(), max_stored_responses=0)
+    app = build_app(make_engine(), max_stored_responses=0)
     async with app.router.lifespan_context(app), httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
         body = (await respond(client, input="a", max_output_tokens=1)).json()
@@ -215,15 +233,15 @@ async def test_store_false_and_the_store_bound(engine: FakeEngine) -> None:
         assert_error(await client.get(f"/v1/responses/{body['id']}"), 404)
 
 
-async def test_the_openai_sdk_reads_it(engine: FakeEngine) -> None:
-    engine.eos_at = 11
+async def test_the_openai_sdk_reads_it(engine: ServedEngine) -> None:
+    engine.script = SCRIPT
     app = build_app(engine)
     async with app.router.lifespan_context(app):
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test/v1")
         sdk = openai.AsyncOpenAI(api_key="unused", base_url="http://test/v1", http_client=http)
         first = await sdk.responses.create(model=MODEL, input="hi")
-        assert first.output_text == SCRIPT[:11] and first.status == "completed"
-        assert first.usage.output_tokens == 12 and first.usage.input_tokens_details.cached_tokens == 0
+        assert first.output_text == SCRIPT and first.status == "completed"
+        assert first.usage.output_tokens == generated_tokens(engine) and first.usage.input_tokens_details.cached_tokens == 0
         events = [e async for e in await sdk.responses.create(model=MODEL, input="hi", stream=True)]
         assert isinstance(events[-1], ResponseCompletedEvent)
         assert "".join(e.delta for e in events if isinstance(e, ResponseTextDeltaEvent)) == first.output_text
@@ -242,16 +260,18 @@ async def test_the_openai_sdk_reads_it(engine: FakeEngine) -> None:
             await sdk.responses.create(model=MODEL, input="hi", tools=[{"type": "web_search"}])
 
 
-async def test_a_fault_mid_stream_is_response_failed(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+async def test_a_fault_mid_stream_is_response_failed(client: httpx.AsyncClient, engine: ServedEngine) -> None:
     engine.fail_after_steps = 2
-    r = await respond(client, input="hi", stream=True, max_output_tokens=10)
+    r = await respond(client, input="hi", stream=True, max_output_tokens=10, temperature=0)
     assert r.status_code == 200
     events = events_of(r.text)
     assert events[-1]["type"] == "response.failed"
+    engine.fail_after_steps = None
+    first_two = (await greedy(engine, engine.requests[-1].prompt_token_ids, 2)).text
     failed = events[-1]["response"]
     assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
     assert "simulated engine fault" in failed["error"]["message"]
-    assert failed["output"][0]["status"] == "incomplete" and failed["output"][0]["content"][0]["text"] == "he"
+    assert failed["output"][0]["status"] == "incomplete" and failed["output"][0]["content"][0]["text"] == first_two
     assert engine.num_unfinished_requests == 0
 
 
@@ -276,7 +296,7 @@ async def test_a_fault_mid_stream_is_response_failed(client: httpx.AsyncClient, 
     ({"input": "x", "top_logprobs": 21}, "top_logprobs", "between 0 and 20"),
     ({"input": "x", "stream": "yes"}, "stream", None),
 ])
-async def test_bad_requests_are_400s_naming_the_field(client: httpx.AsyncClient, engine: FakeEngine,
+async def test_bad_requests_are_400s_naming_the_field(client: httpx.AsyncClient, engine: ServedEngine,
                                                       body: dict, param: str, says: str | None) -> None:
     err = assert_error(await respond(client, **body), 400)
     assert err["param"] is not None and err["param"].startswith(param), err
@@ -337,11 +357,3 @@ def test_the_store_keeps_the_newest_within_its_count_and_bytes() -> None:
     store.put("huge", stored(10**5))  # alone over the bound: not kept, nothing evicted for it
     assert store.get("huge") is None and len(store) == 2
     assert store.delete("big1") and not store.delete("big1") and store.bytes == stored(1000).size
-
-
-@pytest.fixture
-def engine():
-    """NOTE: this file's tests still run on the fake engine (issue 41 item 5 converts them)."""
-    from fake_engine import FakeEngine
-
-    return FakeEngine()
