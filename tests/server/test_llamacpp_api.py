@@ -1,5 +1,7 @@
-"""POST /completion (llama.cpp server's own API) against the fake engine: its fields reach
-the engine as /v1/completions' do, and the answer comes back in llama.cpp's shape."""
+"""POST /completion (llama.cpp server's own API) against the real engine on the tiny checkpoint:
+its fields reach the engine as /v1/completions' do, and the answer comes back in llama.cpp's
+shape. The fill-in-the-middle layouts are still checked on the fake engine's byte tokenizer
+(``fake_served``)."""
 
 from __future__ import annotations
 
@@ -9,14 +11,34 @@ import httpx
 import pytest
 
 from api_helpers import MODEL, assert_error
-from fake_engine import FAKE_FIM, SCRIPT, FakeEngine
 from models.tokenizer import FimTokens
+from real_engine import MAX_MODEL_LEN, PLAIN_TEMPLATE, ServedEngine, a_stop_string, greedy, name
+from server.app import build_app
 
 pytestmark = pytest.mark.anyio
+
+VOCAB = 49152  # the tiny model's (SmolLM2's) vocabulary: the first id past it
 
 
 async def complete(client: httpx.AsyncClient, path: str = "/completion", **body) -> httpx.Response:
     return await client.post(path, json=body)
+
+
+@pytest.fixture
+def engine(make_engine) -> ServedEngine:
+    return make_engine(chat_template=PLAIN_TEMPLATE)
+
+
+@pytest.fixture
+async def fake_served():
+    """NOTE: the fake engine and its byte tokenizer still, for the fill-in-the-middle layouts."""
+    from fake_engine import FakeEngine
+
+    engine = FakeEngine()
+    app = build_app(engine)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            yield c, engine
 
 
 def events(body: str) -> list[dict]:
@@ -26,29 +48,33 @@ def events(body: str) -> list[dict]:
     return [json.loads(b[len("data: "):]) for b in blocks]
 
 
-async def test_an_answer_in_llama_cpps_shape(client: httpx.AsyncClient, engine: FakeEngine) -> None:
-    r = await complete(client, prompt="hi", n_predict=12, return_tokens=True)
+async def test_an_answer_in_llama_cpps_shape(client: httpx.AsyncClient, engine: ServedEngine) -> None:
+    r = await complete(client, prompt="hi", n_predict=12, return_tokens=True, ignore_eos=True)
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["content"] == SCRIPT[:12] and body["tokens"] == [ord(c) for c in SCRIPT[:12]]
+    # Sampled (llama.cpp's temperature): the text is its tokens'.
+    assert len(body["tokens"]) == 12 and body["content"] == engine.tokenizer.decode(body["tokens"])
+    n = len(engine.tokenizer.encode("hi"))
     assert (body["stop"], body["stop_type"], body["stopping_word"]) == (True, "limit", "")
-    assert (body["tokens_predicted"], body["tokens_evaluated"], body["tokens_cached"]) == (12, 3, 0)
-    assert body["model"] == MODEL and body["prompt"] == "<s>hi" and body["truncated"] is False
+    assert (body["tokens_predicted"], body["tokens_evaluated"], body["tokens_cached"]) == (12, n, 0)
+    prompt = engine.tokenizer.decode(engine.tokenizer.encode("hi"), skip_special_tokens=False)
+    assert body["model"] == MODEL and body["prompt"] == prompt and body["truncated"] is False
     assert body["has_new_line"] is False and "completion_probabilities" not in body
     settings = body["generation_settings"]
-    assert (settings["n_ctx"], settings["n_predict"], settings["temperature"], settings["top_k"]) == (256, 12, 0.8, 40)
+    assert (settings["n_ctx"], settings["n_predict"], settings["temperature"], settings["top_k"]) == (
+        MAX_MODEL_LEN, 12, 0.8, 40)
     timings = body["timings"]
-    assert timings["predicted_n"] == 12 and timings["prompt_n"] == 3 and timings["predicted_ms"] >= 0
+    assert timings["predicted_n"] == 12 and timings["prompt_n"] == n and timings["predicted_ms"] >= 0
     # llama.cpp's defaults where the request says nothing: not OpenAI's.
     p = engine.requests[-1].params
     assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.min_p, p.seed) == (12, 0.8, 40, 0.95, 0.05, None)
     # Without return_tokens the ids stay out, as in llama.cpp; /completions is the same route.
-    body = (await complete(client, "/completions", prompt="hi", n_predict=2)).json()
-    assert body["content"] == SCRIPT[:2] and body["tokens"] == []
+    body = (await complete(client, "/completions", prompt="hi", n_predict=2, temperature=0, ignore_eos=True)).json()
+    assert body["content"] == (await greedy(engine, "hi", 2)).text and body["tokens"] == []
 
 
 async def test_fields_reach_the_engine_under_llama_cpps_names(client: httpx.AsyncClient,
-                                                              engine: FakeEngine) -> None:
+                                                              engine: ServedEngine) -> None:
     r = await complete(client, prompt="hi", n_predict=4, temperature=0.5, top_k=0, top_p=0.9, min_p=0,
                        repeat_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.25, seed=7,
                        ignore_eos=True, logit_bias=[[65, 2.5], ["ab", -1], [66, False]], n_cmpl=1,
@@ -71,7 +97,8 @@ async def test_fields_reach_the_engine_under_llama_cpps_names(client: httpx.Asyn
     await complete(client, prompt="hi", n_predict=1)
     assert engine.requests[-1].params.samplers is None
     # A text's every token gets its bias; false is the least bias there is.
-    assert p.logit_bias == {65: 2.5, 97: -1.0, 98: -1.0, 66: -100.0}
+    assert p.logit_bias == {65: 2.5, **{t: -1.0 for t in engine.tokenizer.encode("ab", add_special_tokens=False)},
+                            66: -100.0}
     # llama.cpp's defaults for its own samplers: each off but its settings as llama.cpp's.
     assert (p.typical_p, p.top_n_sigma, p.xtc_probability, p.xtc_threshold) == (1.0, -1.0, 0.0, 0.1)
     assert (p.dry_multiplier, p.dry_base, p.dry_allowed_length, p.dry_penalty_last_n) == (0.0, 1.75, 2, -1)
@@ -96,47 +123,61 @@ async def test_fields_reach_the_engine_under_llama_cpps_names(client: httpx.Asyn
     assert engine.requests[-1].params.logit_bias == {65: 1.5}
 
 
-async def test_prompts_of_ids_and_texts(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+async def test_prompts_of_ids_and_texts(client: httpx.AsyncClient, engine: ServedEngine) -> None:
     # Ids and texts in one list are one prompt (a text after the first gets no BOS).
+    def enc(text: str, special: bool = False) -> list[int]:
+        return engine.tokenizer.encode(text, add_special_tokens=special)
+
     await complete(client, prompt=[104, "ey", 33], n_predict=1)
-    assert engine.requests[-1].prompt_token_ids == [104, 101, 121, 33]
+    assert engine.requests[-1].prompt_token_ids == [104, *enc("ey"), 33]
     await complete(client, prompt=["ab", 33], n_predict=1)
-    assert engine.requests[-1].prompt_token_ids == [256, 97, 98, 33]
+    assert engine.requests[-1].prompt_token_ids == [*enc("ab", special=True), 33]
     # A list of texts (or of lists) is several prompts: an array of results.
-    r = await complete(client, prompt=["a", [98, "c"]], n_predict=2)
+    r = await complete(client, prompt=["a", [98, "c"]], n_predict=2, temperature=0, ignore_eos=True)
     results = r.json()
-    assert [x["index"] for x in results] == [0, 1] and [x["tokens_evaluated"] for x in results] == [2, 2]
-    assert [x["content"] for x in results] == [SCRIPT[:2]] * 2
+    prompts = [enc("a", special=True), [98, *enc("c")]]
+    assert [x["index"] for x in results] == [0, 1]
+    assert [x["tokens_evaluated"] for x in results] == [len(p) for p in prompts]
+    assert [x["content"] for x in results] == [(await greedy(engine, p, 2)).text for p in prompts]
 
 
-async def test_stops_eos_and_probabilities(client: httpx.AsyncClient, engine: FakeEngine) -> None:
-    body = (await complete(client, prompt="hi", n_predict=40, stop=["world"])).json()
-    assert (body["content"], body["stop_type"], body["stopping_word"]) == ("hello ", "word", "world")
-    engine.eos_at = 5
-    body = (await complete(client, prompt="hi", n_predict=40, n_probs=2)).json()
-    assert (body["content"], body["stop_type"], body["tokens_predicted"]) == (SCRIPT[:5], "eos", 6)
+async def test_stops_eos_and_probabilities(client: httpx.AsyncClient, engine: ServedEngine) -> None:
+    g = await greedy(engine, "hi", 40, logprobs=2)
+    stop = a_stop_string(g.text)
+    body = (await complete(client, prompt="hi", n_predict=40, stop=[stop], temperature=0, ignore_eos=True)).json()
+    assert (body["content"], body["stop_type"], body["stopping_word"]) == (g.text[:g.text.find(stop)], "word", stop)
+    # EOS held back for 5 tokens (the operator's --override-generation-config), then biased to come next.
+    engine.sampling_overrides = {"min_tokens": 5}
+    engine.sampling_defaults = {**engine.inner.sampling_defaults, "min_tokens": 5}
+    eos = engine.tokenizer.eos_token_ids[0]
+    body = (await complete(client, prompt="hi", n_predict=40, n_probs=2, temperature=0,
+                           logit_bias=[[eos, 100]])).json()
+    assert (body["content"], body["stop_type"], body["tokens_predicted"]) == ((await greedy(engine, "hi", 5)).text,
+                                                                              "eos", 6)
     probs = body["completion_probabilities"]
-    assert len(probs) == 6 and probs[0]["id"] == ord("h") and probs[0]["token"] == "h"
-    assert probs[0]["bytes"] == [ord("h")] and probs[0]["logprob"] == -0.25
+    first = g.logprobs[0]
+    assert len(probs) == 6 and probs[0]["id"] == first.token_id and probs[0]["token"] == name(engine, first.token_id)
+    assert probs[0]["bytes"] == list(engine.tokenizer.token_bytes(first.token_id))
+    assert probs[0]["logprob"] == first.logprob
     assert len(probs[0]["top_logprobs"]) == 2 and set(probs[0]["top_logprobs"][0]) == {"id", "token", "bytes",
                                                                                         "logprob"}
 
 
-async def test_n_predict_0_evaluates_the_prompt_only(client: httpx.AsyncClient) -> None:
-    body = (await complete(client, prompt="hello", n_predict=0)).json()
+async def test_n_predict_0_evaluates_the_prompt_only(client: httpx.AsyncClient, engine: ServedEngine) -> None:
+    body = (await complete(client, prompt="hello there", n_predict=0)).json()
     assert (body["content"], body["tokens_predicted"], body["stop_type"]) == ("", 0, "limit")
-    assert body["tokens_evaluated"] == 6
+    assert body["tokens_evaluated"] == len(engine.tokenizer.encode("hello there"))
 
 
-async def test_the_stream_is_llama_cpps(client: httpx.AsyncClient) -> None:
-    whole = (await complete(client, prompt="hi", n_predict=9, n_probs=1)).json()
-    r = await complete(client, prompt="hi", n_predict=9, n_probs=1, stream=True)
+async def test_the_stream_is_llama_cpps(client: httpx.AsyncClient, engine: ServedEngine) -> None:
+    whole = (await complete(client, prompt="hi", n_predict=9, n_probs=1, temperature=0, ignore_eos=True)).json()
+    r = await complete(client, prompt="hi", n_predict=9, n_probs=1, stream=True, temperature=0, ignore_eos=True)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     got = events(r.text)
     deltas, last = got[:-1], got[-1]
     assert all(e["stop"] is False for e in deltas) and last["stop"] is True
     assert "".join(e["content"] for e in deltas) == whole["content"]
-    assert [t for e in deltas for t in e["tokens"]] == [ord(c) for c in whole["content"]]
+    assert [t for e in deltas for t in e["tokens"]] == (await greedy(engine, "hi", 9)).token_ids
     assert [p for e in deltas for p in e["completion_probabilities"]] == whole["completion_probabilities"]
     assert (last["content"], last["stop_type"], last["tokens_predicted"]) == ("", "limit", 9)
     assert "[DONE]" not in r.text
@@ -163,7 +204,7 @@ async def test_bad_requests_are_400s_naming_llama_cpps_field(client: httpx.Async
                         ({"prompt": "hi", "logit_bias": [[65]]}, "logit_bias"),
                         ({"prompt": "hi", "logit_bias": [[65, "up"]]}, "logit_bias"),
                         ({"prompt": [[]]}, "prompt"), ({"prompt": []}, "prompt"),
-                        ({"prompt": [1.5]}, "prompt"), ({"prompt": [99999]}, "prompt"),
+                        ({"prompt": [1.5]}, "prompt"), ({"prompt": [VOCAB]}, "prompt"),
                         ({"prompt": "hi", "grammar": "root ::= a", "json_schema": {}}, "json_schema")]:
         assert_error(await client.post("/completion", json=body), 400, param)
     # As llama.cpp's server, a model name it does not serve is no error: the base model answers.
@@ -172,17 +213,28 @@ async def test_bad_requests_are_400s_naming_llama_cpps_field(client: httpx.Async
 
 
 async def test_tokenize_detokenize_props_and_apply_template_as_llama_cpp_has_them(
-        client: httpx.AsyncClient, engine: FakeEngine) -> None:
+        client: httpx.AsyncClient, engine: ServedEngine) -> None:
     # /tokenize with llama.cpp's content: no BOS unless add_special; pieces on request.
-    assert (await client.post("/tokenize", json={"content": "hi"})).json()["tokens"] == [104, 105]
-    r = await client.post("/tokenize", json={"content": "hé", "add_special": True, "with_pieces": True})
-    assert r.json()["tokens"] == [{"id": 256, "piece": "<s>"}, {"id": 104, "piece": "h"},
-                                  {"id": 0xC3, "piece": [0xC3]}, {"id": 0xA9, "piece": [0xA9]}]
-    assert (await client.post("/detokenize", json={"tokens": [104, 105]})).json()["content"] == "hi"
+    tok = engine.tokenizer
+    hi = tok.encode("hi", add_special_tokens=False)
+    assert (await client.post("/tokenize", json={"content": "hi"})).json()["tokens"] == hi
+    r = await client.post("/tokenize", json={"content": "hé🙂!", "add_special": True, "with_pieces": True})
+
+    def piece(token_id: int) -> str | list[int]:  # a text, or the bytes of part of a character
+        raw = tok.token_bytes(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return list(raw)
+
+    assert r.json()["tokens"] == [{"id": t, "piece": piece(t)} for t in tok.encode("hé🙂!", add_special_tokens=True)]
+    assert any(isinstance(p["piece"], list) for p in r.json()["tokens"])  # the emoji is split
+    assert (await client.post("/detokenize", json={"tokens": hi})).json()["content"] == "hi"
     props = (await client.get("/props")).json()
-    assert props["default_generation_settings"]["n_ctx"] == 256 and props["model_alias"] == MODEL
+    assert props["default_generation_settings"]["n_ctx"] == MAX_MODEL_LEN and props["model_alias"] == MODEL
     assert props["default_generation_settings"]["params"]["temperature"] == 0.8
-    assert props["chat_template"] == engine.tokenizer.chat_template and props["bos_token"] == "<s>"
+    assert props["chat_template"] == tok.chat_template
+    assert props["bos_token"] == name(engine, tok.bos_token_id)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     prompt = (await client.post("/apply-template", json={"messages": messages})).json()["prompt"]
     assert prompt == "<|system|>be brief\n<|user|>hi\n<|assistant|>"
@@ -191,11 +243,15 @@ async def test_tokenize_detokenize_props_and_apply_template_as_llama_cpp_has_the
     await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
     chat_prompt = engine.requests[-1].prompt_token_ids
     await complete(client, prompt=prompt, n_predict=1)
-    assert engine.requests[-1].prompt_token_ids == [engine.tokenizer.BOS] + chat_prompt
+    bos = [tok.bos_token_id] if tok.encode("a")[:1] == [tok.bos_token_id] else []  # SmolLM2's adds none
+    assert engine.requests[-1].prompt_token_ids == bos + chat_prompt
     assert_error(await client.post("/apply-template", json={"messages": []}), 400, "messages")
 
 
-async def test_infill_lays_out_llama_cpps_prompt(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+async def test_infill_lays_out_llama_cpps_prompt(fake_served) -> None:
+    from fake_engine import FAKE_FIM
+
+    client, engine = fake_served
     assert_error(await complete(client, "/infill", input_prefix="def f(", input_suffix="):"), 400, "input_prefix")
     BOS = engine.tokenizer.BOS
     engine.tokenizer.fim_tokens = FAKE_FIM  # no repository or file separator tokens
@@ -218,8 +274,10 @@ async def test_infill_lays_out_llama_cpps_prompt(client: httpx.AsyncClient, engi
     assert_error(await complete(client, "/infill", input_prefix="a", input_extra=[{"text": 5}]), 400)
 
 
-async def test_infill_trims_the_prefix_suffix_and_context_as_llama_cpp(client: httpx.AsyncClient,
-                                                                       engine: FakeEngine) -> None:
+async def test_infill_trims_the_prefix_suffix_and_context_as_llama_cpp(fake_served) -> None:
+    from fake_engine import FAKE_FIM
+
+    client, engine = fake_served
     engine.tokenizer.fim_tokens = FAKE_FIM
     # n_ctx 256: the batch is half of it, 128 tokens.
     prefix, suffix = "p" * 150 + "q" * 250, "s" * 20 + "t" * 100
@@ -233,8 +291,10 @@ async def test_infill_trims_the_prefix_suffix_and_context_as_llama_cpp(client: h
         *b"d" * 108, engine.tokenizer.BOS, 260, *b"q" * 96, *b"xy", 261, *b"s" * 20 + b"t" * 8, 262]
 
 
-async def test_completions_suffix_is_a_fill_in_the_middle_prompt(client: httpx.AsyncClient,
-                                                                  engine: FakeEngine) -> None:
+async def test_completions_suffix_is_a_fill_in_the_middle_prompt(fake_served) -> None:
+    from fake_engine import FAKE_FIM
+
+    client, engine = fake_served
     body = {"prompt": "def f(", "suffix": "):\n    pass", "max_tokens": 3}
     assert_error(await client.post("/v1/completions", json=body), 400, "suffix")
     engine.tokenizer.fim_tokens = FAKE_FIM
@@ -247,11 +307,3 @@ async def test_completions_suffix_is_a_fill_in_the_middle_prompt(client: httpx.A
     assert r.status_code == 200 and [q.prompt_token_ids for q in engine.requests[-2:]] == [
         [engine.tokenizer.BOS, 260, 104, 105, 261, 33, 262], [engine.tokenizer.BOS, 260, 106, 261, 33, 262]]
     assert_error(await client.post("/v1/completions", json={**body, "echo": True}), 400)
-
-
-@pytest.fixture
-def engine():
-    """NOTE: this file's tests still run on the fake engine (issue 41 item 5 converts them)."""
-    from fake_engine import FakeEngine
-
-    return FakeEngine()
