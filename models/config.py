@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM")
+                           "Phi3ForCausalLM", "Gemma3ForCausalLM")
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 # What each rope_scaling type must give (models/rope.py computes the tables from them).
 _ROPE_REQUIRED = {"linear": ("factor",), "llama3": ("factor", "original_max_position_embeddings"),
@@ -24,9 +26,10 @@ def _layer_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
     covers the whole context is none."""
     window = cfg.get("sliding_window")
     layers = cfg["num_hidden_layers"]
-    if not window or window >= cfg.get("max_position_embeddings", 0):
-        return ()
     types = cfg.get("layer_types")
+    # (Gemma's windowed layers keep their window, whatever the context: it names their RoPE base too)
+    if not window or (window >= cfg.get("max_position_embeddings", 0) and arch != "Gemma3ForCausalLM"):
+        return ()
     if types is not None:
         windowed = [t == "sliding_attention" for t in types]
     elif arch == "Qwen2ForCausalLM":
@@ -35,6 +38,20 @@ def _layer_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
     else:
         windowed = [cfg.get("use_sliding_window", arch in ("MistralForCausalLM", "Phi3ForCausalLM"))] * layers
     return tuple(window if w else 0 for w in windowed) if any(windowed) else ()
+
+
+def _gemma_settings(cfg: dict[str, Any], local_rope: dict[str, Any] | None, hidden: int) -> dict[str, Any]:
+    """Gemma 3's ModelConfig fields beyond Llama's, from its config.json."""
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(cap) is not None:
+            raise ValueError(f"{cap} is not supported (Gemma 2's soft-capping)")
+    if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation {cfg['hidden_activation']!r} is not supported (gelu_pytorch_tanh is)")
+    local = (local_rope or {}).get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
+    # (the embedding's multiplier is sqrt(hidden) as a float32 holds it, as transformers')
+    return dict(hidden_act="gelu_tanh", embed_scale=float(np.float32(hidden ** 0.5)),
+                attention_scale=cfg.get("query_pre_attn_scalar", cfg.get("head_dim", 256)) ** -0.5,
+                local_rope_theta=local, norm_offset=1.0)
 
 
 # generation_config.json's sampling settings a request may leave to the model (vLLM's list;
@@ -65,6 +82,16 @@ class ModelConfig:
     # context); empty: no layer has one. Mistral v0.1 and Phi-3 window every layer, Qwen2
     # with use_sliding_window those from max_window_layers on, as transformers' layer_types.
     layer_windows: tuple[int, ...] = ()
+    # Gemma's differences from Llama (models/gemma.py): the MLP's activation ("silu" or
+    # "gelu_tanh"), the embedding multiplied by sqrt(hidden_size), the attention's scale
+    # (query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5), the windowed layers' RoPE
+    # base, and what is added to each norm weight at load (Gemma's norms scale by 1 + w:
+    # 1 for a checkpoint directory, 0 for a GGUF, whose converter added it).
+    hidden_act: str = "silu"
+    embed_scale: float = 1.0
+    attention_scale: float | None = None
+    local_rope_theta: float | None = None
+    norm_offset: float = 0.0
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # each head's query and key are RMS-normalised before RoPE (Qwen3)
@@ -126,6 +153,10 @@ class ModelConfig:
         heads = cfg["num_attention_heads"]
         # transformers >= 5 writes rope settings as one `rope_parameters` dict.
         rope = dict(cfg.get("rope_parameters") or {})
+        local_rope = None
+        if "full_attention" in rope:  # one set per layer type (Gemma 3)
+            local_rope = rope.get("sliding_attention") or {}
+            rope = dict(rope["full_attention"] or {})
         rope_theta = cfg.get("rope_theta", rope.pop("rope_theta", 10000.0))
         partial = cfg.get("partial_rotary_factor", rope.pop("partial_rotary_factor", 1.0))
         if partial != 1.0:  # (Phi-4-mini's 0.75: the rotary kernels turn every pair of a head)
@@ -157,12 +188,13 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", arch == "Gemma3ForCausalLM"),
             attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sampling_defaults=sampling,
             max_new_tokens=longest,
             layer_windows=windows,
+            **(_gemma_settings(cfg, local_rope, hidden) if arch == "Gemma3ForCausalLM" else {}),
         )

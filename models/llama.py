@@ -48,7 +48,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = config.attention_scale or self.head_dim ** -0.5
         self.window = window  # a sliding window's positions per query (0: the whole context)
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=config.attention_bias)
@@ -288,6 +288,8 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} does not belong to {cfg.architecture}")
             dst = param.data
+            if cfg.norm_offset and target.endswith("norm.weight"):
+                tensor = tensor.float() + cfg.norm_offset  # (Gemma's 1 + w, made once here)
             if shard in (0, 1) and target.endswith(("qkv_proj.weight", "qkv_proj.bias")):
                 heads = cfg.num_attention_heads if shard == 0 else cfg.num_key_value_heads
                 tensor = interleave_rotary_rows(tensor, heads)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from models.gemma import GemmaForCausalLM
 from models.llama import LlamaForCausalLM
 
 # Mistral, Qwen2, Qwen3 and Phi-3 are Llama with other settings (no q/k/v bias / with
@@ -17,6 +18,7 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,  # Llama's modules, Gemma's layer (models/gemma.py)
 }
 assert set(_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 

@@ -102,8 +102,9 @@ def tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides):
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),  # q, k, v and gate, up stored fused
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
-    if arch == "phi3":
+    if arch in ("phi3", "gemma3"):
         overrides = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **overrides}
     if arch == "qwen3":
         # Qwen3's head_dim is its own (128 where hidden / heads is 64): 32 here, not 16.

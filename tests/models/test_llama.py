@@ -186,6 +186,8 @@ def test_logits_indices_pick_the_rows_sent_to_the_lm_head(tiny_checkpoint, tiny_
 
 FAMILIES = {"qwen3": dict(arch="qwen3"), "phi3-longrope": VARIANTS["phi3-longrope"],
             "mistral-window": dict(arch="mistral", sliding_window=8),
+            "gemma3": dict(arch="gemma3", head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                           num_hidden_layers=3, layer_types=["sliding_attention"] * 2 + ["full_attention"]),
             "llama-yarn": dict(arch="llama", rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                            "original_max_position_embeddings": 16})}
 
@@ -233,4 +235,24 @@ def test_sliding_windows_match_transformers(tiny_checkpoint, tiny_prompt, make_r
     diff = max_diff(prefill(make_runner(loaded.model), tiny_prompt), reference_logits(reference, tiny_prompt))
     assert diff < 1e-4, f"max |logits diff| vs transformers is {diff:.2e}"
     # and decoding past the window, token by token, gives transformers' greedy tokens
+    assert make_runner(loaded.model).greedy(tiny_prompt, 6) == reference_greedy(reference, tiny_prompt, 6)
+
+
+
+# Gemma 3: two windowed layers (window 8, their own RoPE base) and a full one (with YaRN on
+# its table, as the long-context Gemma 3s scale theirs), head size 16, attention scaled by
+# query_pre_attn_scalar.
+GEMMA3 = dict(arch="gemma3", head_dim=16, sliding_window=8, query_pre_attn_scalar=24, num_hidden_layers=3,
+              layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+
+
+@pytest.mark.parametrize("variant", [GEMMA3, {**GEMMA3, "rope_parameters": {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}}], ids=["gemma3", "gemma3-scaled"])
+def test_gemma3_matches_transformers(tiny_checkpoint, tiny_prompt, make_runner, variant):
+    path, reference = tiny_checkpoint(**variant)
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    assert loaded.config.layer_windows == (8, 8, 0) and loaded.config.hidden_act == "gelu_tanh"
+    diff = max_diff(prefill(make_runner(loaded.model), tiny_prompt), reference_logits(reference, tiny_prompt))
+    assert diff < 1e-4, f"max |logits diff| vs transformers is {diff:.2e}"
     assert make_runner(loaded.model).greedy(tiny_prompt, 6) == reference_greedy(reference, tiny_prompt, 6)

@@ -1,0 +1,97 @@
+"""Gemma 3 (text): Llama's attention and projections, with Gemma's differences.
+
+What Gemma 3 changes (``ModelConfig`` carries each, from its config.json):
+
+* norms scale by ``1 + w``: the loader adds ``norm_offset`` to every norm weight once
+  (a GGUF's converter already did), so the norm kernels stay Llama's;
+* four norms a layer: before and after the attention, before and after the MLP, whose
+  outputs (post-norms) are added to the residual stream;
+* the MLP gates with GELU (tanh approximation) instead of SiLU;
+* the embedding is multiplied by sqrt(hidden_size) (in the activations' dtype);
+* per-head query and key norms (Qwen3's), the attention scaled by
+  ``query_pre_attn_scalar ** -0.5``;
+* sliding-window layers (``layer_windows``) with a RoPE base of their own
+  (``local_rope_theta``), full-attention layers with ``rope_theta`` and its scaling.
+
+Its layers run op by op (the one-call layer kernel is Llama's), with the same GEMMs
+and paged-attention kernels; not yet with LoRA adapters or tensor parallel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.attention import AttentionMetadata
+from models.config import ModelConfig
+from models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
+from models.rope import RotaryEmbedding
+
+
+class GemmaMLP(MLP):
+    """down(gelu_tanh(gate(x)) * up(x)), gate and up in one projection."""
+
+    def forward(self, x: torch.Tensor, lora: None = None) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class GemmaDecoderLayer(nn.Module):
+    """Norm, attention, norm, add; norm, MLP, norm, add."""
+
+    def __init__(self, config: ModelConfig, index: int) -> None:
+        super().__init__()
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(size, eps)
+        self.self_attn = Attention(config, config.layer_window(index))
+        self.post_attention_layernorm = RMSNorm(size, eps)
+        self.pre_feedforward_layernorm = RMSNorm(size, eps)
+        self.mlp = GemmaMLP(config)
+        self.post_feedforward_layernorm = RMSNorm(size, eps)
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(x), rope, positions, meta, kv_cache)
+        x = x + self.post_attention_layernorm(h)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Gemma 3's decoder on Llama's modules and loader (``load_weights``)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.model.layers = nn.ModuleList(GemmaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.local_rope: RotaryEmbedding | None = None
+
+    def init_rope(self, max_positions: int) -> None:
+        """The full-attention layers' table and the windowed layers' (their own base, unscaled)."""
+        super().init_rope(max_positions)
+        local = replace(self.config, rope_theta=self.config.local_rope_theta or self.config.rope_theta,
+                        rope_scaling=None, rope_freq_factors=None)
+        self.local_rope = RotaryEmbedding(local, max_positions, self.model.norm.weight.device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                logits_indices: torch.Tensor | None = None, lora: object | None = None,
+                hidden_indices: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """As ``LlamaForCausalLM.forward`` (no LoRA rows, no tensor parallel)."""
+        assert self.rope is not None and self.local_rope is not None, "call init_rope() before forward()"
+        if lora is not None or self.tp is not None:
+            raise ValueError("Gemma runs without LoRA adapters and tensor parallel here")
+        x = self.model.embed_tokens(input_ids)
+        x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        for layer, kv in zip(self.model.layers, kv_caches):
+            rope = self.local_rope if layer.self_attn.window else self.rope
+            x = layer(x, rope, positions, meta, kv)
+        hidden = None
+        if hidden_indices is not None:
+            hidden = self.model.norm(x.index_select(0, hidden_indices)).float()
+        if logits_indices is not None:
+            x = x.index_select(0, logits_indices)
+        logits = self.lm_head(self.model.norm(x)).float()
+        return logits if hidden is None else (logits, hidden)
