@@ -1,7 +1,6 @@
 """POST /completion (llama.cpp server's own API) against the real engine on the tiny checkpoint:
 its fields reach the engine as /v1/completions' do, and the answer comes back in llama.cpp's
-shape. The fill-in-the-middle layouts are still checked on the fake engine's byte tokenizer
-(``fake_served``)."""
+shape."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ import pytest
 from api_helpers import MODEL, assert_error
 from models.tokenizer import FimTokens
 from real_engine import MAX_MODEL_LEN, PLAIN_TEMPLATE, ServedEngine, a_stop_string, greedy, name
-from server.app import build_app
 
 pytestmark = pytest.mark.anyio
 
@@ -27,18 +25,6 @@ async def complete(client: httpx.AsyncClient, path: str = "/completion", **body)
 @pytest.fixture
 def engine(make_engine) -> ServedEngine:
     return make_engine(chat_template=PLAIN_TEMPLATE)
-
-
-@pytest.fixture
-async def fake_served():
-    """NOTE: the fake engine and its byte tokenizer still, for the fill-in-the-middle layouts."""
-    from fake_engine import FakeEngine
-
-    engine = FakeEngine()
-    app = build_app(engine)
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
-            yield c, engine
 
 
 def events(body: str) -> list[dict]:
@@ -248,62 +234,80 @@ async def test_tokenize_detokenize_props_and_apply_template_as_llama_cpp_has_the
     assert_error(await client.post("/apply-template", json={"messages": []}), 400, "messages")
 
 
-async def test_infill_lays_out_llama_cpps_prompt(fake_served) -> None:
-    from fake_engine import FAKE_FIM
+def fim(engine: ServedEngine, monkeypatch: pytest.MonkeyPatch, **separators: int) -> FimTokens:
+    """Three of SmolLM2's special tokens stand in for a code model's markers (as ``separators``' too)."""
+    markers = FimTokens(prefix=3, suffix=4, middle=5, **separators)
+    monkeypatch.setattr(engine.tokenizer, "fim_tokens", markers)
+    return markers
 
-    client, engine = fake_served
+
+def enc(engine: ServedEngine, text: str) -> list[int]:
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+async def test_infill_lays_out_llama_cpps_prompt(client: httpx.AsyncClient, engine: ServedEngine,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     assert_error(await complete(client, "/infill", input_prefix="def f(", input_suffix="):"), 400, "input_prefix")
-    BOS = engine.tokenizer.BOS
-    engine.tokenizer.fim_tokens = FAKE_FIM  # no repository or file separator tokens
+    bos = engine.tokenizer.encode("", add_special_tokens=True)  # where the model adds one (SmolLM2: none)
+    m = fim(engine, monkeypatch)  # no repository or file separator tokens
     r = await complete(client, "/infill", input_prefix="def f(", input_suffix="):", prompt="x",
                        input_extra=[{"filename": "a.py", "text": "y = 1"}], n_predict=-1, temperature=0)
     assert r.status_code == 200, r.text
     # Without a file separator token the chunks are joined by a snippet line.
     assert engine.requests[-1].prompt_token_ids == [
-        *b"\n\n--- snippet ---\n\ny = 1", BOS, 260, *b"def f(", *b"x", 261, *b"):", 262]
+        *enc(engine, "\n\n--- snippet ---\n\n"), *enc(engine, "y = 1"), *bos, m.prefix, *enc(engine, "def f("),
+        *enc(engine, "x"), m.suffix, *enc(engine, "):"), m.middle]
     assert r.json()["content"] and r.json()["stop_type"] == "limit"  # /completion's answer
     # With them: the repository's name, each file's name, then the file being edited.
-    engine.tokenizer.fim_tokens = FimTokens(260, 261, 262, repo=258, file_sep=259)
+    m = fim(engine, monkeypatch, repo=6, file_sep=7)
     r = await complete(client, "/infill", input_prefix="a", input_suffix="b",
                        input_extra=[{"filename": "a.py", "text": "y = 1"}, {"text": "z"}], n_predict=4)
     assert r.status_code == 200, r.text
     assert engine.requests[-1].prompt_token_ids == [
-        258, *b"myproject\n", 259, *b"a.py\n", *b"y = 1", 259, *b"tmp\n", *b"z", 259, *b"filename\n",
-        BOS, 260, *b"a", 261, *b"b", 262]
+        6, *enc(engine, "myproject\n"), 7, *enc(engine, "a.py\n"), *enc(engine, "y = 1"), 7, *enc(engine, "tmp\n"),
+        *enc(engine, "z"), 7, *enc(engine, "filename\n"), *bos, m.prefix, *enc(engine, "a"), m.suffix,
+        *enc(engine, "b"), m.middle]
     assert engine.requests[-1].params.max_tokens == 4
     assert_error(await complete(client, "/infill", input_prefix="a", input_extra=[{"text": 5}]), 400)
 
 
-async def test_infill_trims_the_prefix_suffix_and_context_as_llama_cpp(fake_served) -> None:
-    from fake_engine import FAKE_FIM
+async def test_infill_trims_the_prefix_suffix_and_context_as_llama_cpp(client: httpx.AsyncClient, engine: ServedEngine,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    m = fim(engine, monkeypatch)
 
-    client, engine = fake_served
-    engine.tokenizer.fim_tokens = FAKE_FIM
+    def one(text: str) -> int:
+        [token] = enc(engine, text)
+        assert enc(engine, text * 5) == [token] * 5  # a repeat is that many tokens
+        return token
+
+    p, q, s, t, c, d = map(one, (" p", " q", " s", " t", " c", " d"))
     # n_ctx 256: the batch is half of it, 128 tokens.
-    prefix, suffix = "p" * 150 + "q" * 250, "s" * 20 + "t" * 100
-    context = "c" * 100 + "d" * 200
+    prefix, suffix = " p" * 150 + " q" * 250, " s" * 20 + " t" * 100
+    context = " c" * 100 + " d" * 200
     r = await complete(client, "/infill", input_prefix=prefix, input_suffix=suffix, prompt="xy",
                        input_extra=[{"text": context}], n_predict=10)
     assert r.status_code == 200, r.text
     # The prefix's last 3/4 of the batch (96), the suffix's first quarter less the prompt and
-    # two markers (28), the context's last n_ctx - batch - 2 x n_predict (108).
+    # two markers (32 - 2 - the prompt's tokens), the context's last n_ctx - batch - 2 x n_predict (108).
+    xy = enc(engine, "xy")
+    bos = engine.tokenizer.encode("", add_special_tokens=True)
     assert engine.requests[-1].prompt_token_ids == [
-        *b"d" * 108, engine.tokenizer.BOS, 260, *b"q" * 96, *b"xy", 261, *b"s" * 20 + b"t" * 8, 262]
+        *[d] * 108, *bos, m.prefix, *[q] * 96, *xy, m.suffix, *[s] * 20, *[t] * (10 - len(xy)), m.middle]
 
 
-async def test_completions_suffix_is_a_fill_in_the_middle_prompt(fake_served) -> None:
-    from fake_engine import FAKE_FIM
-
-    client, engine = fake_served
+async def test_completions_suffix_is_a_fill_in_the_middle_prompt(client: httpx.AsyncClient, engine: ServedEngine,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     body = {"prompt": "def f(", "suffix": "):\n    pass", "max_tokens": 3}
     assert_error(await client.post("/v1/completions", json=body), 400, "suffix")
-    engine.tokenizer.fim_tokens = FAKE_FIM
+    m = fim(engine, monkeypatch)
+    bos = engine.tokenizer.encode("", add_special_tokens=True)
     r = await client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     assert engine.requests[-1].prompt_token_ids == [
-        engine.tokenizer.BOS, 260, *b"def f(", 261, *b"):\n    pass", 262]
+        *bos, m.prefix, *enc(engine, "def f("), m.suffix, *enc(engine, "):\n    pass"), m.middle]
     assert r.json()["usage"]["prompt_tokens"] == len(engine.requests[-1].prompt_token_ids)
     r = await client.post("/v1/completions", json={"prompt": [[104, 105], [106]], "suffix": "!", "max_tokens": 1})
-    assert r.status_code == 200 and [q.prompt_token_ids for q in engine.requests[-2:]] == [
-        [engine.tokenizer.BOS, 260, 104, 105, 261, 33, 262], [engine.tokenizer.BOS, 260, 106, 261, 33, 262]]
+    bang = enc(engine, "!")
+    assert r.status_code == 200 and sorted(q.prompt_token_ids for q in engine.requests[-2:]) == sorted([
+        [*bos, m.prefix, 104, 105, m.suffix, *bang, m.middle], [*bos, m.prefix, 106, m.suffix, *bang, m.middle]])
     assert_error(await client.post("/v1/completions", json={**body, "echo": True}), 400)
