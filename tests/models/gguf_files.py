@@ -54,7 +54,9 @@ def write_header(writer: gguf.GGUFWriter, cfg) -> None:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters
+    # (Gemma 3 keeps one set per layer type: the file's base is the full layers')
+    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"] if "full_attention" in rope else rope["rope_theta"])
 
 
 def blocks(type_name: str, shape: tuple[int, int], seed: int) -> tuple[np.ndarray, torch.Tensor]:

@@ -27,11 +27,17 @@ _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 
 
-def gguf_name(hf_name: str) -> str:
+# Gemma 3's norms, as llama.cpp names them (its ffn_norm is the norm before the MLP).
+_GEMMA3 = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+           "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in _GLOBAL:
         return _GLOBAL[hf_name]
     _, _, layer, *module, kind = hf_name.split(".")
-    return f"blk.{layer}.{_LAYER['.'.join(module)]}.{kind}"
+    names = {**_LAYER, **_GEMMA3} if arch == "gemma3" else _LAYER
+    return f"blk.{layer}.{names['.'.join(module)]}.{kind}"
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -60,7 +66,7 @@ def write_gguf(path: Path, hf_model, arch: str = "llama", drop: tuple[str, ...] 
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"<t{i}>" for i in range(cfg.vocab_size)])
     for hf, tensor in hf_model.state_dict().items():
-        name = gguf_name(hf)
+        name = gguf_name(hf, arch)
         if name in drop or (name == "output.weight" and cfg.tie_word_embeddings):
             continue
         w = tensor.numpy().astype(np.float32)
@@ -68,6 +74,8 @@ def write_gguf(path: Path, hf_model, arch: str = "llama", drop: tuple[str, ...] 
             w = llama_cpp_permute(w, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in hf:
             w = llama_cpp_permute(w, cfg.num_key_value_heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            w = w + 1  # llama.cpp's converter stores Gemma's norms as 1 + w
         w = (replace or {}).get(name, w)
         qtype = (quantize or {}).get(name)
         if qtype is None:
@@ -242,6 +250,22 @@ def test_a_gguf_sliding_window_matches_transformers(tiny_checkpoint, tiny_prompt
     path = write_gguf(tmp_path / "phi3.gguf", reference, arch="phi3", fields=lambda w: w.add_sliding_window(8))
     loaded = load(path)
     assert loaded.config.layer_windows == (8, 8)
+    runner = make_runner(loaded.model)
+    ours = runner.step([(runner.new_seq(len(tiny_prompt)), tiny_prompt)])[0]
+    with torch.no_grad():
+        expected = reference(torch.tensor([tiny_prompt])).logits[0]
+    assert (ours - expected).abs().max().item() < 1e-4
+
+
+
+def test_a_gemma3_gguf_matches_transformers(tiny_checkpoint, tiny_prompt, make_runner, tmp_path):
+    # llama.cpp's layout: every sixth layer full, the others windowed; norms stored as 1 + w.
+    types = ["sliding_attention"] * 5 + ["full_attention"]
+    _, reference = tiny_checkpoint("gemma3", head_dim=16, query_pre_attn_scalar=16, num_hidden_layers=6,
+                                   sliding_window=8, layer_types=types)
+    path = write_gguf(tmp_path / "gemma3.gguf", reference, arch="gemma3", fields=lambda w: w.add_sliding_window(8))
+    loaded = load(path)
+    assert loaded.config.layer_windows == (8, 8, 8, 8, 8, 0) and loaded.config.norm_offset == 0
     runner = make_runner(loaded.model)
     ours = runner.step([(runner.new_seq(len(tiny_prompt)), tiny_prompt)])[0]
     with torch.no_grad():
