@@ -135,7 +135,7 @@ class Comparison:
     first_difference: int | None  # the first position where the tokens differ (None: they agree)
     kvserve_gap: float | None  # top-2 gap there on each side
     transformers_gap: float | None
-    same_prompt_ids: bool  # transformers' tokenizer gives the server's prompt ids
+    same_prompt_ids: bool | None  # transformers' tokenizer gives the server's prompt ids (None: not checked)
     closest: float | None  # the smallest top-2 gap (transformers') where the tokens agree: how close a call it was
     kvserve_tokens: list[int]
     transformers_tokens: list[int]
@@ -206,8 +206,11 @@ def transformers_answers(model: Path, prompt_ids: list[list[int]], eos: list[int
     return answers, tokenizer
 
 
-def reference_prompt_ids(tokenizer, kind: str, prompt: str) -> list[int]:
-    """The prompt's ids by transformers' tokenizer (and the file's chat template)."""
+def reference_prompt_ids(tokenizer, kind: str, prompt: str) -> list[int] | None:
+    """The prompt's ids by transformers' tokenizer (and the file's chat template; None for a
+    chat prompt where the file has no template: a base model, which kvserve gives its default)."""
+    if kind == "chat" and tokenizer.chat_template is None:
+        return None
     if kind == "chat":
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                add_generation_prompt=True)
@@ -215,7 +218,7 @@ def reference_prompt_ids(tokenizer, kind: str, prompt: str) -> list[int]:
     return tokenizer(prompt).input_ids
 
 
-def compare(kind: str, ours: Answer, theirs: Answer, reference_ids: list[int]) -> Comparison:
+def compare(kind: str, ours: Answer, theirs: Answer, reference_ids: list[int] | None) -> Comparison:
     """One prompt's outcome: where the answers first differ and how close a tie it was there."""
     at = first_difference(ours.tokens, theirs.tokens)
 
@@ -224,13 +227,14 @@ def compare(kind: str, ours: Answer, theirs: Answer, reference_ids: list[int]) -
 
     agreed = [g for g in theirs.gaps[:len(theirs.tokens) if at is None else at] if g is not None]
     return Comparison(kind, len(ours.prompt_ids), at is None, at, gap(ours), gap(theirs),
-                      reference_ids == ours.prompt_ids, min(agreed, default=None), ours.tokens, theirs.tokens)
+                      None if reference_ids is None else reference_ids == ours.prompt_ids, min(agreed, default=None),
+                      ours.tokens, theirs.tokens)
 
 
 def line(i: int, c: Comparison) -> str:
     """One prompt's line of the report."""
     head = f"{i:2d} {c.kind:10s} {c.prompt_tokens:4d} prompt tokens: "
-    tail = "" if c.same_prompt_ids else "  (transformers' tokenizer gives other prompt ids)"
+    tail = "" if c.same_prompt_ids is not False else "  (transformers' tokenizer gives other prompt ids)"
 
     def fmt(g: float | None) -> str:
         return "n/a" if g is None else f"{g:.3g}{' (near tie)' if g < NEAR_TIE else ''}"
