@@ -213,7 +213,8 @@ class _Probe:
         ``types``: the file's projection types, of which a ``w4a16`` probe is made."""
         self.config, self.path = config, path
         self.layers = min(PROBE_LAYERS, config.num_hidden_layers)
-        self.model = _probe_model(dataclasses.replace(config, num_hidden_layers=self.layers), path, types)
+        probe = dataclasses.replace(config, num_hidden_layers=self.layers, layer_windows=config.layer_windows[:self.layers])
+        self.model = _probe_model(probe, path, types)
         kv_dtype = kv_cache.default_dtype(getattr(torch, path.dtype))
         decode_blocks = kv_cache.cdiv(DECODE_CONTEXT + 1, BLOCK_SIZE)
         prompt_blocks = kv_cache.cdiv(PROMPT_TOKENS, BLOCK_SIZE)

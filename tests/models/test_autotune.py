@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from pathlib import Path
 
@@ -123,6 +125,16 @@ def test_measuring_again_replaces_the_cached_choice(tmp_path: Path, monkeypatch:
 def test_every_candidate_runs_on_a_probe_model(path: RunPath) -> None:
     t = autotune.measure(TINY, path, runs=1)
     assert t.path == path and t.decode_ms > 0 and t.prompt_ms > 0 and t.full_batch_ms > 0
+
+
+def test_a_probe_of_a_windowed_model_keeps_its_first_layers_windows() -> None:
+    # Gemma 3's 18 layers, windowed but every sixth: the probe's 4 layers are its first four.
+    gemma = dataclasses.replace(TINY, architecture="Gemma3ForCausalLM", num_hidden_layers=18, qk_norm=True,
+                                hidden_act="gelu_tanh", layer_windows=tuple(0 if (i + 1) % 6 == 0 else 64
+                                                                            for i in range(18)))
+    probe = autotune._Probe(gemma, RunPath("float32", "none"))
+    assert [layer.self_attn.window for layer in probe.model.model.layers] == [64] * probe.layers
+    assert autotune.measure(gemma, RunPath("float32", "none"), runs=1).decode_ms > 0
 
 
 def test_the_candidates_are_timed_in_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
