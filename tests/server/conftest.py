@@ -36,15 +36,11 @@ def tiny_loaded(tiny_checkpoint: Path):
     return load_model(str(tiny_checkpoint), dtype="float32", device="cpu", quantization="none")
 
 
-@pytest.fixture
-def make_engine(tiny_loaded, tiny_checkpoint: Path) -> Iterator[Callable[..., ServedEngine]]:
-    """``make_engine(**engine_config_fields)`` -> a ``ServedEngine`` whose loop runs on a
-    thread of its own; the app's lifespan starts and shuts it down (loops never started
-    are stopped at teardown)."""
+def _engines(loaded, checkpoint: Path) -> Iterator[Callable[..., ServedEngine]]:
     loops = []
 
     def make(**overrides) -> ServedEngine:
-        engine = build_engine(tiny_loaded, tiny_checkpoint, **overrides)
+        engine = build_engine(loaded, checkpoint, **overrides)
         loops.append(start_loop(engine))
         return ServedEngine(engine)
 
@@ -53,6 +49,35 @@ def make_engine(tiny_loaded, tiny_checkpoint: Path) -> Iterator[Callable[..., Se
         give_up.set()
         thread.join(timeout=30)
         assert not thread.is_alive(), "an engine loop was started and never shut down"
+
+
+@pytest.fixture
+def make_engine(tiny_loaded, tiny_checkpoint: Path) -> Iterator[Callable[..., ServedEngine]]:
+    """``make_engine(**engine_config_fields)`` -> a ``ServedEngine`` whose loop runs on a
+    thread of its own; the app's lifespan starts and shuts it down (loops never started
+    are stopped at teardown)."""
+    yield from _engines(tiny_loaded, tiny_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def think_checkpoint(tmp_path_factory: pytest.TempPathFactory, gguf_tokenizer) -> Path:
+    """The tiny checkpoint's twin whose tokenizer has ``<think>`` and ``</think>`` as single
+    tokens (as Qwen3's has), made once."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("server-think"), gguf_tokenizer,
+                                 added=("<think>", "</think>"))
+
+
+@pytest.fixture(scope="session")
+def think_loaded(think_checkpoint: Path):
+    from models.loader import load_model
+
+    return load_model(str(think_checkpoint), dtype="float32", device="cpu", quantization="none")
+
+
+@pytest.fixture
+def make_think_engine(think_loaded, think_checkpoint: Path) -> Iterator[Callable[..., ServedEngine]]:
+    """``make_engine`` on ``think_checkpoint``."""
+    yield from _engines(think_loaded, think_checkpoint)
 
 
 @pytest.fixture

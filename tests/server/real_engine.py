@@ -33,13 +33,19 @@ NUM_KV_BLOCKS = 64
 HIDDEN_SIZE = 64  # the tiny model's: an embedding's length
 
 
-def write_tiny_checkpoint(path: Path, tokenizer) -> Path:
+def write_tiny_checkpoint(path: Path, tokenizer, added: tuple[str, ...] = ()) -> Path:
     """A random 2-layer Llama (hidden 64, GQA 4/2) with ``tokenizer``'s vocabulary, its
-    ``tokenizer.json`` and chat template, as ``save_pretrained`` writes a checkpoint."""
+    ``tokenizer.json`` and chat template, as ``save_pretrained`` writes a checkpoint;
+    ``added``: texts the tokenizer gains as single (added, not special) tokens, as Qwen3's
+    ``<think>`` is, with an embedding row each."""
+    import tokenizers
     import transformers
 
+    backend = tokenizers.Tokenizer.from_str(tokenizer.to_json())
+    backend.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in added])
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=HIDDEN_SIZE, intermediate_size=128,
+    config = transformers.LlamaConfig(vocab_size=backend.get_vocab_size(with_added_tokens=True),
+                                      hidden_size=HIDDEN_SIZE, intermediate_size=128,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                       max_position_embeddings=2048, tie_word_embeddings=True)
     model = transformers.LlamaForCausalLM(config)
@@ -49,8 +55,8 @@ def write_tiny_checkpoint(path: Path, tokenizer) -> Path:
         for name, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.5 * torch.randn_like(p))
     model.save_pretrained(path, safe_serialization=True)
-    (path / "tokenizer.json").write_text(tokenizer.to_json())
-    name = tokenizer._backend.id_to_token
+    (path / "tokenizer.json").write_text(backend.to_str())
+    name = backend.id_to_token
     (path / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": name(tokenizer.bos_token_id), "eos_token": name(tokenizer.eos_token_ids[0]),
         "chat_template": tokenizer.chat_template, "add_bos_token": False}))
@@ -90,6 +96,12 @@ class ServedEngine:
     mid-stream; a shutdown cuts the wait short. ``script``: the text every generation
     answers, which the engine itself writes under a structured-output constraint (a
     ``choice`` of that one text), then ends with EOS; the recorded params are the server's.
+    ``script_over_constraints``: the script even where the request has a constraint of its
+    own (the engine then gets the script's choice in its place, and no ``think``).
+    ``script_grammar``: a Lark grammar of the script that the engine writes in place of
+    the ``choice`` (to write ``<think>`` as its single token, ``<think>`` in Lark: under a
+    choice's forced text, llguidance's mask allows the added token, which its matcher then
+    refuses).
     """
 
     def __init__(self, engine: AsyncEngine) -> None:
@@ -99,6 +111,8 @@ class ServedEngine:
         self.fault = "error"
         self.step_delay = 0.0
         self.script: str | None = None
+        self.script_over_constraints = False
+        self.script_grammar: str | None = None
         self.started = False
         self.shut_down = False
         self._killed = False
@@ -144,8 +158,11 @@ class ServedEngine:
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  group: str | None = None, adapter: str | None = None) -> AsyncIterator[RequestOutput]:
         asked = params
-        if self.script is not None and params.pooling is None and params.structured is None:
-            params = dataclasses.replace(params, structured=StructuredOutput("choice", (self.script,)))
+        if (self.script is not None and params.pooling is None
+                and (params.structured is None or self.script_over_constraints)):
+            script = (StructuredOutput("grammar", self.script_grammar) if self.script_grammar is not None
+                      else StructuredOutput("choice", (self.script,)))
+            params = dataclasses.replace(params, structured=script, think=None)
         stream = self.inner.generate(request_id, prompt_token_ids, params, group=group, adapter=adapter)
         params = asked
         return self._watch(SeenRequest(request_id, list(prompt_token_ids), params, group, adapter), stream)

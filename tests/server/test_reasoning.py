@@ -115,13 +115,10 @@ async def thinking(engine: ServedEngine) -> Any:
 
 
 @pytest.fixture
-async def fake_thinking() -> Any:
-    """NOTE: the fake engine still, for the one test whose answer must both match the request's
-    own constraint and hold a <think> block (no real model writes that on cue)."""
-    from fake_engine import FakeEngine
-
-    engine = FakeEngine(eos_at=len(THOUGHT))
-    async for c in serve_thinking(engine):
+async def tagged_thinking(make_think_engine) -> Any:
+    """``thinking`` on the tiny checkpoint's twin whose tokenizer has ``<think>`` and
+    ``</think>`` as single tokens (as Qwen3's has)."""
+    async for c in serve_thinking(make_think_engine(chat_template=PLAIN_TEMPLATE)):
         yield c
 
 
@@ -141,7 +138,7 @@ async def test_chat_answers_carry_reasoning_content(thinking: httpx.AsyncClient)
 
 
 async def test_an_earlier_turns_reasoning_goes_back_to_the_template(thinking: httpx.AsyncClient) -> None:
-    # Qwen3's template renders an assistant turn's reasoning_content (the fake's as <think>...</think>).
+    # Qwen3's template renders an assistant turn's reasoning_content (PLAIN_TEMPLATE's as <think>...</think>).
     engine = thinking._transport.app.state.kvserve.engine
     history = MESSAGES + [{"role": "assistant", "content": "Hello!", "reasoning_content": "Let me see."},
                           {"role": "user", "content": "again"}]
@@ -196,22 +193,34 @@ async def test_responses_put_the_reasoning_in_its_own_item(thinking: httpx.Async
 
 
 async def test_a_constrained_answer_thinks_first_where_the_tags_are_single_tokens(
-        fake_thinking: httpx.AsyncClient) -> None:
-    thinking = fake_thinking
+        thinking: httpx.AsyncClient, tagged_thinking: httpx.AsyncClient) -> None:
+    # Both engines write their script over the request's own constraint (no model writes a
+    # <think> block that also matches it on cue); the recorded params are the server's.
     state = thinking._transport.app.state.kvserve
     engine = state.engine
+    engine.script_over_constraints = True
     constrained = {"model": MODEL, "messages": MESSAGES, "structured_outputs": {"regex": "[a-zA-Z!]+"}}
-    # The fake's byte tokenizer has no single token for <think>: the grammar holds from
-    # the first token, so nothing is split off (the fake types its script regardless).
+    # SmolLM2's tokenizer has no single token for <think>: the grammar holds from the
+    # first token, so nothing is split off.
     assert state.think_tokens is None
     body = (await thinking.post("/v1/chat/completions", json=constrained)).json()
     assert body["choices"][0]["message"] == {"role": "assistant", "content": THOUGHT}
     assert engine.requests[-1].params.think is None
-    # Where they are single tokens, the engine's grammar waits out the block, and the
-    # blanks it lets through after the block are not part of the answer.
-    state.think_tokens = ThinkTokens(258, 259)
+    # Where they are single tokens, the server has the engine's grammar wait out the block
+    # (params.think), and the blanks it lets through after the block are not part of the answer.
+    state, smollm2_vocab = tagged_thinking._transport.app.state.kvserve, engine.tokenizer.vocab_size
+    engine = state.engine
+    engine.script_over_constraints = True
+    engine.script_grammar = r'start: <think> "\nLet me see.\n" </think> "\n\nHello!"'  # THOUGHT, tags as tokens
+    [start], [end] = (engine.tokenizer.encode(tag, add_special_tokens=False) for tag in ("<think>", "</think>"))
+    assert sorted([start, end]) == [smollm2_vocab, smollm2_vocab + 1]  # the two tokens added to SmolLM2's
+    tags = ThinkTokens(start, end)
+    assert state.think_tokens == tags
+    thinking = tagged_thinking
     body = (await thinking.post("/v1/chat/completions", json=constrained)).json()
-    assert engine.requests[-1].params.think == ThinkTokens(258, 259)
+    assert engine.requests[-1].params.think == tags
+    written = [t for out in engine.requests[-1].outputs for o in out.outputs for t in o.token_ids]
+    assert written[0] == start and end in written  # the tags as the single tokens
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello!",
                                              "reasoning_content": "\nLet me see.\n"}
     r = await thinking.post("/v1/chat/completions", json={**constrained, "stream": True})
@@ -219,7 +228,7 @@ async def test_a_constrained_answer_thinks_first_where_the_tags_are_single_token
     assert "".join(d.get("content") or "" for d in deltas) == "Hello!"
     body = (await thinking.post("/v1/responses", json={"model": MODEL, "input": "hi",
                                                        "text": {"format": {"type": "json_object"}}})).json()
-    assert engine.requests[-1].params.think == ThinkTokens(258, 259)
+    assert engine.requests[-1].params.think == tags
     assert [i["type"] for i in body["output"]] == ["reasoning", "message"]
     assert body["output"][1]["content"][0]["text"] == "Hello!"
 
