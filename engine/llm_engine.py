@@ -24,7 +24,7 @@ from engine.input_processor import InputProcessor, default_max_tokens, sampling_
 from engine.kv_cache_manager import KVCacheManager
 from engine.lora_registry import LoRARegistry
 from engine.model_runner import ModelRunner, kv_bytes_per_block
-from engine.output_processor import ApiRequest, OutputProcessor, StepResult
+from engine.output_processor import OutputProcessor, StepResult
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.request import EngineRequest, Request
 from engine.sampler import Sampler, SamplerOutput, picks_argmax, prompt_logprobs
@@ -190,15 +190,6 @@ class LLMEngine:
         return DraftProposer(draft, self.num_blocks, self.block_size, kv_dtype, spec.num_speculative_tokens,
                              self.vocab_size, max_catch_up=self.budget.max_num_batched_tokens)
 
-    @property
-    def limits(self) -> RequestLimits:
-        """What bounds every request (``engine.validation``), held by the input processor."""
-        return self.inputs.limits
-
-    @limits.setter
-    def limits(self, limits: RequestLimits) -> None:
-        self.inputs.limits = limits
-
     # -- tensor-parallel ranks --------------------------------------------
 
     def add_fault_listener(self, listener) -> None:
@@ -256,18 +247,6 @@ class LLMEngine:
     @property
     def num_unfinished_requests(self) -> int:
         return len(self.outputs)
-
-    # NOTE: the names the engine's tests reach these by, from before they had owners of their own.
-    _sampling_defaults = staticmethod(sampling_defaults)
-    _sampling_overrides = staticmethod(sampling_overrides)
-    _default_max_tokens = staticmethod(default_max_tokens)
-
-    @property
-    def _requests(self) -> dict[str, ApiRequest]:
-        return self.outputs.requests
-
-    def _bad_words_token_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
-        return self.inputs.bad_words_token_ids(words)
 
     # -- LoRA adapters ------------------------------------------------------
 

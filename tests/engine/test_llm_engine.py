@@ -19,6 +19,7 @@ import torch
 from engine import llm_engine as llm_engine_module
 from engine.config import (CPU_BUDGET, CUDA_KV_CACHE_FRACTION, CUDA_MAX_NUM_BATCHED_TOKENS, CUDA_MAX_NUM_SEQS, MiB,
                            EngineConfig, StepBudget, cpu_kv_budget, step_budget)
+from engine.input_processor import default_max_tokens, sampling_defaults, sampling_overrides
 from engine.llm_engine import LLMEngine
 from engine.model_runner import kv_bytes_per_block
 from engine.outputs import RequestOutput
@@ -561,31 +562,31 @@ def test_the_models_sampling_defaults_unless_generation_config_vllm(caplog):
     model = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
                         max_position_embeddings=64, sampling_defaults={"temperature": 0.6, "top_k": 20})
-    assert LLMEngine._sampling_defaults(EngineConfig(), model) == {"temperature": 0.6, "top_k": 20}
-    assert LLMEngine._sampling_defaults(EngineConfig(generation_config="vllm"), model) == {}
+    assert sampling_defaults(EngineConfig(), model) == {"temperature": 0.6, "top_k": 20}
+    assert sampling_defaults(EngineConfig(generation_config="vllm"), model) == {}
     broken = dataclasses.replace(model, sampling_defaults={"top_p": 1.5})
-    assert LLMEngine._sampling_defaults(EngineConfig(), broken) == {}
+    assert sampling_defaults(EngineConfig(), broken) == {}
     assert "ignoring the model's generation_config.json sampling" in caplog.text
     with pytest.raises(ValueError, match="generation_config must be auto or vllm"):
         EngineConfig(generation_config="hf")
     longest = dataclasses.replace(model, max_new_tokens=7)
-    assert LLMEngine._default_max_tokens(EngineConfig(), longest) == 7
-    assert LLMEngine._default_max_tokens(EngineConfig(generation_config="vllm"), longest) is None
-    assert LLMEngine._default_max_tokens(EngineConfig(), model) is None
+    assert default_max_tokens(EngineConfig(), longest) == 7
+    assert default_max_tokens(EngineConfig(generation_config="vllm"), longest) is None
+    assert default_max_tokens(EngineConfig(), model) is None
     # vLLM's --override-generation-config: over the model's values; alone with "vllm".
     override = {"temperature": 0.9, "dry_multiplier": 0.8, "mirostat": 2, "samplers": ["top_k", "temperature"],
                 "max_new_tokens": 3}
-    assert LLMEngine._sampling_defaults(EngineConfig(override_generation_config=override), model) == {
+    assert sampling_defaults(EngineConfig(override_generation_config=override), model) == {
         "temperature": 0.9, "top_k": 20, "dry_multiplier": 0.8, "mirostat": 2, "samplers": ["top_k", "temperature"]}
-    assert LLMEngine._sampling_defaults(EngineConfig(generation_config="vllm", override_generation_config=override),
+    assert sampling_defaults(EngineConfig(generation_config="vllm", override_generation_config=override),
                                         model) == {"temperature": 0.9, "dry_multiplier": 0.8, "mirostat": 2,
                                                    "samplers": ["top_k", "temperature"]}
     # The operator's part alone (llama.cpp's /completion applies it, not the model's values).
-    assert LLMEngine._sampling_overrides(EngineConfig(override_generation_config=override)) == {
+    assert sampling_overrides(EngineConfig(override_generation_config=override)) == {
         "temperature": 0.9, "dry_multiplier": 0.8, "mirostat": 2, "samplers": ["top_k", "temperature"]}
-    assert LLMEngine._sampling_overrides(EngineConfig()) == {}
-    assert LLMEngine._default_max_tokens(EngineConfig(override_generation_config=override), longest) == 3
-    assert LLMEngine._default_max_tokens(EngineConfig(generation_config="vllm", override_generation_config=override),
+    assert sampling_overrides(EngineConfig()) == {}
+    assert default_max_tokens(EngineConfig(override_generation_config=override), longest) == 3
+    assert default_max_tokens(EngineConfig(generation_config="vllm", override_generation_config=override),
                                          model) == 3
     for bad, match in [({"max_tokens": 5}, "cannot set max_tokens"), ({"top_p": 2}, "top_p must be in"),
                        ({"max_new_tokens": 0}, "max_new_tokens must be"), ({"dry_base": "x"}, "dry_base"),
@@ -597,7 +598,7 @@ def test_the_models_sampling_defaults_unless_generation_config_vllm(caplog):
 
 def test_the_models_max_new_tokens_bounds_a_request_that_sets_no_length(smollm2_loaded, tokenizer):
     engine = make_engine(smollm2_loaded)
-    engine.limits = dataclasses.replace(engine.limits, default_max_tokens=5)  # as generation_config's
+    engine.inputs.limits = dataclasses.replace(engine.inputs.limits, default_max_tokens=5)  # as generation_config's
     prompt = tokenizer.encode("Once upon a time")
     rest = dataclasses.replace(GREEDY, max_tokens=None, ignore_eos=True)
     engine.add_request("default", prompt, rest)
@@ -618,6 +619,6 @@ def test_bad_words_are_never_generated(smollm2_loaded):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, bad_words=["Paris", "France"])
     [[banned]] = engine.generate([prompt], params, use_tqdm=False)
     assert "Paris" not in banned.text and "France" not in banned.text, banned.text
-    words = engine._bad_words_token_ids(["Paris"])
+    words = engine.inputs.bad_words_token_ids(["Paris"])
     assert len(words) == 2 and all(w for w in words)
     assert_engine_idle(engine)

@@ -289,7 +289,7 @@ def test_a_grammar_fault_fails_its_own_request_and_nothing_else(smollm2_loaded, 
     [[alone]] = engine.generate([prompts["good"]], params, use_tqdm=False)
     for rid in ("bad", "good"):
         engine.add_request(rid, prompts[rid], dataclasses.replace(params, n=2) if rid == "bad" else params)
-    doomed = engine._requests["bad"].seqs[1].grammar
+    doomed = engine.outputs.requests["bad"].seqs[1].grammar
     real, seen = Grammar.advance, []
 
     def advance(self: Grammar, token_id: int) -> None:
@@ -374,7 +374,7 @@ def test_a_mask_that_cannot_be_computed_fails_its_own_request_and_nothing_else(s
     [[alone]] = engine.generate([prompts["good"]], params, use_tqdm=False)
     for rid in ("bad", "good"):
         engine.add_request(rid, prompts[rid], params)
-    doomed = engine._requests["bad"].seqs[0].grammar
+    doomed = engine.outputs.requests["bad"].seqs[0].grammar
     doomed.matcher = _FailingMatcher(doomed.matcher, fail_mask_after=4)
     assert_only_bad_fails(engine, prompts["good"], params, alone.token_ids, "simulated mask failure")
 
