@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "Gemma3ForCausalLM")
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
@@ -40,7 +38,7 @@ def _layer_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
     return tuple(window if w else 0 for w in windowed) if any(windowed) else ()
 
 
-def _gemma_settings(cfg: dict[str, Any], local_rope: dict[str, Any] | None, hidden: int) -> dict[str, Any]:
+def _gemma_settings(cfg: dict[str, Any], local_rope: dict[str, Any] | None) -> dict[str, Any]:
     """Gemma 3's ModelConfig fields beyond Llama's, from its config.json."""
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
         if cfg.get(cap) is not None:
@@ -48,9 +46,7 @@ def _gemma_settings(cfg: dict[str, Any], local_rope: dict[str, Any] | None, hidd
     if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         raise ValueError(f"hidden_activation {cfg['hidden_activation']!r} is not supported (gelu_pytorch_tanh is)")
     local = (local_rope or {}).get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
-    # (the embedding's multiplier is sqrt(hidden) as a float32 holds it, as transformers')
-    return dict(hidden_act="gelu_tanh", embed_scale=float(np.float32(hidden ** 0.5)),
-                attention_scale=cfg.get("query_pre_attn_scalar", cfg.get("head_dim", 256)) ** -0.5,
+    return dict(attention_scale=cfg.get("query_pre_attn_scalar", cfg.get("head_dim", 256)) ** -0.5,
                 local_rope_theta=local, norm_offset=1.0)
 
 
@@ -61,7 +57,7 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3)."""
+    """Hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3)."""
 
     architecture: str
     vocab_size: int
@@ -82,13 +78,10 @@ class ModelConfig:
     # context); empty: no layer has one. Mistral v0.1 and Phi-3 window every layer, Qwen2
     # with use_sliding_window those from max_window_layers on, as transformers' layer_types.
     layer_windows: tuple[int, ...] = ()
-    # Gemma's differences from Llama (models/gemma.py): the MLP's activation ("silu" or
-    # "gelu_tanh"), the embedding multiplied by sqrt(hidden_size), the attention's scale
-    # (query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5), the windowed layers' RoPE
-    # base, and what is added to each norm weight at load (Gemma's norms scale by 1 + w:
-    # 1 for a checkpoint directory, 0 for a GGUF, whose converter added it).
-    hidden_act: str = "silu"
-    embed_scale: float = 1.0
+    # Settings Gemma gives (models/gemma.py): the attention's scale (query_pre_attn_scalar
+    # ** -0.5; None: head_dim ** -0.5), the windowed layers' RoPE base, and what is added
+    # to each norm weight at load (Gemma's norms scale by 1 + w: 1 for a checkpoint
+    # directory, 0 for a GGUF, whose converter added it).
     attention_scale: float | None = None
     local_rope_theta: float | None = None
     norm_offset: float = 0.0
@@ -196,5 +189,5 @@ class ModelConfig:
             sampling_defaults=sampling,
             max_new_tokens=longest,
             layer_windows=windows,
-            **(_gemma_settings(cfg, local_rope, hidden) if arch == "Gemma3ForCausalLM" else {}),
+            **(_gemma_settings(cfg, local_rope) if arch == "Gemma3ForCausalLM" else {}),
         )

@@ -84,7 +84,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
         if lora is not None or self.tp is not None:
             raise ValueError("Gemma runs without LoRA adapters and tensor parallel here")
         x = self.model.embed_tokens(input_ids)
-        x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        # sqrt(hidden_size) made float32, then the activations' dtype, as transformers' Gemma does
+        x = x * torch.tensor(self.config.hidden_size ** 0.5).to(x.dtype)
         for layer, kv in zip(self.model.layers, kv_caches):
             rope = self.local_rope if layer.self_attn.window else self.rope
             x = layer(x, rope, positions, meta, kv)

@@ -125,8 +125,7 @@ def config_from_gguf(reader: GGUFFile) -> ModelConfig:
         windows = tuple(0 if (i + 1) % GEMMA3_FULL_EVERY == 0 else window for i in range(layers))
         head_dim = get("attention.key_length") or hidden // heads
         # (its norms hold 1 + w already: llama.cpp's converter added the 1)
-        gemma = dict(hidden_act="gelu_tanh", embed_scale=float(np.float32(hidden ** 0.5)),
-                     attention_scale=head_dim ** -0.5, local_rope_theta=get("rope.freq_base_swa", 10000.0))
+        gemma = dict(attention_scale=head_dim ** -0.5, local_rope_theta=get("rope.freq_base_swa", 10000.0))
     rope_scaling = _rope_scaling(get, rope)
     eos = field_value(reader, "tokenizer.ggml.eos_token_id")
     eot = field_value(reader, "tokenizer.ggml.eot_token_id")

@@ -130,8 +130,7 @@ def test_every_candidate_runs_on_a_probe_model(path: RunPath) -> None:
 def test_a_probe_of_a_windowed_model_keeps_its_first_layers_windows() -> None:
     # Gemma 3's 18 layers, windowed but every sixth: the probe's 4 layers are its first four.
     gemma = dataclasses.replace(TINY, architecture="Gemma3ForCausalLM", num_hidden_layers=18, qk_norm=True,
-                                hidden_act="gelu_tanh", layer_windows=tuple(0 if (i + 1) % 6 == 0 else 64
-                                                                            for i in range(18)))
+                                layer_windows=tuple(0 if (i + 1) % 6 == 0 else 64 for i in range(18)))
     probe = autotune._Probe(gemma, RunPath("float32", "none"))
     assert [layer.self_attn.window for layer in probe.model.model.layers] == [64] * probe.layers
     assert autotune.measure(gemma, RunPath("float32", "none"), runs=1).decode_ms > 0
