@@ -49,6 +49,13 @@ class AttentionMetadata:
     # Host copies for the per-prefill loop (avoids device syncs).
     query_lens_host: list[int]
     context_lens_host: list[int]
+    # A hybrid cache (``models.kv_cache.KVLayout``): each layer's metadata, its group's
+    # block tables and slots (None: every layer reads this one).
+    by_layer: list[AttentionMetadata] | None = None
+
+    def for_layer(self, index: int) -> AttentionMetadata:
+        """The metadata layer ``index`` reads and writes its cache with."""
+        return self if self.by_layer is None else self.by_layer[index]
 
     @property
     def num_seqs(self) -> int:
@@ -91,9 +98,10 @@ def build_attention_metadata(seqs: list[SeqSpec], block_size: int,
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of each sequence's queries over its cached context (with
-    ``window`` > 0, over the last ``window`` positions up to each query's own).
+    ``window`` > 0, over the last ``window`` positions up to each query's own; with
+    ``softcap`` > 0, each score soft-capped to ``softcap * tanh(score / softcap)``).
 
     ``q`` is ``[T, heads, head_dim]``; ``k``/``v`` are this step's new keys and
     values ``[T, kv_heads, head_dim]`` (already written to the caches).
@@ -102,11 +110,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     d = meta.num_decodes
     if d == meta.num_seqs:
         return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                max(meta.context_lens_host), scale, window)
+                                max(meta.context_lens_host), scale, window, softcap)
     out = q.new_empty(q.shape)
     if d:
         out[:d] = decode_attention(q[:d], k_cache, v_cache, meta.block_tables[:d],
-                                   meta.context_lens[:d], max(meta.context_lens_host[:d]), scale, window)
+                                   meta.context_lens[:d], max(meta.context_lens_host[:d]), scale, window, softcap)
     out[d:] = prefill_attention(q[d:], k[d:], v[d:], k_cache, v_cache, meta.block_tables[d:],
-                                meta.query_lens_host[d:], meta.context_lens_host[d:], scale, window)
+                                meta.query_lens_host[d:], meta.context_lens_host[d:], scale, window, softcap)
     return out

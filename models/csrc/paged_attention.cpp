@@ -76,6 +76,15 @@ inline void softmax_rows(float* s, int64_t rows, int64_t n) {
   }
 }
 
+// s[i] = cap * tanh(s[i] / cap) for n scores (Gemma 2's attention soft-capping), before
+// the softmax. std::tanh stays a scalar call (no -ffast-math, so no vector clone): each
+// value's result depends on it alone, never on its place in the row, and so decodes and
+// prompt chunks stay equal bit for bit; an exp-based tanh lost 1e-7 absolute near 0.
+inline void softcap_rows(float* s, int64_t n, float cap) {
+  const float inv = 1.0f / cap;
+  for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] * inv);
+}
+
 // Rows of a length divisible by 16 go 16 values at a time through load16.
 template <typename T>
 inline float dot_row(const float* q, const T* k, int64_t n) {
@@ -240,13 +249,13 @@ inline void for_head_passes(int64_t group, F&& f) {
 
 // The ``group`` query heads sharing one KV head, for one sequence's tokens
 // first..ctx-1 (all ``ctx`` but where a sliding window leaves the first out):
-// scores, softmax, weighted sum of values. ``qf`` is pre-scaled.
+// scores, soft-capping (``softcap`` > 0), softmax, weighted sum of values. ``qf`` is pre-scaled.
 // HD is the head size when known at compile time (0: read ``head_dim``), so
 // the common sizes get fully unrolled, register-resident loops.
 template <typename T, typename C, int HD>
 void attend_group(T* out, const float* qf, const C* kc, const C* vc, const PagedView& pv, int64_t head_offset,
-                  int64_t head_dim, int64_t group, int64_t first, int64_t ctx, std::vector<float>& scores,
-                  std::vector<float>& acc) {
+                  int64_t head_dim, int64_t group, int64_t first, int64_t ctx, float softcap,
+                  std::vector<float>& scores, std::vector<float>& acc) {
   const int64_t hd = HD ? HD : head_dim;
   const int64_t n = ctx - first;
   scores.resize(group * n);
@@ -259,6 +268,7 @@ void attend_group(T* out, const float* qf, const C* kc, const C* vc, const Paged
       scores_v16<C, HD, decltype(heads)::value>(s + g * n, qf + g * hd, kc, pv, head_offset, first, ctx,
                                                 g == 0 ? vc : nullptr);
     });
+    if (softcap > 0.0f) softcap_rows(s, group * n, softcap);
     softmax_rows(s, group, n);
     for_head_passes<HD>(group, [&](auto heads, int64_t g) {
       values_v16<C, HD, decltype(heads)::value>(a + g * hd, s + g * n, vc, pv, head_offset, first, ctx);
@@ -273,6 +283,7 @@ void attend_group(T* out, const float* qf, const C* kc, const C* vc, const Paged
     const float ks = row_scale(k, hd);
     for (int64_t g = 0; g < group; ++g) s[g * n + t - first] = dot_row(qf + g * hd, k, hd) * ks;
   });
+  if (softcap > 0.0f) softcap_rows(s, group * n, softcap);
   softmax_rows(s, group, n);
   for_each_token(vc, row_bytes, pv, head_offset, first, ctx, [&](int64_t t, int64_t off) {
     const C* v = vc + off;
@@ -329,6 +340,7 @@ struct PagedCall {
   const PagedShapes& p;
   float scale;
   int64_t window;  // a sliding window's keys per query (0: all)
+  float softcap;   // scores become softcap * tanh(score / softcap) (0: none)
 };
 
 // Query row `row` (its heads of KV head h) over the first ctx tokens of the
@@ -347,25 +359,27 @@ void attend_token(const PagedCall<T, C>& c, int64_t row, int64_t h, const int64_
   for (int64_t i = 0; i < group * d; ++i) qf[i] = to_f(src[i]) * c.scale;
   const PagedView pv{p.block_size, p.kv_heads * row_elems, table};
   T* dst = c.out + (row * p.heads + h * group) * d;
-  if (d == 64) attend_group<T, C, 64>(dst, qf.data(), c.kc, c.vc, pv, h * row_elems, d, group, first, ctx, scores,
+  const float cap = c.softcap;
+  if (d == 64) attend_group<T, C, 64>(dst, qf.data(), c.kc, c.vc, pv, h * row_elems, d, group, first, ctx, cap, scores,
                                         acc);
-  else if (d == 128) attend_group<T, C, 128>(dst, qf.data(), c.kc, c.vc, pv, h * row_elems, d, group, first, ctx, scores,
-                                        acc);
-  else attend_group<T, C, 0>(dst, qf.data(), c.kc, c.vc, pv, h * row_elems, d, group, first, ctx, scores,
+  else if (d == 128) attend_group<T, C, 128>(dst, qf.data(), c.kc, c.vc, pv, h * row_elems, d, group, first, ctx, cap,
+                                             scores, acc);
+  else attend_group<T, C, 0>(dst, qf.data(), c.kc, c.vc, pv, h * row_elems, d, group, first, ctx, cap, scores,
                                         acc);
 }
 
 // Calls f(PagedCall<scalar_t, C>) for q's dtype and the caches' element type.
 template <typename F>
 void dispatch_paged(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                    const PagedShapes& p, double scale, int64_t window, F&& f) {
+                    const PagedShapes& p, double scale, int64_t window, double softcap, F&& f) {
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: no soft-capping)");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     dispatch_cache_type(k_cache.scalar_type(), [&](auto cache_tag) {
       using C = decltype(cache_tag);
       f(PagedCall<scalar_t, C>{q.data_ptr<scalar_t>(), q.stride(0), out.data_ptr<scalar_t>(),
                                static_cast<const C*>(k_cache.data_ptr()), static_cast<const C*>(v_cache.data_ptr()),
-                               p, static_cast<float>(scale), window});
+                               p, static_cast<float>(scale), window, static_cast<float>(softcap)});
     });
   });
 }
@@ -380,10 +394,10 @@ void dispatch_paged(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
 // and value row is read once per sequence.
 void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, double scale, int64_t window) {
+                            const at::Tensor& context_lens, double scale, int64_t window, double softcap) {
   const PagedShapes p = check_paged(out, q, k_cache, v_cache, block_tables, context_lens);
   TORCH_CHECK(context_lens.numel() == q.size(0), "one query token per sequence");
-  dispatch_paged(out, q, k_cache, v_cache, p, scale, window, [&](const auto& call) {
+  dispatch_paged(out, q, k_cache, v_cache, p, scale, window, softcap, [&](const auto& call) {
     kvserve::parallel_chunks(q.size(0) * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
         const int64_t b = item / p.kv_heads, h = item % p.kv_heads;
@@ -403,7 +417,7 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
 void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_tables,
                              const at::Tensor& context_lens, const at::Tensor& query_start, double scale,
-                             int64_t window) {
+                             int64_t window, double softcap) {
   const PagedShapes p = check_paged(out, q, k_cache, v_cache, block_tables, context_lens);
   const int64_t seqs = context_lens.numel();
   TORCH_CHECK(query_start.is_contiguous() && query_start.scalar_type() == at::kLong && query_start.numel() == seqs + 1,
@@ -414,7 +428,7 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Ten
     const int64_t qlen = starts[i + 1] - starts[i];
     TORCH_CHECK(qlen >= 1 && qlen <= p.lens[i], "sequence ", i, ": ", qlen, " query tokens, context length ", p.lens[i]);
   }
-  dispatch_paged(out, q, k_cache, v_cache, p, scale, window, [&](const auto& call) {
+  dispatch_paged(out, q, k_cache, v_cache, p, scale, window, softcap, [&](const auto& call) {
     kvserve::parallel_chunks(q.size(0) * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
         const int64_t token = item / p.kv_heads, h = item % p.kv_heads;

@@ -2,6 +2,8 @@
 query per sequence, and prompt chunks read in place, with the same arithmetic for both;
 each with its plain-torch twin. ``window`` > 0 is a sliding window: a query at position
 p sees the keys at positions p - window + 1 .. p (transformers' sliding attention).
+``softcap`` > 0 soft-caps the scores, ``softcap * tanh(score / softcap)``, before the
+softmax (Gemma 2's ``attn_logit_softcapping``); 0: none.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from models.ops.build import kernels_for
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, max_ctx: int,
-                     scale: float, window: int = 0) -> torch.Tensor:
+                     scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """One query token per sequence ``q [B, H, D]`` over its paged context; returns ``[B, H, D]``.
 
     The caches may hold another dtype than ``q`` (a float16 or int8 cache for float32
@@ -26,14 +28,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             and k_cache.is_contiguous() and v_cache.is_contiguous()):
         out = q.new_empty(q.shape)
         ext.paged_decode_attention(out, q, k_cache, v_cache, block_tables.contiguous(),
-                                   context_lens.contiguous(), scale, window)
+                                   context_lens.contiguous(), scale, window, softcap)
         return out
-    return _decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, max_ctx, scale, window)
+    return _decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, max_ctx, scale, window, softcap)
 
 
 def _decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, max_ctx: int,
-                            scale: float, window: int = 0) -> torch.Tensor:
+                            scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     b, heads, head_dim = q.shape
     block_size = k_cache.shape[1]
     nblocks = kv_cache.cdiv(max_ctx, block_size)
@@ -50,13 +52,14 @@ def _decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     # One query per sequence: the heads sharing a KV head act as that head's
     # queries, so GQA needs no repeated K/V: [B, kv_heads, group, head_dim].
     qg = q.reshape(b, k.shape[1], heads // k.shape[1], head_dim)
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+    o = _attention(qg, k, v, valid[:, None, None, :], scale, softcap)
     return o.reshape(b, heads, head_dim)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, block_tables: torch.Tensor, query_lens: list[int],
-                      context_lens: list[int], scale: float, window: int = 0) -> torch.Tensor:
+                      context_lens: list[int], scale: float, window: int = 0,
+                      softcap: float = 0.0) -> torch.Tensor:
     """Causal attention for sequences of one or more query tokens each; returns ``[T, H, D]``.
 
     ``q [T, H, D]`` holds the sequences' tokens one sequence after another;
@@ -73,15 +76,16 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
             starts.append(starts[-1] + n)
         ext.paged_prefill_attention(out, q, k_cache, v_cache, block_tables.contiguous(),
                                     torch.tensor(context_lens, dtype=torch.long),
-                                    torch.tensor(starts, dtype=torch.long), scale, window)
+                                    torch.tensor(starts, dtype=torch.long), scale, window, softcap)
         return out
     return _prefill_attention_torch(q, k, v, k_cache, v_cache, block_tables, query_lens, context_lens, scale,
-                                    window)
+                                    window, softcap)
 
 
 def _prefill_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, block_tables: torch.Tensor, query_lens: list[int],
-                             context_lens: list[int], scale: float, window: int = 0) -> torch.Tensor:
+                             context_lens: list[int], scale: float, window: int = 0,
+                             softcap: float = 0.0) -> torch.Tensor:
     out = q.new_empty(q.shape)
     start = 0
     for i, (qlen, ctx) in enumerate(zip(query_lens, context_lens)):
@@ -92,7 +96,7 @@ def _prefill_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         else:
             ks = kv_cache.from_cache_rows(_gather(k_cache, block_tables[i], ctx), q.dtype)
             vs = kv_cache.from_cache_rows(_gather(v_cache, block_tables[i], ctx), q.dtype)
-        out[start:end] = _causal_attention(q[start:end], ks, vs, scale, window)
+        out[start:end] = _causal_attention(q[start:end], ks, vs, scale, window, softcap)
         start = end
     return out
 
@@ -104,8 +108,18 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, ctx: int) -> torch.T
     return cache.index_select(0, block_table[:nblocks]).flatten(0, 1)[:ctx]
 
 
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+               softcap: float) -> torch.Tensor:
+    """SDPA with a boolean ``mask`` (True: attend); with ``softcap``, written out, as SDPA has no
+    hook between the scores and the softmax."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      window: int = 0) -> torch.Tensor:
+                      window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Queries are the last ``len(q)`` positions of a context of ``len(k)`` tokens."""
     qlen, ctx = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]
@@ -114,7 +128,7 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         # repeating K/V heads keeps the fused (flash) kernel, about 3x faster.
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, len, head_dim]
-    if qlen == ctx and not window:
+    if qlen == ctx and not window and not softcap:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
     else:
         # Query i sits at position ctx - qlen + i and sees keys 0..that position
@@ -124,5 +138,5 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         mask = keys <= rows
         if window:
             mask &= keys > rows - window
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+        o = _attention(qh, kh, vh, mask, scale, softcap)
     return o[0].transpose(0, 1)

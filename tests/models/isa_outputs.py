@@ -55,6 +55,10 @@ def _attention(gen: torch.Generator) -> dict[str, torch.Tensor]:
             out[f"decode window {key}"] = ops.decode_attention(q, *caches, tables, lens, 96, head_dim ** -0.5, 21)
             out[f"prefill window {key}"] = ops.prefill_attention(qp, None, None, *caches, tables, [5, 19], [37, 96],
                                                                  head_dim ** -0.5, 21)
+            # Gemma 2's soft-capped scores (a cap the scores of these random rows reach)
+            out[f"decode softcap {key}"] = ops.decode_attention(q, *caches, tables, lens, 96, head_dim ** -0.5, 0, 2.0)
+            out[f"prefill softcap {key}"] = ops.prefill_attention(qp, None, None, *caches, tables, [5, 19], [37, 96],
+                                                                  head_dim ** -0.5, 0, 2.0)
     return out
 
 

@@ -26,16 +26,20 @@ HEAD_DIM = 16
 SCALE = HEAD_DIM ** -0.5
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
     """softmax(QK^T * scale + causal mask) V in float64, KV heads repeated for each query group.
 
     ``q`` is ``[n, heads, d]``, the last ``n`` positions of a context ``k``/``v`` ``[ctx, kv_heads, d]``;
-    with ``window``, a query at position p sees keys p - window + 1 .. p only.
+    with ``window``, a query at position p sees keys p - window + 1 .. p only; with ``softcap``,
+    the scores are ``softcap * tanh(score / softcap)`` (Gemma 2).
     """
     group = q.shape[1] // k.shape[1]
     q, k, v = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
     n, ctx = q.shape[0], k.shape[0]
     scores = torch.einsum("qhd,khd->hqk", q, k) * SCALE
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     query_pos = torch.arange(n)[:, None] + (ctx - n)
     keys = torch.arange(ctx)[None, :]
     hidden = keys > query_pos
@@ -59,21 +63,23 @@ class Case:
     full_k: list[torch.Tensor]  # per sequence [context_len, kv_heads, d]
     full_v: list[torch.Tensor]
     window: int = 0  # a sliding window (0: none)
+    softcap: float = 0.0  # attention logit soft-capping (0: none)
 
     def run(self) -> list[torch.Tensor]:
         """write_kv then paged_attention, as a model layer does; outputs split per sequence."""
         meta = build_attention_metadata(self.specs, self.block_size)
         write_kv(self.k_cache, self.v_cache, self.k, self.v, meta.slot_mapping)
-        out = paged_attention(self.q, self.k, self.v, self.k_cache, self.v_cache, meta, SCALE, self.window)
+        out = paged_attention(self.q, self.k, self.v, self.k_cache, self.v_cache, meta, SCALE, self.window,
+                              self.softcap)
         return list(out.split([s.query_len for s in self.specs]))
 
     def reference(self) -> list[torch.Tensor]:
         qs = self.q.split([s.query_len for s in self.specs])
-        return [dense_attention(q, k, v, self.window) for q, k, v in zip(qs, self.full_k, self.full_v)]
+        return [dense_attention(q, k, v, self.window, self.softcap) for q, k, v in zip(qs, self.full_k, self.full_v)]
 
 
 def make_case(lengths: list[tuple[int, int]], block_size: int, group: int, seed: int = 0,
-              head_dim: int = HEAD_DIM, window: int = 0) -> Case:
+              head_dim: int = HEAD_DIM, window: int = 0, softcap: float = 0.0, q_scale: float = 1.0) -> Case:
     """Random data for sequences given as ``(query_len, context_len)``, decodes first.
 
     Each sequence gets blocks from a random permutation of the pool (with spare
@@ -100,13 +106,13 @@ def make_case(lengths: list[tuple[int, int]], block_size: int, group: int, seed:
             k_cache[table[p // block_size], p % block_size] = k[p]
             v_cache[table[p // block_size], p % block_size] = v[p]
         specs.append(SeqSpec(qlen, ctx, table))
-        qs.append(randn(qlen, KV_HEADS * group, head_dim))
+        qs.append(q_scale * randn(qlen, KV_HEADS * group, head_dim))
         ks.append(k[ctx - qlen:])
         vs.append(v[ctx - qlen:])
         full_k.append(k)
         full_v.append(v)
     return Case(torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, specs, block_size,
-                full_k, full_v, window)
+                full_k, full_v, window, softcap)
 
 
 def assert_matches_reference(case: Case) -> None:
@@ -144,6 +150,17 @@ def test_sliding_window_batch_matches_dense_attention(block_size: int, window: i
     lengths = [(1, 1), (1, 17), (1, 40), (23, 23), (9, 41), (30, 31)]
     for group in (1, 3, 4):
         assert_matches_reference(make_case(lengths, block_size, group, head_dim=head_dim, window=window))
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 256])  # the generic loop, an unrolled one, Gemma 2's size
+@pytest.mark.parametrize("window", [0, 5])
+def test_soft_capped_scores_match_dense_attention(window: int, head_dim: int) -> None:
+    # Queries scaled up so that scores reach the cap's bend (|score| ~ cap), where tanh is far
+    # from the identity: a kernel that skipped or misplaced the capping would miss by far more.
+    lengths = [(1, 1), (1, 17), (1, 40), (23, 23), (9, 41)]
+    for group in (1, 3):
+        case = make_case(lengths, 16, group, head_dim=head_dim, window=window, softcap=4.0, q_scale=4.0)
+        assert_matches_reference(case)
 
 
 def test_write_kv_stores_each_token_in_its_slot() -> None:
