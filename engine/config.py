@@ -240,6 +240,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # Sliding-window layers beside full ones: give back the blocks a window has left
+    # (models.kv_cache.KVLayout); False keeps every block for every layer (vLLM's
+    # --disable-hybrid-kv-cache-manager).
+    hybrid_kv_cache: bool = True
     served_model_name: str | None = None
     # QUANTIZATIONS (CPU): int4 = int4 weights with float activations for small
     # decode batches; w4a8 = int4 weights and int8 activations (per 16 inputs),

@@ -100,10 +100,10 @@ class DraftProposer:
             budget -= fed
             self._seqs[request_id] = seq
             if fed < behind:
-                catching_up.append((seq, Chunk(tokens[kept:kept + fed], kept, seq.block_ids, 0)))
+                catching_up.append((seq, Chunk(tokens[kept:kept + fed], kept, [seq.block_ids], 0)))
                 continue
             active.append((i, seq, k))
-            chunks.append(Chunk(tokens[kept:], kept, seq.block_ids, 1))
+            chunks.append(Chunk(tokens[kept:], kept, [seq.block_ids], 1))
         # The first forward also feeds the requests still catching up (none of their rows is sampled).
         first = chunks + [chunk for _, chunk in catching_up]
         logits = self.runner.run(first) if first else None
@@ -117,7 +117,7 @@ class DraftProposer:
                 out[i].append(token)
                 if len(out[i]) < k:
                     next_active.append((i, seq, k))
-                    next_chunks.append(Chunk([token], len(seq.tokens), seq.block_ids, 1))
+                    next_chunks.append(Chunk([token], len(seq.tokens), [seq.block_ids], 1))
             active, chunks = next_active, next_chunks
             if chunks:
                 logits = self.runner.run(chunks)

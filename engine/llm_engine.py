@@ -36,7 +36,7 @@ from engine.structured import BitmaskFiller, GrammarCompiler
 from engine.validation import RequestLimits
 from engine.workers import WorkerGroup
 from models.chat_template import read_chat_template
-from models.kv_cache import cdiv, resolve_dtype
+from models.kv_cache import cdiv, kv_layout, resolve_dtype
 from models.loader import LoadedModel, load_model
 from models.lora import LoRAAdapter
 
@@ -115,38 +115,43 @@ class LLMEngine:
                              f"({loaded.config.max_position_embeddings})")
         kv_dtype = resolve_dtype(config.kv_cache_dtype, loaded.dtype)
         tp_size = config.parallel.tensor_parallel_size
-        block_bytes = kv_bytes_per_block(loaded.config, kv_dtype, config.block_size, tp_size)
+        cfg = loaded.config
+        layout_len = self.max_model_len  # (the ranks build the same layout from it)
+        self.kv_layout = kv_layout(cfg.layer_windows, cfg.num_hidden_layers, layout_len, config.hybrid_kv_cache)
+        block_bytes = kv_bytes_per_block(cfg, kv_dtype, config.block_size, tp_size, self.kv_layout)
         free = torch.cuda.mem_get_info(loaded.device)[0] if loaded.device.type == "cuda" else available_memory()
-        self.budget = step_budget(config, loaded.device.type, self.max_model_len,
-                                  cdiv(block_bytes, config.block_size), free)
+        # Bytes a token takes in every layer (what a short sequence holds in a hybrid cache too).
+        token_bytes = cdiv(kv_bytes_per_block(cfg, kv_dtype, config.block_size, tp_size), config.block_size)
+        self.budget = step_budget(config, loaded.device.type, self.max_model_len, token_bytes, free)
         # NOTE: the budget is per rank (as vLLM's per GPU): N ranks cache N times the tokens.
         num_blocks = self.budget.kv_cache_memory // block_bytes
-        needed = cdiv(self.max_model_len, config.block_size)
+        self.num_blocks = num_blocks
+        self.block_size = config.block_size
+        needed = self._blocks_per_sequence(self.max_model_len)
         if num_blocks < needed and config.max_model_len is None and num_blocks > 0:
             # The model's own context does not fit: serve what does, as llama-server picks
             # its context (a length the user asked for stays an error below).
-            shrunk = num_blocks * config.block_size
+            shrunk = self._longest_fitting()
             logger.warning("the model's context (%d tokens) does not fit the KV cache budget (%.0f MiB); "
                            "serving max_model_len=%d (raise --kv-cache-memory for more)",
                            self.max_model_len, self.budget.kv_cache_memory / 2**20, shrunk)
-            self.max_model_len, needed = shrunk, num_blocks
-        if num_blocks < needed:
+            self.max_model_len, needed = shrunk, self._blocks_per_sequence(shrunk)
+        if num_blocks < needed or self.max_model_len < 1:
             raise ValueError(
                 f"the KV cache budget ({self.budget.kv_cache_memory / 2**20:.0f} MiB = {num_blocks} blocks of "
                 f"{config.block_size} tokens) cannot hold one sequence of max_model_len={self.max_model_len} "
                 f"({needed} blocks); raise --kv-cache-memory or lower --max-model-len")
-        self.num_blocks = num_blocks
-        self.block_size = config.block_size
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                       self.kv_layout.group_windows)
         self.scheduler = Scheduler(
             SchedulerConfig(max_model_len=self.max_model_len, max_num_seqs=self.budget.max_num_seqs,
                             max_num_batched_tokens=self.budget.max_num_batched_tokens,
                             max_loras=config.max_loras),
             self.kv_cache)
         if self.workers is not None:
-            self.workers.set_num_blocks(num_blocks)
+            self.workers.set_num_blocks(num_blocks, layout_len, config.hybrid_kv_cache)
         self.runner = ModelRunner(loaded, num_blocks, config.block_size, kv_dtype,
-                                  peers=self.workers)
+                                  peers=self.workers, layout=self.kv_layout)
         self.adapters = LoRARegistry(loaded, self.model_name, config.max_lora_rank, self.runner.adapters)
         self.lora_adapters = self.adapters.paths  # served adapter name -> its directory (/v1/models lists them)
         for module in config.lora_modules:
@@ -172,6 +177,24 @@ class LLMEngine:
                     num_blocks, config.block_size, num_blocks * config.block_size,
                     str(kv_dtype).removeprefix("torch."), self.budget.max_num_seqs,
                     self.budget.max_num_batched_tokens)
+        if self.kv_layout.hybrid:
+            lay = self.kv_layout
+            logger.info("KV cache layout: %d groups of %d layers (windows %s); a block id holds %d layers, "
+                        "a sequence of %d tokens at most %d block ids (%d with every layer kept)",
+                        lay.num_groups, lay.num_slots, ",".join(str(w) for w in lay.group_windows), lay.num_slots,
+                        self.max_model_len, needed, cdiv(self.max_model_len, self.block_size) * lay.num_groups)
+
+    def _blocks_per_sequence(self, num_tokens: int) -> int:
+        """Block ids one sequence of ``num_tokens`` holds at most (the layout's groups)."""
+        return self.kv_layout.blocks_for(num_tokens, self.block_size, self.budget.max_num_batched_tokens)
+
+    def _longest_fitting(self) -> int:
+        """The longest context (whole blocks) one sequence can hold in the cache (0: none)."""
+        lo, hi = 0, cdiv(self.max_model_len, self.block_size)
+        while lo < hi:  # the most blocks of tokens that fit: blocks_for grows with the length
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self._blocks_per_sequence(mid * self.block_size) <= self.num_blocks else (lo, mid - 1)
+        return lo * self.block_size
 
     def _proposer(self, spec: SpeculativeConfig, draft: LoadedModel | None) -> Proposer:
         """Prompt lookup, or the draft model loaded as the target was (same dtype,
@@ -186,8 +209,10 @@ class LLMEngine:
             raise ValueError(f"the draft model {spec.draft_model!r} has another vocabulary than "
                              f"{c.model!r}: its proposals would be other tokens")
         kv_dtype = resolve_dtype(c.kv_cache_dtype, draft.dtype)
-        logger.info("speculative: draft model %s, %d KV blocks of its own", spec.draft_model, self.num_blocks)
-        return DraftProposer(draft, self.num_blocks, self.block_size, kv_dtype, spec.num_speculative_tokens,
+        # As many tokens as the target holds in every layer (a hybrid cache's block ids hold fewer layers).
+        blocks = self.num_blocks * self.kv_layout.num_slots // self.model_config.num_hidden_layers
+        logger.info("speculative: draft model %s, %d KV blocks of its own", spec.draft_model, blocks)
+        return DraftProposer(draft, blocks, self.block_size, kv_dtype, spec.num_speculative_tokens,
                              self.vocab_size, max_catch_up=self.budget.max_num_batched_tokens)
 
     # -- tensor-parallel ranks --------------------------------------------

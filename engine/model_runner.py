@@ -10,8 +10,9 @@ import torch
 
 from engine.scheduler import SchedulerOutput
 from models import kv_cache
-from models.attention import SeqSpec, build_attention_metadata
+from models.attention import AttentionMetadata, SeqSpec, build_attention_metadata
 from models.config import ModelConfig
+from models.kv_cache import KVLayout, kv_layout
 from models.loader import LoadedModel
 from models.lora import LoRAAdapter, LoRABatch
 from models.parallel import local_kv_heads
@@ -19,21 +20,23 @@ from models.parallel import local_kv_heads
 logger = logging.getLogger(__name__)
 
 
-def kv_bytes_per_block(config: ModelConfig, dtype: torch.dtype, block_size: int, tp_size: int = 1) -> int:
-    """Bytes one block takes across all layers, keys and values (on one of ``tp_size`` ranks)."""
-    return kv_cache.bytes_per_block(config.num_hidden_layers, block_size, local_kv_heads(config, tp_size),
-                                    config.head_dim, dtype)
+def kv_bytes_per_block(config: ModelConfig, dtype: torch.dtype, block_size: int, tp_size: int = 1,
+                       layout: KVLayout | None = None) -> int:
+    """Bytes one block id takes, keys and values (on one of ``tp_size`` ranks): every
+    layer's, or the ``layout``'s slots' (a hybrid cache's group of layers)."""
+    layers = layout.num_slots if layout is not None else config.num_hidden_layers
+    return kv_cache.bytes_per_block(layers, block_size, local_kv_heads(config, tp_size), config.head_dim, dtype)
 
 
 @dataclass
 class Chunk:
     """One sequence's tokens in a forward: ``token_ids`` at positions
-    ``start_pos..``, their K/V written to ``block_ids``; the logits of the last
-    ``num_sampled`` of them are returned."""
+    ``start_pos..``, their K/V written to ``block_tables`` (one table per group of
+    the cache's layout); the logits of the last ``num_sampled`` of them are returned."""
 
     token_ids: list[int]
     start_pos: int
-    block_ids: list[int]
+    block_tables: list[list[int]]
     num_sampled: int
     adapter: str | None = None  # the LoRA adapter its tokens run (None: the base model)
     pooled: bool = False  # its last token's hidden state is wanted (an embedding)
@@ -57,9 +60,10 @@ class ModelRunner:
     """
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                 peers: StepPeers | None = None) -> None:
+                 peers: StepPeers | None = None, layout: KVLayout | None = None) -> None:
         """``peers``: the other ranks of a tensor-parallel model (each forward is
-        sent to them first; they run it alongside)."""
+        sent to them first; they run it alongside). ``layout``: how layers share block
+        ids (``models.kv_cache.kv_layout``; None: one table for every layer)."""
         self.model = loaded.model
         self.config = loaded.config
         self.device = loaded.device
@@ -72,16 +76,19 @@ class ModelRunner:
         tp_size = loaded.tp.world_size if loaded.tp is not None else 1
         # Loaded LoRA adapters by the key their requests carry (LLMEngine.install_adapter).
         self.adapters: dict[str, LoRAAdapter] = {}
-        self.kv_caches = kv_cache.allocate(self.config.num_hidden_layers, num_blocks, block_size,
-                                           local_kv_heads(self.config, tp_size), self.config.head_dim,
-                                           self.kv_dtype, self.device)
+        n = self.config.num_hidden_layers
+        self.layout = layout if layout is not None else kv_layout((), n, 0)
+        slots = kv_cache.allocate(self.layout.num_slots, num_blocks, block_size, local_kv_heads(self.config, tp_size),
+                                  self.config.head_dim, self.kv_dtype, self.device)
+        # Layers of different groups share a slot's tensors: their block ids never meet.
+        self.kv_caches = [slots[s] for s in self.layout.layer_slot]
 
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run every scheduled token. Returns each entry's ``num_logits`` rows of logits, in
         scheduled order (its wanted prompt positions', for prompt logprobs, then when it
         samples its last known token's and each proposal's), and the float32 hidden
         states of the pooled entries' last tokens in scheduled order (None: none pooled)."""
-        return self._forward([Chunk(s.token_ids, s.start_pos, s.block_ids, s.num_logits, s.request.adapter,
+        return self._forward([Chunk(s.token_ids, s.start_pos, s.block_tables, s.num_logits, s.request.adapter,
                                     s.pool) for s in out.scheduled])
 
     def run(self, chunks: list[Chunk]) -> torch.Tensor:
@@ -105,7 +112,7 @@ class ModelRunner:
         order = sorted(range(len(chunks)), key=lambda i: (len(chunks[i].token_ids) != 1, chunks[i].adapter or ""))
         input_ids: list[int] = []
         positions: list[int] = []
-        specs: list[SeqSpec] = []
+        specs: list[tuple[int, int, list[list[int]]]] = []
         spans: list[tuple[LoRAAdapter | None, int, int]] = []
         last_row: dict[int, int] = {}
         for i in order:
@@ -115,13 +122,13 @@ class ModelRunner:
                 spans.append((self.adapters[c.adapter], len(input_ids), len(c.token_ids)))
             input_ids.extend(c.token_ids)
             positions.extend(range(c.start_pos, end))
-            specs.append(SeqSpec(len(c.token_ids), end, c.block_ids))
+            specs.append((len(c.token_ids), end, c.block_tables))
             last_row[i] = len(input_ids) - 1
         sample_rows = [row for i, c in enumerate(chunks)
                        for row in range(last_row[i] + 1 - c.num_sampled, last_row[i] + 1)]
         pooled_rows = [last_row[i] for i, c in enumerate(chunks) if c.pooled]
         dev = self.device
-        meta = build_attention_metadata(specs, self.block_size, dev)
+        meta = self._metadata(specs)
         out = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
@@ -135,3 +142,15 @@ class ModelRunner:
         if dev.type != "cpu":
             logits, hidden = logits.cpu(), hidden.cpu() if hidden is not None else None
         return logits, hidden
+
+    def _metadata(self, specs: list[tuple[int, int, list[list[int]]]]) -> AttentionMetadata:
+        """Each group's metadata; layer ``i`` reads its group's (``AttentionMetadata.for_layer``)."""
+        metas = []
+        for g, window in enumerate(self.layout.group_windows):
+            # A windowed table's given-back entries (NULL_BLOCK, -1) are never read: any id does.
+            seqs = [SeqSpec(q, ctx, tables[g] if not window else [max(b, 0) for b in tables[g]])
+                    for q, ctx, tables in specs]
+            metas.append(build_attention_metadata(seqs, self.block_size, self.device))
+        if self.layout.hybrid:
+            metas[0].by_layer = [metas[g] for g in self.layout.layer_group]
+        return metas[0]

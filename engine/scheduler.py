@@ -60,7 +60,7 @@ class ScheduledRequest:
     request: Request
     start_pos: int  # request.num_computed_tokens before this step
     num_new_tokens: int  # all_token_ids[start_pos:start_pos + num_new_tokens] run this step
-    block_ids: list[int]  # the request's whole block table after allocation
+    block_tables: list[list[int]]  # the request's whole block tables after allocation (one per group)
     sample: bool  # the step reaches the last known token: sample the next one
     # Proposed tokens run after the last known one (the last of num_new_tokens);
     # each of their positions is sampled too, to verify them.
@@ -172,14 +172,13 @@ class Scheduler:
             request = self.waiting.peek(allowed)
             if request is None:
                 break
-            computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
+            keep = None
             if request.needs_prompt_logits:
                 # Prompt logprobs need the logits of the positions not scored yet: no
                 # hit past them (none at all at first; after a preemption, what was scored).
                 assert request.prompt_logprobs is not None
                 keep = (len(request.prompt_logprobs) - 1) // self.kv_cache.block_size
-                computed_blocks = computed_blocks[:keep]
-                num_cached = len(computed_blocks) * self.kv_cache.block_size
+            computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request, keep)
             num_remaining = request.num_tokens - num_cached
             num_new = min(num_remaining, budget)
             if not self.config.enable_chunked_prefill and num_new < num_remaining:
@@ -340,7 +339,7 @@ class Scheduler:
             request=request,
             start_pos=start,
             num_new_tokens=num_new + len(spec),
-            block_ids=self.kv_cache.get_block_ids(request.request_id),
+            block_tables=self.kv_cache.get_block_tables(request.request_id),
             sample=reaches_end and not pool,
             spec_token_ids=spec,
             num_prompt_logits=num_prompt_logits,

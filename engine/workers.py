@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig, torchrun_rank
 from engine.model_runner import Chunk, ModelRunner
-from models.kv_cache import resolve_dtype
+from models.kv_cache import kv_layout, resolve_dtype
 from models.loader import read_config, resolve_device, resolve_path
 from models.parallel import TensorParallel, check_split
 
@@ -116,26 +116,28 @@ _HEAD = 5  # ints per chunk before the bodies
 
 def _encode(chunks: list[Chunk], adapters: list[str]) -> torch.Tensor:
     """``[len, start, blocks, sampled, adapter] * n`` (``adapter``: 1 + its place in
-    ``adapters``, 0 for none), then each chunk's tokens and block ids."""
+    ``adapters``, 0 for none), then each chunk's tokens and block tables (one per group
+    of the cache's layout, each ``blocks`` long)."""
     head: list[int] = []
     body: list[int] = []
     for c in chunks:
         adapter = adapters.index(c.adapter) + 1 if c.adapter is not None else 0
-        head += [len(c.token_ids), c.start_pos, len(c.block_ids), c.num_sampled, adapter]
+        head += [len(c.token_ids), c.start_pos, len(c.block_tables[0]), c.num_sampled, adapter]
         body += c.token_ids
-        body += c.block_ids
+        for table in c.block_tables:
+            body += table
     return torch.tensor(head + body, dtype=torch.long)
 
 
-def _decode(n: int, flat: list[int], adapters: list[str]) -> list[Chunk]:
+def _decode(n: int, flat: list[int], adapters: list[str], groups: int) -> list[Chunk]:
     chunks, at = [], _HEAD * n
     for i in range(n):
         length, start, blocks, sampled, adapter = flat[_HEAD * i:_HEAD * (i + 1)]
         tokens = flat[at:at + length]
         at += length
-        chunks.append(Chunk(tokens, start, flat[at:at + blocks], sampled,
-                            adapters[adapter - 1] if adapter else None))
-        at += blocks
+        tables = [flat[at + g * blocks:at + (g + 1) * blocks] for g in range(groups)]
+        chunks.append(Chunk(tokens, start, tables, sampled, adapters[adapter - 1] if adapter else None))
+        at += groups * blocks
     return chunks
 
 
@@ -227,9 +229,11 @@ class WorkerGroup:
                                    f"{JOIN_TIMEOUT_SECONDS:.0f} s")
             time.sleep(0.05)
 
-    def set_num_blocks(self, num_blocks: int) -> None:
-        """Tell every rank how many KV blocks to allocate (after each has loaded its slice)."""
-        _broadcast_header(_OP_NUM_BLOCKS, num_blocks, 0, self._device)
+    def set_num_blocks(self, num_blocks: int, max_model_len: int, hybrid: bool) -> None:
+        """Tell every rank how many KV blocks to allocate (after each has loaded its slice)
+        and how its layers group (``models.kv_cache.kv_layout``'s last two arguments)."""
+        _broadcast_header(_OP_NUM_BLOCKS, num_blocks, 2, self._device)
+        dist.broadcast(torch.tensor([max_model_len, int(hybrid)], dtype=torch.long, device=self._device), src=0)
         self._watchdog.start()
 
     def broadcast_step(self, chunks: list[Chunk]) -> None:
@@ -377,10 +381,13 @@ def run_rank(spec: RankSpec, rank: int) -> None:
     loaded = load_model(spec.model, spec.dtype, str(device), max_positions=spec.max_positions,
                         quantization=spec.quantization, tp=tp)
     comm = _comm_device(device)
-    op, num_blocks, _ = _receive(comm)
-    if op != _OP_NUM_BLOCKS:
+    op, num_blocks, shape = _receive(comm)
+    if op != _OP_NUM_BLOCKS or shape is None:
         return
-    runner = ModelRunner(loaded, num_blocks, spec.block_size, getattr(torch, spec.kv_cache_dtype))
+    max_model_len, hybrid = shape.tolist()
+    cfg = loaded.config
+    layout = kv_layout(cfg.layer_windows, cfg.num_hidden_layers, max_model_len, bool(hybrid))
+    runner = ModelRunner(loaded, num_blocks, spec.block_size, getattr(torch, spec.kv_cache_dtype), layout=layout)
     for name, path in spec.lora_modules:
         runner.adapters[name] = load_adapter(name, path, loaded.config, loaded.dtype, loaded.device, tp=tp)
     logger.info("rank %d ready: %d KV blocks", rank, num_blocks)
@@ -389,7 +396,7 @@ def run_rank(spec: RankSpec, rank: int) -> None:
         op, n, payload = _receive(comm)
         if op != _OP_RUN:
             break
-        runner.run(_decode(n, payload.tolist(), names))
+        runner.run(_decode(n, payload.tolist(), names, layout.num_groups))
     dist.destroy_process_group()
 
 

@@ -1,6 +1,6 @@
-"""Gemma 3 (text): Llama's attention and projections, with Gemma's differences.
+"""Gemma 2 and Gemma 3 (text): Llama's attention and projections, with Gemma's differences.
 
-What Gemma 3 changes (``ModelConfig`` carries each, from its config.json):
+What Gemma changes (``ModelConfig`` carries each, from its config.json or GGUF):
 
 * norms scale by ``1 + w``: the loader adds ``norm_offset`` to every norm weight once
   (a GGUF's converter already did), so the norm kernels stay Llama's;
@@ -8,10 +8,14 @@ What Gemma 3 changes (``ModelConfig`` carries each, from its config.json):
   outputs (post-norms) are added to the residual stream;
 * the MLP gates with GELU (tanh approximation) instead of SiLU;
 * the embedding is multiplied by sqrt(hidden_size) (in the activations' dtype);
-* per-head query and key norms (Qwen3's), the attention scaled by
-  ``query_pre_attn_scalar ** -0.5``;
-* sliding-window layers (``layer_windows``) with a RoPE base of their own
-  (``local_rope_theta``), full-attention layers with ``rope_theta`` and its scaling.
+* the attention scaled by ``query_pre_attn_scalar ** -0.5``;
+* sliding-window layers (``layer_windows``): Gemma 2's every other layer, Gemma 3's five
+  of six, these with a RoPE base of their own (``local_rope_theta``);
+* Gemma 3: per-head query and key norms (Qwen3's);
+* Gemma 2: soft-capping, ``cap * tanh(x / cap)``, of the attention scores before the
+  softmax (``attn_logit_softcap``, in the paged-attention kernels) and of the logits
+  (``final_logit_softcap``), so the sampler and logprobs see capped logits, as
+  transformers returns them.
 
 Its layers run op by op (the one-call layer kernel is Llama's), with the same GEMMs
 and paged-attention kernels; not yet with LoRA adapters or tensor parallel.
@@ -60,7 +64,7 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
-    """Gemma 3's decoder on Llama's modules and loader (``load_weights``)."""
+    """Gemma 2's and 3's decoder on Llama's modules and loader (``load_weights``)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
@@ -68,9 +72,13 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.local_rope: RotaryEmbedding | None = None
 
     def init_rope(self, max_positions: int) -> None:
-        """The full-attention layers' table and the windowed layers' (their own base, unscaled)."""
+        """The full-attention layers' table and the windowed layers' (their own base, unscaled;
+        Gemma 2's share the full layers')."""
         super().init_rope(max_positions)
-        local = replace(self.config, rope_theta=self.config.local_rope_theta or self.config.rope_theta,
+        if self.config.local_rope_theta is None:
+            self.local_rope = self.rope
+            return
+        local = replace(self.config, rope_theta=self.config.local_rope_theta,
                         rope_scaling=None, rope_freq_factors=None)
         self.local_rope = RotaryEmbedding(local, max_positions, self.model.norm.weight.device)
 
@@ -86,13 +94,16 @@ class GemmaForCausalLM(LlamaForCausalLM):
         x = self.model.embed_tokens(input_ids)
         # sqrt(hidden_size) made float32, then the activations' dtype, as transformers' Gemma does
         x = x * torch.tensor(self.config.hidden_size ** 0.5).to(x.dtype)
-        for layer, kv in zip(self.model.layers, kv_caches):
+        for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
             rope = self.local_rope if layer.self_attn.window else self.rope
-            x = layer(x, rope, positions, meta, kv)
+            x = layer(x, rope, positions, meta.for_layer(i), kv)
         hidden = None
         if hidden_indices is not None:
             hidden = self.model.norm(x.index_select(0, hidden_indices)).float()
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
         logits = self.lm_head(self.model.norm(x)).float()
+        cap = self.config.final_logit_softcap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
         return logits if hidden is None else (logits, hidden)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import mmap
+from dataclasses import dataclass
 
 import torch
 
@@ -129,3 +130,69 @@ def from_cache_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     head_dim = rows.shape[-1] - INT8_SCALE_BYTES
     scale = rows[..., head_dim:].contiguous().view(torch.float32)
     return (rows[..., :head_dim].float() * scale).to(dtype)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Which block table each layer reads and which of the cache's tensors it uses.
+
+    Layers are grouped by their sliding window (``ModelConfig.layer_windows``;
+    0: full attention), as vLLM's hybrid KV cache manager does: every group has
+    the same number of layers (``num_slots``; the last group of a kind may have
+    fewer), every request one block table per group, and all groups draw block
+    ids from one pool. Block id ``b`` of any group is ``num_slots`` layers' K/V:
+    slot tensor ``s`` row ``b``. A windowed group gives back the blocks its
+    window has left behind (``engine.kv_cache_manager``), so a Gemma 3 sequence
+    of 8k tokens holds its five windowed groups' last 512 tokens, not 8k: the
+    budget buys block ids of ``num_slots`` layers instead of every layer's.
+
+    A model whose layers all share one window (or none) is one group of all its
+    layers: one table, one tensor per layer, as before.
+    """
+
+    group_windows: tuple[int, ...]  # each group's window (0: full attention)
+    layer_group: tuple[int, ...]  # layer -> its group
+    layer_slot: tuple[int, ...]  # layer -> its slot tensor
+    num_slots: int  # layers' worth of K/V per block id
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
+
+    @property
+    def hybrid(self) -> bool:
+        """More than one block table per request."""
+        return len(self.group_windows) > 1
+
+    def blocks_for(self, num_tokens: int, block_size: int, chunk: int) -> int:
+        """Block ids one sequence of ``num_tokens`` holds at most, running ``chunk``
+        tokens a step: each full group covers every token; a windowed group its window
+        before the chunk's first query and the chunk."""
+        full = cdiv(num_tokens, block_size)
+        return sum(full if not w else min(full, cdiv(w - 1 + chunk, block_size) + 1) for w in self.group_windows)
+
+
+def kv_layout(layer_windows: tuple[int, ...], num_layers: int, max_model_len: int,
+              hybrid: bool = True) -> KVLayout:
+    """The grouping of ``num_layers`` layers with these windows (empty: none).
+
+    A window of at least ``max_model_len`` sees every position, so its layers group
+    with the full ones. Groups hold as many layers as the rarest kind has (vLLM's
+    rule): Gemma 3 270M's 3 full and 15 windowed layers make 6 groups of 3.
+    ``hybrid=False``: one group of all layers (every block kept for every layer).
+    """
+    windows = [w if 0 < w < max_model_len else 0 for w in (layer_windows or (0,) * num_layers)]
+    kinds = sorted(set(windows))
+    if not hybrid or len(kinds) == 1:
+        return KVLayout((kinds[0] if hybrid else 0,), (0,) * num_layers, tuple(range(num_layers)), num_layers)
+    size = min(windows.count(k) for k in kinds)
+    group_windows: list[int] = []
+    layer_group = [0] * num_layers
+    layer_slot = [0] * num_layers
+    for kind in kinds:
+        layers = [i for i, w in enumerate(windows) if w == kind]
+        for start in range(0, len(layers), size):
+            for slot, layer in enumerate(layers[start:start + size]):
+                layer_group[layer], layer_slot[layer] = len(group_windows), slot
+            group_windows.append(kind)
+    return KVLayout(tuple(group_windows), tuple(layer_group), tuple(layer_slot), size)

@@ -50,6 +50,7 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = config.attention_scale or self.head_dim ** -0.5
         self.window = window  # a sliding window's positions per query (0: the whole context)
+        self.softcap = config.attn_logit_softcap  # scores soft-capped to it (Gemma 2; 0: none)
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
@@ -81,7 +82,8 @@ class Attention(nn.Module):
             qkv = self._norm_heads(qkv)
         q, k, v = ops.rotary_and_cache(qkv, rope.rotations, positions, k_cache, v_cache,
                                        meta.slot_mapping, self.num_heads, self.num_kv_heads)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window).reshape(t, self.q_size)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window,
+                            self.softcap).reshape(t, self.q_size)
         out = self.o_proj(o)
         if lora is not None:
             out = lora.add("o_proj", o, out)
@@ -137,9 +139,9 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         fused = all(isinstance(p, (QuantizedLinear, AmxBf16Linear, NativeLinear)) and p.fused for p in projections)
-        # NOTE: the fused layer kernel has no per-head q/k norm and no sliding window:
-        # Qwen3's layers and windowed ones run op by op.
-        return (fused and attn.q_norm is None and not attn.window
+        # NOTE: the fused layer kernel has no per-head q/k norm, no sliding window and no
+        # soft-capping: Qwen3's layers, windowed and soft-capped ones run op by op.
+        return (fused and attn.q_norm is None and not attn.window and not attn.softcap
                 and {p.kind for p in projections} in ({"int4"}, {"amx-bf16"}, {"w4a16"}, {"native"})
                 and all(p.bias is None for p in projections[1:]))
 
@@ -229,13 +231,21 @@ class LlamaForCausalLM(nn.Module):
         if fused:
             d = meta.num_decodes
             starts = meta.query_start_loc[d:] - meta.query_start_loc[d] if d < meta.num_seqs else None
-            step = ops.FusedStep(self.rope.rotations, positions, meta.slot_mapping, meta.block_tables,
-                                 meta.context_lens, d, starts)
+            steps: dict[int, ops.FusedStep] = {}  # one per group of a hybrid cache's layers
             for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
+                m = meta.for_layer(i)
+                if layer.self_attn.window:  # the fused kernel has no window (Qwen2's later layers)
+                    x, residual = layer(x, residual, self.rope, positions, m, kv,
+                                        lora.layer(i) if lora is not None else None)
+                    continue
+                step = steps.get(id(m))
+                if step is None:
+                    step = steps[id(m)] = ops.FusedStep(self.rope.rotations, positions, m.slot_mapping,
+                                                        m.block_tables, m.context_lens, d, starts)
                 x, residual = layer.forward_fused(x, residual, step, kv, lora.layer(i) if lora is not None else None)
         else:
             for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
-                x, residual = layer(x, residual, self.rope, positions, meta, kv,
+                x, residual = layer(x, residual, self.rope, positions, meta.for_layer(i), kv,
                                     lora.layer(i) if lora is not None else None)
         hidden = None
         if hidden_indices is not None:

@@ -141,6 +141,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    dest="no_prefix_caching", help="turn the prefix cache off")
     p.add_argument("--enable-prefix-caching", action="store_false", dest="no_prefix_caching",
                    help="vLLM's spelling of the default: the prefix cache on")
+    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="keep every KV block for every layer: a model with sliding-window layers "
+                        "then holds as many tokens as with full attention everywhere (by default "
+                        "its windowed layers give back the blocks their window has left)")
     p.add_argument("--speculative", default=None, choices=SPECULATIVE_METHODS,
                    help="speculative decoding: ngram = prompt lookup (proposals from the request's "
                         "own prompt and output), draft = proposals from --draft-model; verified in "
@@ -382,6 +386,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+            hybrid_kv_cache=not args.disable_hybrid_kv_cache_manager,
             served_model_name=(getattr(args, "served_model_name", None) or [None])[0],
             quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
             chat_template=getattr(args, "chat_template", None),

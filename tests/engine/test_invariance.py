@@ -9,11 +9,14 @@ of 16 requests arriving over time (prompts beside decodes), and through a KV
 cache so small that requests are preempted and recomputed. Every generated
 token's logprob must be equal, bit for bit, to the cold run's, and so must the
 tokens and texts. Nothing is compared with a tolerance: an optimisation never
-changes a result.
+changes a result. A model with a sliding-window layer beside a full one (a hybrid
+KV cache whose windowed group gives back the blocks its window left) keeps the
+same guarantee, and equals its run with every block kept.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from dataclasses import dataclass, field
 
@@ -24,6 +27,7 @@ from engine.llm_engine import LLMEngine
 from engine.model_runner import kv_bytes_per_block
 from engine.sampling_params import SamplingParams
 from models import ops
+from models.kv_cache import kv_layout
 from models.loader import load_model
 
 pytestmark = pytest.mark.slow
@@ -102,7 +106,13 @@ def model_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     fields = {k: v for k, v in read_gguf(resolve_model_path("smollm2")).fields.items() if k.startswith("tokenizer.")}
     path = tmp_path_factory.mktemp("invariance") / "qwen2-mixed.gguf"
     write_mixed_gguf(path, tokenizer_fields=fields)
-    return {"smollm2": "smollm2", "qwen2-mixed": str(path)}
+    return {"smollm2": "smollm2", "qwen2-mixed": str(path), WINDOWED: f"{path}+window"}
+
+
+# The Qwen2-shaped model's second layer sees the last WINDOW positions (as Qwen2's
+# use_sliding_window from max_window_layers=1): the table's long prompts cross many windows.
+WINDOW = 24
+WINDOWED = "qwen2-mixed+window"
 
 
 def loaded_model(model: str, dtype: str, quantization: str):
@@ -111,8 +121,14 @@ def loaded_model(model: str, dtype: str, quantization: str):
     if key not in _loaded:
         _loaded.clear()
         gc.collect()
-        _loaded[key] = load_model(model, dtype=dtype, device="cpu", max_positions=MAX_MODEL_LEN,
-                                  quantization=quantization)
+        path, _, window = model.partition("+")
+        loaded = load_model(path, dtype=dtype, device="cpu", max_positions=MAX_MODEL_LEN, quantization=quantization)
+        if window:
+            config = dataclasses.replace(loaded.config, layer_windows=(0, WINDOW))
+            loaded.model.model.layers[1].self_attn.window = WINDOW
+            loaded.model.config = config
+            loaded = dataclasses.replace(loaded, config=config)
+        _loaded[key] = loaded
     return _loaded[key]
 
 
@@ -121,7 +137,9 @@ def make_engine(model: str, mode, num_blocks: int = 128, **overrides) -> LLMEngi
     loaded = loaded_model(model, dtype, quantization)
     import torch
 
-    budget = num_blocks * kv_bytes_per_block(loaded.config, getattr(torch, kv_dtype), BLOCK_SIZE)
+    cfg = loaded.config
+    layout = kv_layout(cfg.layer_windows, cfg.num_hidden_layers, MAX_MODEL_LEN, overrides.get("hybrid_kv_cache", True))
+    budget = num_blocks * kv_bytes_per_block(cfg, getattr(torch, kv_dtype), BLOCK_SIZE, layout=layout)
     settings = dict(dtype=dtype, device="cpu", kv_cache_memory=budget, block_size=BLOCK_SIZE,
                     max_model_len=MAX_MODEL_LEN, kv_cache_dtype=kv_dtype, quantization=quantization,
                     max_num_batched_tokens=MAX_MODEL_LEN)
@@ -199,7 +217,30 @@ def amx(request):
 def test_logprobs_do_not_depend_on_how_a_request_was_computed(mode, amx, model_name, model_files):
     if mode[1] in ("amx-bf16", "w4a16") and not ops.amx_bf16_usable():
         pytest.skip(f"{mode[1]} runs where the CPU has AMX-BF16 (tdpbf16ps has no exact software twin)")
-    model = model_files[model_name]
+    check_invariance(model_files[model_name], mode, amx)
+
+
+# A windowed layer beside a full one: the fused layer kernel (w4a8, int4) for the full
+# layer and the op-by-op one for the windowed layer, float and bfloat16 activations.
+WINDOWED_MODES = [("float32", "none", "float32"), ("float32", "w4a8", "float16"), ("bfloat16", "int4", "bfloat16")]
+
+
+@pytest.mark.parametrize("mode", WINDOWED_MODES, ids=["-".join(m) for m in WINDOWED_MODES])
+def test_a_windowed_layer_keeps_the_guarantee(mode, amx, model_files):
+    model = model_files[WINDOWED]
+    cold = check_invariance(model, mode, amx)
+    assert max(len(ids) for ids in table(loaded_model(model, *mode[:2]).tokenizer).values()) > 10 * WINDOW
+    # Every block kept for every layer: the same answers as the windowed group giving its blocks back.
+    flat = make_engine(model, mode, enable_prefix_caching=False, hybrid_kv_cache=False)
+    assert not flat.kv_layout.hybrid
+    got = {}
+    for rid, ids in table(flat.tokenizer).items():
+        got.update(run(flat, {rid: ids}))
+    assert_same(got, cold, "with every block kept")
+
+
+def check_invariance(model: str, mode, amx: bool) -> dict[str, Generated]:
+    """Run the table cold, then in every other way; each must equal the cold run. Returns it."""
     tokenizer = loaded_model(model, *mode[:2]).tokenizer
     ops.set_amx_enabled(amx)  # after the load, which sets it to the path's own choice
     assert ops.amx_enabled() == amx
@@ -241,9 +282,16 @@ def test_logprobs_do_not_depend_on_how_a_request_was_computed(mode, amx, model_n
 
     # (e) a KV cache one block short of the whole batch: requests are preempted and recomputed.
     need = sum(-(-(len(ids) + MAX_TOKENS) // BLOCK_SIZE) for ids in prompts.values())
-    small = make_engine(model, mode, num_blocks=need - 1, enable_prefix_caching=False)
+    if not alone.kv_layout.hybrid:
+        small = make_engine(model, mode, num_blocks=need - 1, enable_prefix_caching=False)
+    else:
+        # A windowed group gives its blocks back as a request goes: the least room that holds
+        # one sequence of steps of 64 tokens (31 blocks here) is what makes them take turns.
+        least = alone.kv_layout.blocks_for(MAX_MODEL_LEN, BLOCK_SIZE, 64)
+        small = make_engine(model, mode, num_blocks=least, enable_prefix_caching=False, max_num_batched_tokens=64)
     got = run(small, prompts)
     assert small.scheduler.num_preemptions_total > 0
     assert_same(got, cold, "after preemption")
     if amx and not ops.amx_hardware():  # the emulated AMX kernel did run
         assert ops.amx_emulated_products() > emulated_products
+    return cold

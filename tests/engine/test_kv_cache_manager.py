@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_manager import NULL_BLOCK, KVCacheManager
 from engine_builders import make_request
+from models.kv_cache import kv_layout
 
 BS = 16
 
@@ -70,16 +71,16 @@ def test_hit_stops_at_the_first_differing_block():
     admit(kv, make_request("r0", range(64)))
     other = list(range(64))
     other[20] = -1  # block 1 differs, so blocks 2 and 3 cannot match either
-    assert kv.get_computed_blocks(make_request("r1", other)) == ([0], 16)
+    assert kv.get_computed_blocks(make_request("r1", other)) == ([[0]], 16)
 
 
 def test_never_the_whole_prompt_is_a_hit():
     kv = KVCacheManager(num_blocks=16, block_size=BS)
     admit(kv, make_request("r0", range(64)))
     # A 64-token prompt that is fully cached still computes its last block.
-    assert kv.get_computed_blocks(make_request("r1", range(64))) == ([0, 1, 2], 48)
-    assert kv.get_computed_blocks(make_request("r2", range(65))) == ([0, 1, 2, 3], 64)
-    assert kv.get_computed_blocks(make_request("r3", range(16))) == ([], 0)
+    assert kv.get_computed_blocks(make_request("r1", range(64))) == ([[0, 1, 2]], 48)
+    assert kv.get_computed_blocks(make_request("r2", range(65))) == ([[0, 1, 2, 3]], 64)
+    assert kv.get_computed_blocks(make_request("r3", range(16))) == ([[]], 0)
 
 
 def test_a_freed_request_blocks_are_still_hits():
@@ -102,7 +103,7 @@ def test_output_tokens_become_cacheable_once_their_block_is_full():
     r0.append_token(99)
     assert kv.allocate_slots(r0, 1)
     r1 = make_request("r1", list(range(15)) + [99, 7])
-    assert kv.get_computed_blocks(r1) == ([0], 16)
+    assert kv.get_computed_blocks(r1) == ([[0]], 16)
 
 
 def test_sibling_admitted_after_a_chunk_hits_the_blocks_allocated_for_it():
@@ -110,7 +111,7 @@ def test_sibling_admitted_after_a_chunk_hits_the_blocks_allocated_for_it():
     prompt = list(range(100))
     r0 = make_request("r0", prompt)
     admit(kv, r0, num_new=40)  # only a chunk: blocks 0 and 1 are full, block 2 is not
-    assert kv.get_computed_blocks(make_request("r1", prompt)) == ([0, 1], 32)
+    assert kv.get_computed_blocks(make_request("r1", prompt)) == ([[0, 1]], 32)
 
 
 def test_failed_allocation_changes_nothing():
@@ -125,7 +126,7 @@ def test_failed_allocation_changes_nothing():
 
     r2 = make_request("r2", prefix + list(range(40)))  # 72 tokens: 5 blocks, 2 of them hits
     blocks, num_cached = kv.get_computed_blocks(r2)
-    assert (blocks, num_cached) == ([0, 1], 32)
+    assert (blocks, num_cached) == ([[0, 1]], 32)
     assert not kv.allocate_slots(r2, 40, blocks)
     assert kv.get_block_ids("r2") == []
     after = (kv.get_block_ids("r1"), kv.num_free_blocks, kv.stats,
@@ -182,7 +183,7 @@ def test_reset_prefix_cache():
     assert not kv.reset_prefix_cache()
     kv.free("r0")
     assert kv.reset_prefix_cache()
-    assert kv.get_computed_blocks(make_request("r1", range(40))) == ([], 0)
+    assert kv.get_computed_blocks(make_request("r1", range(40))) == ([[]], 0)
 
 
 def salted(request_id: str, tokens, salt: str | None, adapter: str | None = None):
@@ -205,3 +206,83 @@ def test_a_cache_salt_shares_blocks_only_with_the_same_salt():
     assert admit(kv, salted("lora-a", prompt, "tenant-a", adapter="sql")) == 0
     assert admit(kv, salted("lora-a1", prompt, "tenant-a", adapter="sql")) == 64
     assert admit(kv, salted("lora", prompt, None, adapter="sql")) == 0
+
+
+# -- a hybrid cache: a full group and a windowed one (models.kv_cache.KVLayout) --------------
+
+def test_a_windowed_group_gives_back_the_blocks_its_window_left():
+    kv = KVCacheManager(num_blocks=32, block_size=BS, group_windows=(0, 32))
+    r = make_request("r0", range(100))
+    admit(kv, r)  # a whole prompt in one step: both tables cover it while it runs
+    full, windowed = kv.get_block_tables("r0")
+    assert len(full) == len(windowed) == 7 and not set(full) & set(windowed)
+    assert kv.num_free_blocks == 32 - 14
+    r.num_computed_tokens = 100
+    r.append_token(1)
+    assert kv.allocate_slots(r, 1)
+    # The next query (position 100) sees positions 69..100: blocks 0..3 (tokens 0..63) are left behind.
+    full2, windowed2 = kv.get_block_tables("r0")
+    assert full2 == full and windowed2 == [NULL_BLOCK] * 4 + windowed[4:]
+    assert kv.num_free_blocks == 32 - 10
+    kv.free("r0")
+    assert kv.num_free_blocks == 32 and kv.stats.num_blocks_used == 0
+
+
+def test_a_hybrid_prefix_hit_takes_the_full_blocks_and_the_windows_last_ones():
+    kv = KVCacheManager(num_blocks=40, block_size=BS, group_windows=(0, 20))
+    prompt = list(range(1000, 1100))  # 6 full blocks and 4 tokens
+    r0 = make_request("r0", prompt)
+    admit(kv, r0)
+    full0, windowed0 = kv.get_block_tables("r0")
+    kv.free("r0")
+    (full, windowed), cached = kv.get_computed_blocks(make_request("r1", prompt + [5]))
+    assert cached == 96 and full == full0[:6]
+    # From position 96 on a query sees 77..: blocks 4 and 5 of the windowed group, not 0..3.
+    assert windowed == [NULL_BLOCK] * 4 + windowed0[4:6]
+    r1 = make_request("r1", prompt + [5])
+    assert admit(kv, r1) == 96
+    assert kv.get_block_tables("r1")[1][:6] == windowed
+
+
+def test_a_hit_stops_where_the_window_finds_no_cached_blocks():
+    kv = KVCacheManager(num_blocks=14, block_size=BS, group_windows=(0, 20))
+    prompt = list(range(2000, 2100))
+    r0 = make_request("r0", prompt)
+    admit(kv, r0)
+    r0.num_computed_tokens = 100
+    r0.append_token(1)
+    # Position 100 sees 81..: the windowed group gives back blocks 0..4 (cached, free).
+    assert kv.allocate_slots(r0, 1)
+    assert kv.num_free_blocks == 5
+    # Another request takes four free blocks: the cached windowed blocks 0..3 are evicted.
+    assert admit(kv, make_request("other", range(5000, 5032))) == 0  # 2 blocks in each group
+    assert kv.num_free_blocks == 1
+    kv.free("r0")
+    # A hit of 6 blocks needs windowed blocks 4 and 5, still cached.
+    (full, windowed), cached = kv.get_computed_blocks(make_request("r1", prompt + [5]))
+    assert cached == 96 and windowed[:4] == [NULL_BLOCK] * 4
+    # A prompt of 65 tokens wants a 4-block hit: its window needs block 3, which is gone.
+    (_, windowed), cached = kv.get_computed_blocks(make_request("r2", prompt[:65]))
+    assert cached == 0
+
+
+def test_layouts_group_layers_by_window():
+    # Gemma 3 270M: every sixth of 18 layers full, the others a 512-token window.
+    windows = tuple(0 if (i + 1) % 6 == 0 else 512 for i in range(18))
+    lay = kv_layout(windows, 18, 32768)
+    assert lay.group_windows == (0, 512, 512, 512, 512, 512) and lay.num_slots == 3
+    assert lay.layer_group[5] == lay.layer_group[11] == lay.layer_group[17] == 0
+    assert sorted(zip(lay.layer_group, lay.layer_slot)) == [(g, s) for g in range(6) for s in range(3)]
+    # One sequence of 8k tokens, 256 a step: the full group's 512 blocks, each windowed group's 49.
+    assert lay.blocks_for(8192, 16, 256) == 512 + 5 * 49
+    # Without the hybrid layout every layer keeps every block: one group.
+    flat = kv_layout(windows, 18, 32768, hybrid=False)
+    assert flat.group_windows == (0,) and flat.num_slots == 18 and flat.blocks_for(8192, 16, 256) == 512
+    # A window as long as the context is full attention; one window everywhere is one group.
+    assert kv_layout(windows, 18, 512).group_windows == (0,)
+    assert kv_layout((4096,) * 4, 4, 32768).group_windows == (4096,)
+    assert kv_layout((), 4, 32768) == kv_layout((0,) * 4, 4, 32768)
+    # Uneven counts: Gemma 3 1B's 4 full and 22 windowed layers make groups of 4, the last of 2.
+    windows = tuple(0 if (i + 1) % 6 == 0 else 512 for i in range(26))
+    lay = kv_layout(windows, 26, 32768)
+    assert lay.num_slots == 4 and lay.num_groups == 7 and lay.layer_group.count(6) == 2

@@ -49,12 +49,12 @@ class FakeModel:
         # Write the whole batch first, as each layer does, then read.
         for item in out.scheduled:
             for j, tok in enumerate(item.token_ids):
-                self.slots[self._slot(item.block_ids, item.start_pos + j)] = tok
+                self.slots[self._slot(item.block_tables[0], item.start_pos + j)] = tok
         sampled = {}
         for item in out.scheduled:
             if item.sample:
                 end = item.start_pos + item.num_new_tokens
-                context = [self.slots[self._slot(item.block_ids, p)] for p in range(end)]
+                context = [self.slots[self._slot(item.block_tables[0], p)] for p in range(end)]
                 sampled[item.request.request_id] = [next_token(context)]
         return sampled
 
@@ -155,8 +155,8 @@ def test_siblings_admitted_in_one_step_share_full_prompt_blocks(assert_scheduler
     out = scheduler.schedule()
     assert out.admitted == ["a", "b"]
     sa, sb = out.scheduled
-    assert sa.block_ids == [0, 1, 2]
-    assert sb.block_ids == [0, 1, 3]
+    assert sa.block_tables[0] == [0, 1, 2]
+    assert sb.block_tables[0] == [0, 1, 3]
     assert (sb.start_pos, sb.num_new_tokens) == (32, 8)
     assert (a.num_cached_tokens, b.num_cached_tokens) == (0, 32)
     stats = scheduler.kv_cache.stats
@@ -405,7 +405,7 @@ def test_proposals_run_as_extra_positions_and_rejected_slots_are_given_back():
     [item] = out.scheduled
     assert item.spec_token_ids == truth[1:3] + [999, 998, 997] and item.num_new_tokens == 6
     assert item.token_ids == truth[:3] + [999, 998, 997]
-    assert len(item.block_ids) == 6  # positions 5..10
+    assert len(item.block_tables[0]) == 6  # positions 5..10
     model.step(out)
     # The engine keeps the two confirmed proposals and the model's next token.
     scheduler.update_from_output(out, {"r": truth[1:4]})
@@ -485,3 +485,77 @@ def test_running_requests_are_ordered_by_priority_then_admission():
         scheduler.add_request(prioritised(f"r{i}", prompt(i, 4), 4, p))
         scheduler.schedule()  # admitted one step at a time: running holds them in this order
     assert [r.request_id for r in scheduler.running] == ["r3", "r1", "r4", "r0", "r2"]
+
+
+# -- a hybrid cache: a full-attention group and a windowed one ----------------------------
+
+WINDOW = 24
+
+
+def windowed_next_token(context: list[int]) -> int:
+    """A 'model' with a full layer (every token) and a windowed one (the last WINDOW)."""
+    return (next_token(context) + 7 * next_token(context[-WINDOW:])) % VOCAB
+
+
+class HybridFakeModel(FakeModel):
+    """Group 0 reads every position, group 1 only its window's: a block given back too
+    early, or reused while a window still sees it, changes the output."""
+
+    def step(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        for item in out.scheduled:
+            for table in item.block_tables:
+                for j, tok in enumerate(item.token_ids):
+                    self.slots[self._slot(table, item.start_pos + j)] = tok
+        sampled = {}
+        for item in out.scheduled:
+            if item.sample:
+                end = item.start_pos + item.num_new_tokens
+                full, windowed = item.block_tables
+                context = [self.slots[self._slot(full, p)] for p in range(end)]
+                recent = [self.slots[self._slot(windowed, p)] for p in range(max(end - WINDOW, 0), end)]
+                sampled[item.request.request_id] = [(next_token(context) + 7 * next_token(recent)) % VOCAB]
+        return sampled
+
+
+def hybrid_scheduler(num_blocks: int, hybrid: bool = True, **config) -> Scheduler:
+    kv = KVCacheManager(num_blocks, 16, True, (0, WINDOW) if hybrid else (0, 0))
+    settings = dict(max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=2048) | config
+    return Scheduler(SchedulerConfig(**settings), kv)
+
+
+@pytest.mark.parametrize("num_blocks", [512, 28], ids=["roomy", "preempting"])
+@pytest.mark.parametrize("budget", [2048, 40], ids=["whole", "chunked"])
+def test_a_windowed_group_serves_the_reference_output(num_blocks, budget, assert_scheduler_empty):
+    scheduler = hybrid_scheduler(num_blocks, max_num_batched_tokens=budget)
+    # Every prompt twice (the second hits the cache), most longer than the window.
+    specs = MIXED + MIXED
+    requests = [make_request(f"r{i}", prompt(i % len(MIXED), n), max_tokens=m) for i, (n, m) in enumerate(specs)]
+    for r in requests:
+        scheduler.add_request(r)
+    run(scheduler, HybridFakeModel(scheduler.kv_cache))
+    for r in requests:
+        tokens = list(r.prompt_token_ids)
+        for _ in range(r.max_tokens):
+            tokens.append(windowed_next_token(tokens))
+        assert r.output_token_ids == tokens[r.num_prompt_tokens:], r.request_id
+    if num_blocks == 28:
+        assert scheduler.num_preemptions_total > 0
+    else:
+        assert scheduler.num_preemptions_total == 0 and any(r.num_cached_tokens for r in requests[len(MIXED):])
+    assert_scheduler_empty(scheduler)
+
+
+def test_a_windowed_group_holds_more_long_sequences():
+    # Eight prompts of 600 tokens: with every block kept each holds 2 x 38 blocks; the
+    # windowed group's share shrinks to its window once the prompt has run.
+    peak = {}
+    for hybrid in (True, False):
+        scheduler = hybrid_scheduler(400, hybrid, max_num_batched_tokens=600)
+        for i in range(8):
+            scheduler.add_request(make_request(f"r{i}", prompt(i, 600), max_tokens=40))
+        model, peak[hybrid] = HybridFakeModel(scheduler.kv_cache), 0
+        while scheduler.has_unfinished_requests():
+            out = scheduler.schedule()
+            peak[hybrid] = max(peak[hybrid], scheduler.num_running)
+            scheduler.update_from_output(out, model.step(out))
+    assert peak[False] == 5 and peak[True] == 8

@@ -28,7 +28,7 @@ class RecordingSpeculator:
 
 def scheduled(request_id: str, spec: list[int], params: SamplingParams = GREEDY) -> ScheduledRequest:
     request = Request(request_id, [0, 0], params, params.max_tokens, spec_token_ids=list(spec))
-    return ScheduledRequest(request, start_pos=1, num_new_tokens=1 + len(spec), block_ids=[0], sample=True,
+    return ScheduledRequest(request, start_pos=1, num_new_tokens=1 + len(spec), block_tables=[[0]], sample=True,
                             spec_token_ids=list(spec))
 
 

@@ -12,11 +12,14 @@ from engine.workers import RankSpec, _decode, _encode
 def test_a_step_survives_the_wire():
     # Each chunk's LoRA adapter travels as its place in the spec's list.
     adapters = ["sql", "poet"]
-    chunks = [Chunk([5], 40, [2, 9, 4], 1, "poet"), Chunk(list(range(100, 117)), 16, [7, 8], 0),
-              Chunk([1, 2, 3], 0, [1], 3, "sql"), Chunk([], 0, [], 0)]
+    chunks = [Chunk([5], 40, [[2, 9, 4]], 1, "poet"), Chunk(list(range(100, 117)), 16, [[7, 8]], 0),
+              Chunk([1, 2, 3], 0, [[1]], 3, "sql"), Chunk([], 0, [[]], 0)]
     flat = _encode(chunks, adapters)
     assert flat.dtype.is_floating_point is False
-    assert _decode(len(chunks), flat.tolist(), adapters) == chunks
+    assert _decode(len(chunks), flat.tolist(), adapters, 1) == chunks
+    # A hybrid cache's tables, one per group (a windowed group's given-back entries are -1).
+    grouped = [Chunk([5], 40, [[2, 9, 4], [-1, 3, 6]], 1), Chunk([7, 8], 0, [[1], [5]], 2, "sql")]
+    assert _decode(len(grouped), _encode(grouped, adapters).tolist(), adapters, 2) == grouped
 
 
 def test_parallel_settings_are_checked():
