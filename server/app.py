@@ -29,8 +29,9 @@ from server.errors import (APIError, ClientDisconnected, bad_request, install_ex
 from server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from server.middleware import OPEN_PATHS, APIKeyMiddleware, BodySizeLimitMiddleware, DrainMiddleware
 from server.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-from server.protocol_chat import ApplyTemplateRequest, DetokenizeRequest, TokenizeRequest, template_messages
-from server.serving_chat import apply_template, create_chat_completion
+from server.protocol_chat import (ApplyTemplateRequest, DetokenizeRequest, TokenizeRequest, apply_template,
+                                  template_messages)
+from server.serving_chat import create_chat_completion
 from server.driver import client_disconnected
 from server.serving_completions import create_completion
 from server.serving_embeddings import create_embedding, create_llamacpp_embedding, create_rerank, create_score

@@ -1,7 +1,8 @@
 """The chat request bodies: ``/v1/chat/completions`` (whose messages and tools the
 Responses and Messages APIs translate into), and the routes that take messages too
 (``/tokenize``, llama.cpp's ``/apply-template``); ``template_messages`` turns messages
-into what a chat template reads."""
+into what a chat template reads, ``apply_template`` renders them and ``render_prompt``
+makes a chat request's prompt tokens of them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from engine.sampling_params import SamplingParams
+from server.engine_client import TokenizerLike
 from server.errors import bad_request
 from server.protocol import _Exact, _SamplingRequest, _Strict
 from server.tools import FORMATS, FunctionSpec, ToolFormat, history_content, template_tool_calls, tools_block
@@ -175,8 +177,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def sampling_params(self, tool_format: ToolFormat = FORMATS["generic"]) -> SamplingParams:
         """The engine's parameters; with tools, a grammar for ``tool_format``'s calls."""
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None \
-            else self.max_tokens
+        max_tokens = (self.max_completion_tokens if self.max_completion_tokens is not None
+                      else self.max_tokens)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         params = self.to_sampling_params(max_tokens=max_tokens, logprobs=logprobs,
                                          prompt_logprobs=self.prompt_logprobs)
@@ -272,3 +274,34 @@ def template_messages(messages: list[ChatMessage], tools: list[FunctionSpec] | N
         else:
             out.insert(0, {"role": "system", "content": block})
     return out
+
+
+def apply_template(tokenizer: TokenizerLike, messages: list[dict[str, Any]],
+                   add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None,
+                   template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False) -> str:
+    """Render messages with the model's chat template (and a request's
+    ``chat_template_kwargs``; the last message left open with ``continue_final_message``);
+    a template error is a 400."""
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             tools=tools or None, template_kwargs=template_kwargs or None,
+                                             continue_final_message=continue_final_message)
+    except ValueError as e:
+        # (the renderer's TemplateArgumentError names the argument at fault; server/
+        # does not import models/, so it is read by its attribute)
+        argument = getattr(e, "argument", None)
+        if argument is not None:
+            raise bad_request(str(e), argument) from None
+        raise bad_request(f"Invalid messages: {e}", "messages") from None
+
+
+def render_prompt(tokenizer: TokenizerLike, body: ChatCompletionRequest, fmt: ToolFormat) -> list[int]:
+    """Chat template then tokens. The template already holds any BOS, so the
+    tokenizer must not add special tokens a second time. A native tool format
+    hands the tools to the template; the generic one lists them in the messages."""
+    tools = body.tool_specs() if body.tools else None
+    messages = template_messages(body.messages, tools, body.parallel_calls, fmt)
+    text = apply_template(tokenizer, messages, body.generation_prompt,
+                          [t.openai() for t in tools] if tools and fmt.native else None,
+                          body.chat_template_kwargs, bool(body.continue_final_message))
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -23,9 +23,10 @@ from server.anthropic_api import (AnthropicUsage, MessagesRequest, anthropic_err
                                   stop_reason)
 from server.answers import AnswerReader
 from server.body import read_model
+from server.chat_input import prepare_chat
 from server.errors import APIError
+from server.protocol_chat import render_prompt
 from server.protocol_responses import DeltaToolCall
-from server.serving_chat import prepare_chat, render_prompt
 from server.driver import First, Job, Renderer, respond
 from server.serving_common import Choices
 from server.state import ServerState
@@ -76,7 +77,7 @@ async def _create_message(state: ServerState, request: Request) -> Response:
     model = state.check_model(body.model)
     chat = body.chat_request()
     with messages_params():
-        params, reader, prompt = prepare_chat(state, chat)
+        params, reader, prompt = prepare_chat(state, state.with_model_defaults(chat))
     job = Job(new_block_id("msg"), model, [prompt], params,
               {"prompt": "messages", "max_tokens": "max_tokens", "structured": "tools"}, bool(body.stream))
     return await respond(state, request, job, MessageRenderer(job, reader))

@@ -21,13 +21,14 @@ from starlette.responses import JSONResponse, Response
 from engine.outputs import RequestOutput
 from server.answers import AnswerReader
 from server.body import read_model
+from server.chat_input import prepare_chat
+from server.chat_output import chat_logprobs
 from server.errors import APIError
 from server.protocol_responses import ChatTokenLogprob, DeltaToolCall, Usage, now
 from server.response_store import StoredResponse
 from server.responses_api import ResponsesRequest, new_item_id, responses_params
 from server.responses_output import (OutputFunctionCall, OutputItem, OutputMessage, OutputReasoning,
                                      OutputReasoningText, OutputText, ResponseObject)
-from server.serving_chat import chat_logprobs, prepare_chat
 from server.driver import First, Job, Renderer, respond
 from server.serving_common import Choices
 from server.state import ServerState
@@ -67,7 +68,7 @@ async def create_response(state: ServerState, request: Request) -> Response:
     history, earlier_items = _previous(state, body)
     chat = body.chat_request(history)
     with responses_params():
-        params, reader, prompt = prepare_chat(state, chat)
+        params, reader, prompt = prepare_chat(state, state.with_model_defaults(chat))
     job = Job(new_item_id("resp"), model, [prompt], params,
               {"prompt": "input", "max_tokens": "max_output_tokens",
                "structured": "tools" if reader.calls is not None else "text.format"}, bool(body.stream))

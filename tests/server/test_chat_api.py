@@ -237,7 +237,7 @@ async def test_structured_output_reaches_the_engine(client: httpx.AsyncClient, e
 def test_logprob_bytes_put_a_split_character_back_together(gguf_tokenizer) -> None:
     # SmolLM2 writes "🙂" as two tokens; each one's text is U+FFFD, its bytes half the emoji.
     from engine.outputs import TokenLogprob
-    from server.serving_chat import chat_logprobs
+    from server.chat_output import chat_logprobs
 
     ids = gguf_tokenizer.encode("🙂!", add_special_tokens=False)
     lps = chat_logprobs(gguf_tokenizer, [TokenLogprob(t, -1.0, [(t, -1.0)]) for t in ids])
