@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from engine.sampler_settings import SETTINGS
 from engine.sampling_params import SamplingParams, StructuredOutput
+from server.engine_client import TokenizerLike
 from server.errors import APIError, bad_request
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -90,6 +91,14 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> lis
         return ids
     keep = max_model_len if keep == -1 else keep
     return ids[-keep:] if len(ids) > keep else ids
+
+
+def encode_prompts(tokenizer: TokenizerLike, prompts: list[str | list[int]], keep: int | None,
+                   max_model_len: int, add_special_tokens: bool = True) -> list[list[int]]:
+    """Each prompt as token ids (a text encoded, a list of ids as it is), cut to its last
+    ``keep`` tokens as ``truncate_prompt`` cuts them."""
+    return [truncate_prompt(tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else p,
+                            keep, max_model_len) for p in prompts]
 
 
 def _check_truncate(value: int | None) -> int | None:

@@ -2,7 +2,7 @@
 
 ``Choices`` accumulates each choice's text, tokens, logprobs and finish reason
 from engine deltas (``server.driver`` fills it); the helpers name tokens and
-prompt logprobs as vLLM does and turn prompts into token ids.
+prompt logprobs as vLLM does.
 """
 
 from __future__ import annotations
@@ -118,9 +118,3 @@ def vllm_prompt_logprobs(tokenizer: TokenizerLike, entries: list[TokenLogprob | 
         out.append(tokens)
     return out
 
-
-def encode_prompts(tokenizer: TokenizerLike, prompts: list[str | list[int]],
-                   add_special_tokens: bool = True) -> list[list[int]]:
-    """Each prompt as token ids: a text encoded, a list of ids as it is."""
-    return [tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else p
-            for p in prompts]

@@ -21,11 +21,10 @@ from starlette.responses import JSONResponse, Response
 from engine.sampling_params import SamplingParams
 from server.body import read_model, validate
 from server.errors import bad_request, renamed_params
-from server.protocol import _Strict, truncate_prompt
+from server.protocol import _Strict, encode_prompts
 from server.protocol_pooling import EmbeddingRequest, RerankRequest, ScoreRequest
 from server.protocol_responses import now
 from server.driver import Job, collect_all
-from server.serving_common import encode_prompts
 from server.state import ServerState, new_request_id
 
 
@@ -43,8 +42,8 @@ async def embed(state: ServerState, request: Request, request_id: str, inputs: l
     """Each input's embedding (engine requests of one group) and their prompt tokens
     (each input's last ``truncate`` only, where given); a 400 for an input the engine
     refuses names ``field``."""
-    prompts = [truncate_prompt(p, truncate, state.engine.max_model_len)
-               for p in encode_prompts(state.engine.tokenizer, inputs, add_special_tokens)]
+    prompts = encode_prompts(state.engine.tokenizer, inputs, truncate, state.engine.max_model_len,
+                             add_special_tokens)
     choices = await collect_all(state, request, Job(request_id, model, prompts, params, {"prompt": field}))
     vectors = []
     for st in choices.states:
