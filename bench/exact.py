@@ -3,6 +3,7 @@
     python -m bench.exact --model qwen2.5-coder-1.5b
     python -m bench.exact                          # the default model
     python -m bench.exact --kvserve-args '--kv-cache-dtype float32'
+    python -m bench.exact --model gemma-3-270m --long-prompts 4   # 4 of the 16 past a 512-token window
 
 Starts ``kvserve serve --model M --dtype float32 --quantization none`` (the
 exact path: the file's own weights, dequantised, computed in float32) on a
@@ -174,14 +175,21 @@ def ask(client: httpx.Client, url: str, kind: str, prompt: str) -> Answer:
     return Answer(prompt_ids, choice["token_ids"], [_gap(t) for t in tops])
 
 
-def serve_answers(model: Path, extra: list[str], concurrency: int, log: Path) -> list[Answer]:
-    """The exact path's answers to ``PROMPTS`` from a ``kvserve serve`` started for them."""
+def long_prompts(count: int) -> list[tuple[str, str]]:
+    """``PROMPTS`` with its last ``count`` replaced by raw excerpts of the quality text of
+    600 words and more (800 tokens and more: past a sliding window of 512)."""
+    return PROMPTS[:len(PROMPTS) - count] + [("completion", _excerpt(600 + 150 * i)) for i in range(count)]
+
+
+def serve_answers(model: Path, extra: list[str], concurrency: int, log: Path,
+                  prompts: list[tuple[str, str]] = PROMPTS) -> list[Answer]:
+    """The exact path's answers to ``prompts`` from a ``kvserve serve`` started for them."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [*_kvserve_argv(port), "--model", str(model), "--dtype", "float32", "--quantization", "none", *extra]
     with server(argv, f"{url}/ready", log), httpx.Client(timeout=1800.0, trust_env=False) as client:
         with ThreadPoolExecutor(concurrency) as pool:
-            return list(pool.map(lambda p: ask(client, url, *p), PROMPTS))
+            return list(pool.map(lambda p: ask(client, url, *p), prompts))
 
 
 def transformers_answers(model: Path, prompt_ids: list[list[int]], eos: list[int]) -> tuple[list[Answer], list]:
@@ -257,18 +265,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kvserve-args", default="", help="more flags for kvserve serve, e.g. '--kv-cache-dtype float32'")
     p.add_argument("--concurrency", type=int, default=len(PROMPTS), help="requests in flight at once (default: all)")
     p.add_argument("--cache-dir", type=Path, default=llama_cpp.DEFAULT_CACHE, help="the server's log goes in logs/")
+    p.add_argument("--long-prompts", type=int, default=0, metavar="K",
+                   help="replace the last K prompts by text excerpts of 800 tokens and more (a window's test)")
     args = p.parse_args(argv)
+    prompts = long_prompts(args.long_prompts)
     try:
         model = resolve_model_path(args.model)
     except ValueError as exc:
         p.error(f"--model {args.model!r}: {exc}")
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     log = args.cache_dir / "logs" / f"kvserve-exact-{stamp}.log"
-    ours = serve_answers(model, shlex.split(args.kvserve_args), args.concurrency, log)
+    ours = serve_answers(model, shlex.split(args.kvserve_args), args.concurrency, log, prompts)
     eos = sorted(read_tokenizer(args.model).eos_token_ids)
     theirs, tokenizer = transformers_answers(model, [a.prompt_ids for a in ours], eos)
     rows = [compare(kind, a, b, reference_prompt_ids(tokenizer, kind, prompt))
-            for (kind, prompt), a, b in zip(PROMPTS, ours, theirs)]
+            for (kind, prompt), a, b in zip(prompts, ours, theirs)]
     print(f"{model.name}: kvserve serve --dtype float32 --quantization none {args.kvserve_args} vs transformers "
           f"float32, greedy, {MAX_TOKENS} tokens")
     for i, row in enumerate(rows):
