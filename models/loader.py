@@ -23,6 +23,7 @@ import torch
 from models import autotune, catalog, gguf_native, ops
 from models.config import ModelConfig
 from models.gguf_loader import config_from_gguf, iter_gguf_weights, open_gguf, projection_type
+from models.moe_loader import iter_gguf_moe_weights
 from models.parallel import TensorParallel, check_split, shard_model
 from models.quant import prepare_projections
 from models.registry import model_class
@@ -176,7 +177,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
             reader = open_gguf(path)
             config = config_from_gguf(reader)
             tokenizer = Tokenizer.from_gguf_fields(reader.fields)
-            weights = iter_gguf_weights(reader, config)
+            # (a mixture of experts' stacked expert tensors are split per expert: models.moe_loader)
+            weights = (iter_gguf_moe_weights if config.moe else iter_gguf_weights)(reader, config)
             gguf_type = projection_type(reader)
     types = gguf_native.file_types(reader) if reader is not None and dev.type == "cpu" else None
     torch_dtype, quantization = resolve_path(dtype, quantization, config, gguf_type, dev, types)

@@ -118,6 +118,9 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
     ...), a tensor that updates something other than a decoder projection
     (the embedding, the LM head), or a shape that does not fit the model.
     """
+    if config.moe is not None:
+        raise ValueError(f"LoRA adapter {name!r}: {config.architecture} (a mixture of experts) runs no "
+                         "LoRA adapters yet")
     path = Path(path)
     if path.suffix == ".gguf" and path.is_file():
         where, tensors, alpha, rslora = _read_gguf_adapter(name, path, config)

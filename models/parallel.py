@@ -79,6 +79,9 @@ def check_split(config: ModelConfig, world_size: int, quantized: bool) -> None:
     """Raise ``ValueError`` naming the numbers if ``config`` cannot be split ``world_size`` ways."""
     if world_size < 1:
         raise ValueError(f"tensor parallel size must be >= 1, got {world_size}")
+    if config.moe is not None and world_size > 1:
+        raise ValueError(f"tensor parallel does not split {config.architecture}'s experts yet; "
+                         "serve it with --tensor-parallel-size 1")
     problems = []
     for what, n in (("query heads", config.num_attention_heads),
                     ("KV heads", config.num_key_value_heads),

@@ -382,6 +382,10 @@ def prepare_projections(model: nn.Module, quantization: str) -> nn.Module:
     weight (no kernels: ``none``, and the large batches of torch's quantised
     path), the weights are made column-major for it first.
     """
+    own = getattr(model, "prepare_projections", None)
+    if own is not None:  # a family whose layers hold other projections (models/moe.py's experts)
+        own(quantization)
+        return model
     kernels = ops.kernels_enabled(model.lm_head.weight.device)
     if quantization == "none":
         if kernels and model.lm_head.weight.dtype in DTYPES:

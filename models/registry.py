@@ -6,7 +6,9 @@ from torch import nn
 
 from models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from models.gemma import GemmaForCausalLM
+from models.gemma4 import Gemma4ForCausalLM
 from models.llama import LlamaForCausalLM
+from models.moe import MoEForCausalLM
 
 # Mistral, Qwen2, Qwen3 and Phi-3 are Llama with other settings (no q/k/v bias / with
 # it / per-head query and key norms / q, k, v and gate, up stored fused, which
@@ -18,7 +20,15 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,
-    "Gemma3ForCausalLM": GemmaForCausalLM,  # Llama's modules, Gemma's layer (models/gemma.py)
+    "Gemma2ForCausalLM": GemmaForCausalLM,  # Llama's modules, Gemma's layer (models/gemma.py)
+    "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,  # Gemma's layer with Gemma 4's options (models/gemma4.py)
+    # Mixtures of experts: Llama's attention with experts blocks (models/moe.py)
+    "MixtralForCausalLM": MoEForCausalLM,
+    "Qwen2MoeForCausalLM": MoEForCausalLM,
+    "Qwen3MoeForCausalLM": MoEForCausalLM,
+    "OlmoeForCausalLM": MoEForCausalLM,
+    "GraniteMoeForCausalLM": MoEForCausalLM,
 }
 assert set(_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 

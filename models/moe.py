@@ -1,0 +1,304 @@
+"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and Granite MoE.
+
+Each is Llama's decoder (``models.llama``: attention, RMSNorm, RoPE, the paged cache)
+whose MLP is, in its sparse layers, a ``SparseMoeBlock``:
+
+* a router (``gate``, a linear layer to one logit per expert, read in float32) picks
+  each token's experts as its family defines (``MoESettings.router``): a softmax over
+  all experts then the k largest probabilities, renormalised to sum to 1 or not
+  (Mixtral, Qwen, OLMoE), or the k largest logits then a softmax over them (Granite);
+* the step's tokens are grouped by chosen expert, and each expert's gate_up and down
+  projections (Llama's ``MLP``, in the same linear kernels as a dense MLP: packed
+  float, int4, w4a8, AMX) run over its tokens only, llama.cpp's ``mul_mat_id``;
+* each token's expert outputs, scaled by its router weights, are added in ascending
+  expert id from zero, the order of transformers' ``index_add_`` (exact for any k);
+* Qwen2-MoE adds a shared expert every token runs, scaled by ``sigmoid(gate(x))``.
+
+Invariance: the kernels' result for a row does not depend on the other rows
+(``models.dense``, ``models.quant``), the router's linear is the packed dense GEMM,
+and a token's sum runs in an order fixed by its own choice of experts, so a token's
+output does not depend on which tokens share its experts or its step
+(tests/models/test_moe.py holds it).
+
+What the families change beyond the MLP (``ModelConfig`` and ``MoESettings`` carry it):
+Qwen2-MoE's q/k/v biases, Qwen3-MoE's per-head query and key norms, OLMoE's norms over
+the whole query and key projections, Granite's multipliers (embedding, attention scale,
+each residual branch, a divisor of the logits), Qwen's dense layers (mlp_only_layers,
+decoder_sparse_step).
+
+Layers run op by op (the one-call layer kernel is Llama's dense layer). Not yet:
+LoRA adapters and tensor parallel (refused with a ``ValueError``), gpt-oss, a fused
+expert kernel, routed-token metrics.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from models import ops
+from models.attention import AttentionMetadata
+from models.config import ModelConfig
+from models.dense import DTYPES, PackedLinear
+from models.fused import FUSED_PARTS, fused_part_sizes
+from models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
+from models.moe_config import MoESettings
+from models.quant import AmxBf16Linear, QuantizedLinear
+from models.rope import RotaryEmbedding, interleave_rotary_rows
+
+_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+_ROUTERS = ("gate", "shared_expert_gate")
+
+
+def route(logits: torch.Tensor, moe: MoESettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits ``[T, E]`` (float32) -> ``(weights [T, k] float32, experts [T, k])``."""
+    if moe.router == "topk-softmax":
+        top, experts = logits.topk(moe.experts_per_token, dim=-1)
+        return torch.softmax(top, dim=-1), experts
+    weights, experts = torch.softmax(logits, dim=-1).topk(moe.experts_per_token, dim=-1)
+    if moe.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, experts and (Qwen2-MoE) a gated shared expert; names as in the checkpoints."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        moe = config.moe
+        assert moe is not None
+        self.moe = moe
+        self.gate = nn.Linear(config.hidden_size, moe.num_experts, bias=False)
+        expert = replace(config, intermediate_size=moe.expert_size)
+        self.experts = nn.ModuleList(MLP(expert) for _ in range(moe.num_experts))
+        self.shared_expert = self.shared_expert_gate = None
+        if moe.shared_expert_size:
+            self.shared_expert = MLP(replace(config, intermediate_size=moe.shared_expert_size))
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t, k = x.shape[0], self.moe.experts_per_token
+        weights, chosen = route(self.gate(x).float(), self.moe)
+        # Group the step's (token, choice) slots by expert: each expert runs once, on its rows.
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()
+        tokens = order // k
+        out = x.new_empty(t * k, x.shape[1])
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                slots = order[start:start + n]
+                out[slots] = self.experts[e](x.index_select(0, tokens[start:start + n]))
+                start += n
+        out = out.view(t, k, -1) * weights.to(x.dtype).unsqueeze(-1)
+        # NOTE: a token's k outputs are added in ascending expert id, from its first: an
+        # order its own choice fixes (not the batch's), and transformers' index_add_ order.
+        by_id = chosen.argsort(dim=1)
+        out = out.gather(1, by_id.unsqueeze(-1).expand_as(out))
+        y = out[:, 0]
+        for j in range(1, k):
+            y = y + out[:, j]
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
+
+
+class MoEAttention(Attention):
+    """Llama's attention; with OLMoE's norms over the whole query and key projections."""
+
+    def __init__(self, config: ModelConfig, window: int = 0) -> None:
+        super().__init__(config, window)
+        if config.moe is not None and config.moe.qk_norm_projection:
+            self.q_norm = RMSNorm(self.q_size, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.kv_size, config.rms_norm_eps)
+            self.whole_projection_norms = True
+        else:
+            self.whole_projection_norms = False
+
+    def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        if not self.whole_projection_norms:
+            return super()._norm_heads(qkv)
+        q_size, kv_size = self.q_size, self.kv_size
+        q = self.q_norm(qkv[:, :q_size].contiguous())
+        k = self.k_norm(qkv[:, q_size:q_size + kv_size].contiguous())
+        return torch.cat([q, k, qkv[:, q_size + kv_size:]], dim=1)
+
+
+class MoEDecoderLayer(nn.Module):
+    """Llama's layer with an experts block (or, in a dense layer, an MLP) and Granite's
+    residual multiplier on both branches."""
+
+    def __init__(self, config: ModelConfig, index: int) -> None:
+        super().__init__()
+        assert config.moe is not None
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = MoEAttention(config, config.layer_window(index))
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SparseMoeBlock(config) if config.moe.is_sparse(index) else MLP(config)
+        self.residual_multiplier = config.moe.residual_multiplier
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RotaryEmbedding,
+                positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp_out, residual)``, as ``models.llama.DecoderLayer``."""
+        m = self.residual_multiplier
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rope, positions, meta, kv_cache)
+        h, residual = self.post_attention_layernorm(h * m if m != 1 else h, residual)
+        out = self.mlp(h)
+        return (out * m if m != 1 else out), residual
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    """A mixture-of-experts decoder on Llama's modules (see the module docstring)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        if config.moe is None:
+            raise ValueError(f"{config.architecture} needs its experts' settings (ModelConfig.moe)")
+        super().__init__(config)
+        self.model.layers = nn.ModuleList(MoEDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                logits_indices: torch.Tensor | None = None, lora: object | None = None,
+                hidden_indices: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """As ``LlamaForCausalLM.forward`` (no LoRA rows, no tensor parallel)."""
+        assert self.rope is not None, "call init_rope() before forward()"
+        if lora is not None or self.tp is not None:
+            raise ValueError(f"{self.config.architecture} runs without LoRA adapters and tensor parallel here")
+        moe = self.config.moe
+        x = self.model.embed_tokens(input_ids)
+        if moe.embedding_multiplier != 1:
+            x = x * moe.embedding_multiplier
+        residual = None
+        for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
+            x, residual = layer(x, residual, self.rope, positions, meta.for_layer(i), kv)
+        hidden = None
+        if hidden_indices is not None:
+            hidden = self.model.norm(x.index_select(0, hidden_indices),
+                                     residual.index_select(0, hidden_indices))[0].float()
+        if logits_indices is not None:
+            x, residual = x.index_select(0, logits_indices), residual.index_select(0, logits_indices)
+        x, _ = self.model.norm(x, residual)
+        logits = self.lm_head(x)
+        if moe.logits_scaling != 1:
+            logits = logits / moe.logits_scaling
+        logits = logits.float()
+        return logits if hidden is None else (logits, hidden)
+
+    def prepare_projections(self, quantization: str) -> None:
+        """Every projection (attention, each expert, the shared expert) in the form
+        ``quantization`` runs it, as ``quant.prepare_projections`` does a dense model's;
+        the routers in the packed dense GEMM (their logits decide which experts run)."""
+        kernels = ops.kernels_enabled(self.lm_head.weight.device)
+        packable = kernels and self.lm_head.weight.dtype in DTYPES
+        if quantization == "w4a8" and not ops.has_int8_dots():
+            raise ValueError("w4a8 needs kvserve's CPU kernels with vector integer dots (AVX2 or AVX-512); use int4")
+        if not packable:  # torch's GEMM runs the dense weights: column-major for it
+            self.use_column_major_weights()
+
+        def convert(name: str, linear: nn.Linear) -> nn.Module:
+            if name in _ROUTERS or quantization == "none":
+                return PackedLinear(linear) if packable else linear
+            if quantization in ("amx-bf16", "w4a16"):
+                return AmxBf16Linear(linear, quantization)
+            return QuantizedLinear(linear, "int4", quantization == "w4a8")
+
+        for module in list(self.model.layers.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear) and name in _PROJECTIONS + _ROUTERS:
+                    setattr(module, name, convert(name, child))
+        head = self.lm_head
+        if quantization == "none":
+            self.lm_head = PackedLinear(head) if packable else head
+        elif quantization in ("amx-bf16", "w4a16"):
+            self.lm_head = AmxBf16Linear(head, "w8a16")
+        else:
+            self.lm_head = QuantizedLinear(head, "int8", quantization == "w4a8")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names, any family's layout of its experts) into the
+        parameters, checking names and shapes; ``ValueError`` names a stray, misshapen or
+        missing tensor."""
+        params = dict(self.named_parameters())
+        cfg = self.config
+        loaded: set[str] = set()
+        for ckpt_name, tensor in weights:
+            if "rotary_emb.inv_freq" in ckpt_name or (ckpt_name == "lm_head.weight" and cfg.tie_word_embeddings):
+                continue
+            for name, shard, part in _canonical(ckpt_name, tensor):
+                param = params.get(name)
+                if param is None:
+                    raise ValueError(f"checkpoint tensor {ckpt_name!r} does not belong to {cfg.architecture}")
+                dst, part = param.data, self._arrange(name, shard, part)
+                if shard is not None:
+                    sizes = (fused_part_sizes("qkv_proj", cfg) if "qkv_proj" in name else [dst.shape[0] // 2] * 2)
+                    dst = dst[sum(sizes[:shard]):sum(sizes[:shard + 1])]
+                if tuple(part.shape) != tuple(dst.shape):
+                    raise ValueError(f"tensor {ckpt_name!r} has shape {tuple(part.shape)}, expected {tuple(dst.shape)}")
+                dst.copy_(part)
+                loaded.add(name if shard is None else f"{name}#{shard}")
+        expected = set()
+        for name in params:
+            if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+                expected.update(f"{name}#{i}" for i in range(3))
+            elif name.endswith("gate_up_proj.weight"):
+                expected.update(f"{name}#{i}" for i in range(2))
+            elif not (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                expected.add(name)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {', '.join(missing[:5])}")
+
+    def _arrange(self, name: str, shard: int | None, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor in the parameter's row order: q and k rows (and their norms'
+        weights) in the interleaved rotary order of ``rotary_and_cache``."""
+        cfg = self.config
+        if shard in (0, 1) and "qkv_proj" in name:
+            return interleave_rotary_rows(tensor, cfg.num_attention_heads if shard == 0 else cfg.num_key_value_heads)
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            if cfg.moe.qk_norm_projection:  # (OLMoE: one weight per row of the whole projection)
+                heads = cfg.num_attention_heads if "q_norm" in name else cfg.num_key_value_heads
+                return interleave_rotary_rows(tensor, heads)
+            return interleave_rotary_rows(tensor, 1)
+        return tensor
+
+
+# Mixtral's expert projections, as its checkpoints name them.
+_MIXTRAL_EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_MIXTRAL_EXPERT = re.compile(r"(.*\.experts\.\d+)\.(w[123])\.weight$")
+# Experts stacked in one tensor [E, ...]: Granite's checkpoints, and transformers 5's own layout.
+_STACKED = {".mlp.input_linear.weight": "gate_up_proj", ".mlp.output_linear.weight": "down_proj",
+            ".mlp.experts.gate_up_proj": "gate_up_proj", ".mlp.experts.down_proj": "down_proj"}
+
+
+def _canonical(name: str, tensor: torch.Tensor) -> list[tuple[str, int | None, torch.Tensor]]:
+    """A checkpoint tensor as ``(parameter, part, tensor)`` triples: ``part`` is its place
+    in a fused projection (q, k, v of ``qkv_proj``; gate, up of ``gate_up_proj``) or None.
+    Mixtral and Granite keep their experts under ``block_sparse_moe``; Mixtral names their
+    projections w1, w3, w2; Granite stacks them ([E, 2I, H] gate then up, [E, H, I])."""
+    name = name.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.router.layer.", ".mlp.gate.")
+    match = _MIXTRAL_EXPERT.match(name)
+    if match:
+        name = f"{match[1]}.{_MIXTRAL_EXPERTS[match[2]]}.weight"
+    for stacked, proj in _STACKED.items():
+        if name.endswith(stacked):
+            prefix = name[:-len(stacked)]
+            if proj == "down_proj":
+                return [(f"{prefix}.mlp.experts.{e}.down_proj.weight", None, t) for e, t in enumerate(tensor)]
+            return [(f"{prefix}.mlp.experts.{e}.gate_up_proj.weight", i, half)
+                    for e, t in enumerate(tensor) for i, half in enumerate(t.chunk(2))]
+    for ckpt, (fused, idx) in FUSED_PARTS.items():
+        if f".{ckpt}." in name:
+            return [(name.replace(f".{ckpt}.", f".{fused}."), idx, tensor)]
+    return [(name, None, tensor)]

@@ -1,0 +1,186 @@
+"""Mixture-of-experts families equal transformers on tiny random checkpoints, and a token's
+result does not depend on the tokens routed with it.
+
+Each family: 2 layers, 8 experts, top-2 (Qwen3-MoE top-3, its weights renormalised),
+every parameter random; Qwen2-MoE with its gated shared expert and a dense second layer
+(mlp_only_layers), Granite with multipliers other than 1.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from models.loader import load_model
+from models.moe import SparseMoeBlock
+from tests.models.conftest import TINY_CONFIG, save_tiny_tokenizer
+from tests.models.test_llama import chunked_beside_another, max_diff, prefill, reference_greedy, reference_logits
+
+FAMILIES = {
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64),
+    "qwen2moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
+                     shared_expert_intermediate_size=64, mlp_only_layers=[1]),
+    "qwen3moe": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, head_dim=32,
+                     norm_topk_prob=True),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, pad_token_id=0, eos_token_id=2),
+    "granitemoe": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, embedding_multiplier=3.0,
+                       attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.0),
+}
+
+
+def tiny_moe(arch: str, **overrides) -> torch.nn.Module:
+    """A random transformers MoE model of ``arch`` (``FAMILIES``), float32, every parameter random."""
+    import transformers
+
+    config_cls, model_cls = {
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen2moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "qwen3moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
+        "granitemoe": (transformers.GraniteMoeConfig, transformers.GraniteMoeForCausalLM),
+    }[arch]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**{**TINY_CONFIG, **FAMILIES[arch], **overrides})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture
+def moe_checkpoint(tmp_path: Path):
+    """``moe_checkpoint(arch, **config)`` -> (HF checkpoint dir, transformers model)."""
+    def build(arch: str, **overrides) -> tuple[Path, torch.nn.Module]:
+        model = tiny_moe(arch, **overrides)
+        path = tmp_path / f"tiny-{arch}"
+        model.save_pretrained(path)
+        save_tiny_tokenizer(path)
+        return path, model
+
+    return build
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_moe_checkpoint_matches_transformers(moe_checkpoint, tiny_prompt, make_runner, arch):
+    path, reference = moe_checkpoint(arch)
+    model = load_model(str(path), dtype="float32", device="cpu").model
+
+    diff = max_diff(prefill(make_runner(model), tiny_prompt), reference_logits(reference, tiny_prompt))
+
+    assert diff < 1e-4, f"max |logits diff| vs transformers is {diff:.2e}"
+    assert make_runner(model).greedy(tiny_prompt, 4) == reference_greedy(reference, tiny_prompt, 4)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2moe", "olmoe"])
+@pytest.mark.parametrize("quantization", ["none", "int4", "w4a8"])
+def test_moe_logits_do_not_depend_on_chunks_or_batch(moe_checkpoint, tiny_prompt, make_runner, arch, quantization):
+    # The batch mate's tokens share experts with the prompt's: a row's sums must not change.
+    path, _ = moe_checkpoint(arch)
+    model = load_model(str(path), dtype="float32", device="cpu", quantization=quantization).model
+    whole = prefill(make_runner(model), tiny_prompt)
+
+    assert torch.equal(chunked_beside_another(make_runner(model, seed=1), tiny_prompt), whole)
+
+
+def test_a_tokens_expert_output_does_not_depend_on_the_tokens_sharing_its_experts(moe_checkpoint):
+    path, _ = moe_checkpoint("qwen3moe", num_experts_per_tok=4)  # top-4: sums of four, in a fixed order
+    block = load_model(str(path), dtype="float32", device="cpu").model.model.layers[0].mlp
+    assert isinstance(block, SparseMoeBlock)
+    x = torch.randn(40, TINY_CONFIG["hidden_size"], generator=torch.Generator().manual_seed(3))
+
+    together = block(x)
+
+    assert all(torch.equal(block(x[i:i + 1])[0], together[i]) for i in range(len(x)))
+    assert torch.equal(block(x[20:])[5], together[25])
+
+
+# --- GGUF: llama.cpp's stacked expert tensors ---------------------------------------------
+
+# transformers' family -> llama.cpp's general.architecture (Mixtral is `llama` with experts).
+GGUF_ARCH = {"mixtral": "llama", "qwen2moe": "qwen2moe", "qwen3moe": "qwen3moe", "olmoe": "olmoe"}
+# HF module -> llama.cpp tensor kind, written out here so the test does not trust the loader's tables.
+_GGUF_KINDS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "mlp.gate": "ffn_gate_inp", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+               "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+               "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+
+
+def write_moe_gguf(path: Path, model, arch: str, expert_type: str | None = None) -> Path:
+    """Write ``model`` (a transformers MoE of family ``arch``) as llama.cpp's converter does:
+    each layer's experts stacked per projection, F32, or ``expert_type`` (a GGUF type the
+    ``gguf`` package quantises) for the stacked experts, whose dequantised values then
+    replace ``model``'s own so that it stays the reference."""
+    import gguf
+
+    from gguf_files import write_header
+    from tests.models.test_loader import llama_cpp_permute
+
+    cfg, state = model.config, model.state_dict()
+    writer = gguf.GGUFWriter(str(path), GGUF_ARCH[arch])
+    write_header(writer, cfg)
+    writer.add_expert_count(cfg.num_local_experts if arch == "mixtral" else cfg.num_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch != "mixtral":
+        writer.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", cfg.intermediate_size))
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"<t{i}>" for i in range(cfg.vocab_size)])
+
+    def add(name: str, w: torch.Tensor, quantise: bool = False) -> torch.Tensor:
+        """Write ``w`` as tensor ``name``; return the values the file holds."""
+        data = w.numpy().astype(np.float32)
+        if not quantise or expert_type is None:
+            writer.add_tensor(name, data)
+            return w
+        qtype = gguf.GGMLQuantizationType[expert_type]
+        raw = gguf.quants.quantize(data, qtype)
+        writer.add_tensor(name, raw, raw_dtype=qtype)
+        return torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(data.shape))
+
+    for hf, w in list(state.items()):
+        if hf in _GGUF_GLOBAL:
+            add(_GGUF_GLOBAL[hf], w)
+            continue
+        _, _, layer, *module, kind = hf.split(".")
+        if hf.endswith("experts.gate_up_proj"):  # [E, 2I, H]: gate then up
+            gate, up = w.chunk(2, dim=1)
+            state[hf] = torch.cat([add(f"blk.{layer}.ffn_gate_exps.weight", gate, quantise=True),
+                                   add(f"blk.{layer}.ffn_up_exps.weight", up, quantise=True)], dim=1)
+        elif hf.endswith("experts.down_proj"):
+            state[hf] = add(f"blk.{layer}.ffn_down_exps.weight", w, quantise=True)
+        else:
+            if arch == "mixtral" and module[-1] in ("q_proj", "k_proj"):
+                heads = cfg.num_attention_heads if module[-1] == "q_proj" else cfg.num_key_value_heads
+                w = torch.from_numpy(llama_cpp_permute(w.numpy(), heads))
+            if module == ["mlp", "shared_expert_gate"]:
+                w = w.reshape(-1)  # (llama.cpp's converter keeps it one row: 1-D)
+            add(f"blk.{layer}.{_GGUF_KINDS['.'.join(module)]}.{kind}", w)
+    model.load_state_dict(state)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("arch, expert_type", [("mixtral", None), ("qwen2moe", None), ("qwen3moe", None),
+                                               ("olmoe", None), ("qwen2moe", "Q8_0")])
+def test_moe_gguf_matches_transformers(tiny_prompt, make_runner, tmp_path, arch, expert_type):
+    reference = tiny_moe(arch)
+    path = write_moe_gguf(tmp_path / f"{arch}.gguf", reference, arch, expert_type)
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    assert loaded.config.architecture == type(reference).__name__
+
+    diff = max_diff(prefill(make_runner(loaded.model), tiny_prompt), reference_logits(reference, tiny_prompt))
+
+    assert diff < 1e-4, f"max |logits diff| vs transformers is {diff:.2e}"
+    assert make_runner(loaded.model).greedy(tiny_prompt, 4) == reference_greedy(reference, tiny_prompt, 4)
