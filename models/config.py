@@ -8,7 +8,10 @@ from typing import Any
 from models.moe_config import MOE_ARCHITECTURES, MoESettings, moe_fields
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "Gemma3ForCausalLM", *MOE_ARCHITECTURES)
+                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                           *MOE_ARCHITECTURES)
+# The Gemma families (models/gemma.py): Gemma's norms, MLP and settings (_gemma_settings).
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 # What each rope_scaling type must give (models/rope.py computes the tables from them).
 _ROPE_REQUIRED = {"linear": ("factor",), "llama3": ("factor", "original_max_position_embeddings"),
@@ -22,8 +25,8 @@ _BASE_MODELS = {arch.removesuffix("ForCausalLM") + "Model": arch for arch in SUP
 def _layer_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
     """Each layer's sliding window from a config.json (empty: none), as transformers reads
     it: ``layer_types`` where given; else Mistral v0.1 and Phi-3 window every layer, Qwen2
-    (with ``use_sliding_window``) the layers from ``max_window_layers`` on. A window that
-    covers the whole context is none."""
+    (with ``use_sliding_window``) the layers from ``max_window_layers`` on, Gemma 2 every
+    other one from the first. A window that covers the whole context is none."""
     window = cfg.get("sliding_window")
     layers = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
@@ -32,6 +35,8 @@ def _layer_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
         return ()
     if types is not None:
         windowed = [t == "sliding_attention" for t in types]
+    elif arch == "Gemma2ForCausalLM":
+        windowed = [i % 2 == 0 for i in range(layers)]
     elif arch == "Qwen2ForCausalLM":
         first = cfg.get("max_window_layers", layers)
         windowed = [cfg.get("use_sliding_window", False) and i >= first for i in range(layers)]
@@ -40,16 +45,17 @@ def _layer_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
     return tuple(window if w else 0 for w in windowed) if any(windowed) else ()
 
 
-def _gemma_settings(cfg: dict[str, Any], local_rope: dict[str, Any] | None) -> dict[str, Any]:
-    """Gemma 3's ModelConfig fields beyond Llama's, from its config.json."""
-    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if cfg.get(cap) is not None:
-            raise ValueError(f"{cap} is not supported (Gemma 2's soft-capping)")
+def _gemma_settings(cfg: dict[str, Any], arch: str, local_rope: dict[str, Any] | None) -> dict[str, Any]:
+    """Gemma 2's and 3's ModelConfig fields beyond Llama's, from its config.json."""
     if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         raise ValueError(f"hidden_activation {cfg['hidden_activation']!r} is not supported (gelu_pytorch_tanh is)")
-    local = (local_rope or {}).get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
+    # (Gemma 2 turns every layer by one RoPE base; Gemma 3's windowed layers have their own)
+    local = None if arch == "Gemma2ForCausalLM" else \
+        (local_rope or {}).get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
     return dict(attention_scale=cfg.get("query_pre_attn_scalar", cfg.get("head_dim", 256)) ** -0.5,
-                local_rope_theta=local, norm_offset=1.0)
+                local_rope_theta=local, norm_offset=1.0,
+                attn_logit_softcap=cfg.get("attn_logit_softcapping") or 0.0,
+                final_logit_softcap=cfg.get("final_logit_softcapping") or 0.0)
 
 
 # generation_config.json's sampling settings a request may leave to the model (vLLM's list;
@@ -59,7 +65,7 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3)."""
+    """Hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3)."""
 
     architecture: str
     vocab_size: int
@@ -81,12 +87,17 @@ class ModelConfig:
     # with use_sliding_window those from max_window_layers on, as transformers' layer_types.
     layer_windows: tuple[int, ...] = ()
     # Settings Gemma gives (models/gemma.py): the attention's scale (query_pre_attn_scalar
-    # ** -0.5; None: head_dim ** -0.5), the windowed layers' RoPE base, and what is added
-    # to each norm weight at load (Gemma's norms scale by 1 + w: 1 for a checkpoint
-    # directory, 0 for a GGUF, whose converter added it).
+    # ** -0.5; None: head_dim ** -0.5), the windowed layers' RoPE base (None: the full
+    # layers' table, Gemma 2's one base), and what is added to each norm weight at load
+    # (Gemma's norms scale by 1 + w: 1 for a checkpoint directory, 0 for a GGUF, whose
+    # converter added it).
     attention_scale: float | None = None
     local_rope_theta: float | None = None
     norm_offset: float = 0.0
+    # Gemma 2's soft-capping (0: none): attention scores become cap * tanh(score / cap)
+    # before the softmax, and so do the LM head's logits, with a cap each.
+    attn_logit_softcap: float = 0.0
+    final_logit_softcap: float = 0.0
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # each head's query and key are RMS-normalised before RoPE (Qwen3)
@@ -185,7 +196,7 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=cfg.get("tie_word_embeddings", arch == "Gemma3ForCausalLM"),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", arch in GEMMA_ARCHITECTURES),
             attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
             qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             bos_token_id=cfg.get("bos_token_id"),
@@ -193,6 +204,6 @@ class ModelConfig:
             sampling_defaults=sampling,
             max_new_tokens=longest,
             layer_windows=windows,
-            **(_gemma_settings(cfg, local_rope) if arch == "Gemma3ForCausalLM" else {}),
+            **(_gemma_settings(cfg, arch, local_rope) if arch in GEMMA_ARCHITECTURES else {}),
         )
         return replace(config, **moe_fields(cfg, arch, config.head_dim)) if arch in MOE_ARCHITECTURES else config

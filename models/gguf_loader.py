@@ -20,17 +20,21 @@ from models.moe_config import GGUF_MOE_ARCHITECTURES, gguf_moe_fields
 SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", *SPLIT_TYPES)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM"}
 # Where a family's tensor kinds name other modules than Llama's: Phi-3's ffn_up is its fused
-# gate and up (gate first; models.fused splits it at load); Gemma 3's ffn_norm is the norm
+# gate and up (gate first; models.fused splits it at load); Gemma's ffn_norm is the norm
 # before its MLP, and it has a norm after the attention and after the MLP.
+_GEMMA_NORMS = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
 _ARCH_LAYER_NAMES = {
     "Phi3ForCausalLM": {"ffn_up": "mlp.gate_up_proj"},
-    "Gemma3ForCausalLM": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
-                          "post_ffw_norm": "post_feedforward_layernorm"},
+    "Gemma2ForCausalLM": _GEMMA_NORMS,
+    "Gemma3ForCausalLM": _GEMMA_NORMS,
 }
-# Gemma 3's files carry no layer pattern: llama.cpp's, every sixth layer full, the rest windowed.
-GEMMA3_FULL_EVERY = 6
+# Gemma's files carry no layer pattern: llama.cpp's, Gemma 2's every other layer full, Gemma 3's
+# every sixth, the rest windowed.
+GEMMA_FULL_EVERY = {"gemma2": 2, "gemma3": 6}
 # Tensors that hold RoPE settings, read into the config (not weights).
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # llama.cpp permutes only llama-arch Q/K (Qwen's RoPE already rotates halves, as HF's).
@@ -124,11 +128,10 @@ def config_from_gguf(reader: GGUFFile) -> ModelConfig:
     window, layers = get("attention.sliding_window") or 0, get("block_count")
     windows = (window,) * layers if 0 < window < get("context_length", 2048) else ()
     gemma = {}
-    if arch == "gemma3":
-        windows = tuple(0 if (i + 1) % GEMMA3_FULL_EVERY == 0 else window for i in range(layers))
-        head_dim = get("attention.key_length") or hidden // heads
-        # (its norms hold 1 + w already: llama.cpp's converter added the 1)
-        gemma = dict(attention_scale=head_dim ** -0.5, local_rope_theta=get("rope.freq_base_swa", 10000.0))
+    if arch in GEMMA_FULL_EVERY:
+        gemma = _gemma_settings(arch, get, hidden, heads)
+        window = window or 4096  # (llama.cpp's default for a Gemma 2 file without one)
+        windows = tuple(0 if (i + 1) % GEMMA_FULL_EVERY[arch] == 0 else window for i in range(layers))
     rope_scaling = _rope_scaling(get, rope)
     eos = field_value(reader, "tokenizer.ggml.eos_token_id")
     eot = field_value(reader, "tokenizer.ggml.eot_token_id")
@@ -159,6 +162,21 @@ def config_from_gguf(reader: GGUFFile) -> ModelConfig:
         return config
     # A mixture of experts (models/moe_config.py); Mixtral's arch is `llama`
     return replace(config, **gguf_moe_fields(arch, get, names, layers, config.intermediate_size))
+
+
+def _gemma_settings(arch: str, get: Any, hidden: int, heads: int) -> dict[str, Any]:
+    """A Gemma 2 or 3 file's ModelConfig fields beyond Llama's, as llama.cpp reads them. Its
+    norms hold 1 + w already (llama.cpp's converter added the 1): no norm offset."""
+    head_dim = get("attention.key_length") or hidden // heads
+    # The files keep no query_pre_attn_scalar: llama.cpp's, hidden / heads for the 27B
+    # models (46 layers: Gemma 2; 62: Gemma 3), head_dim for the others.
+    big = get("block_count") == {"gemma2": 46, "gemma3": 62}[arch]
+    scale = (hidden // heads if big else head_dim) ** -0.5
+    if arch == "gemma3":
+        return dict(attention_scale=scale, local_rope_theta=get("rope.freq_base_swa", 10000.0))
+    # (llama.cpp's defaults where a Gemma 2 file leaves a cap out)
+    return dict(attention_scale=scale, attn_logit_softcap=get("attn_logit_softcapping", 50.0),
+                final_logit_softcap=get("final_logit_softcapping", 30.0))
 
 
 def hf_name(gguf_name: str, architecture: str | None = None) -> str:

@@ -19,7 +19,8 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,
-    "Gemma3ForCausalLM": GemmaForCausalLM,  # Llama's modules, Gemma's layer (models/gemma.py)
+    "Gemma2ForCausalLM": GemmaForCausalLM,  # Llama's modules, Gemma's layer (models/gemma.py)
+    "Gemma3ForCausalLM": GemmaForCausalLM,
     # Mixtures of experts: Llama's attention with experts blocks (models/moe.py)
     "MixtralForCausalLM": MoEForCausalLM,
     "Qwen2MoeForCausalLM": MoEForCausalLM,

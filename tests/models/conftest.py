@@ -89,7 +89,7 @@ def make_runner() -> Callable[..., PagedRunner]:
 
 
 def tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides):
-    """A random transformers Llama, Qwen2, Qwen3 or Phi-3 with ``TINY_CONFIG`` (+ overrides), float32.
+    """A random transformers Llama, Qwen2, Qwen3, Phi-3, Mistral or Gemma 2, 3, 4 with ``TINY_CONFIG`` (+ overrides), float32.
 
     Every parameter is random, norms and biases included, so a loader that
     drops or misplaces any of them changes the logits.
@@ -102,9 +102,11 @@ def tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides):
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),  # q, k, v and gate, up stored fused
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "gemma4": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM),
     }[arch]
-    if arch in ("phi3", "gemma3"):
+    if arch in ("phi3", "gemma2", "gemma3", "gemma4"):
         overrides = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **overrides}
     if arch == "qwen3":
         # Qwen3's head_dim is its own (128 where hidden / heads is 64): 32 here, not 16.
@@ -117,6 +119,9 @@ def tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides):
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             else:
                 p.copy_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # (Gemma 4's, saved as a weight)
+                b.copy_(0.5 + torch.rand_like(b))
     return model
 
 

@@ -198,6 +198,8 @@ FAMILIES = {"qwen3": dict(arch="qwen3"), "phi3-longrope": VARIANTS["phi3-longrop
             "mistral-window": dict(arch="mistral", sliding_window=8),
             "gemma3": dict(arch="gemma3", head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
                            num_hidden_layers=3, layer_types=["sliding_attention"] * 2 + ["full_attention"]),
+            "gemma2": dict(arch="gemma2", head_dim=16, sliding_window=8, num_hidden_layers=3,
+                           attn_logit_softcapping=1.0, final_logit_softcapping=2.0),
             "llama-yarn": dict(arch="llama", rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                            "original_max_position_embeddings": 16})}
 
@@ -250,13 +252,23 @@ GEMMA3 = dict(arch="gemma3", head_dim=16, sliding_window=8, query_pre_attn_scala
               layer_types=["sliding_attention", "sliding_attention", "full_attention"])
 
 
-@pytest.mark.parametrize("variant", [GEMMA3, {**GEMMA3, "rope_parameters": {
-    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}}], ids=["gemma3", "gemma3-scaled"])
-def test_gemma3_matches_transformers(tiny_checkpoint, tiny_prompt, make_runner, variant):
+# Gemma 2: transformers' own layer pattern (windowed, full, windowed), one RoPE base, no q/k
+# norms; caps low enough to bend these tiny weights' scores and logits (real ones: 50 and 30).
+GEMMA2 = dict(arch="gemma2", head_dim=16, sliding_window=8, query_pre_attn_scalar=24, num_hidden_layers=3,
+              attn_logit_softcapping=1.0, final_logit_softcapping=2.0)
+
+
+@pytest.mark.parametrize("variant, windows", [
+    (GEMMA3, (8, 8, 0)),
+    ({**GEMMA3, "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                       "rope_theta": 1000000.0}}}, (8, 8, 0)),
+    (GEMMA2, (8, 0, 8))],
+    ids=["gemma3", "gemma3-scaled", "gemma2"])
+def test_gemma_matches_transformers(tiny_checkpoint, tiny_prompt, make_runner, variant, windows):
     path, reference = tiny_checkpoint(**variant)
     loaded = load_model(str(path), dtype="float32", device="cpu")
-    assert loaded.config.layer_windows == (8, 8, 0) and loaded.config.norm_offset == 1.0
+    assert loaded.config.layer_windows == windows and loaded.config.norm_offset == 1.0
     diff = max_diff(prefill(make_runner(loaded.model), tiny_prompt), reference_logits(reference, tiny_prompt))
     assert diff < 1e-4, f"max |logits diff| vs transformers is {diff:.2e}"
     assert make_runner(loaded.model).greedy(tiny_prompt, 6) == reference_greedy(reference, tiny_prompt, 6)

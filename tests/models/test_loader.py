@@ -36,7 +36,7 @@ def gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in _GLOBAL:
         return _GLOBAL[hf_name]
     _, _, layer, *module, kind = hf_name.split(".")
-    names = {**_LAYER, **_GEMMA3} if arch == "gemma3" else _LAYER
+    names = {**_LAYER, **_GEMMA3} if arch in ("gemma2", "gemma3") else _LAYER
     return f"blk.{layer}.{names['.'.join(module)]}.{kind}"
 
 
@@ -74,7 +74,7 @@ def write_gguf(path: Path, hf_model, arch: str = "llama", drop: tuple[str, ...] 
             w = llama_cpp_permute(w, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in hf:
             w = llama_cpp_permute(w, cfg.num_key_value_heads)
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             w = w + 1  # llama.cpp's converter stores Gemma's norms as 1 + w
         w = (replace or {}).get(name, w)
         qtype = (quantize or {}).get(name)
@@ -258,16 +258,36 @@ def test_a_gguf_sliding_window_matches_transformers(tiny_checkpoint, tiny_prompt
 
 
 
-def test_a_gemma3_gguf_matches_transformers(tiny_checkpoint, tiny_prompt, make_runner, tmp_path):
-    # llama.cpp's layout: every sixth layer full, the others windowed; norms stored as 1 + w.
-    types = ["sliding_attention"] * 5 + ["full_attention"]
-    _, reference = tiny_checkpoint("gemma3", head_dim=16, query_pre_attn_scalar=16, num_hidden_layers=6,
-                                   sliding_window=8, layer_types=types)
-    path = write_gguf(tmp_path / "gemma3.gguf", reference, arch="gemma3", fields=lambda w: w.add_sliding_window(8))
+def _gemma2_fields(writer: gguf.GGUFWriter) -> None:
+    writer.add_sliding_window(8)
+    writer.add_attn_logit_softcapping(1.0)
+    writer.add_final_logit_softcapping(2.0)
+
+
+# llama.cpp's layouts: Gemma 3's every sixth layer full, Gemma 2's every other one, the others
+# windowed; norms stored as 1 + w; Gemma 2's caps in the file (low, to bend these tiny weights').
+GEMMA_GGUFS = {
+    "gemma3": (dict(num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"]),
+               lambda w: w.add_sliding_window(8), (8, 8, 8, 8, 8, 0)),
+    "gemma2": (dict(num_hidden_layers=4, attn_logit_softcapping=1.0, final_logit_softcapping=2.0),
+               _gemma2_fields, (8, 0, 8, 0)),
+}
+
+
+@pytest.mark.parametrize("arch", GEMMA_GGUFS)
+def test_a_gemma_gguf_matches_transformers(tiny_checkpoint, tiny_prompt, make_runner, tmp_path, arch):
+    overrides, fields, windows = GEMMA_GGUFS[arch]
+    _, reference = tiny_checkpoint(arch, head_dim=16, query_pre_attn_scalar=16, sliding_window=8, **overrides)
+    path = write_gguf(tmp_path / f"{arch}.gguf", reference, arch=arch, fields=fields)
     loaded = load(path)
-    assert loaded.config.layer_windows == (8, 8, 8, 8, 8, 0) and loaded.config.norm_offset == 0
+    assert loaded.config.layer_windows == windows and loaded.config.norm_offset == 0
     runner = make_runner(loaded.model)
     ours = runner.step([(runner.new_seq(len(tiny_prompt)), tiny_prompt)])[0]
     with torch.no_grad():
         expected = reference(torch.tensor([tiny_prompt])).logits[0]
     assert (ours - expected).abs().max().item() < 1e-4
+    # decoding past the window, token by token, gives transformers' greedy tokens
+    ids = torch.tensor([tiny_prompt])
+    with torch.no_grad():
+        greedy = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6)
+    assert make_runner(loaded.model).greedy(tiny_prompt, 6) == greedy[0, len(tiny_prompt):].tolist()
