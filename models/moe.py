@@ -105,8 +105,19 @@ class SparseMoeBlock(nn.Module):
         for j in range(1, k):
             y = y + out[:, j]
         if self.shared_expert is not None:
-            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            y = y + _sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y
+
+
+def _sigmoid(g: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(g)`` for ``g [T, 1]``, each row's value the same in any batch.
+
+    NOTE: torch's vectorised sigmoid and its scalar loop (the tail of a contiguous tensor)
+    round differently, so a token's gate would depend on its place in the step; on a
+    strided view every element runs the scalar loop.
+    """
+    strided = g.expand(-1, 2).contiguous()[:, 0]
+    return torch.sigmoid(strided).unsqueeze(1)
 
 
 class MoEAttention(Attention):

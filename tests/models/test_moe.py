@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from models import ops
 from models.loader import load_model
 from models.moe import SparseMoeBlock
 from tests.models.conftest import TINY_CONFIG, save_tiny_tokenizer
@@ -75,7 +76,8 @@ def test_moe_checkpoint_matches_transformers(moe_checkpoint, tiny_prompt, make_r
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2moe", "olmoe"])
-@pytest.mark.parametrize("quantization", ["none", "int4", "w4a8"])
+@pytest.mark.parametrize("quantization", ["none", "int4", "w4a8", pytest.param("w4a16", marks=pytest.mark.skipif(
+    not ops.amx_bf16_usable(), reason="w4a16 needs a CPU with AMX-BF16"))])
 def test_moe_logits_do_not_depend_on_chunks_or_batch(moe_checkpoint, tiny_prompt, make_runner, arch, quantization):
     # The batch mate's tokens share experts with the prompt's: a row's sums must not change.
     path, _ = moe_checkpoint(arch)
@@ -86,26 +88,41 @@ def test_moe_logits_do_not_depend_on_chunks_or_batch(moe_checkpoint, tiny_prompt
 
 
 def test_a_tokens_expert_output_does_not_depend_on_the_tokens_sharing_its_experts(moe_checkpoint):
-    path, _ = moe_checkpoint("qwen3moe", num_experts_per_tok=4)  # top-4: sums of four, in a fixed order
+    # Top-4 (sums of four, in a fixed order) and Qwen2-MoE's gated shared expert, over enough
+    # rows that some of torch's elementwise loops run vectorised and others their scalar tail.
+    path, _ = moe_checkpoint("qwen2moe", num_experts_per_tok=4)
     block = load_model(str(path), dtype="float32", device="cpu").model.model.layers[0].mlp
-    assert isinstance(block, SparseMoeBlock)
-    x = torch.randn(40, TINY_CONFIG["hidden_size"], generator=torch.Generator().manual_seed(3))
+    assert isinstance(block, SparseMoeBlock) and block.shared_expert is not None
+    x = torch.randn(100, TINY_CONFIG["hidden_size"], generator=torch.Generator().manual_seed(3))
 
     together = block(x)
 
     assert all(torch.equal(block(x[i:i + 1])[0], together[i]) for i in range(len(x)))
-    assert torch.equal(block(x[20:])[5], together[25])
+    assert torch.equal(block(x[37:])[5], together[42])
+
+
+def test_moe_refuses_tensor_parallel_and_lora_adapters(moe_checkpoint, tmp_path):
+    from models.lora import load_adapter
+    from models.parallel import check_split
+
+    config = load_model(str(moe_checkpoint("mixtral")[0]), dtype="float32", device="cpu").config
+    with pytest.raises(ValueError, match="tensor parallel does not split MixtralForCausalLM's experts"):
+        check_split(config, 2, quantized=False)
+    with pytest.raises(ValueError, match="runs no LoRA adapters yet"):
+        load_adapter("a", tmp_path, config, torch.float32, torch.device("cpu"))
 
 
 # --- GGUF: llama.cpp's stacked expert tensors ---------------------------------------------
 
 # transformers' family -> llama.cpp's general.architecture (Mixtral is `llama` with experts).
-GGUF_ARCH = {"mixtral": "llama", "qwen2moe": "qwen2moe", "qwen3moe": "qwen3moe", "olmoe": "olmoe"}
+GGUF_ARCH = {"mixtral": "llama", "qwen2moe": "qwen2moe", "qwen3moe": "qwen3moe", "olmoe": "olmoe",
+             "granitemoe": "granitemoe"}
 # HF module -> llama.cpp tensor kind, written out here so the test does not trust the loader's tables.
 _GGUF_KINDS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-               "mlp.gate": "ffn_gate_inp", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.gate": "ffn_gate_inp", "block_sparse_moe.router": "ffn_gate_inp", "mlp.gate_proj": "ffn_gate",
+               "mlp.up_proj": "ffn_up",
                "mlp.down_proj": "ffn_down", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
                "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
                "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
@@ -126,8 +143,13 @@ def write_moe_gguf(path: Path, model, arch: str, expert_type: str | None = None)
     cfg, state = model.config, model.state_dict()
     writer = gguf.GGUFWriter(str(path), GGUF_ARCH[arch])
     write_header(writer, cfg)
-    writer.add_expert_count(cfg.num_local_experts if arch == "mixtral" else cfg.num_experts)
+    writer.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch == "granitemoe":  # (llama.cpp's converter writes Granite's multipliers so)
+        writer.add_embedding_scale(cfg.embedding_multiplier)
+        writer.add_residual_scale(cfg.residual_multiplier)
+        writer.add_attention_scale(cfg.attention_multiplier)
+        writer.add_logit_scale(cfg.logits_scaling)
     if arch != "mixtral":
         writer.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", cfg.intermediate_size))
     if arch == "qwen2moe":
@@ -158,7 +180,7 @@ def write_moe_gguf(path: Path, model, arch: str, expert_type: str | None = None)
         elif hf.endswith("experts.down_proj"):
             state[hf] = add(f"blk.{layer}.ffn_down_exps.weight", w, quantise=True)
         else:
-            if arch == "mixtral" and module[-1] in ("q_proj", "k_proj"):
+            if arch in ("mixtral", "granitemoe") and module[-1] in ("q_proj", "k_proj"):
                 heads = cfg.num_attention_heads if module[-1] == "q_proj" else cfg.num_key_value_heads
                 w = torch.from_numpy(llama_cpp_permute(w.numpy(), heads))
             if module == ["mlp", "shared_expert_gate"]:
@@ -173,7 +195,7 @@ def write_moe_gguf(path: Path, model, arch: str, expert_type: str | None = None)
 
 
 @pytest.mark.parametrize("arch, expert_type", [("mixtral", None), ("qwen2moe", None), ("qwen3moe", None),
-                                               ("olmoe", None), ("qwen2moe", "Q8_0")])
+                                               ("olmoe", None), ("granitemoe", None), ("qwen2moe", "Q8_0")])
 def test_moe_gguf_matches_transformers(tiny_prompt, make_runner, tmp_path, arch, expert_type):
     reference = tiny_moe(arch)
     path = write_moe_gguf(tmp_path / f"{arch}.gguf", reference, arch, expert_type)
