@@ -24,7 +24,7 @@ _BASE_MODELS = {arch.removesuffix("ForCausalLM") + "Model": arch for arch in SUP
 
 def _layer_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
     """Each layer's sliding window from a config.json (empty: none), as transformers reads
-    it: ``layer_types`` where given; else Mistral v0.1 and Phi-3 window every layer, Qwen2
+    it: ``layer_types`` where given; else Mistral v0.1, Mixtral and Phi-3 window every layer, Qwen2
     (with ``use_sliding_window``) the layers from ``max_window_layers`` on, Gemma 2 every
     other one from the first. A window that covers the whole context is none."""
     window = cfg.get("sliding_window")
@@ -41,7 +41,8 @@ def _layer_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
         first = cfg.get("max_window_layers", layers)
         windowed = [cfg.get("use_sliding_window", False) and i >= first for i in range(layers)]
     else:
-        windowed = [cfg.get("use_sliding_window", arch in ("MistralForCausalLM", "Phi3ForCausalLM"))] * layers
+        every = arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
+        windowed = [cfg.get("use_sliding_window", every)] * layers
     return tuple(window if w else 0 for w in windowed) if any(windowed) else ()
 
 

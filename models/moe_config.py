@@ -105,6 +105,8 @@ def gguf_moe_fields(arch: str, get: Callable[..., Any], names: set[str], layers:
     if not count or not used:
         raise ValueError(f"GGUF metadata lacks {arch}.expert_count/expert_used_count of an MoE model")
     hf = GGUF_MOE_ARCHITECTURES.get(arch, "MixtralForCausalLM")
+    if get("expert_gating_func") not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise ValueError(f"{arch}.expert_gating_func {get('expert_gating_func')} is not supported (softmax, 1, is)")
     expert_size = get("expert_feed_forward_length") or intermediate_size
     # llama.cpp normalises the chosen weights for Mixtral and Qwen3-MoE, not for Qwen2-MoE and OLMoE.
     norm = get("expert_weights_norm", hf in ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "GraniteMoeForCausalLM"))

@@ -64,9 +64,10 @@ def moe_checkpoint(tmp_path: Path):
     return build
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
-def test_moe_checkpoint_matches_transformers(moe_checkpoint, tiny_prompt, make_runner, arch):
-    path, reference = moe_checkpoint(arch)
+@pytest.mark.parametrize("arch, overrides", [*((arch, {}) for arch in FAMILIES), ("mixtral", {"sliding_window": 8})],
+                         ids=[*FAMILIES, "mixtral-window"])
+def test_moe_checkpoint_matches_transformers(moe_checkpoint, tiny_prompt, make_runner, arch, overrides):
+    path, reference = moe_checkpoint(arch, **overrides)
     model = load_model(str(path), dtype="float32", device="cpu").model
 
     diff = max_diff(prefill(make_runner(model), tiny_prompt), reference_logits(reference, tiny_prompt))
