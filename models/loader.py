@@ -23,7 +23,7 @@ import torch
 from models import autotune, catalog, gguf_native, ops
 from models.config import ModelConfig
 from models.gguf_loader import config_from_gguf, iter_gguf_weights, open_gguf, projection_type
-from models.moe_loader import iter_gguf_moe_weights
+from models.moe_loader import build_native_moe, iter_gguf_moe_weights, native_splittable
 from models.parallel import TensorParallel, check_split, shard_model
 from models.quant import prepare_projections
 from models.registry import model_class
@@ -185,12 +185,14 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
     with _file_named(path):  # a damaged or unsupported tensor: say which file it is in
         if tp is not None:
             check_split(config, tp.world_size, quantized=quantization != "none")
-        native = types is not None and quantization == "w4a16" and (tp is None or tp.world_size == 1)
+        native = quantization == "w4a16" and (tp is None or tp.world_size == 1) and (
+            types is not None if config.moe is None else  # (an MoE file's experts too: models.moe_loader)
+            reader is not None and dev.type == "cpu" and native_splittable(reader))
         logger.info("loading %s (%s, %d layers) as %s, quantization %s%s, on %s", path.name,
                     config.architecture, config.num_hidden_layers, str(torch_dtype).removeprefix("torch."),
                     quantization, _path_note(quantization, native), dev)
         if native:
-            model = gguf_native.build_model(reader, config, torch_dtype)
+            model = (build_native_moe if config.moe else gguf_native.build_model)(reader, config, torch_dtype)
             model.init_rope(max_positions or config.max_position_embeddings)
             model.eval()
             logger.info("loaded in %.1fs, peak RSS %.2f GB (%s)", time.perf_counter() - t0, peak_rss_gb(),

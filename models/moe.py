@@ -237,6 +237,16 @@ class MoEForCausalLM(LlamaForCausalLM):
         else:
             self.lm_head = QuantizedLinear(head, "int8", quantization == "w4a8")
 
+    def pack_routers(self) -> None:
+        """The routers (and Qwen2-MoE's shared-expert gates) in the packed dense GEMM, where
+        the kernels run: a row's logits, and so its experts, never depend on its batch."""
+        device = self.model.norm.weight.device
+        for module in list(self.model.layers.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear) and name in _ROUTERS and child.weight.dtype in DTYPES \
+                        and ops.kernels_enabled(device):
+                    setattr(module, name, PackedLinear(child))
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names, any family's layout of its experts) into the
         parameters, checking names and shapes; ``ValueError`` names a stray, misshapen or

@@ -8,6 +8,11 @@ Qwen2-MoE's shared expert (``ffn_{gate,up,down}_shexp``) and its gate
 dequantised (``gguf_loader.dequantize``: every type it reads) and split into one HF
 tensor per expert; the other tensors take ``gguf_loader.iter_gguf_weights``'s path
 (Mixtral's and Granite's Q and K rows un-permuted, as llama.cpp's `llama` permutes them).
+
+``build_native_moe`` is ``gguf_native.build_model`` for these files (``--quantization
+w4a16`` on a CPU with AMX-BF16): every projection, each expert's included, a
+``NativeLinear`` of the file's own codes at its own type, each expert's rows a slice of
+its stacked tensor's blocks; nothing dequantised but the norms, biases and routers.
 """
 
 from __future__ import annotations
@@ -16,10 +21,15 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+from torch import nn
 
 from models.config import ModelConfig
-from models.gguf_loader import dequantize, iter_gguf_weights
-from models.gguf_reader import GGUFFile
+from models.gguf_loader import PERMUTED_ARCHITECTURES, dequantize, iter_gguf_weights
+from models.gguf_native import _embedding, _head, _materialize, _rotary_order, projection, type_name
+from models.gguf_quants import SPLIT_TYPES
+from models.gguf_reader import GGUFFile, GGUFTensor
+from models.moe import MoEForCausalLM, SparseMoeBlock
+from models.registry import model_class
 
 # GGUF tensor kind -> the experts' projection each slice fills.
 EXPERT_KINDS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
@@ -43,15 +53,17 @@ def _torch(w: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
 
 
-def iter_gguf_moe_weights(reader: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every tensor of an MoE GGUF file, each stacked
-    expert tensor as its experts' tensors (``model.layers.N.mlp.experts.E.gate_proj.weight``)."""
+def iter_gguf_moe_weights(reader: GGUFFile, config: ModelConfig, skip: set[str] | frozenset[str] = frozenset()
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor)`` for every tensor of an MoE GGUF file but those named
+    in ``skip``, each stacked expert tensor as its experts' tensors
+    (``model.layers.N.mlp.experts.E.gate_proj.weight``)."""
     assert config.moe is not None
     blocks = {t.name for t in reader.tensors if _kind(t.name) is not None}
-    yield from iter_gguf_weights(reader, config, skip=blocks)
+    yield from iter_gguf_weights(reader, config, skip=blocks | set(skip))
     for tensor in reader.tensors:
         kind = _kind(tensor.name)
-        if kind is None:
+        if kind is None or tensor.name in skip:
             continue
         layer, what = kind
         prefix = f"model.layers.{layer}.mlp"
@@ -66,3 +78,73 @@ def iter_gguf_moe_weights(reader: GGUFFile, config: ModelConfig) -> Iterator[tup
             if what == "ffn_gate_inp_shexp":
                 w = w.reshape(1, -1)  # (one output: llama.cpp's converter squeezes it)
             yield f"{prefix}.{BLOCK_KINDS[what]}.weight", _torch(w)
+
+
+# The layer tensors ``build_native_moe`` keeps as codes (the routers are read as floats).
+_NATIVE_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_exps",
+                 "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+
+
+def native_splittable(reader: GGUFFile) -> bool:
+    """Whether every projection of an MoE file, its experts' included, is of a type whose
+    codes ``build_native_moe`` keeps (``gguf_quants.SPLIT_TYPES``)."""
+    kept = [t for t in reader.tensors if t.name.startswith("blk.") and t.name.split(".")[2] in _NATIVE_KINDS
+            and t.name.endswith(".weight")]
+    return bool(kept) and all(type_name(t) in SPLIT_TYPES for t in kept)
+
+
+def _expert(stacked: GGUFTensor, e: int) -> GGUFTensor:
+    """Expert ``e``'s matrix of a stacked ``[n_expert, rows, row bytes]`` tensor: its own blocks."""
+    data = stacked.data[e]
+    return GGUFTensor(f"{stacked.name}#{e}", stacked.tensor_type, tuple(stacked.shape[:2]), data,
+                      stacked.offset + e * data.nbytes)
+
+
+def build_native_moe(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> MoEForCausalLM:
+    """The MoE model of ``config`` on the CPU, every projection a ``NativeLinear`` of the file's codes."""
+    tensors = {t.name: t for t in reader.tensors}
+    permuted = config.architecture in PERMUTED_ARCHITECTURES
+    used: set[str] = set()
+
+    def get(i: int, kind: str) -> GGUFTensor:
+        name = f"blk.{i}.{kind}.weight"
+        if name not in tensors:
+            raise ValueError(f"GGUF file has no tensor {name!r}")
+        used.add(name)
+        return tensors[name]
+
+    def native(module: nn.Module, proj: str, parts: list[GGUFTensor], orders: list | None = None,
+               owner: GGUFFile | None = reader) -> None:
+        bias = getattr(module, proj).bias is not None
+        setattr(module, proj, projection(owner, parts, orders or [None] * len(parts), bias))
+
+    with torch.device("meta"):
+        model = model_class(config)(config)
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        q, k, v = get(i, "attn_q"), get(i, "attn_k"), get(i, "attn_v")
+        native(attn, "qkv_proj", [q, k, v], [_rotary_order(int(q.shape[1]), config.num_attention_heads, permuted),
+                                             _rotary_order(int(k.shape[1]), config.num_key_value_heads, permuted), None])
+        native(attn, "o_proj", [get(i, "attn_output")])
+        if not isinstance(mlp, SparseMoeBlock):
+            native(mlp, "gate_up_proj", [get(i, "ffn_gate"), get(i, "ffn_up")])
+            native(mlp, "down_proj", [get(i, "ffn_down")])
+            continue
+        gate, up, down = (get(i, f"ffn_{x}_exps") for x in ("gate", "up", "down"))
+        for e, expert in enumerate(mlp.experts):
+            native(expert, "gate_up_proj", [_expert(gate, e), _expert(up, e)], owner=None)
+            native(expert, "down_proj", [_expert(down, e)], owner=None)
+        for t in (gate, up, down):
+            reader.release(t)
+        if mlp.shared_expert is not None:
+            native(mlp.shared_expert, "gate_up_proj", [get(i, "ffn_gate_shexp"), get(i, "ffn_up_shexp")])
+            native(mlp.shared_expert, "down_proj", [get(i, "ffn_down_shexp")])
+    embed = tensors["token_embd.weight"]
+    model.lm_head = _head(reader, tensors.get("output.weight", embed))
+    model.model.embed_tokens = _embedding(embed, dtype)
+    _materialize(model, dtype)
+    # (the head is codes or w8a16 codes; the embedding floats only where its type is not split)
+    skip = used | {"output.weight"} | ({"token_embd.weight"} if type_name(embed) in SPLIT_TYPES else set())
+    model.load_weights(iter_gguf_moe_weights(reader, config, skip=skip))
+    model.pack_routers()
+    return model

@@ -131,11 +131,13 @@ _GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.we
                 "lm_head.weight": "output.weight"}
 
 
-def write_moe_gguf(path: Path, model, arch: str, expert_type: str | None = None) -> Path:
+def write_moe_gguf(path: Path, model, arch: str, expert_type: str | None = None, every_projection: bool = False
+                   ) -> Path:
     """Write ``model`` (a transformers MoE of family ``arch``) as llama.cpp's converter does:
     each layer's experts stacked per projection, F32, or ``expert_type`` (a GGUF type the
-    ``gguf`` package quantises) for the stacked experts, whose dequantised values then
-    replace ``model``'s own so that it stays the reference."""
+    ``gguf`` package quantises) for the stacked experts (with ``every_projection``, for the
+    attention's and the shared and dense MLPs' projections too), whose dequantised values
+    then replace ``model``'s own so that it stays the reference."""
     import gguf
 
     from gguf_files import write_header
@@ -158,16 +160,17 @@ def write_moe_gguf(path: Path, model, arch: str, expert_type: str | None = None)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"<t{i}>" for i in range(cfg.vocab_size)])
 
-    def add(name: str, w: torch.Tensor, quantise: bool = False) -> torch.Tensor:
-        """Write ``w`` as tensor ``name``; return the values the file holds."""
+    def add(name: str, w: torch.Tensor, quantise: bool = False, heads: int | None = None) -> torch.Tensor:
+        """Write ``w`` as tensor ``name`` (its rows in llama.cpp's order for ``heads``); return
+        the values the file holds, in ``w``'s order."""
         data = w.numpy().astype(np.float32)
-        if not quantise or expert_type is None:
-            writer.add_tensor(name, data)
-            return w
-        qtype = gguf.GGMLQuantizationType[expert_type]
-        raw = gguf.quants.quantize(data, qtype)
+        qtype = gguf.GGMLQuantizationType[expert_type] if quantise and expert_type else None
+        raw = data if qtype is None else gguf.quants.quantize(data, qtype)
+        held = w if qtype is None else torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(data.shape))
+        if heads is not None:  # (whole rows move: a quantised row's blocks move with it)
+            raw = llama_cpp_permute(raw, heads)
         writer.add_tensor(name, raw, raw_dtype=qtype)
-        return torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(data.shape))
+        return held
 
     for hf, w in list(state.items()):
         if hf in _GGUF_GLOBAL:
@@ -181,18 +184,37 @@ def write_moe_gguf(path: Path, model, arch: str, expert_type: str | None = None)
         elif hf.endswith("experts.down_proj"):
             state[hf] = add(f"blk.{layer}.ffn_down_exps.weight", w, quantise=True)
         else:
-            if arch in ("mixtral", "granitemoe") and module[-1] in ("q_proj", "k_proj"):
+            heads = None
+            if arch in ("mixtral", "granitemoe") and module[-1] in ("q_proj", "k_proj") and kind == "weight":
                 heads = cfg.num_attention_heads if module[-1] == "q_proj" else cfg.num_key_value_heads
-                w = torch.from_numpy(llama_cpp_permute(w.numpy(), heads))
             if module == ["mlp", "shared_expert_gate"]:
                 w = w.reshape(-1)  # (llama.cpp's converter keeps it one row: 1-D)
-            add(f"blk.{layer}.{_GGUF_KINDS['.'.join(module)]}.{kind}", w)
+            projection = every_projection and module[-1].endswith("_proj") and kind == "weight"
+            held = add(f"blk.{layer}.{_GGUF_KINDS['.'.join(module)]}.{kind}", w, projection, heads)
+            state[hf] = held.reshape(state[hf].shape)
     model.load_state_dict(state)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+@pytest.mark.skipif(not ops.amx_bf16_usable(), reason="w4a16 needs a CPU with AMX-BF16")
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2moe"])
+def test_moe_gguf_runs_its_own_codes_on_w4a16(tiny_prompt, make_runner, tmp_path, arch):
+    # Every projection Q8_0, the experts' too: each a NativeLinear of the file's blocks.
+    from models.gguf_linear import NativeLinear
+
+    reference = tiny_moe(arch)
+    path = write_moe_gguf(tmp_path / f"{arch}.gguf", reference, arch, "Q8_0", every_projection=True)
+    model = load_model(str(path), dtype="float32", device="cpu", quantization="w4a16").model
+    assert isinstance(model.model.layers[0].mlp.experts[7].down_proj, NativeLinear)
+    whole = prefill(make_runner(model), tiny_prompt)
+
+    # (inputs rounded to bfloat16 at every projection: near transformers, not equal)
+    assert max_diff(whole, reference_logits(reference, tiny_prompt)) < 0.1
+    assert torch.equal(chunked_beside_another(make_runner(model, seed=1), tiny_prompt), whole)
 
 
 @pytest.mark.parametrize("arch, expert_type", [("mixtral", None), ("qwen2moe", None), ("qwen3moe", None),
