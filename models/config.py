@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from models.gemma4_config import GEMMA4_ARCHITECTURE, Gemma4Settings, gemma4_text_config
 from models.moe_config import MOE_ARCHITECTURES, MoESettings, moe_fields
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", GEMMA4_ARCHITECTURE,
                            *MOE_ARCHITECTURES)
 # The Gemma families (models/gemma.py): Gemma's norms, MLP and settings (_gemma_settings).
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -66,7 +67,7 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3)."""
+    """Hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, 3, 4)."""
 
     architecture: str
     vocab_size: int
@@ -99,6 +100,8 @@ class ModelConfig:
     # before the softmax, and so do the LM head's logits, with a cap each.
     attn_logit_softcap: float = 0.0
     final_logit_softcap: float = 0.0
+    # Gemma 4's layer options (models/gemma4_config.py); None: another family.
+    gemma4: Gemma4Settings | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # each head's query and key are RMS-normalised before RoPE (Qwen3)
@@ -157,6 +160,9 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        gemma4 = None
+        if arch == GEMMA4_ARCHITECTURE:  # (read as Gemma 3's config, then its own settings over it)
+            cfg, gemma4 = gemma4_text_config(cfg)
         windows = _layer_windows(cfg, arch)
         hidden = cfg["hidden_size"]
         heads = cfg["num_attention_heads"]
@@ -207,4 +213,6 @@ class ModelConfig:
             layer_windows=windows,
             **(_gemma_settings(cfg, arch, local_rope) if arch in GEMMA_ARCHITECTURES else {}),
         )
+        if gemma4 is not None:
+            return replace(config, **gemma4)
         return replace(config, **moe_fields(cfg, arch, config.head_dim)) if arch in MOE_ARCHITECTURES else config

@@ -18,7 +18,8 @@ What Gemma changes (``ModelConfig`` carries each, from its config.json or GGUF):
   transformers returns them.
 
 Its layers run op by op (the one-call layer kernel is Llama's), with the same GEMMs
-and paged-attention kernels; not yet with LoRA adapters or tensor parallel.
+and paged-attention kernels; not yet with LoRA adapters or tensor parallel. Gemma 4
+(models/gemma4.py) builds on these classes.
 """
 
 from __future__ import annotations
@@ -97,6 +98,12 @@ class GemmaForCausalLM(LlamaForCausalLM):
         for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
             rope = self.local_rope if layer.self_attn.window else self.rope
             x = layer(x, rope, positions, meta.for_layer(i), kv)
+        return self.head(x, logits_indices, hidden_indices)
+
+    def head(self, x: torch.Tensor, logits_indices: torch.Tensor | None,
+             hidden_indices: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The last layer's output ``x`` to ``forward``'s result: the final norm, the LM head
+        on the ``logits_indices`` rows, soft-capped (``final_logit_softcap``), in float32."""
         hidden = None
         if hidden_indices is not None:
             hidden = self.model.norm(x.index_select(0, hidden_indices)).float()

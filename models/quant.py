@@ -386,6 +386,12 @@ def prepare_projections(model: nn.Module, quantization: str) -> nn.Module:
     if own is not None:  # a family whose layers hold other projections (models/moe.py's experts)
         own(quantization)
         return model
+    return prepare_decoder_projections(model, quantization)
+
+
+def prepare_decoder_projections(model: nn.Module, quantization: str) -> nn.Module:
+    """``prepare_projections`` of the decoder's projections (each layer's ``qkv_proj``, ``o_proj``,
+    ``gate_up_proj``, ``down_proj``) and the LM head, whatever projections a family adds."""
     kernels = ops.kernels_enabled(model.lm_head.weight.device)
     if quantization == "none":
         if kernels and model.lm_head.weight.dtype in DTYPES:

@@ -6,6 +6,7 @@ from torch import nn
 
 from models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from models.gemma import GemmaForCausalLM
+from models.gemma4 import Gemma4ForCausalLM
 from models.llama import LlamaForCausalLM
 from models.moe import MoEForCausalLM
 
@@ -21,6 +22,7 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,  # Llama's modules, Gemma's layer (models/gemma.py)
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,  # Gemma's layer with Gemma 4's options (models/gemma4.py)
     # Mixtures of experts: Llama's attention with experts blocks (models/moe.py)
     "MixtralForCausalLM": MoEForCausalLM,
     "Qwen2MoeForCausalLM": MoEForCausalLM,

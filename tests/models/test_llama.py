@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from models.attention import SeqSpec, build_attention_metadata
+from models.config import ModelConfig
 from models.loader import load_model
 
 PROMPTS = {
@@ -200,6 +201,12 @@ FAMILIES = {"qwen3": dict(arch="qwen3"), "phi3-longrope": VARIANTS["phi3-longrop
                            num_hidden_layers=3, layer_types=["sliding_attention"] * 2 + ["full_attention"]),
             "gemma2": dict(arch="gemma2", head_dim=16, sliding_window=8, num_hidden_layers=3,
                            attn_logit_softcapping=1.0, final_logit_softcapping=2.0),
+            # (a per-layer input width of 16: torch's GELU computes a tensor's elements past the last
+            # multiple of 16 in a scalar loop, whose last bit differs, and which elements those are
+            # moves with the batch; a published model's widths are multiples of 256)
+            "gemma4": dict(arch="gemma4", num_hidden_layers=4, head_dim=16, global_head_dim=16, sliding_window=8,
+                           layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=16,
+                           vocab_size_per_layer_input=128, num_kv_shared_layers=2),
             "llama-yarn": dict(arch="llama", rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                            "original_max_position_embeddings": 16})}
 
@@ -258,17 +265,40 @@ GEMMA2 = dict(arch="gemma2", head_dim=16, sliding_window=8, query_pre_attn_scala
               attn_logit_softcapping=1.0, final_logit_softcapping=2.0)
 
 
+# Gemma 4: full layers of the windowed ones' head size (global_head_dim, 512 in the published
+# models, refused), proportional RoPE on them (2 of 8 pairs turned), per-layer input
+# embeddings, the last two layers reading layers 2 and 3's K/V with double-wide MLPs,
+# soft-capped logits; and with the full layers' values from their key projection.
+GEMMA4 = dict(arch="gemma4", num_hidden_layers=6, head_dim=16, global_head_dim=16, sliding_window=8,
+              layer_types=["sliding_attention", "full_attention"] * 3, hidden_size_per_layer_input=8,
+              vocab_size_per_layer_input=128, num_kv_shared_layers=2, use_double_wide_mlp=True,
+              final_logit_softcapping=3.0)
+
+
 @pytest.mark.parametrize("variant, windows", [
     (GEMMA3, (8, 8, 0)),
     ({**GEMMA3, "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                     "full_attention": {"rope_type": "linear", "factor": 2.0,
                                                        "rope_theta": 1000000.0}}}, (8, 8, 0)),
-    (GEMMA2, (8, 0, 8))],
-    ids=["gemma3", "gemma3-scaled", "gemma2"])
+    (GEMMA2, (8, 0, 8)), (GEMMA4, (8, 0) * 3), ({**GEMMA4, "attention_k_eq_v": True}, (8, 0) * 3)],
+    ids=["gemma3", "gemma3-scaled", "gemma2", "gemma4", "gemma4-k-eq-v"])
 def test_gemma_matches_transformers(tiny_checkpoint, tiny_prompt, make_runner, variant, windows):
     path, reference = tiny_checkpoint(**variant)
     loaded = load_model(str(path), dtype="float32", device="cpu")
-    assert loaded.config.layer_windows == windows and loaded.config.norm_offset == 1.0
+    # (Gemma 4's norms scale by w, 2 and 3's by 1 + w)
+    assert loaded.config.layer_windows == windows and loaded.config.norm_offset == (variant["arch"] != "gemma4")
     diff = max_diff(prefill(make_runner(loaded.model), tiny_prompt), reference_logits(reference, tiny_prompt))
     assert diff < 1e-4, f"max |logits diff| vs transformers is {diff:.2e}"
     assert make_runner(loaded.model).greedy(tiny_prompt, 6) == reference_greedy(reference, tiny_prompt, 6)
+
+
+@pytest.mark.parametrize("settings, refused", [
+    ({}, "a head size or KV head count of their own"),  # (global_head_dim defaults to 512)
+    ({"global_head_dim": 16, "enable_moe_block": True}, "mixture-of-experts block"),
+    ({"global_head_dim": 16, "use_bidirectional_attention": "all"}, "bidirectional attention")])
+def test_gemma4_features_kvserve_lacks_are_errors_naming_them(settings, refused):
+    cfg = {"architectures": ["Gemma4ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+           "layer_types": ["sliding_attention", "full_attention"], **settings}
+    with pytest.raises(ValueError, match=refused):
+        ModelConfig.from_hf(cfg)

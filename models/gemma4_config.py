@@ -1,0 +1,133 @@
+"""Gemma 4 (text) from its config.json: what ``ModelConfig`` carries beyond Gemma 3's.
+
+``gemma4_text_config`` rewrites the config into the fields Gemma 3's reading understands
+(one RoPE set per layer type, whole-head rotation) and returns the settings only Gemma 4
+has (``Gemma4Settings``, read by ``models.gemma4``). What kvserve cannot run is a
+``ValueError`` naming it: full-attention layers with a head size or KV head count of their
+own (every published Gemma 4: ``global_head_dim`` 512 beside 256, as KV cache layers of
+one shape cannot hold), the mixture-of-experts block and bidirectional attention.
+
+No import of ``models.config`` (which imports this module).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+GEMMA4_ARCHITECTURE = "Gemma4ForCausalLM"
+
+
+@dataclass(frozen=True)
+class Gemma4Settings:
+    """Gemma 4's layer options (transformers' names in brackets)."""
+
+    # Per-layer input embeddings: each layer adds a gated projection of a vector of this
+    # size, from its own embedding table and the token's embedding [hidden_size_per_layer_input]
+    # (0: none), whose table has ``per_layer_vocab_size`` rows [vocab_size_per_layer_input].
+    per_layer_size: int
+    per_layer_vocab_size: int
+    # The layer whose keys and values each layer attends to: itself, but in the last
+    # [num_kv_shared_layers], which reuse the last earlier layer's of their type.
+    kv_source: tuple[int, ...]
+    # The full-attention layers' values are their keys' projection [attention_k_eq_v].
+    values_from_keys: bool
+    # Each layer's MLP width: twice intermediate_size in the KV-sharing layers [use_double_wide_mlp].
+    mlp_sizes: tuple[int, ...]
+
+    def shares_kv(self, index: int) -> bool:
+        """Whether layer ``index`` reads another layer's keys and values (it has no K/V projection)."""
+        return self.kv_source[index] != index
+
+
+def _refuse_unsupported(cfg: dict[str, Any]) -> None:
+    """A ValueError naming what of Gemma 4 kvserve does not run."""
+    if cfg.get("enable_moe_block"):
+        raise ValueError("Gemma 4's mixture-of-experts block (enable_moe_block, the 26B-A4B model) is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError(f"Gemma 4's bidirectional attention (use_bidirectional_attention="
+                         f"{cfg['use_bidirectional_attention']!r}) is not supported: kvserve's attention is causal")
+    head_dim, kv_heads = cfg.get("head_dim", 256), cfg.get("num_key_value_heads")
+    if "per_layer_config" in cfg:
+        overrides = dict((cfg["per_layer_config"] or {}).items())
+    else:  # as transformers reads a config without one: the full layers' global_head_dim (512 unless given)
+        full = {"head_dim": cfg.get("global_head_dim", 512)}
+        if cfg.get("attention_k_eq_v", False) and cfg.get("num_global_key_value_heads") is not None:
+            full["num_key_value_heads"] = cfg["num_global_key_value_heads"]
+        overrides = {"full_attention": full}
+    for layer, o in overrides.items():
+        if o.get("head_dim", head_dim) != head_dim or o.get("num_key_value_heads", kv_heads) != kv_heads:
+            raise ValueError(
+                f"Gemma 4's full-attention layers have a head size or KV head count of their own (layer {layer}: "
+                f"head_dim {o.get('head_dim', head_dim)}, {o.get('num_key_value_heads', kv_heads)} KV heads; the "
+                f"others: {head_dim}, {kv_heads}), which is not supported: kvserve's KV cache gives every layer "
+                "one shape")
+    if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation {cfg['hidden_activation']!r} is not supported (gelu_pytorch_tanh is)")
+
+
+def _kv_sources(types: list[str], shared: int) -> tuple[int, ...]:
+    """transformers' ``kv_sharing_modes``: the last ``shared`` layers reuse the K/V of the last
+    earlier layer of their type."""
+    first = len(types) - shared
+    sources = list(range(len(types)))
+    for i in range(first, len(types)):
+        earlier = [j for j in range(first) if types[j] == types[i]]
+        if not earlier:
+            raise ValueError(f"Gemma 4 layer {i} ({types[i]}) shares the K/V of no earlier layer of its type "
+                             f"(num_kv_shared_layers {shared} of {len(types)} layers)")
+        sources[i] = earlier[-1]
+    return tuple(sources)
+
+
+def _full_rope(full: dict[str, Any], head_dim: int) -> tuple[float, tuple[float, ...] | None]:
+    """The full-attention layers' base and per-pair frequency divisors (``ModelConfig.rope_freq_factors``).
+
+    Proportional RoPE turns the first ``partial_rotary_factor`` of a head's pairs at the
+    default frequencies (of the whole head size) and leaves the others unturned: a divisor
+    of infinity makes a pair's frequency 0, a rotation by nothing.
+    """
+    rope_type = full.get("rope_type", "default")
+    theta = full.get("rope_theta", 1_000_000.0)
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "proportional":
+        raise ValueError(f"Gemma 4 full-attention rope_type {rope_type!r} is not supported (default, proportional)")
+    pairs = head_dim // 2
+    turned = int(full.get("partial_rotary_factor", 1.0) * head_dim // 2)
+    factor = full.get("factor", 1.0)
+    return theta, (factor,) * turned + (math.inf,) * (pairs - turned)
+
+
+def gemma4_text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(cfg, overrides)``: the config.json rewritten as Gemma 3's reading takes it, and the
+    ``ModelConfig`` fields to set over what that reading gives."""
+    _refuse_unsupported(cfg)
+    layers, head_dim = cfg["num_hidden_layers"], cfg.get("head_dim", 256)
+    types = list(cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention"
+                                            for i in range(layers)])
+    rope = cfg.get("rope_parameters") or {}
+    sliding = dict(rope.get("sliding_attention") or {"rope_type": "default", "rope_theta": 10_000.0})
+    if sliding.get("rope_type", "default") != "default":
+        raise ValueError(f"Gemma 4 sliding-attention rope_type {sliding['rope_type']!r} is not supported (default)")
+    theta, factors = _full_rope(rope.get("full_attention") or
+                                {"rope_type": "proportional", "partial_rotary_factor": 0.25}, head_dim)
+    sources = _kv_sources(types, cfg.get("num_kv_shared_layers", 0))
+    wide = cfg.get("use_double_wide_mlp", False)
+    inter = cfg["intermediate_size"]
+    settings = Gemma4Settings(
+        per_layer_size=cfg.get("hidden_size_per_layer_input", 256) or 0,
+        per_layer_vocab_size=cfg.get("vocab_size_per_layer_input", cfg["vocab_size"]),
+        kv_source=sources,
+        values_from_keys=bool(cfg.get("attention_k_eq_v", False)),
+        mlp_sizes=tuple(inter * (2 if wide and sources[i] != i else 1) for i in range(layers)))
+    rewritten = {**cfg, "layer_types": types,
+                 "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": theta},
+                                     "sliding_attention": sliding}}
+    # Gemma 4's norms scale by w (not 1 + w), and its queries are not scaled (their norm is).
+    overrides = dict(attention_scale=1.0, norm_offset=0.0, local_rope_theta=sliding.get("rope_theta", 10_000.0),
+                     rope_freq_factors=factors, qk_norm=True,
+                     tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+                     final_logit_softcap=cfg.get("final_logit_softcapping") or 0.0, gemma4=settings)
+    return rewritten, overrides
