@@ -258,10 +258,22 @@ def test_a_gguf_sliding_window_matches_transformers(tiny_checkpoint, tiny_prompt
 
 
 
+# Gemma 2's chat template, as its tokenizer_config.json and llama.cpp's converter carry it.
+GEMMA2_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}")
+
+
 def _gemma2_fields(writer: gguf.GGUFWriter) -> None:
     writer.add_sliding_window(8)
     writer.add_attn_logit_softcapping(1.0)
     writer.add_final_logit_softcapping(2.0)
+    writer.add_bos_token_id(1)
+    writer.add_chat_template(GEMMA2_TEMPLATE)
 
 
 # llama.cpp's layouts: Gemma 3's every sixth layer full, Gemma 2's every other one, the others
@@ -291,3 +303,11 @@ def test_a_gemma_gguf_matches_transformers(tiny_checkpoint, tiny_prompt, make_ru
     with torch.no_grad():
         greedy = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6)
     assert make_runner(loaded.model).greedy(tiny_prompt, 6) == greedy[0, len(tiny_prompt):].tolist()
+    if arch == "gemma2":  # the file's chat template renders (Gemma's: no system role, "model" turns)
+        turns = [{"role": "user", "content": "Hi "}, {"role": "assistant", "content": "Hello"},
+                 {"role": "user", "content": "Bye"}]
+        assert loaded.tokenizer.apply_chat_template(turns) == (
+            "<t1><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n"
+            "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+        with pytest.raises(ValueError, match="System role not supported"):
+            loaded.tokenizer.apply_chat_template([{"role": "system", "content": "x"}, *turns])
