@@ -244,12 +244,16 @@ def _progress(weights: Iterator[tuple[str, torch.Tensor]], config: ModelConfig
     # Log as each quarter of the layers' tensors arrives (files need not be in layer order).
     per_layer = 9 + (3 if config.attention_bias else 0)
     total = config.num_hidden_layers * per_layer
+    moe = config.moe
+    if moe is not None:  # a sparse layer: each expert's three projections and a router for the MLP's three
+        sparse = sum(moe.is_sparse(i) for i in range(config.num_hidden_layers))
+        total += sparse * (3 * moe.num_experts - 2 + (4 if moe.shared_expert_size else 0))
     done, next_mark = 0, 1
     for name, tensor in weights:
         yield name, tensor
         if name.startswith("model.layers."):
             done += 1
-            if done * 4 >= next_mark * total:
+            if next_mark <= 4 and done * 4 >= next_mark * total:
                 logger.info("loaded %d%% of the layers", 25 * next_mark)
                 next_mark += 1
 
