@@ -110,7 +110,7 @@ def tensor_codes(tensor: GGUFTensor) -> Codes:
         raise ValueError(f"tensor {tensor.name!r}: {exc}") from None
 
 
-def _rotary_order(rows: int, heads: int, permuted: bool) -> torch.Tensor:
+def rotary_order(rows: int, heads: int, permuted: bool) -> torch.Tensor:
     """Which file row each Q or K row of kvserve's interleaved rotary order comes from: the
     row reordering ``iter_gguf_weights`` and ``load_weights`` apply to a float weight
     (llama.cpp's own order for llama-arch files, else HF's), applied to the row numbers."""
@@ -193,14 +193,14 @@ def build_model(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> nn
             orders = []
             for kind, t in zip(kinds, parts):
                 heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(kind)
-                orders.append(None if heads is None else _rotary_order(int(t.shape[1]), heads, permuted))
+                orders.append(None if heads is None else rotary_order(int(t.shape[1]), heads, permuted))
             bias = getattr(getattr(layer, block), proj).bias is not None
             setattr(getattr(layer, block), proj, projection(reader, parts, orders, bias))
     embed = get("token_embd.weight")
     head = tensors.get("output.weight", embed)
-    model.lm_head = _head(reader, head)
-    model.model.embed_tokens = _embedding(embed, dtype)
-    _materialize(model, dtype)
+    model.lm_head = head_projection(reader, head)
+    model.model.embed_tokens = embedding_from(embed, dtype)
+    materialize(model, dtype)
     skip = {"token_embd.weight", "output.weight"} | {
         f"blk.{i}.{k}.weight" for i in range(config.num_hidden_layers) for parts in PROJECTIONS.values()
         for k in parts}
@@ -208,7 +208,8 @@ def build_model(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> nn
     return model
 
 
-def _head(reader: GGUFFile, tensor: GGUFTensor) -> nn.Module:
+def head_projection(reader: GGUFFile, tensor: GGUFTensor) -> nn.Module:
+    """The LM head of ``tensor``: its own codes, or (a float tensor) ``w8a16`` codes of it."""
     if type_name(tensor) in SPLIT_TYPES:
         return projection(reader, [tensor], [None])
     dense = nn.Linear(int(tensor.shape[0]), int(tensor.shape[1]), bias=False, device="meta")
@@ -216,7 +217,8 @@ def _head(reader: GGUFFile, tensor: GGUFTensor) -> nn.Module:
     return AmxBf16Linear(dense, "w8a16")  # 8-bit codes of the float head, as the other AMX paths' head
 
 
-def _embedding(tensor: GGUFTensor, dtype: torch.dtype) -> nn.Module:
+def embedding_from(tensor: GGUFTensor, dtype: torch.dtype) -> nn.Module:
+    """The embedding of ``tensor``: lookups of its mapped blocks, or (a float tensor) its rows."""
     shape = tuple(int(d) for d in reversed(tensor.shape))
     if type_name(tensor) in SPLIT_TYPES:
         return QuantizedEmbedding(type_name(tensor), tensor.data, shape, dtype)
@@ -224,7 +226,7 @@ def _embedding(tensor: GGUFTensor, dtype: torch.dtype) -> nn.Module:
     return nn.Embedding(*shape, _weight=weight)
 
 
-def _materialize(model: nn.Module, dtype: torch.dtype) -> None:
+def materialize(model: nn.Module, dtype: torch.dtype) -> None:
     """Give every parameter still on the meta device (norms, biases) CPU memory to load into."""
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):

@@ -25,7 +25,7 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.gguf_loader import PERMUTED_ARCHITECTURES, dequantize, iter_gguf_weights
-from models.gguf_native import _embedding, _head, _materialize, _rotary_order, projection, type_name
+from models.gguf_native import embedding_from, head_projection, materialize, projection, rotary_order, type_name
 from models.gguf_quants import SPLIT_TYPES
 from models.gguf_reader import GGUFFile, GGUFTensor
 from models.moe import MoEForCausalLM, SparseMoeBlock
@@ -123,8 +123,8 @@ def build_native_moe(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype) 
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         q, k, v = get(i, "attn_q"), get(i, "attn_k"), get(i, "attn_v")
-        native(attn, "qkv_proj", [q, k, v], [_rotary_order(int(q.shape[1]), config.num_attention_heads, permuted),
-                                             _rotary_order(int(k.shape[1]), config.num_key_value_heads, permuted), None])
+        native(attn, "qkv_proj", [q, k, v], [rotary_order(int(q.shape[1]), config.num_attention_heads, permuted),
+                                             rotary_order(int(k.shape[1]), config.num_key_value_heads, permuted), None])
         native(attn, "o_proj", [get(i, "attn_output")])
         if not isinstance(mlp, SparseMoeBlock):
             native(mlp, "gate_up_proj", [get(i, "ffn_gate"), get(i, "ffn_up")])
@@ -140,9 +140,9 @@ def build_native_moe(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype) 
             native(mlp.shared_expert, "gate_up_proj", [get(i, "ffn_gate_shexp"), get(i, "ffn_up_shexp")])
             native(mlp.shared_expert, "down_proj", [get(i, "ffn_down_shexp")])
     embed = tensors["token_embd.weight"]
-    model.lm_head = _head(reader, tensors.get("output.weight", embed))
-    model.model.embed_tokens = _embedding(embed, dtype)
-    _materialize(model, dtype)
+    model.lm_head = head_projection(reader, tensors.get("output.weight", embed))
+    model.model.embed_tokens = embedding_from(embed, dtype)
+    materialize(model, dtype)
     # (the head is codes or w8a16 codes; the embedding floats only where its type is not split)
     skip = used | {"output.weight"} | ({"token_embd.weight"} if type_name(embed) in SPLIT_TYPES else set())
     model.load_weights(iter_gguf_moe_weights(reader, config, skip=skip))
