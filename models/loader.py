@@ -85,7 +85,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_path(dtype: str, quantization: str, config: ModelConfig, gguf_type: str | None,
-                 device: torch.device, types: gguf_native.FileTypes | None = None) -> tuple[torch.dtype, str]:
+                 device: torch.device, types: gguf_native.FileTypes | None = None,
+                 moe_native: bool = False) -> tuple[torch.dtype, str]:
     """The activation dtype and quantization to run with.
 
     A setting other than ``auto`` is kept. On a CPU the open ones are measured
@@ -93,8 +94,11 @@ def resolve_path(dtype: str, quantization: str, config: ModelConfig, gguf_type: 
     the CPU computes it natively), and for a GGUF whose projections are 4-bit
     (``gguf_type``) w4a8, int4 or dense weights, and where the CPU has AMX-BF16 w4a16,
     which keeps a GGUF file's own codes at their types (``types``: the file's, when
-    ``gguf_native`` can keep them). On CUDA ``auto`` means bfloat16
-    (float16 without bf16 support) and no quantization.
+    ``gguf_native`` can keep them). A mixture of experts' GGUF whose experts ``w4a16``
+    keeps (``moe_native``) runs ``w4a16`` where the CPU has AMX-BF16: the path choice's
+    probes are dense layers, and any other path makes every expert float first (a 7B
+    MoE's 28 GB). On CUDA ``auto`` means bfloat16 (float16 without bf16 support) and
+    no quantization.
     """
     if dtype != "auto" and dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
@@ -109,6 +113,9 @@ def resolve_path(dtype: str, quantization: str, config: ModelConfig, gguf_type: 
             raise ValueError(f"quantization {quantization} needs a CPU with AMX-BF16 and the fused kernels "
                              "(see python -m models.ops); use auto")
         return torch.float32, quantization
+    if moe_native and quantization == "auto" and dtype in ("auto", "float32") and ops.amx_bf16_usable():
+        logger.info("a mixture of experts on a CPU with AMX-BF16: w4a16 keeps its experts' own codes")
+        return torch.float32, "w4a16"
     chosen = autotune.choose(config, dtype, quantization, four_bit=autotune.four_bit(gguf_type), types=types)
     ops.set_amx_enabled(chosen.amx)
     return _DTYPES[chosen.dtype], chosen.quantization
@@ -181,13 +188,13 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
             weights = (iter_gguf_moe_weights if config.moe else iter_gguf_weights)(reader, config)
             gguf_type = projection_type(reader)
     types = gguf_native.file_types(reader) if reader is not None and dev.type == "cpu" else None
-    torch_dtype, quantization = resolve_path(dtype, quantization, config, gguf_type, dev, types)
+    moe_native = config.moe is not None and reader is not None and dev.type == "cpu" and native_splittable(reader)
+    torch_dtype, quantization = resolve_path(dtype, quantization, config, gguf_type, dev, types, moe_native)
     with _file_named(path):  # a damaged or unsupported tensor: say which file it is in
         if tp is not None:
             check_split(config, tp.world_size, quantized=quantization != "none")
         native = quantization == "w4a16" and (tp is None or tp.world_size == 1) and (
-            types is not None if config.moe is None else  # (an MoE file's experts too: models.moe_loader)
-            reader is not None and dev.type == "cpu" and native_splittable(reader))
+            types is not None if config.moe is None else moe_native)  # (an MoE file's experts: models.moe_loader)
         logger.info("loading %s (%s, %d layers) as %s, quantization %s%s, on %s", path.name,
                     config.architecture, config.num_hidden_layers, str(torch_dtype).removeprefix("torch."),
                     quantization, _path_note(quantization, native), dev)
