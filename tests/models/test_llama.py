@@ -302,3 +302,14 @@ def test_gemma4_features_kvserve_lacks_are_errors_naming_them(settings, refused)
            "layer_types": ["sliding_attention", "full_attention"], **settings}
     with pytest.raises(ValueError, match=refused):
         ModelConfig.from_hf(cfg)
+
+
+def test_a_gemma2_config_without_layer_types_windows_every_other_layer_from_the_first():
+    # (Google's own config.json files give no layer_types: transformers' rule fills them)
+    cfg = {"architectures": ["Gemma2ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+           "sliding_window": 4096, "max_position_embeddings": 8192, "query_pre_attn_scalar": 256,
+           "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+    config = ModelConfig.from_hf(cfg)
+    assert config.layer_windows == (4096, 0, 4096, 0) and config.local_rope_theta is None
+    assert (config.attn_logit_softcap, config.final_logit_softcap, config.attention_scale) == (50.0, 30.0, 1 / 16)
