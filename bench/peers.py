@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
                if args.with_transformers else None)
 
     results = {"meta": meta, "kvserve": kv, **peers, "offline": offline}
-    tag = f"-{args.model}" if args.model else ""
+    tag = f"-{Path(args.model).name.removesuffix('.gguf')}" if args.model else ""  # (a file's name, not its path)
     out = args.results_dir / f"peers-{stamp}{tag}{suffix}.json"
     out.write_text(json.dumps(results, indent=2))
     section = markdown(meta, kv, peers, offline)
