@@ -244,6 +244,9 @@ class EngineConfig:
     # (models.kv_cache.KVLayout); False keeps every block for every layer (vLLM's
     # --disable-hybrid-kv-cache-manager).
     hybrid_kv_cache: bool = True
+    # A mixture of experts: count the tokens each layer routes to each expert (the
+    # kvserve_moe_routed_tokens metric); off by default (--expert-routing-metrics).
+    expert_routing_metrics: bool = False
     served_model_name: str | None = None
     # QUANTIZATIONS (CPU): int4 = int4 weights with float activations for small
     # decode batches; w4a8 = int4 weights and int8 activations (per 16 inputs),

@@ -152,6 +152,12 @@ class LLMEngine:
             self.workers.set_num_blocks(num_blocks, layout_len, config.hybrid_kv_cache)
         self.runner = ModelRunner(loaded, num_blocks, config.block_size, kv_dtype,
                                   peers=self.workers, layout=self.kv_layout)
+        self._routing = config.expert_routing_metrics
+        if self._routing:
+            if not hasattr(loaded.model, "count_routed_tokens"):
+                raise ValueError(f"--expert-routing-metrics counts a mixture of experts' routed tokens; "
+                                 f"{config.model} ({loaded.config.architecture}) has no experts")
+            loaded.model.count_routed_tokens()
         self.adapters = LoRARegistry(loaded, self.model_name, config.max_lora_rank, self.runner.adapters)
         self.lora_adapters = self.adapters.paths  # served adapter name -> its directory (/v1/models lists them)
         for module in config.lora_modules:
@@ -318,6 +324,8 @@ class LLMEngine:
         if not sched.scheduled:
             return executed
         logits, hidden = self._forward(executed)
+        if self._routing:
+            executed.result.stats.routed_tokens = self.runner.model.take_routed_tokens()
         if any(s.num_prompt_logits for s in sched.scheduled):
             logits = self._record_prompt_logprobs(sched.scheduled, logits)
         executed.logits = logits

@@ -70,6 +70,9 @@ class StepStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: dict[int, int] = field(default_factory=dict)
+    # A mixture of experts with --expert-routing-metrics: tokens each sparse layer routed
+    # to each expert this step, by layer index (a list over the experts).
+    routed_tokens: dict[int, list[int]] = field(default_factory=dict)
 
 
 class StatLogger(Protocol):

@@ -80,6 +80,8 @@ class SparseMoeBlock(nn.Module):
         if moe.shared_expert_size:
             self.shared_expert = MLP(replace(config, intermediate_size=moe.shared_expert_size))
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        # Tokens routed to each expert since the last take (None: not counted; the metrics' flag).
+        self.routed: list[int] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t, k = x.shape[0], self.moe.experts_per_token
@@ -88,6 +90,8 @@ class SparseMoeBlock(nn.Module):
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()
+        if self.routed is not None:
+            self.routed = [a + b for a, b in zip(self.routed, counts)]
         tokens = order // k
         out = x.new_empty(t * k, x.shape[1])
         start = 0
@@ -177,6 +181,23 @@ class MoEForCausalLM(LlamaForCausalLM):
             raise ValueError(f"{config.architecture} needs its experts' settings (ModelConfig.moe)")
         super().__init__(config)
         self.model.layers = nn.ModuleList(MoEDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+
+    def count_routed_tokens(self) -> None:
+        """Count the tokens each sparse layer routes to each expert from now on
+        (``take_routed_tokens``); off unless asked for (``--expert-routing-metrics``)."""
+        for block in self._sparse_blocks().values():
+            block.routed = [0] * block.moe.num_experts
+
+    def take_routed_tokens(self) -> dict[int, list[int]]:
+        """Each counting sparse layer's tokens per expert since the last take, by layer index."""
+        taken = {}
+        for i, block in self._sparse_blocks().items():
+            if block.routed is not None:
+                taken[i], block.routed = block.routed, [0] * block.moe.num_experts
+        return taken
+
+    def _sparse_blocks(self) -> dict[int, SparseMoeBlock]:
+        return {i: layer.mlp for i, layer in enumerate(self.model.layers) if isinstance(layer.mlp, SparseMoeBlock)}
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

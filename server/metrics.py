@@ -125,6 +125,11 @@ class PrometheusStatLogger:
             "kvserve_spec_decode_num_accepted_tokens_per_pos",
             "Speculative decoding: accepted tokens by position in the proposal (0 = first).",
             ["model_name", "position"], registry=r)
+        self._routed = Counter(
+            "kvserve_moe_routed_tokens",
+            "A mixture of experts (with --expert-routing-metrics): tokens each layer routed to each expert.",
+            ["model_name", "layer", "expert"], registry=r)
+        self._routed_children: dict[tuple[int, int], Any] = {}  # (label lookups are slow: once each)
         self._lora = {
             state: Gauge(f"kvserve_lora_requests_{state}", f"Sequences {state} per LoRA adapter.",
                          ["model_name", "lora_name"], registry=r) for state in ("running", "waiting")}
@@ -188,6 +193,14 @@ class PrometheusStatLogger:
         for st in stats.structured:
             self.structured_requests[st.kind].inc()
             self.structured_compile_time.observe(st.compile_seconds)
+        for layer, counts in stats.routed_tokens.items():
+            for expert, n in enumerate(counts):
+                if n:
+                    child = self._routed_children.get((layer, expert))
+                    if child is None:
+                        child = self._routed_children[layer, expert] = self._routed.labels(
+                            self._model_name, str(layer), str(expert))
+                    child.inc(n)
 
     def render(self) -> bytes:
         """The registry in Prometheus text format."""

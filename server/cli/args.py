@@ -145,6 +145,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="keep every KV block for every layer: a model with sliding-window layers "
                         "then holds as many tokens as with full attention everywhere (by default "
                         "its windowed layers give back the blocks their window has left)")
+    p.add_argument("--expert-routing-metrics", action="store_true",
+                   help="a mixture of experts: count the tokens each layer routes to each expert "
+                        "(/metrics: kvserve_moe_routed_tokens_total by layer and expert), to check "
+                        "the load balance")
     p.add_argument("--speculative", default=None, choices=SPECULATIVE_METHODS,
                    help="speculative decoding: ngram = prompt lookup (proposals from the request's "
                         "own prompt and output), draft = proposals from --draft-model; verified in "
@@ -387,6 +391,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
             hybrid_kv_cache=not args.disable_hybrid_kv_cache_manager,
+            expert_routing_metrics=args.expert_routing_metrics,
             served_model_name=(getattr(args, "served_model_name", None) or [None])[0],
             quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
             chat_template=getattr(args, "chat_template", None),

@@ -42,3 +42,32 @@ def test_moe_answers_do_not_depend_on_the_batch(qwen2_moe, quantization):
 
     assert together == alone
     assert again == alone
+
+
+def test_routing_metrics_count_every_token_at_each_sparse_layer(qwen2_moe, tmp_path):
+    engine = LLMEngine(EngineConfig(model=qwen2_moe, dtype="float32", device="cpu", quantization="none",
+                                    max_model_len=128, expert_routing_metrics=True))
+    steps = []
+    engine.stat_loggers.append(type("Keep", (), {"record": lambda self, s: steps.append(s)})())
+    engine.generate([[5, 6, 7, 8], list(range(40))], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    moe = engine.model_config.moe
+    sparse = [i for i in range(engine.model_config.num_hidden_layers) if moe.is_sparse(i)]
+    assert sparse and all(s.routed_tokens.keys() == set(sparse) for s in steps if s.num_batched_tokens)
+    # Every token of a step goes to k experts at every sparse layer.
+    for s in steps:
+        for counts in s.routed_tokens.values():
+            assert len(counts) == moe.num_experts and sum(counts) == s.num_batched_tokens * moe.experts_per_token
+    assert sum(s.num_batched_tokens for s in steps) == 44 + 2 * 3
+    # Off by default; a dense model has no experts to count.
+    assert not any(s.routed_tokens for s in _steps(LLMEngine(EngineConfig(model=qwen2_moe, dtype="float32",
+                                                                          device="cpu", max_model_len=128))))
+    with pytest.raises(ValueError, match="has no experts"):
+        LLMEngine(EngineConfig(model="smollm2", dtype="float32", quantization="none", max_model_len=128,
+                               kv_cache_memory=8 << 20, expert_routing_metrics=True))
+
+
+def _steps(engine: LLMEngine) -> list:
+    steps = []
+    engine.stat_loggers.append(type("Keep", (), {"record": lambda self, s: steps.append(s)})())
+    engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    return steps

@@ -148,3 +148,17 @@ def test_lora_requests_running_and_waiting_per_adapter() -> None:
     m = samples(logger.render().decode())
     assert value(m, "lora_requests_running", lora_name="sql") == 0
     assert ("kvserve_lora_requests_running", (("lora_name", "poet"), ("model_name", MODEL))) not in m
+
+
+def test_tokens_routed_per_layer_and_expert_add_up_over_steps() -> None:
+    logger = PrometheusStatLogger(MODEL)
+    m = samples(logger.render().decode())
+    assert not any(name == "kvserve_moe_routed_tokens_total" for name, _ in m)  # none until routed
+    logger.record(StepStats(routed_tokens={0: [3, 0, 1], 2: [0, 4, 0]}))
+    logger.record(StepStats(routed_tokens={0: [1, 0, 0], 2: [0, 1, 5]}))
+    m = samples(logger.render().decode())
+    assert value(m, "moe_routed_tokens_total", layer="0", expert="0") == 4
+    assert value(m, "moe_routed_tokens_total", layer="0", expert="2") == 1
+    assert value(m, "moe_routed_tokens_total", layer="2", expert="1") == 5
+    assert value(m, "moe_routed_tokens_total", layer="2", expert="2") == 5
+    assert ("kvserve_moe_routed_tokens_total", (("expert", "1"), ("layer", "0"), ("model_name", MODEL))) not in m
