@@ -167,19 +167,6 @@ CUDA_MAX_NUM_BATCHED_TOKENS = 2048
 CUDA_KV_CACHE_FRACTION = 0.5
 
 
-def available_memory() -> int | None:
-    """The memory the OS could give this process now (``MemAvailable`` in /proc/meminfo), in bytes;
-    None where it cannot tell."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def cpu_kv_budget(max_num_seqs: int, kv_bytes_per_token: int, available_memory: int | None) -> int:
     """The CPU's default KV cache bytes: ``max_num_seqs`` sequences of
     ``CPU_KV_TOKENS_PER_SEQ`` tokens, at most ``CPU_KV_MEMORY_FRACTION`` of

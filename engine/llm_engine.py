@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import EngineConfig, SpeculativeConfig, available_memory, step_budget
+from engine.config import EngineConfig, SpeculativeConfig, step_budget
 from engine.draft import DraftProposer
 from engine.input_processor import InputProcessor, default_max_tokens, sampling_defaults, sampling_overrides
 from engine.kv_cache_manager import KVCacheManager
@@ -39,6 +39,7 @@ from models.chat_template import read_chat_template
 from models.kv_cache import cdiv, kv_layout, resolve_dtype
 from models.loader import LoadedModel, load_model
 from models.lora import LoRAAdapter
+from models.memory import available_memory
 
 logger = logging.getLogger(__name__)
 

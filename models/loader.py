@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
-import resource
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +22,7 @@ import torch
 from models import autotune, catalog, gguf_native, ops
 from models.config import ModelConfig
 from models.gguf_loader import config_from_gguf, iter_gguf_weights, open_gguf, projection_type
+from models.memory import available_memory, peak_rss_gb
 from models.moe_loader import build_native_moe, iter_gguf_moe_weights, native_splittable
 from models.parallel import TensorParallel, check_split, shard_model
 from models.quant import prepare_projections
@@ -207,6 +207,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
             return LoadedModel(model, tokenizer, config, path, torch_dtype, dev, None)
         with torch.device("meta"):
             model = model_class(config)(config)
+        if dev.type == "cpu":
+            _check_fits(model, torch_dtype, quantization, path)
         model = model.to_empty(device=dev).to(torch_dtype)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
@@ -241,9 +243,17 @@ def _file_named(path: Path) -> Iterator[None]:
         raise ValueError(f"{path}: {exc}") from exc
 
 
-def peak_rss_gb() -> float:
-    """This process's peak resident memory so far, in GB."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
+def _check_fits(model: torch.nn.Module, dtype: torch.dtype, quantization: str, path: Path) -> None:
+    """Refuse a load whose dense weights the machine cannot hold, before any is made: the
+    OS would kill the process part way (a 7B mixture of experts is 28 GB as float32)."""
+    need = sum(p.numel() for p in model.parameters()) * torch.tensor([], dtype=dtype).element_size()
+    free = available_memory()
+    if free is not None and need > free:
+        raise ValueError(
+            f"{path.name} as {str(dtype).removeprefix('torch.')} weights (quantization {quantization} makes them "
+            f"first) needs about {need / 1e9:.1f} GB; {free / 1e9:.1f} GB is available. A GGUF file keeps its own "
+            "codes with --quantization w4a16 on a CPU with AMX-BF16; otherwise use a smaller model or a "
+            "machine with more memory")
 
 
 def _progress(weights: Iterator[tuple[str, torch.Tensor]], config: ModelConfig

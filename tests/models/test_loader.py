@@ -187,6 +187,18 @@ def test_gguf_with_an_unsupported_quantisation_type_is_rejected(tiny_llama, tmp_
         load(path)
 
 
+def test_weights_the_machine_cannot_hold_are_refused_before_any_is_made(monkeypatch, tiny_llama):
+    # A dense load needs every parameter at the dtype: said up front, not an out-of-memory kill.
+    import models.loader as loader
+
+    made = []
+    monkeypatch.setattr(torch.nn.Module, "to_empty", lambda self, **kw: made.append(self) or self)
+    monkeypatch.setattr(loader, "available_memory", lambda: 1000)
+    with pytest.raises(ValueError, match=r"as float32 weights .* needs about [\d.]+ GB; 0\.0 GB is available"):
+        load_model(str(tiny_llama[0]), dtype="float32", device="cpu", quantization="none")
+    assert not made
+
+
 def test_unknown_model_name_is_rejected():
     with pytest.raises(ValueError, match="'no-such-model' is neither a known name"):
         load_model("no-such-model", device="cpu")
