@@ -23,6 +23,7 @@ import gc
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.model_runner import kv_bytes_per_block
 from models.kv_cache import cdiv
 
 MiB = 1 << 20
@@ -38,7 +39,8 @@ def capacity(model: str, tokens: int, budget_mib: int, hybrid: bool, dtype: str,
         return dict(hybrid=hybrid, groups=lay.num_groups, layers_per_block=lay.num_slots,
                     windows=",".join(str(w) for w in lay.group_windows), num_blocks=engine.num_blocks,
                     blocks_per_seq=per_seq, seqs=engine.num_blocks // per_seq,
-                    kv_mib_per_seq=per_seq * engine.runner.kv_caches[0][0][0].nbytes * 2 * lay.num_slots / MiB)
+                    kv_mib_per_seq=per_seq * kv_bytes_per_block(engine.model_config, engine.runner.kv_dtype,
+                                                                 engine.block_size, layout=lay) / MiB)
     finally:
         engine.shutdown()
         del engine

@@ -121,7 +121,7 @@ class KVCacheManager:
                        if 0 in self.group_windows else limit, 0, -1):
             if all(self._serves(g, run, n) for g, run in enumerate(found)):
                 skip = [self._num_skipped(g, n * self.block_size) for g in range(len(found))]
-                return [[NULL_BLOCK] * s + [b for b in run[s:n]] for s, run in zip(skip, found)], n * self.block_size
+                return [[NULL_BLOCK] * s + run[s:n] for s, run in zip(skip, found)], n * self.block_size
         return empty, 0
 
     def allocate_slots(self, request: Request, num_new_tokens: int,

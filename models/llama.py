@@ -247,14 +247,7 @@ class LlamaForCausalLM(nn.Module):
             for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
                 x, residual = layer(x, residual, self.rope, positions, meta.for_layer(i), kv,
                                     lora.layer(i) if lora is not None else None)
-        hidden = None
-        if hidden_indices is not None:
-            # The norm is row by row: these rows' values are what they are in any batch.
-            hidden = self.model.norm(x.index_select(0, hidden_indices),
-                                     residual.index_select(0, hidden_indices))[0].float()
-        if logits_indices is not None:
-            x, residual = x.index_select(0, logits_indices), residual.index_select(0, logits_indices)
-        x, _ = self.model.norm(x, residual)
+        x, hidden = self.final_norm(x, residual, logits_indices, hidden_indices)
         if tp is None:
             logits = self.lm_head(x).float()
         else:
@@ -262,6 +255,19 @@ class LlamaForCausalLM(nn.Module):
             logits = tp.gather_rows(self.lm_head(x).float())
             logits = logits[:, :self.config.vocab_size] if tp.rank == 0 else logits
         return logits if hidden is None else (logits, hidden)
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor, logits_indices: torch.Tensor | None,
+                   hidden_indices: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The final norm of the rows ``logits_indices`` picks (all if None), for the LM head, and
+        of the rows ``hidden_indices`` picks as float32 hidden states (None if not asked)."""
+        hidden = None
+        if hidden_indices is not None:
+            # The norm is row by row: these rows' values are what they are in any batch.
+            hidden = self.model.norm(x.index_select(0, hidden_indices),
+                                     residual.index_select(0, hidden_indices))[0].float()
+        if logits_indices is not None:
+            x, residual = x.index_select(0, logits_indices), residual.index_select(0, logits_indices)
+        return self.model.norm(x, residual)[0], hidden
 
     def use_column_major_weights(self) -> None:
         """Store each projection's weight column-major (same shape, transposed strides).

@@ -246,7 +246,7 @@ def _file_named(path: Path) -> Iterator[None]:
 def _check_fits(model: torch.nn.Module, dtype: torch.dtype, quantization: str, path: Path) -> None:
     """Refuse a load whose dense weights the machine cannot hold, before any is made: the
     OS would kill the process part way (a 7B mixture of experts is 28 GB as float32)."""
-    need = sum(p.numel() for p in model.parameters()) * torch.tensor([], dtype=dtype).element_size()
+    need = sum(p.numel() for p in model.parameters()) * dtype.itemsize
     free = available_memory()
     if free is not None and need > free:
         raise ValueError(

@@ -215,13 +215,7 @@ class MoEForCausalLM(LlamaForCausalLM):
         residual = None
         for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
             x, residual = layer(x, residual, self.rope, positions, meta.for_layer(i), kv)
-        hidden = None
-        if hidden_indices is not None:
-            hidden = self.model.norm(x.index_select(0, hidden_indices),
-                                     residual.index_select(0, hidden_indices))[0].float()
-        if logits_indices is not None:
-            x, residual = x.index_select(0, logits_indices), residual.index_select(0, logits_indices)
-        x, _ = self.model.norm(x, residual)
+        x, hidden = self.final_norm(x, residual, logits_indices, hidden_indices)
         logits = self.lm_head(x)
         if moe.logits_scaling != 1:
             logits = logits / moe.logits_scaling

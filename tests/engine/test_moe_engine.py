@@ -47,8 +47,7 @@ def test_moe_answers_do_not_depend_on_the_batch(qwen2_moe, quantization):
 def test_routing_metrics_count_every_token_at_each_sparse_layer(qwen2_moe, tmp_path):
     engine = LLMEngine(EngineConfig(model=qwen2_moe, dtype="float32", device="cpu", quantization="none",
                                     max_model_len=128, expert_routing_metrics=True))
-    steps = []
-    engine.stat_loggers.append(type("Keep", (), {"record": lambda self, s: steps.append(s)})())
+    steps = _kept_steps(engine)
     engine.generate([[5, 6, 7, 8], list(range(40))], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     moe = engine.model_config.moe
     sparse = [i for i in range(engine.model_config.num_hidden_layers) if moe.is_sparse(i)]
@@ -66,8 +65,14 @@ def test_routing_metrics_count_every_token_at_each_sparse_layer(qwen2_moe, tmp_p
                                kv_cache_memory=8 << 20, expert_routing_metrics=True))
 
 
-def _steps(engine: LLMEngine) -> list:
+def _kept_steps(engine: LLMEngine) -> list:
+    """The list the engine's StepStats are appended to, step after step, from now on."""
     steps = []
     engine.stat_loggers.append(type("Keep", (), {"record": lambda self, s: steps.append(s)})())
+    return steps
+
+
+def _steps(engine: LLMEngine) -> list:
+    steps = _kept_steps(engine)
     engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     return steps
