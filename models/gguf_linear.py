@@ -197,6 +197,18 @@ def pack_amx(codes: Codes, fmt: int) -> tuple[torch.Tensor, torch.Tensor]:
     return codes_t, scales
 
 
+# The formats of ``ops.gguf_a8_linear`` and ``ops.repack_gguf_a8`` (csrc/kernels.h A8Format): a
+# GGUF file's codes on the int8-activation GEMMs (``--quantization w4a8`` on a GGUF file), x
+# rounded to int8 per 16 inputs and integer dots, each tensor's scales as its type applies
+# them (csrc/gguf_a8.cpp). Q4_K keeps 4.75 bits a weight (its scales per super-block), Q6_K
+# 8.75 (its 6-bit codes as bytes), where the AMX formats above take 6 and 10.
+A8_G4, A8_G8, A8_K4, A8_K8, A8_S16 = range(5)
+A8_FORMATS = {A8_G4: "4-bit, d and m per 32", A8_G8: "8-bit, d per 32", A8_K4: "4-bit, Q4_K's scales",
+              A8_K8: "8-bit, Q5_K's scales", A8_S16: "8-bit, a scale per 16"}
+A8_TYPE_FORMATS = {"Q4_0": A8_G4, "Q4_1": A8_G4, "Q8_0": A8_G8, "Q5_0": A8_G8, "IQ4_NL": A8_G8,
+                   "Q4_K": A8_K4, "Q5_K": A8_K8, "Q6_K": A8_S16, "Q3_K": A8_S16}
+
+
 # Each GGUF type's format, scaled and folded (the one ``amx_format`` gives its codes, before the
 # exactness check; F4K only from a file's blocks).
 SCALED_FORMATS = {"Q4_0": W4, "Q4_1": W4, "Q4_K": W4, "Q8_0": W8, "Q5_0": W8, "IQ4_NL": W8, "IQ4_XS": W8,
@@ -242,9 +254,7 @@ class NativeLinear(nn.Module):
                  out_features: int, bias: bool = False) -> None:
         """``segments``: ``(format, codes, scales)`` in row order, ``out_features`` rows in all."""
         super().__init__()
-        if not ops.amx_bf16_usable():
-            raise ValueError("a GGUF file's own codes run on AMX-BF16 tiles: this CPU lacks them (see "
-                             "python -m models.ops); use --quantization w4a8 or none")
+        self._check_cpu()
         self.in_features, self.out_features = in_features, out_features
         self.formats = [fmt for fmt, _, _ in segments]
         self._parts = [t for _, codes, scales in segments for t in (codes, scales)]
@@ -252,6 +262,12 @@ class NativeLinear(nn.Module):
             self.register_buffer(f"part{i}", t, persistent=False)
         self.register_buffer("format_ids", torch.tensor(self.formats, dtype=torch.long), persistent=False)
         self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
+
+    @staticmethod
+    def _check_cpu() -> None:
+        if not ops.amx_bf16_usable():
+            raise ValueError("a GGUF file's own codes run on AMX-BF16 tiles: this CPU lacks them (see "
+                             "python -m models.ops); use --quantization w4a8 or none")
 
     @classmethod
     def from_codes(cls, parts: list[Codes], bias: bool = False) -> NativeLinear:
@@ -275,6 +291,31 @@ class NativeLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = ops.amx_quant_linear(x.float(), self._parts, self.formats, self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class NativeA8Linear(NativeLinear):
+    """``NativeLinear``'s segments in ``A8_FORMATS`` (``--quantization w4a8`` on a GGUF file):
+    the file's codes at their own bits against x rounded to int8 per 16 inputs, integer dots
+    on VNNI (or AVX2's multiply-adds, the same sums), one arithmetic for every batch size.
+    Built from a file's blocks only (``models.gguf_native.projection``)."""
+
+    kind = "native-a8"
+    int8_activations = True
+    fused_gemm = ops.GEMM_A8_QUANT
+
+    @staticmethod
+    def _check_cpu() -> None:
+        if not ops.kernels_available():
+            raise ValueError("a GGUF file's own codes with int8 activations need the fused CPU kernels "
+                             "(see python -m models.ops)")
+
+    @classmethod
+    def from_codes(cls, parts: list[Codes], bias: bool = False) -> NativeLinear:
+        raise ValueError("NativeA8Linear is made from a file's blocks (models.gguf_native.projection)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = ops.gguf_a8_linear(x.float(), self._parts, self.formats, self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 

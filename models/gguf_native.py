@@ -22,13 +22,14 @@ from torch import nn
 
 from models import ops
 from models.config import ModelConfig
-from models.gguf_linear import (AMX_FORMATS, F4, F4K, F8, F8_G16, F8_G16S, FALLBACK, FOLDED, W4, W8_AFFINE,
-                                W8_AFFINE_G16, W8_G16, NativeLinear, QuantizedEmbedding, folding, permuted_rows,
+from models.gguf_linear import (A8_FORMATS, A8_G4, A8_K4, A8_K8, A8_S16, A8_TYPE_FORMATS, AMX_FORMATS, F4, F4K, F8,
+                                F8_G16, F8_G16S, FALLBACK, FOLDED, W4, W8_AFFINE, W8_AFFINE_G16, W8_G16,
+                                NativeA8Linear, NativeLinear, QuantizedEmbedding, folding, permuted_rows,
                                 plan_segments, type_format)
 from models.gguf_loader import PERMUTED_ARCHITECTURES, dequantize, iter_gguf_weights, permute_back
 from models.gguf_quants import SPLIT_TYPES, Codes, random_blocks, split
 from models.gguf_reader import GGUFFile, GGUFTensor
-from models.quant import AmxBf16Linear
+from models.quant import AmxBf16Linear, QuantizedLinear
 from models.registry import model_class
 from models.rope import interleave_rotary_rows
 
@@ -75,6 +76,21 @@ def file_types(reader: GGUFFile) -> FileTypes | None:
     count = 1 + max(int(name.split(".")[1]) for name in by_name if name.startswith("blk."))
     layers = tuple(tuple(by_name[f"blk.{i}.{k}.weight"] for k in KINDS) for i in range(count))
     return FileTypes(layers, by_name.get("output.weight", by_name["token_embd.weight"]))
+
+
+def a8_ready(types: FileTypes | None, reader: GGUFFile) -> str | None:
+    """Why ``w4a8`` cannot keep this file's codes (``NativeA8Linear``), or None where it can:
+    every projection of a type ``A8_TYPE_FORMATS`` holds and in whole 16-row tiles."""
+    if types is None:
+        return "its projections are not all of quantised types kvserve splits"
+    other = sorted({t for layer in types.layers for t in layer} - set(A8_TYPE_FORMATS))
+    if other:
+        return f"no int8-activation format holds {', '.join(other)}"
+    projections = [t for t in reader.tensors if t.name.startswith("blk.") and t.name.split(".")[2] in KINDS
+                   and t.name.endswith(".weight")]
+    if any(int(t.shape[1]) % 16 for t in projections):
+        return "a projection's rows are not whole 16-row tiles"
+    return None
 
 
 def random_projection(kinds: tuple[str, ...], types: tuple[str, ...], shapes: list[tuple[int, int]],
@@ -126,6 +142,39 @@ def _raw(tensor: GGUFTensor) -> torch.Tensor:
         return torch.from_numpy(tensor.data)
 
 
+def empty_a8_format(fmt: int, tiles: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised codes and scales of ``ops.gguf_a8_linear``'s format ``fmt``."""
+    codes = torch.empty(tiles, groups, 4 if fmt in (A8_G4, A8_K4) else 8, 64, dtype=torch.uint8)
+    if fmt in (A8_K4, A8_K8, A8_S16):
+        return codes, torch.empty(tiles, groups // 8, 80 if fmt == A8_S16 else 96)
+    return codes, torch.empty(tiles, groups, 2, 16)
+
+
+def a8_projection(reader: GGUFFile | None, tensors: list[GGUFTensor], orders: list[torch.Tensor | None],
+                  bias: bool = False) -> NativeA8Linear:
+    """``projection`` for the int8-activation GEMMs: each run of tensors of one format one
+    segment (a boundary inside a 16-row tile is refused: ``a8_ready`` checks first)."""
+    rows = [int(t.shape[1]) for t in tensors]
+    k = int(tensors[0].shape[0])
+    formats = [A8_TYPE_FORMATS[type_name(t)] for t in tensors]
+    segments = []
+    for i, t in enumerate(tensors):
+        if rows[i] % 16:  # (the K-quants' rows are whole super-blocks of 256 inputs by their type)
+            raise ValueError(f"tensor {t.name!r}: its {rows[i]} rows are not whole 16-row tiles")
+        codes, scales = empty_a8_format(formats[i], rows[i] // 16, k // 32)
+        source = orders[i] if orders[i] is not None else torch.arange(rows[i])
+        if not ops.repack_gguf_a8(codes, scales, _raw(t), t.tensor_type, formats[i], source):
+            raise ValueError(f"tensor {t.name!r}: its {type_name(t)} scales do not match their dequantisation")
+        if segments and segments[-1][0] == formats[i]:
+            fmt, c0, s0 = segments[-1]
+            segments[-1] = (fmt, torch.cat([c0, codes]), torch.cat([s0, scales]))
+        else:
+            segments.append((formats[i], codes, scales))
+        if reader is not None:
+            reader.release(t)
+    return NativeA8Linear(segments, k, sum(rows), bias)
+
+
 def empty_format(fmt: int, tiles: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Uninitialised codes and scales of ``pack_amx``'s shapes for ``fmt``."""
     if fmt == F4K:
@@ -175,8 +224,10 @@ def projection(reader: GGUFFile | None, tensors: list[GGUFTensor], orders: list[
     return NativeLinear(segments, k, sum(rows), bias)
 
 
-def build_model(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> nn.Module:
-    """The model of ``config`` on the CPU, its projections ``NativeLinear``s of the file's codes."""
+def build_model(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, a8: bool = False) -> nn.Module:
+    """The model of ``config`` on the CPU, its projections ``NativeLinear``s of the file's codes
+    (``a8``: ``NativeA8Linear``s, the int8-activation GEMMs)."""
+    make = a8_projection if a8 else projection
     tensors = {t.name: t for t in reader.tensors}
     permuted = config.architecture in PERMUTED_ARCHITECTURES
 
@@ -195,10 +246,10 @@ def build_model(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> nn
                 heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(kind)
                 orders.append(None if heads is None else rotary_order(int(t.shape[1]), heads, permuted))
             bias = getattr(getattr(layer, block), proj).bias is not None
-            setattr(getattr(layer, block), proj, projection(reader, parts, orders, bias))
+            setattr(getattr(layer, block), proj, make(reader, parts, orders, bias))
     embed = get("token_embd.weight")
     head = tensors.get("output.weight", embed)
-    model.lm_head = head_projection(reader, head)
+    model.lm_head = head_projection(reader, head, a8)
     model.model.embed_tokens = embedding_from(embed, dtype)
     materialize(model, dtype)
     skip = {"token_embd.weight", "output.weight"} | {
@@ -208,12 +259,18 @@ def build_model(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> nn
     return model
 
 
-def head_projection(reader: GGUFFile, tensor: GGUFTensor) -> nn.Module:
-    """The LM head of ``tensor``: its own codes, or (a float tensor) ``w8a16`` codes of it."""
-    if type_name(tensor) in SPLIT_TYPES:
+def head_projection(reader: GGUFFile, tensor: GGUFTensor, a8: bool = False) -> nn.Module:
+    """The LM head of ``tensor``: its own codes, or (a float tensor or, with ``a8``, a type no
+    int8-activation format holds) 8-bit codes of it, as ``w8a16`` or ``w4a8``'s head."""
+    rows, k = int(tensor.shape[1]), int(tensor.shape[0])
+    if a8 and type_name(tensor) in A8_TYPE_FORMATS and rows % 16 == 0:
+        return a8_projection(reader, [tensor], [None])
+    if not a8 and type_name(tensor) in SPLIT_TYPES:
         return projection(reader, [tensor], [None])
-    dense = nn.Linear(int(tensor.shape[0]), int(tensor.shape[1]), bias=False, device="meta")
+    dense = nn.Linear(k, rows, bias=False, device="meta")
     dense.weight = nn.Parameter(torch.from_numpy(np.array(dequantize(tensor), dtype=np.float32)), requires_grad=False)
+    if a8:
+        return QuantizedLinear(dense, "int8", int8_activations=True)
     return AmxBf16Linear(dense, "w8a16")  # 8-bit codes of the float head, as the other AMX paths' head
 
 
@@ -240,8 +297,9 @@ def describe(model: nn.Module) -> str:
     total = 0
     for module in model.modules():
         if isinstance(module, NativeLinear):
+            names = A8_FORMATS if isinstance(module, NativeA8Linear) else AMX_FORMATS
             for fmt, n in module.segment_bytes():
-                by_format[fmt] = by_format.get(fmt, 0) + n
+                by_format[names[fmt]] = by_format.get(names[fmt], 0) + n
                 total += n
-    parts = ", ".join(f"{AMX_FORMATS[f]} {n / 1e6:.0f} MB" for f, n in sorted(by_format.items()))
+    parts = ", ".join(f"{name} {n / 1e6:.0f} MB" for name, n in sorted(by_format.items()))
     return f"projections and head {total / 1e6:.0f} MB: {parts}"

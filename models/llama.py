@@ -142,7 +142,7 @@ class DecoderLayer(nn.Module):
         # NOTE: the fused layer kernel has no per-head q/k norm, no sliding window and no
         # soft-capping: Qwen3's layers, windowed and soft-capped ones run op by op.
         return (fused and attn.q_norm is None and not attn.window and not attn.softcap
-                and {p.kind for p in projections} in ({"int4"}, {"amx-bf16"}, {"w4a16"}, {"native"})
+                and {p.kind for p in projections} in ({"int4"}, {"amx-bf16"}, {"w4a16"}, {"native"}, {"native-a8"})
                 and all(p.bias is None for p in projections[1:]))
 
     def fused_weights(self) -> ops.FusedWeights:

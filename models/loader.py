@@ -121,10 +121,12 @@ def resolve_path(dtype: str, quantization: str, config: ModelConfig, gguf_type: 
     return _DTYPES[chosen.dtype], chosen.quantization
 
 
-def _path_note(quantization: str, native: bool = False) -> str:
+def _path_note(quantization: str, native: bool = False, a8: bool = False) -> str:
     """How the start-up log says where a quantization's GEMMs run."""
     if native:
         return " (the file's own codes, each tensor at its bits, made bfloat16 on AMX tiles)"
+    if a8:
+        return f" (the file's own codes, each tensor at its bits, integer dots on {ops.int8_dots() or 'plain C++'})"
     if quantization == "w4a8" and ops.amx_enabled():
         return " (integer dots on AMX tiles)"
     return {"amx-bf16": " (bfloat16 weights on AMX tiles)",
@@ -193,13 +195,19 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
     with _file_named(path):  # a damaged or unsupported tensor: say which file it is in
         if tp is not None:
             check_split(config, tp.world_size, quantized=quantization != "none")
-        native = quantization == "w4a16" and (tp is None or tp.world_size == 1) and (
+        whole = tp is None or tp.world_size == 1
+        native = quantization == "w4a16" and whole and (
             types is not None if config.moe is None else moe_native)  # (an MoE file's experts: models.moe_loader)
+        a8 = quantization == "w4a8" and whole and reader is not None and config.moe is None and dev.type == "cpu"
+        if a8 and (why := gguf_native.a8_ready(types, reader)) is not None:
+            logger.warning("w4a8 requantises %s's projections to 4 bits: %s", path.name, why)
+            a8 = False
         logger.info("loading %s (%s, %d layers) as %s, quantization %s%s, on %s", path.name,
                     config.architecture, config.num_hidden_layers, str(torch_dtype).removeprefix("torch."),
-                    quantization, _path_note(quantization, native), dev)
-        if native:
-            model = (build_native_moe if config.moe else gguf_native.build_model)(reader, config, torch_dtype)
+                    quantization, _path_note(quantization, native, a8), dev)
+        if native or a8:
+            model = (build_native_moe(reader, config, torch_dtype) if config.moe
+                     else gguf_native.build_model(reader, config, torch_dtype, a8=a8))
             model.init_rope(max_positions or config.max_position_embeddings)
             model.eval()
             logger.info("loaded in %.1fs, peak RSS %.2f GB (%s)", time.perf_counter() - t0, peak_rss_gb(),

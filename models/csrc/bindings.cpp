@@ -45,6 +45,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("repack_gguf", &kvserve::repack_gguf,
         "a GGUF tensor's blocks as amx_quant_linear's codes and scales of a format (false: W4 inexact)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("gguf_a8_linear", &kvserve::gguf_a8_linear,
+        "out = x @ W^T with x rounded to int8, W as row ranges of a GGUF file's codes in their formats",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("repack_gguf_a8", &kvserve::repack_gguf_a8,
+        "a GGUF tensor's blocks as gguf_a8_linear's codes and scales of a format (false: not exact)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("amx_enabled", &kvserve::amx_enabled, "whether the int8-activation GEMMs use AMX now");
   m.def("set_amx_enabled", &kvserve::set_amx_enabled, "let the int8-activation GEMMs use AMX, or not");
   m.def("set_amx_emulated", &kvserve::set_amx_emulated, "tests: AMX's tile instructions in software");

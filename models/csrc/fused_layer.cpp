@@ -48,6 +48,13 @@ void project(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& 
       amx_quant_linear(y, x, std::vector<at::Tensor>(p.begin(), p.end() - 1), formats);
       break;
     }
+    case kGemmA8Quant: {
+      const at::Tensor& f = p.back();
+      TORCH_CHECK(f.scalar_type() == at::kLong && f.is_contiguous(), "the last tensor holds the formats (int64)");
+      const std::vector<int64_t> formats(f.data_ptr<int64_t>(), f.data_ptr<int64_t>() + f.numel());
+      gguf_a8_linear(y, x, std::vector<at::Tensor>(p.begin(), p.end() - 1), formats, false);
+      break;
+    }
     default: TORCH_CHECK(false, "unknown projection GEMM ", gemm);
   }
 }
@@ -72,9 +79,11 @@ std::vector<at::Tensor> fused_layer(
     const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
     double scale, int64_t gemm, int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start,
     const std::vector<at::Tensor>& lora, const std::vector<int64_t>& lora_rows) {
+  const bool segments = gemm == kGemmAmxQuant || gemm == kGemmA8Quant;
   for (const auto* p : {&qkv, &o_proj, &gate_up, &down})
-    TORCH_CHECK(gemm == kGemmAmxQuant ? p->size() % 2 == 1 : p->size() == 2,
-                "each projection is (codes, scales), or for kGemmAmxQuant its segments' and the formats");
+    TORCH_CHECK(segments ? p->size() % 2 == 1 : p->size() == 2,
+                "each projection is (codes, scales), or for kGemmAmxQuant and kGemmA8Quant its segments' and the "
+                "formats");
   TORCH_CHECK(lora_rows.size() % 2 == 0 && lora.size() == 4 * lora_rows.size(),
               "lora: (A, B) of 4 projections per (start, stop) row range");
   const int64_t rows = x.size(0), hidden = x.size(1);

@@ -243,11 +243,90 @@ bool fold_span(int64_t type, int& bits, int& offset) {
   }
 }
 
+// A repack's input, checked: raw [rows, row bytes] of whole blocks of `type`, and `source`, the
+// raw row of each output row (-1: zeros), in range and whole 16-row tiles.
+struct Blocks {
+  int64_t type, block_bytes = 0, per_block = 0, k = 0, tiles = 0, rs = 0;
+  const uint8_t* rp = nullptr;
+  const int64_t* src = nullptr;
+
+  Blocks(const at::Tensor& raw, int64_t type_id, const at::Tensor& source) : type(type_id) {
+    TORCH_CHECK(block_shape(type, block_bytes, per_block), "GGUF type ", type, " has no repack");
+    TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.stride(1) == 1, "raw must be uint8 rows");
+    TORCH_CHECK(raw.size(1) % block_bytes == 0, "a row is not whole blocks of its type");
+    TORCH_CHECK(source.scalar_type() == at::kLong && source.is_contiguous() && source.numel() % 16 == 0,
+                "source must be int64 rows, whole tiles");
+    src = source.data_ptr<int64_t>();
+    for (int64_t r = 0; r < source.numel(); ++r) TORCH_CHECK(src[r] < raw.size(0), "source row out of range");
+    k = raw.size(1) / block_bytes * per_block;
+    tiles = source.numel() / 16;
+    rp = raw.data_ptr<uint8_t>();
+    rs = raw.stride(0);
+  }
+};
+
 // One tile's 16 rows decoded: q [16][K], d and m [16][K / 16].
 struct TileRows {
   std::vector<int8_t> q;
   std::vector<float> d, m;
+
+  explicit TileRows(int64_t k) : q(16 * k), d(k), m(k) {}
+
+  // Output rows 16 tile .. 16 tile + 15 from their raw rows (-1: codes `zero`, scales 0).
+  void decode(const Blocks& in, int64_t tile, int8_t zero) {
+    const int64_t k = in.k;
+    for (int o = 0; o < 16; ++o) {
+      int8_t* qo = q.data() + o * k;
+      float* dso = d.data() + o * (k / 16);
+      float* mo = m.data() + o * (k / 16);
+      const int64_t row = in.src[tile * 16 + o];
+      if (row < 0) {
+        std::memset(qo, zero, k);
+        std::fill(dso, dso + k / 16, 0.0f);
+        std::fill(mo, mo + k / 16, 0.0f);
+        continue;
+      }
+      for (int64_t blk = 0; blk < k / in.per_block; ++blk)
+        decode_block(in.type, in.rp + row * in.rs + blk * in.block_bytes, qo + blk * in.per_block,
+                     dso + blk * in.per_block / 16, mo + blk * in.per_block / 16);
+    }
+  }
 };
+
+// Whether gguf_a8_linear's `format` holds `type`'s values exactly, and its code bytes u = q + shift.
+bool a8_fits(int64_t type, int64_t format, int& shift) {
+  shift = format == kA8G8 || format == kA8S16 ? 128 : 0;
+  switch (format) {
+    case kA8G4: return type == kQ4_0 || type == kQ4_1;
+    case kA8G8: return type == kQ8_0 || type == kQ5_0 || type == kIQ4_NL;  // (m = 0: m - 128 d exact)
+    case kA8K4: return type == kQ4_K;
+    case kA8K8: return type == kQ5_K;
+    case kA8S16: return type == kQ6_K || type == kQ3_K;
+    default: return false;
+  }
+}
+
+// A K or S16 block's super-block scale D (and M = -dmin) and its integer scales: K's sc and
+// mn per 32 inputs, S16's sc per 16.
+void a8_block_scales(int64_t type, const uint8_t* b, float& big_d, float& big_m, int* sc, int* mn) {
+  big_m = 0.0f;
+  if (type == kQ4_K || type == kQ5_K) {
+    big_d = f16(b);
+    big_m = -f16(b + 2);
+    for (int j = 0; j < 8; ++j) k_scale_min(b + 4, j, sc[j], mn[j]);
+  } else if (type == kQ6_K) {
+    big_d = f16(b + 208);
+    for (int j = 0; j < 16; ++j) sc[j] = reinterpret_cast<const int8_t*>(b + 192)[j];
+  } else {  // Q3_K
+    big_d = f16(b + 108);
+    const uint8_t* s = b + 96;
+    for (int j = 0; j < 16; ++j) {
+      const int lo = j < 8 ? s[j] & 0xF : s[j - 8] >> 4;
+      const int hi = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+      sc[j] = (lo | (hi << 4)) - 32;
+    }
+  }
+}
 
 }  // namespace
 
@@ -258,15 +337,9 @@ struct TileRows {
 // float32 (the caller takes an 8-bit format with offsets).
 bool repack_gguf(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, int64_t type, int64_t format,
                  const at::Tensor& source) {
-  int64_t block_bytes, per_block;
-  TORCH_CHECK(block_shape(type, block_bytes, per_block), "GGUF type ", type, " has no repack");
-  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.stride(1) == 1, "raw must be uint8 rows");
-  TORCH_CHECK(raw.size(1) % block_bytes == 0, "a row is not whole blocks of its type");
-  const int64_t k = raw.size(1) / block_bytes * per_block, groups = k / 32;
-  TORCH_CHECK(source.scalar_type() == at::kLong && source.is_contiguous() && source.numel() % 16 == 0,
-              "source must be int64 rows, whole tiles");
+  const Blocks in(raw, type, source);
+  const int64_t block_bytes = in.block_bytes, per_block = in.per_block, k = in.k, groups = k / 32, tiles = in.tiles;
   TORCH_CHECK(format >= kAmxW4 && format <= kAmxF4K, "unknown format ", format);
-  const int64_t tiles = source.numel() / 16;
   const bool folded = format >= kAmxF4, q4k = format == kAmxF4K;
   const bool nibbles = format == kAmxW4 || format == kAmxF4 || q4k;
   const bool sym = format == kAmxF8G16Sym;
@@ -285,31 +358,16 @@ bool repack_gguf(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, i
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
                   scales.numel() == tiles * groups * scale_floats, "scales must hold ", tiles * groups * scale_floats,
               " floats");
-  const int64_t* src = source.data_ptr<int64_t>();
-  for (int64_t r = 0; r < source.numel(); ++r) TORCH_CHECK(src[r] < raw.size(0), "source row out of range");
-  const uint8_t* rp = raw.data_ptr<uint8_t>();
-  const int64_t rs = raw.stride(0);
+  const int64_t* src = in.src;
+  const uint8_t* rp = in.rp;
+  const int64_t rs = in.rs;
   auto* cp = reinterpret_cast<uint8_t*>(codes.data_ptr());
   float* sp = scales.data_ptr<float>();
   std::atomic<bool> exact{true};
   parallel_chunks(tiles, 4, [&](int64_t begin, int64_t end) {
-    TileRows t{std::vector<int8_t>(16 * k), std::vector<float>(16 * k / 16), std::vector<float>(16 * k / 16)};
+    TileRows t(k);
     for (int64_t tile = begin; tile < end; ++tile) {
-      for (int o = 0; o < 16; ++o) {
-        int8_t* q = t.q.data() + o * k;
-        float* d = t.d.data() + o * (k / 16);
-        float* m = t.m.data() + o * (k / 16);
-        const int64_t row = src[tile * 16 + o];
-        if (row < 0) {  // codes u = 0, scales 0
-          std::memset(q, -offset, k);
-          std::fill(d, d + k / 16, 0.0f);
-          std::fill(m, m + k / 16, 0.0f);
-          continue;
-        }
-        for (int64_t blk = 0; blk < k / per_block; ++blk)
-          decode_block(type, rp + row * rs + blk * block_bytes, q + blk * per_block, d + blk * per_block / 16,
-                       m + blk * per_block / 16);
-      }
+      t.decode(in, tile, static_cast<int8_t>(-offset));  // (u = 0)
       if (q4k) {
         // per super-block: sc[8][16] and mn[8][16] bytes, then 16d[16] and dmin[16] (kAmxF4K)
         for (int64_t sb = 0; sb < groups / 8; ++sb) {
@@ -381,6 +439,87 @@ bool repack_gguf(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, i
             if (q4k) continue;  // F4K keeps the super-block's own fields (written above)
             sh[o] = big;
             if (!sym) sh[16 + o] = off;  // sym: the kernel's M = -1.5 D is this off (m = 0), exactly
+          }
+        }
+      }
+    }
+  });
+  return exact;
+}
+
+}  // namespace kvserve
+
+namespace kvserve {
+
+// raw [rows, row bytes] uint8 of ggml type `type` -> gguf_a8_linear's codes and scales of
+// `format` (kernels.h A8Format; the layouts are gguf_a8.cpp's), output row r from raw row
+// source[r] (-1: a zero row). Every group's scale is checked against decode_block's (the
+// values models/gguf_quants.py gives): false where one differs (nothing else is wrong).
+bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, int64_t type, int64_t format,
+                    const at::Tensor& source) {
+  const Blocks in(raw, type, source);
+  const int64_t block_bytes = in.block_bytes, per_block = in.per_block, k = in.k, groups = k / 32, tiles = in.tiles;
+  int shift;
+  TORCH_CHECK(a8_fits(type, format, shift), "GGUF type ", type, " has no int8-activation format ", format);
+  const bool nibbles = format == kA8G4 || format == kA8K4, compact = format >= kA8K4, sym = format == kA8S16;
+  const int64_t code_bytes = nibbles ? 256 : 512, record = sym ? 80 : 96;
+  const int64_t scale_floats = compact ? tiles * (groups / 8) * record : tiles * groups * 32;
+  TORCH_CHECK(codes.is_contiguous() && codes.numel() == tiles * groups * code_bytes && codes.element_size() == 1,
+              "codes must hold ", tiles * groups * code_bytes, " bytes");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == scale_floats,
+              "scales must hold ", scale_floats, " floats");
+  const int64_t* src = in.src;
+  const uint8_t* rp = in.rp;
+  const int64_t rs = in.rs;
+  auto* cp = reinterpret_cast<uint8_t*>(codes.data_ptr());
+  float* sp = scales.data_ptr<float>();
+  std::atomic<bool> exact{true};
+  parallel_chunks(tiles, 4, [&](int64_t begin, int64_t end) {
+    TileRows t(k);
+    for (int64_t tile = begin; tile < end; ++tile) {
+      t.decode(in, tile, 0);
+      for (int64_t g = 0; g < groups; ++g) {
+        uint8_t* c = cp + (tile * groups + g) * code_bytes;
+        const auto u = [&](int o, int in) { return static_cast<uint8_t>(t.q[o * k + 32 * g + in] + shift); };
+        for (int j = 0; j < (nibbles ? 4 : 8); ++j)
+          for (int o = 0; o < 16; ++o)
+            for (int b = 0; b < 4; ++b)
+              c[j * 64 + o * 4 + b] = nibbles ? static_cast<uint8_t>(u(o, 4 * j + b) | (u(o, 16 + 4 * j + b) << 4))
+                                              : u(o, 4 * j + b);
+        if (compact) continue;
+        float* s = sp + (tile * groups + g) * 32;
+        for (int o = 0; o < 16; ++o) {
+          const float dd = t.d[o * (k / 16) + 2 * g], mm = t.m[o * (k / 16) + 2 * g];
+          s[o] = dd;
+          s[16 + o] = shift ? mm - 128.0f * dd : mm;
+          if (shift && mm != 0.0f) exact = false;
+        }
+      }
+      if (!compact) continue;
+      for (int64_t sb = 0; sb < groups / 8; ++sb) {
+        float* rec = sp + (tile * (groups / 8) + sb) * record;
+        auto* ints = reinterpret_cast<int8_t*>(rec + (sym ? 16 : 32));
+        for (int o = 0; o < 16; ++o) {
+          const int64_t row = src[tile * 16 + o];
+          float big_d = 0.0f, big_m = 0.0f;
+          int sc[16] = {0}, mn[16] = {0};
+          if (row >= 0) a8_block_scales(type, rp + row * rs + sb * block_bytes, big_d, big_m, sc, mn);
+          rec[o] = big_d;
+          if (!sym) rec[16 + o] = big_m;
+          for (int h = 0; h < 16; ++h) {  // each 16 inputs' scale, checked against decode_block's
+            const int j = sym ? h : h / 2;
+            const float dd = big_d * static_cast<float>(sc[j]), mm = big_m * static_cast<float>(mn[j]);
+            const int64_t at = o * (k / 16) + sb * 16 + h;
+            if (dd != t.d[at] || (!sym && mm != t.m[at])) exact = false;
+          }
+          for (int j = 0; j < 8; ++j) {
+            if (sym) {
+              ints[j * 32 + o] = static_cast<int8_t>(sc[2 * j]);
+              ints[j * 32 + 16 + o] = static_cast<int8_t>(sc[2 * j + 1]);
+            } else {
+              ints[j * 16 + o] = static_cast<int8_t>(sc[j]);
+              ints[128 + j * 16 + o] = static_cast<int8_t>(mn[j]);
+            }
           }
         }
       }

@@ -80,6 +80,22 @@ void amx_quant_linear(at::Tensor& out, const at::Tensor& x, const std::vector<at
 bool repack_gguf(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, int64_t type, int64_t format,
                  const at::Tensor& source);
 
+// gguf_a8.cpp: a GGUF file's tensors at their own bits on the int8-activation GEMMs, x's rows
+// rounded to int8 per 16 inputs (models/gguf_linear.py A8_FORMATS): grouped_gemm.cpp's 4- and
+// 8-bit formats (d and m per 32 inputs), Q4_K's and Q5_K's codes with their super-blocks' own
+// scales, and Q6_K's and Q3_K's codes with a scale per 16 inputs.
+enum A8Format : int64_t { kA8G4 = 0, kA8G8 = 1, kA8K4 = 2, kA8K8 = 3, kA8S16 = 4 };
+// out [M, N] = x [M, K] @ W^T for a weight of row ranges, parts = codes0, scales0, codes1, ...
+// in their formats; plain: the portable C++ (the tests), which gives the same bits.
+void gguf_a8_linear(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tensor>& parts,
+                    const std::vector<int64_t>& formats, bool plain);
+
+// gguf_repack.cpp: a GGUF tensor's blocks as gguf_a8_linear's `format` (A8Format), row r of
+// the weight from raw row source[r] (-1: zeros). False where the type's values do not fit
+// the format exactly (the caller says so).
+bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, int64_t type, int64_t format,
+                    const at::Tensor& source);
+
 // argmax.cpp
 void argmax_rows(at::Tensor& out, const at::Tensor& x);
 
@@ -88,13 +104,14 @@ void apply_token_bitmask(at::Tensor& logits, const at::Tensor& rows, const at::T
 
 // fused_layer.cpp. The projections' GEMM (models/ops/layer.py GEMM_*).
 // kGemmAmxQuant: amx_quant_linear, each projection (codes, scales, ...) with its formats
-// as a last int64 tensor.
+// as a last int64 tensor; kGemmA8Quant: gguf_a8_linear, the same way.
 enum ProjectionGemm : int64_t {
   kGemmGrouped = 0,
   kGemmGroupedInt8 = 1,
   kGemmAmxBf16 = 2,
   kGemmAmxW4a16 = 3,
-  kGemmAmxQuant = 4
+  kGemmAmxQuant = 4,
+  kGemmA8Quant = 5
 };
 std::vector<at::Tensor> fused_layer(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& input_norm,

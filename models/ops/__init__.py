@@ -39,10 +39,10 @@ from models.ops.build import (amx_bf16_usable, amx_emulated_products, amx_enable
                               cache_directory, has_int8_dots, int8_dots, kernels_available, kernels_enabled,
                               set_amx_emulated, set_amx_enabled, set_kernels_enabled, sources_digest, vector_isa)
 from models.ops.isa import amx_mode, requested_isa
-from models.ops.layer import (GEMM_AMX_BF16, GEMM_AMX_QUANT, GEMM_AMX_W4A16, GEMM_GROUPED, GEMM_GROUPED_INT8,
+from models.ops.layer import (GEMM_A8_QUANT, GEMM_AMX_BF16, GEMM_AMX_QUANT, GEMM_AMX_W4A16, GEMM_GROUPED, GEMM_GROUPED_INT8,
                               FusedStep, FusedWeights, fused_layer)
 from models.ops.linear import (amx_bf16_linear, amx_quant_linear, amx_w4a16_linear, amx_w8a16_linear, dense_linear,
-                               grouped_linear, repack_gguf)
+                               gguf_a8_linear, grouped_linear, repack_gguf, repack_gguf_a8)
 from models.ops.rowwise import (add_rms_norm, apply_rotary, apply_token_bitmask, argmax, rms_norm, rotary_and_cache,
                                 silu_and_mul, write_kv)
 
@@ -59,9 +59,10 @@ __all__ = [
     # attention
     "decode_attention", "prefill_attention",
     # layer
-    "GEMM_GROUPED", "GEMM_GROUPED_INT8", "GEMM_AMX_BF16", "GEMM_AMX_W4A16", "GEMM_AMX_QUANT", "FusedWeights",
+    "GEMM_GROUPED", "GEMM_GROUPED_INT8", "GEMM_AMX_BF16", "GEMM_AMX_W4A16", "GEMM_AMX_QUANT", "GEMM_A8_QUANT",
+    "FusedWeights",
     "FusedStep", "fused_layer",
     # linear
     "grouped_linear", "dense_linear", "amx_bf16_linear", "amx_w4a16_linear", "amx_w8a16_linear",
-    "amx_quant_linear", "repack_gguf",
+    "amx_quant_linear", "repack_gguf", "gguf_a8_linear", "repack_gguf_a8",
 ]

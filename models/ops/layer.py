@@ -16,7 +16,7 @@ from models.ops.build import load_extension
 # grouped kernel with float or int8 activations, AMX-BF16 on bfloat16 weights, or
 # AMX-BF16 on 4-bit weights made bfloat16 in the kernel, or on a GGUF file's own codes
 # (amx_quant_linear: row ranges in their formats).
-GEMM_GROUPED, GEMM_GROUPED_INT8, GEMM_AMX_BF16, GEMM_AMX_W4A16, GEMM_AMX_QUANT = 0, 1, 2, 3, 4
+GEMM_GROUPED, GEMM_GROUPED_INT8, GEMM_AMX_BF16, GEMM_AMX_W4A16, GEMM_AMX_QUANT, GEMM_A8_QUANT = 0, 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True, slots=True)

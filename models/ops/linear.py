@@ -85,6 +85,32 @@ def repack_gguf(codes: torch.Tensor, scales: torch.Tensor, raw: torch.Tensor, ty
     return ext.repack_gguf(codes, scales, raw, type_id, fmt, source)
 
 
+def gguf_a8_linear(x: torch.Tensor, parts: list[torch.Tensor], formats: list[int], out_features: int,
+                   plain: bool = False) -> torch.Tensor:
+    """``x [M, K] @ W^T`` (float32) with x's rows rounded to int8 per 16 inputs and integer
+    dots, for a weight of row ranges each ``(codes, scales)`` in its format
+    (``models.gguf_linear.A8_FORMATS``: a GGUF tensor's own codes and scales; ``parts``:
+    codes0, scales0, codes1, ...). A row's result does not depend on the other rows;
+    ``plain`` runs the portable C++, which gives the same bits (the tests)."""
+    ext = load_extension()
+    if ext is None:
+        raise RuntimeError("gguf_a8_linear needs the fused CPU kernels")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    ext.gguf_a8_linear(out, x, parts, formats, plain)
+    return out
+
+
+def repack_gguf_a8(codes: torch.Tensor, scales: torch.Tensor, raw: torch.Tensor, type_id: int, fmt: int,
+                   source: torch.Tensor) -> bool:
+    """``repack_gguf`` for ``gguf_a8_linear``'s format ``fmt``: False where a scale made from
+    the file's fields differs from the type's dequantisation (nothing else is wrong)."""
+    ext = load_extension()
+    if ext is None:
+        raise RuntimeError("repack_gguf_a8 needs the fused CPU kernels")
+    return ext.repack_gguf_a8(codes, scales, raw, type_id, fmt, source)
+
+
 def _amx_linear(kernel: str, x: torch.Tensor, out_features: int, *weight) -> torch.Tensor:
     # Per call only what is cheap: AmxBf16Linear checked amx_bf16_usable() when it was
     # built, and the kernels refuse a CPU without AMX-BF16 themselves.

@@ -30,6 +30,17 @@ def _gemms(gen: torch.Generator) -> dict[str, torch.Tensor]:
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(9, k, generator=gen).to(dtype)
             out[f"dense {dtype} 9x{k}x{n}"] = ops.dense_linear(x, pack_dense(w.to(dtype)), n)
+    # a GGUF file's codes on the int8-activation GEMMs, each K-quant format (csrc/gguf_a8.cpp)
+    from gguf import GGMLQuantizationType
+
+    from models.gguf_native import a8_projection
+    from models.gguf_quants import random_blocks
+    from models.gguf_reader import GGUFTensor
+    for i, type_name in enumerate(("Q4_K", "Q5_K", "Q6_K", "Q3_K")):
+        raw = random_blocks(type_name, (48, 512), i, one_scale=True)
+        linear = a8_projection(None, [GGUFTensor("t", int(GGMLQuantizationType[type_name]), (512, 48), raw)], [None])
+        for rows in (1, 7, 37):
+            out[f"gguf a8 {type_name} {rows}x512x48"] = linear(torch.randn(rows, 512, generator=gen) * 3)
     return out
 
 

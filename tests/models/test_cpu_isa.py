@@ -59,7 +59,7 @@ def out_of_line_gemm_helpers(obj: Path) -> list[str]:
     """The symbols of ``obj`` (a built grouped_gemm.o) that are grouped_gemm.cpp's inner
     helpers, or lambdas inside them."""
     symbols = subprocess.run(["nm", "-C", str(obj)], capture_output=True, text=True, check=True).stdout
-    helpers = re.compile(r"\b(load_codes|group_dots|tile_rows|tile_rows_a8)<")
+    helpers = re.compile(r"\b(load_codes|group_dots|tile_rows|tile_rows_a8|tile_rows_k)<")
     return [line for line in symbols.splitlines() if helpers.search(line)]
 
 
@@ -70,6 +70,7 @@ def test_the_gemms_inner_helpers_are_inlined() -> None:
     through memory and w4a8's GEMM ran 2-2.5x slower. The build is asserted, not
     its speed (timings never gate a test)."""
     assert not out_of_line_gemm_helpers(ops.cache_directory() / "grouped_gemm.o")
+    assert not out_of_line_gemm_helpers(ops.cache_directory() / "gguf_a8.o")
 
 
 def test_an_unknown_isa_is_refused(monkeypatch) -> None:
@@ -116,7 +117,7 @@ def test_every_kernel_equals_avx512_vnni(isa: str, reports: str, request, monkey
         env.setenv("KVSERVE_CPU_ISA", isa)
         assert not out_of_line_gemm_helpers(ops.cache_directory() / "grouped_gemm.o")
     mine = isa_outputs.kernel_outputs()
-    assert len(mine) == 105  # (57, 24 sliding-window and 24 soft-capped attentions)
+    assert len(mine) == 117  # (57, 24 sliding-window and 24 soft-capped attentions, 12 GGUF int8-activation GEMMs)
     differ = [k for k, v in mine.items() if not torch.equal(v, theirs[k])]
     assert not differ, f"{reports} differs from AVX-512 VNNI on {len(differ)} of {len(mine)}: {differ[:5]}"
 

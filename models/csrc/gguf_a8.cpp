@@ -1,0 +1,215 @@
+// A GGUF file's tensors at their own bits on the int8-activation GEMMs (`--quantization w4a8`
+// on a GGUF file): x's rows rounded to int8 per 16 inputs as grouped_gemm.cpp does, integer
+// dots with the file's codes (vpdpbusd), each tensor's scales applied per group as its type
+// defines them. The weights are the file's values exactly; only x is rounded.
+//
+// Formats (models/gguf_linear.py A8_FORMATS), each a segment's (codes, scales):
+//   G4, G8: grouped_gemm.cpp's own 4- and 8-bit formats, d and m as float32 per 32 inputs
+//           (Q4_0, Q4_1; Q8_0, Q5_0, IQ4_NL as u = q + 128, m = -128 d): grouped_linear runs them.
+//   K4, K8: Q4_K's and Q5_K's codes (4-bit as G4's layout, 5-bit as 8-bit bytes) with the
+//           super-block's own scales: per 16-row tile and 256 inputs a record of 96 floats,
+//           D[16], M[16] (= -dmin) then int8 sc[8][16] and mn[8][16]. A group's d = D sc and
+//           m = M mn are llama.cpp's float products, made in the kernel: 0.19 bytes of scales
+//           per 32 weights where float32 d and m take 8.
+//   S16:    Q6_K's and Q3_K's codes u = q + 128 as bytes, a scale per 16 inputs D sc: a record
+//           of 80 floats per tile and 256 inputs, D[16] then int8 sc[8][2][16].
+// Per group, with the dots s_h = sum(u qx) of each half h and qs_h = sum(qx) (grouped_rows.h):
+//   K:   y += d * (dx_1 (s_1 - c qs_1) + dx_0 (s_0 - c qs_0)) + (c d + m) * sum(x)   (c: 8, 16)
+//   S16: y += d_0 * (dx_0 (s_0 - 128 qs_0)) + d_1 * (dx_1 (s_1 - 128 qs_1))
+// s_h - c qs_h = sum((u - c) qx) is an integer below 2^24, exact in float; so the rounding of
+// x meets the centred codes, as in grouped_gemm.cpp. A row's result does not depend on the
+// rows beside it, and the plain C++ gives the vector code's bits (the same operations in order).
+#include <ATen/core/Tensor.h>
+
+#include "grouped_gemm.h"
+#include "grouped_rows.h"
+#include "kernels.h"
+#include "parallel.h"
+#include "vec16.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace kvserve {
+namespace {
+
+using namespace grouped;
+
+constexpr int64_t kSuper = 8;  // groups of 32 per super-block (256 inputs)
+
+constexpr int64_t record_floats(int64_t format) { return format == kA8S16 ? 80 : 96; }
+
+template <bool kSym, int kBits>
+constexpr float centre() {
+  return kSym ? 128.0f : (kBits == 4 ? 8.0f : 16.0f);
+}
+
+#if defined(KVSERVE_V16_INT8)
+// Up to R rows of int8 x against one 16-row tile of a K or S16 format.
+template <int kBits, bool kSym, int R>
+KVSERVE_ALWAYS_INLINE void tile_rows_k(float* y, int64_t ys, const QuantizedRows& xq, int64_t r0, int64_t groups,
+                                       const uint8_t* codes, const float* scales, int64_t valid) {
+  constexpr int64_t kGroupBytes = kTile * kGroup * kBits / 8;
+  constexpr int64_t kRecord = kSym ? 80 : 96;
+  constexpr float kCentre = centre<kSym, kBits>();
+  V16 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = v16_zero();
+  V16 big_d = v16_zero(), big_m = v16_zero();
+  const int8_t* sub = nullptr;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t j = g % kSuper;
+    if (j == 0) {
+      const float* rec = scales + (g / kSuper) * kRecord;
+      big_d = v16_load(rec);
+      if constexpr (!kSym) big_m = v16_load(rec + 16);
+      sub = reinterpret_cast<const int8_t*>(rec + (kSym ? 16 : 32));
+    }
+    V16i w[8];
+    load_codes<kBits>(codes + g * kGroupBytes, w);
+    V16 d0, d1, off;
+    if constexpr (kSym) {
+      d0 = big_d * v16_load_int8(sub + 32 * j);
+      d1 = big_d * v16_load_int8(sub + 32 * j + 16);
+    } else {
+      d0 = big_d * v16_load_int8(sub + 16 * j);
+      off = v16_fmadd(v16_set1(kCentre), d0, big_m * v16_load_int8(sub + 128 + 16 * j));
+    }
+    const int64_t first = g * xq.rows + r0;
+    const int8_t* qx = xq.q.data() + first * kGroup;
+    const float* dx = xq.d.data() + first * 2;
+    const int32_t* qs = xq.qs.data() + first * 2;
+    const float* sum = xq.sum.data() + first;
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      V16i s0, s1;
+      group_dots<kBits, (R >= kVnniRows)>(s0, s1, w, qx + r * kGroup);
+      const V16 c0 = v16_from_int(s0) - v16_set1(kCentre * static_cast<float>(qs[2 * r]));
+      const V16 c1 = v16_from_int(s1) - v16_set1(kCentre * static_cast<float>(qs[2 * r + 1]));
+      if constexpr (kSym) {
+        acc[r] = v16_fmadd(d0, c0 * v16_set1(dx[2 * r]), acc[r]);
+        acc[r] = v16_fmadd(d1, c1 * v16_set1(dx[2 * r + 1]), acc[r]);
+      } else {
+        const V16 t = v16_fmadd(c1, v16_set1(dx[2 * r + 1]), c0 * v16_set1(dx[2 * r]));
+        acc[r] = v16_fmadd(d0, t, acc[r]);
+        acc[r] = v16_fmadd(off, v16_set1(sum[r]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) v16_store_n(y + r * ys, acc[r], static_cast<int>(valid));
+}
+#endif
+
+// The same arithmetic one output at a time (CPUs without the vector code; the tests).
+template <int kBits, bool kSym>
+void tile_rows_k_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, int64_t r0, int64_t groups,
+                       const uint8_t* codes, const float* scales, int64_t valid) {
+  constexpr int64_t kGroupBytes = kTile * kGroup * kBits / 8;
+  constexpr int64_t kRecord = kSym ? 80 : 96;
+  constexpr float kCentre = centre<kSym, kBits>();
+  for (int r = 0; r < rows; ++r) {
+    for (int i = 0; i < valid; ++i) {
+      float acc = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t j = g % kSuper, gr = g * xq.rows + r0 + r;
+        const float* rec = scales + (g / kSuper) * kRecord;
+        const auto* sub = reinterpret_cast<const int8_t*>(rec + (kSym ? 16 : 32));
+        float c[2];
+        for (int h = 0; h < 2; ++h) {
+          int32_t dot = 0;
+          for (int k = 16 * h; k < 16 * h + 16; ++k)
+            dot += code_at<kBits>(codes + g * kGroupBytes, i, k) * xq.q[gr * kGroup + k];
+          c[h] = static_cast<float>(dot) - kCentre * static_cast<float>(xq.qs[2 * gr + h]);
+        }
+        if constexpr (kSym) {
+          const float d0 = rec[i] * static_cast<float>(sub[32 * j + i]);
+          const float d1 = rec[i] * static_cast<float>(sub[32 * j + 16 + i]);
+          const float p0 = c[0] * xq.d[2 * gr], p1 = c[1] * xq.d[2 * gr + 1];
+          acc = std::fma(d0, p0, acc);
+          acc = std::fma(d1, p1, acc);
+        } else {
+          const float d = rec[i] * static_cast<float>(sub[16 * j + i]);
+          const float m = rec[16 + i] * static_cast<float>(sub[128 + 16 * j + i]);
+          const float off = std::fma(kCentre, d, m);
+          const float p0 = c[0] * xq.d[2 * gr];
+          const float t = std::fma(c[1], xq.d[2 * gr + 1], p0);
+          acc = std::fma(d, t, acc);
+          acc = std::fma(off, xq.sum[gr], acc);
+        }
+      }
+      y[r * ys + i] = acc;
+    }
+  }
+}
+
+template <int kBits, bool kSym>
+void run_k(at::Tensor& y, const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& scales,
+           int64_t groups, bool plain) {
+  constexpr int64_t kGroupBytes = kTile * kGroup * kBits / 8;
+  constexpr int64_t kRecord = kSym ? 80 : 96;
+  const int64_t tiles = codes.size(0), ys = y.stride(0);
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+#if !defined(KVSERVE_V16_INT8)
+  plain = true;
+#endif
+  for_each_tile_chunk(y.size(0), kRowsInt8, tiles, y.size(1), [&](int64_t t, int64_t r0, int r, int64_t valid) {
+    float* out = yp + r0 * ys + t * kTile;
+    const uint8_t* c = cp + t * groups * kGroupBytes;
+    const float* s = sp + t * (groups / kSuper) * kRecord;
+    if (plain) return tile_rows_k_plain<kBits, kSym>(r, out, ys, xq, r0, groups, c, s, valid);
+#if defined(KVSERVE_V16_INT8)
+    with_rows<kRowsInt8>(r, [&](auto n) {
+      tile_rows_k<kBits, kSym, decltype(n)::value>(out, ys, xq, r0, groups, c, s, valid);
+    });
+#endif
+  });
+}
+
+}  // namespace
+
+void gguf_a8_linear(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tensor>& parts,
+                    const std::vector<int64_t>& formats, bool plain) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.scalar_type() == at::kFloat && out.size(0) == x.size(0),
+              "out must be float32 [M, N]");
+  TORCH_CHECK(parts.size() == 2 * formats.size() && !formats.empty(), "one (codes, scales) pair per format");
+  const int64_t k = x.size(1), groups = k / kGroup, n = out.size(1);
+  QuantizedRows xq;
+  bool quantized = false;
+  int64_t start = 0;
+  for (size_t i = 0; i < formats.size(); ++i) {
+    const at::Tensor& codes = parts[2 * i];
+    const at::Tensor& scales = parts[2 * i + 1];
+    const int64_t format = formats[i];
+    TORCH_CHECK(format >= kA8G4 && format <= kA8S16, "unknown format ", format);
+    TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 4 &&
+                    codes.size(1) == groups, "segment ", i, ": codes must be uint8 [tiles, K/32, ., 64]");
+    const int64_t rows = std::min(codes.size(0) * kTile, n - start);
+    TORCH_CHECK(rows > 0, "segments hold more rows than out");
+    at::Tensor y = out.narrow(1, start, rows);
+    if (format == kA8G4 || format == kA8G8) {
+      grouped_linear(y, x, codes, scales, true, plain);
+    } else {
+      TORCH_CHECK(k % (kGroup * kSuper) == 0, "K must be whole super-blocks of 256");
+      TORCH_CHECK(codes.size(2) == (format == kA8K4 ? 4 : 8) && codes.size(3) == 64, "segment ", i,
+                  ": codes of the wrong width");
+      TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
+                      scales.numel() == codes.size(0) * (groups / kSuper) * record_floats(format),
+                  "segment ", i, ": scales must be float32 [tiles, K/256, ", record_floats(format), "]");
+      if (!quantized) {
+        xq = quantize_rows(x.data_ptr<float>(), x.size(0), x.stride(0), groups, 0.0f, x.size(0));
+        quantized = true;
+      }
+      if (format == kA8K4) run_k<4, false>(y, xq, codes, scales, groups, plain);
+      else if (format == kA8K8) run_k<8, false>(y, xq, codes, scales, groups, plain);
+      else run_k<8, true>(y, xq, codes, scales, groups, plain);
+    }
+    start += rows;
+  }
+  TORCH_CHECK(start == n, "segments hold ", start, " rows, out has ", n);
+}
+
+}  // namespace kvserve

@@ -1,0 +1,168 @@
+"""A GGUF file's own codes and scales on the int8-activation GEMMs (``--quantization w4a8``).
+
+Each type's repacked codes and scales give the file's weights exactly (a row of x that is
+127 at one input reads one column of the weight); a projection's output is the integer-dot
+arithmetic csrc/gguf_a8.cpp states, computed here in float64 from the same rounded x; the
+vector code gives the plain C++'s bits and a row's result does not depend on the rows
+beside it; and a whole model of mixed types loads that way, runs in the fused layer, stays
+near the exact path and answers the same in one prefill as in chunks.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from gguf_files import MIXED_TYPES, write_mixed_gguf
+from models import ops
+from models.gguf_linear import A8_G4, A8_G8, A8_K4, A8_K8, A8_S16, A8_TYPE_FORMATS, NativeA8Linear
+from models.gguf_native import a8_projection, a8_ready, file_types
+from models.gguf_quants import random_blocks, split
+from models.gguf_reader import GGUFTensor
+from models.loader import load_model
+from models.gguf_loader import open_gguf
+
+pytestmark = pytest.mark.skipif(not ops.kernels_available(), reason="the int8-activation GEMMs are C++ kernels")
+
+SHAPE = (48, 512)
+TYPES = sorted(A8_TYPE_FORMATS)
+
+
+def tensor_of(type_name: str, shape: tuple[int, int] = SHAPE, seed: int = 1) -> GGUFTensor:
+    n, k = shape
+    raw = random_blocks(type_name, shape, seed, one_scale=True)
+    return GGUFTensor(f"t.{type_name}", int(GGMLQuantizationType[type_name]), (k, n), raw)
+
+
+def weight_of(tensor: GGUFTensor) -> torch.Tensor:
+    k, n = tensor.shape
+    return split(GGMLQuantizationType(tensor.tensor_type).name, tensor.data, (n, k)).dequantize()
+
+
+def integer_dot_reference(tensor: GGUFTensor, x: torch.Tensor) -> torch.Tensor:
+    """csrc/gguf_a8.cpp's arithmetic in float64: the rounded x meets the weights centred on the
+    middle code (o, a group's weight there: 0 for the symmetric types), o meets x itself."""
+    k, n = tensor.shape
+    codes = split(GGMLQuantizationType(tensor.tensor_type).name, tensor.data, (n, k))
+    o = codes.d.double() * (2 ** (codes.bits - 1) - codes.offset) + (0 if codes.m is None else codes.m.double())
+    o = o.repeat_interleave(codes.group, dim=1)
+    q, dx = rounded(x)
+    w = codes.dequantize().double()
+    return (q.double() * dx.double()) @ (w - o).T + x.double() @ o.T
+
+
+def rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's rows as the kernels round them: per 16 inputs dx = max|x| / 127, qx = nearest(x / dx)."""
+    halves = x.reshape(x.shape[0], -1, 16)
+    amax = halves.abs().amax(-1, keepdim=True)
+    q = torch.round(halves * torch.where(amax > 0, 127.0 / amax, 0.0))
+    return q.reshape(x.shape), (amax / 127.0).expand_as(halves).reshape(x.shape)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_the_repacked_codes_are_the_files_weights(type_name: str) -> None:
+    t = tensor_of(type_name)
+    linear = a8_projection(None, [t], [None])
+    assert linear.formats == [A8_TYPE_FORMATS[type_name]]
+    k = SHAPE[1]
+    # 127 at input j: x rounds to itself (dx = 1), so y / 127 is column j of the weight, up to
+    # the float sums (G8's d (u - 128 + 128) - 128 d cancels to within float32's step of 255 d)
+    y = linear(127.0 * torch.eye(k)) / 127.0
+    w = weight_of(t).T
+    torch.testing.assert_close(y, w, rtol=1e-6, atol=(1e-5 if linear.formats == [A8_G8] else 1e-7) * w.abs().max())
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_a_projection_is_the_integer_dot_arithmetic(type_name: str) -> None:
+    t = tensor_of(type_name, seed=2)
+    linear = a8_projection(None, [t], [None])
+    x = torch.randn(40, SHAPE[1], generator=torch.Generator().manual_seed(3))
+    y = linear(x)
+    want = integer_dot_reference(t, x)  # the kernel rounds only its float sums
+    scale = (x.double().abs() @ weight_of(t).double().abs().T).max()
+    assert ((y.double() - want).abs().max() / scale).item() < 1e-5
+    plain = ops.gguf_a8_linear(x, linear._parts, linear.formats, linear.out_features, plain=True)
+    if linear.formats[0] in (A8_K4, A8_K8, A8_S16):  # (grouped_gemm.cpp's plain G4 and G8 sum in another order)
+        assert torch.equal(plain, y)
+    assert ((plain.double() - want).abs().max() / scale).item() < 1e-5
+    for rows in (1, 5, 16, 17, 33):  # a row's result does not depend on the rows beside it
+        assert torch.equal(linear(x[:rows]), y[:rows])
+
+
+def test_parts_of_one_format_share_a_segment_and_others_keep_theirs() -> None:
+    parts = [tensor_of("Q4_K", (32, 512)), tensor_of("Q4_K", (16, 512), 2), tensor_of("Q6_K", (16, 512), 3),
+             tensor_of("Q8_0", (16, 512), 4), tensor_of("Q4_0", (16, 512), 5), tensor_of("Q5_K", (16, 512), 6)]
+    linear = a8_projection(None, parts, [None] * len(parts))
+    assert linear.formats == [A8_K4, A8_S16, A8_G8, A8_G4, A8_K8]
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(7))
+    want = torch.cat([integer_dot_reference(p, x) for p in parts], dim=1)
+    assert ((linear(x).double() - want).abs().max() / want.abs().max()).item() < 1e-5
+    order = torch.randperm(32, generator=torch.Generator().manual_seed(8))
+    permuted = a8_projection(None, parts[:1], [order])  # rows read in the order given
+    assert torch.equal(permuted(x), linear(x)[:, order])
+
+
+def test_a_shape_off_the_tiles_is_refused() -> None:
+    with pytest.raises(ValueError, match="not whole 16-row tiles"):
+        a8_projection(None, [tensor_of("Q4_K", (24, 512))], [None])
+
+
+# --- whole models ------------------------------------------------------------------------
+
+# A Q4_K_M-like layer, then one of the other types a format holds.
+A8_TYPES = [MIXED_TYPES[0], {"attn_q": "Q5_K", "attn_k": "Q8_0", "attn_v": "Q5_0", "attn_output": "Q4_0",
+                             "ffn_gate": "Q3_K", "ffn_up": "Q4_1", "ffn_down": "IQ4_NL"}]
+
+
+@pytest.fixture(scope="module")
+def a8_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    path = tmp_path_factory.mktemp("a8") / "qwen2.gguf"
+    return path, write_mixed_gguf(path, arch="qwen2", types=A8_TYPES)
+
+
+PROMPT = torch.randint(256, (37,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+def test_w4a8_keeps_each_tensor_at_its_type(a8_file, make_runner, monkeypatch: pytest.MonkeyPatch) -> None:
+    path, reference = a8_file
+    model = load_model(str(path), "float32", "cpu", quantization="w4a8").model
+    layers = model.model.layers
+    assert all(isinstance(p, NativeA8Linear) for layer in layers
+               for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
+    assert [layers[0].self_attn.qkv_proj.formats, layers[1].self_attn.qkv_proj.formats] == [[A8_K4, A8_S16],
+                                                                                           [A8_K8, A8_G8]]
+    assert isinstance(model.lm_head, NativeA8Linear) and model.lm_head.formats == [A8_S16]
+    assert all(layer.packed_int4() for layer in layers)  # the fused layer runs them
+    runner = make_runner(model)
+    ours = runner.step([(runner.new_seq(len(PROMPT)), PROMPT)])[0]
+    chunked = make_runner(model)
+    seq = chunked.new_seq(len(PROMPT))
+    parts = [chunked.step([(seq, part)])[0] for part in (PROMPT[:7], PROMPT[7:16], PROMPT[16:])]
+    assert torch.equal(torch.cat(parts), ours)  # chunks give one prefill's bits
+    with torch.no_grad():
+        want = copy.deepcopy(reference).double()(torch.tensor([PROMPT])).logits[0]
+    # only x's rounding to int8 per 16 inputs apart from the float model: nearer to it than
+    # w4a8 was when it requantised every projection to 4 bits (logits span +-3.5; measured: 0.17
+    # against 2.66)
+    monkeypatch.setattr("models.gguf_native.a8_ready", lambda types, reader: "forced by the test")
+    old = load_model(str(path), "float32", "cpu", quantization="w4a8").model
+    assert not isinstance(old.model.layers[0].self_attn.qkv_proj, NativeA8Linear)
+    runner = make_runner(old)
+    old = runner.step([(runner.new_seq(len(PROMPT)), PROMPT)])[0]
+    diff, old_diff = (ours.double() - want).abs().max().item(), (old.double() - want).abs().max().item()
+    assert diff < old_diff / 4, f"max |logit diff| from transformers (float64): {diff:.3f}, requantised {old_diff:.3f}"
+
+
+def test_w4a8_says_why_a_file_keeps_its_old_requantising_path(tmp_path: Path, caplog) -> None:
+    path = tmp_path / "mixed.gguf"
+    write_mixed_gguf(path, arch="qwen2")  # its second layer holds IQ4_XS, Q2_K and Q5_1
+    reader = open_gguf(path)
+    assert a8_ready(file_types(reader), reader) == "no int8-activation format holds IQ4_XS, Q2_K, Q5_1"
+    with caplog.at_level("WARNING"):
+        model = load_model(str(path), "float32", "cpu", quantization="w4a8").model
+    assert "requantises" in caplog.text and "IQ4_XS" in caplog.text
+    assert not isinstance(model.model.layers[0].self_attn.qkv_proj, NativeA8Linear)
