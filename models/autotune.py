@@ -32,6 +32,7 @@ from models.attention import SeqSpec, build_attention_metadata
 from models.config import ModelConfig
 from models.fused import fused_part_sizes
 from models.gguf_loader import FOUR_BIT_TYPES
+from models.gguf_linear import A8_TYPE_FORMATS
 from models.gguf_native import KINDS, PROJECTIONS, FileTypes, random_projection
 from models.quant import prepare_projections
 from models.registry import model_class
@@ -58,7 +59,9 @@ CACHE_FILE = "paths.json"
 # 7: w4a16 on a GGUF file is timed on the file's own types, its 4-bit tensors as 4-bit codes.
 # 8: a GGUF file's codes of up to 7 bits run folded (scales after each block's tile product).
 # 9: folding is opt-in (KVSERVE_GGUF_FOLD=1, in the file types' key); scaled operands again by default.
-PATHS_VERSION = 9
+# 10: w4a8 on a GGUF file keeps each tensor at its type (gguf_native.a8_projection), a candidate
+#     for any file whose types its formats hold.
+PATHS_VERSION = 10
 
 
 @dataclass(frozen=True)
@@ -83,29 +86,36 @@ class Timing:
     full_batch_ms: float  # a decode step of FULL_BATCH_SEQS sequences
 
 
-def candidates(dtype: str, quantization: str, four_bit: bool, native: bool = False) -> list[RunPath]:
+def candidates(dtype: str, quantization: str, four_bit: bool, native: bool = False,
+               native_a8: bool = False) -> list[RunPath]:
     """The paths this CPU can run, within what the settings leave open.
 
     ``four_bit``: the checkpoint's projections are 4-bit (their codes can be
     kept); ``native``: a GGUF file whose projections ``w4a16`` keeps at their own
-    types (``models.gguf_native``); otherwise only ``none`` is a quantization to consider.
+    types (``models.gguf_native``), ``native_a8``: one whose types ``w4a8`` keeps;
+    otherwise only ``none`` is a quantization to consider.
     """
     dtypes = [dtype] if dtype != "auto" else ["float32"] + (["bfloat16"] if cpu_has_native_bf16() else [])
+    int8_dots = ops.kernels_enabled(torch.device("cpu")) and ops.has_int8_dots()
     if quantization != "auto":
         quants = [quantization]
     elif four_bit:
-        quants = (["w4a8"] if ops.kernels_enabled(torch.device("cpu")) and ops.has_int8_dots() else [])
-        quants += ["int4", "none"]
+        quants = (["w4a8"] if int8_dots else []) + ["int4", "none"]
+    elif native_a8 and int8_dots:
+        quants = ["w4a8", "none"]
     else:
         quants = ["none"]
     paths = [RunPath(d, q) for d in dtypes for q in quants]
+    if native_a8 and not four_bit and quantization == "auto":
+        # a file's own codes on w4a8 take float32 x either way, and have no AMX-INT8 kernel
+        paths = [p for p in paths if p != RunPath("bfloat16", "w4a8")]
     mode = ops.amx_mode()
     if mode == "force" and not ops.amx_usable():
         logger.warning("KVSERVE_AMX=force: AMX-INT8 is not usable here (no AMX, or the self-check "
                        "failed: see python -m models.ops), so w4a8 runs on VNNI")
     elif mode == "force":
         paths = [RunPath(p.dtype, p.quantization, amx=p.quantization == "w4a8") for p in paths]
-    elif ops.amx_usable() and len(paths) > 1:
+    elif ops.amx_usable() and len(paths) > 1 and (four_bit or quantization != "auto"):
         paths += [RunPath(p.dtype, p.quantization, amx=True) for p in paths if p.quantization == "w4a8"]
     if mode == "auto" and quantization == "auto" and (four_bit or native) and "float32" in dtypes \
             and ops.amx_bf16_usable():
@@ -138,7 +148,10 @@ def choose(config: ModelConfig, dtype: str, quantization: str, four_bit: bool,
     (for a choice made while the machine was busy). ``types``: a GGUF file's
     projection types, which ``w4a16`` keeps (its probe is made of them).
     """
-    options = candidates(dtype, quantization, four_bit, native=types is not None)
+    # (w4a8 keeps a file's types where their formats hold them and every weight is whole 16-row tiles)
+    rows = (*fused_part_sizes("qkv_proj", config), config.hidden_size, config.intermediate_size, config.vocab_size)
+    native_a8 = types is not None and types.a8() and all(n % 16 == 0 for n in rows)
+    options = candidates(dtype, quantization, four_bit, native=types is not None, native_a8=native_a8)
     if len(options) == 1:
         return options[0]
     cache_dir = cache_dir if cache_dir is not None else ops.cache_directory()
@@ -287,27 +300,29 @@ def _probe_model(config: ModelConfig, path: RunPath, types: FileTypes | None = N
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.init_rope(DECODE_CONTEXT + PROMPT_TOKENS + 1)
-    if path.quantization == "w4a16" and types is not None:
-        _native_projections(model, config, types)
+    if path.quantization in ("w4a16", "w4a8") and types is not None and (path.quantization == "w4a16" or types.a8()):
+        _native_projections(model, config, types, a8=path.quantization == "w4a8")
     else:
         prepare_projections(model, path.quantization)
     return model.eval()
 
 
-def _native_projections(model: torch.nn.Module, config: ModelConfig, types: FileTypes) -> None:
-    """The probe's projections and head as ``w4a16`` loads the file's: random blocks of its
-    types, the layers' taken from layers spread over the file."""
+def _native_projections(model: torch.nn.Module, config: ModelConfig, types: FileTypes, a8: bool = False) -> None:
+    """The probe's projections and head as ``w4a16`` (``a8``: ``w4a8``) loads the file's: random
+    blocks of its types, the layers' taken from layers spread over the file."""
     for i, (layer, layer_types) in enumerate(zip(model.model.layers, types.sample(len(model.model.layers)))):
         by_kind = dict(zip(KINDS, layer_types))
         for (block, name), kinds in PROJECTIONS.items():
             old = getattr(getattr(layer, block), name)
             shapes = [(rows, old.in_features) for rows in fused_part_sizes(name, config)]
             proj = random_projection(kinds, tuple(by_kind[k] for k in kinds), shapes, seed=i,
-                                     bias=old.bias is not None)
+                                     bias=old.bias is not None, a8=a8)
             if old.bias is not None:
                 proj.bias.copy_(old.bias.detach().float())
             setattr(getattr(layer, block), name, proj)
-    model.lm_head = random_projection(("output",), (types.head,), [(config.vocab_size, config.hidden_size)], seed=99)
+    head = types.head if not a8 or types.head in A8_TYPE_FORMATS else "Q8_0"  # (w4a8's head of a float one: int8)
+    model.lm_head = random_projection(("output",), (head,), [(config.vocab_size, config.hidden_size)], seed=99,
+                                      a8=a8)
 
 
 def _scaled(step_ms: float, head_ms: float, probe_layers: int, num_layers: int) -> float:

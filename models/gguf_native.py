@@ -57,6 +57,10 @@ class FileTypes:
         count = len(self.layers)
         return [self.layers[(2 * i + 1) * count // (2 * n)] for i in range(n)]
 
+    def a8(self) -> bool:
+        """Whether an int8-activation format holds every projection's type (``A8_TYPE_FORMATS``)."""
+        return {t for layer in self.layers for t in layer} <= set(A8_TYPE_FORMATS)
+
     def key(self) -> str:
         """A short summary for the path choice's cache key: each type's share of the tensors."""
         counts: dict[str, int] = {}
@@ -83,8 +87,8 @@ def a8_ready(types: FileTypes | None, reader: GGUFFile) -> str | None:
     every projection of a type ``A8_TYPE_FORMATS`` holds and in whole 16-row tiles."""
     if types is None:
         return "its projections are not all of quantised types kvserve splits"
-    other = sorted({t for layer in types.layers for t in layer} - set(A8_TYPE_FORMATS))
-    if other:
+    if not types.a8():
+        other = sorted({t for layer in types.layers for t in layer} - set(A8_TYPE_FORMATS))
         return f"no int8-activation format holds {', '.join(other)}"
     projections = [t for t in reader.tensors if t.name.startswith("blk.") and t.name.split(".")[2] in KINDS
                    and t.name.endswith(".weight")]
@@ -94,13 +98,13 @@ def a8_ready(types: FileTypes | None, reader: GGUFFile) -> str | None:
 
 
 def random_projection(kinds: tuple[str, ...], types: tuple[str, ...], shapes: list[tuple[int, int]],
-                      seed: int, bias: bool = False) -> NativeLinear:
-    """A ``NativeLinear`` of random blocks of ``types`` (one per part, ``shapes`` ``(N, K)``),
-    as the path choice's probes time them."""
+                      seed: int, bias: bool = False, a8: bool = False) -> NativeLinear:
+    """A ``NativeLinear`` (``a8``: ``NativeA8Linear``) of random blocks of ``types`` (one per
+    part, ``shapes`` ``(N, K)``), as the path choice's probes time them."""
     tensors = [GGUFTensor(kind, int(GGMLQuantizationType[t]), (k, n), random_blocks(t, (n, k), seed + i,
                                                                                     one_scale=True))
                for i, (kind, t, (n, k)) in enumerate(zip(kinds, types, shapes))]
-    return projection(None, tensors, [None] * len(tensors), bias)
+    return (a8_projection if a8 else projection)(None, tensors, [None] * len(tensors), bias)
 
 
 def type_name(tensor: GGUFTensor) -> str:

@@ -59,6 +59,16 @@ def test_w4a16_is_a_candidate_only_where_amx_bf16_runs(monkeypatch: pytest.Monke
     assert all(p.quantization != "w4a16" for p in autotune.candidates("float32", "auto", True))
 
 
+def test_w4a8_keeping_a_files_types_is_a_float32_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSERVE_AMX", "auto")
+    monkeypatch.setattr(autotune.ops, "amx_bf16_usable", lambda: False)  # (an AMX CPU adds w4a16)
+    # A Q4_K_M file: not "4-bit" (its Q6_K tensors), but every type has an int8-activation format.
+    assert autotune.candidates("auto", "auto", False, native=True, native_a8=True) == [
+        RunPath("float32", "w4a8"), RunPath("float32", "none")] + (
+        [RunPath("bfloat16", "none")] if autotune.cpu_has_native_bf16() else [])
+    assert autotune.candidates("float32", "auto", False, native=True) == [RunPath("float32", "none")]
+
+
 def test_without_the_kernels_w4a8_is_no_candidate() -> None:
     ops.set_kernels_enabled(False)
     try:
