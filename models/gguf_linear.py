@@ -315,8 +315,8 @@ class NativeA8Linear(NativeLinear):
         raise ValueError("NativeA8Linear is made from a file's blocks (models.gguf_native.projection)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ops.gguf_a8_linear(x.float(), self._parts, self.formats, self.out_features).to(x.dtype)
-        return y if self.bias is None else y + self.bias
+        y = ops.gguf_a8_linear(x.float(), self._parts, self.formats, self.out_features)
+        return (y if self.bias is None else y + self.bias).to(x.dtype)  # (the bias float32, as y)
 
 
 class QuantizedEmbedding(nn.Module):

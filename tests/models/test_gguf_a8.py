@@ -157,6 +157,15 @@ def test_w4a8_keeps_each_tensor_at_its_type(a8_file, make_runner, monkeypatch: p
     assert diff < old_diff / 4, f"max |logit diff| from transformers (float64): {diff:.3f}, requantised {old_diff:.3f}"
 
 
+def test_w4a8_with_bfloat16_activations_runs_op_by_op(a8_file, make_runner) -> None:
+    path, _ = a8_file
+    model = load_model(str(path), "bfloat16", "cpu", quantization="w4a8").model
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, NativeA8Linear)
+    runner = make_runner(model)
+    logits = runner.step([(runner.new_seq(len(PROMPT)), PROMPT)])[0]
+    assert model.model.norm.weight.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+
+
 def test_w4a8_says_why_a_file_keeps_its_old_requantising_path(tmp_path: Path, caplog) -> None:
     path = tmp_path / "mixed.gguf"
     write_mixed_gguf(path, arch="qwen2")  # its second layer holds IQ4_XS, Q2_K and Q5_1
