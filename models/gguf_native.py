@@ -148,7 +148,7 @@ def _raw(tensor: GGUFTensor) -> torch.Tensor:
 
 def empty_a8_format(fmt: int, tiles: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Uninitialised codes and scales of ``ops.gguf_a8_linear``'s format ``fmt``."""
-    codes = torch.empty(tiles, groups, 4 if fmt in (A8_G4, A8_K4) else 8, 64, dtype=torch.uint8)
+    codes = torch.empty(tiles, groups, {A8_G4: 4, A8_K4: 4, A8_S16: 6}.get(fmt, 8), 64, dtype=torch.uint8)
     if fmt in (A8_K4, A8_K8, A8_S16):
         return codes, torch.empty(tiles, groups // 8, 80 if fmt == A8_S16 else 96)
     return codes, torch.empty(tiles, groups, 2, 16)

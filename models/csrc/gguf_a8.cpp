@@ -11,11 +11,14 @@
 //           D[16], M[16] (= -dmin) then int8 sc[8][16] and mn[8][16]. A group's d = D sc and
 //           m = M mn are llama.cpp's float products, made in the kernel: 0.19 bytes of scales
 //           per 32 weights where float32 d and m take 8.
-//   S16:    Q6_K's and Q3_K's codes u = q + 128 as bytes, a scale per 16 inputs D sc: a record
-//           of 80 floats per tile and 256 inputs, D[16] then int8 sc[8][2][16].
+//   S16:    Q6_K's and Q3_K's codes u = q + 32 in 6 bits, a scale per 16 inputs D sc: per group
+//           G4's layout of their low 4 bits, then 2 x 64 bytes of their high 2 (byte b of lane i
+//           of the v-th holds, at bits 2t, those of byte b of lane i of code vector 4v + t, as
+//           load_codes<8> gives them); a record of 80 floats per tile and 256 inputs, D[16] then
+//           int8 sc[8][2][16]. 6.75 bits a weight, against Q6_K's 6.56.
 // Per group, with the dots s_h = sum(u qx) of each half h and qs_h = sum(qx) (grouped_rows.h):
 //   K:   y += d * (dx_1 (s_1 - c qs_1) + dx_0 (s_0 - c qs_0)) + (c d + m) * sum(x)   (c: 8, 16)
-//   S16: y += d_0 * (dx_0 (s_0 - 128 qs_0)) + d_1 * (dx_1 (s_1 - 128 qs_1))
+//   S16: y += d_0 * (dx_0 (s_0 - 32 qs_0)) + d_1 * (dx_1 (s_1 - 32 qs_1))
 // s_h - c qs_h = sum((u - c) qx) is an integer below 2^24, exact in float; so the rounding of
 // x meets the centred codes, as in grouped_gemm.cpp. A row's result does not depend on the
 // rows beside it, and the plain C++ gives the vector code's bits (the same operations in order).
@@ -43,7 +46,30 @@ constexpr int64_t record_floats(int64_t format) { return format == kA8S16 ? 80 :
 
 template <bool kSym, int kBits>
 constexpr float centre() {
-  return kSym ? 128.0f : (kBits == 4 ? 8.0f : 16.0f);
+  return kSym ? 32.0f : (kBits == 4 ? 8.0f : 16.0f);
+}
+
+// Code u of row i (in its tile), input k (in its group), of a group of 6-bit codes.
+inline int code_at6(const uint8_t* group, int i, int k) {
+  const int j = k < 16 ? k / 4 : 4 + (k - 16) / 4;
+  const int high = (group[256 + (j / 4) * 64 + i * 4 + k % 4] >> (2 * (j % 4))) & 3;
+  return code_at<4>(group, i, k) | (high << 4);
+}
+
+// A group's codes as bytes (load_codes<8>'s w[8]); 6 bits: the low plane as 4-bit codes,
+// then each vector's high bits added in (they do not overlap, so the add is an or).
+template <int kBits>
+KVSERVE_ALWAYS_INLINE void load_group(const uint8_t* group, V16i* w) {
+  if constexpr (kBits == 6) {
+    load_codes<4>(group, w);
+    const V16i two = v16i_set1(0x03030303);
+    for (int v = 0; v < 2; ++v) {
+      const V16i high = v16i_load(group + 256 + v * 64);
+      for (int t = 0; t < 4; ++t) w[4 * v + t] = v16i_add(w[4 * v + t], v16i_slli32(v16i_srli32(high, 2 * t) & two, 4));
+    }
+  } else {
+    load_codes<kBits>(group, w);
+  }
 }
 
 #if defined(KVSERVE_V16_INT8)
@@ -67,7 +93,7 @@ KVSERVE_ALWAYS_INLINE void tile_rows_k(float* y, int64_t ys, const QuantizedRows
       sub = reinterpret_cast<const int8_t*>(rec + (kSym ? 16 : 32));
     }
     V16i w[8];
-    load_codes<kBits>(codes + g * kGroupBytes, w);
+    load_group<kBits>(codes + g * kGroupBytes, w);
     V16 d0, d1, off;
     if constexpr (kSym) {
       d0 = big_d * v16_load_int8(sub + 32 * j);
@@ -84,7 +110,7 @@ KVSERVE_ALWAYS_INLINE void tile_rows_k(float* y, int64_t ys, const QuantizedRows
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       V16i s0, s1;
-      group_dots<kBits, (R >= kVnniRows)>(s0, s1, w, qx + r * kGroup);
+      group_dots<(kBits == 4 ? 4 : 8), (R >= kVnniRows)>(s0, s1, w, qx + r * kGroup);  // (6 bits: as bytes)
       const V16 c0 = v16_from_int(s0) - v16_set1(kCentre * static_cast<float>(qs[2 * r]));
       const V16 c1 = v16_from_int(s1) - v16_set1(kCentre * static_cast<float>(qs[2 * r + 1]));
       if constexpr (kSym) {
@@ -119,7 +145,8 @@ void tile_rows_k_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, 
         for (int h = 0; h < 2; ++h) {
           int32_t dot = 0;
           for (int k = 16 * h; k < 16 * h + 16; ++k)
-            dot += code_at<kBits>(codes + g * kGroupBytes, i, k) * xq.q[gr * kGroup + k];
+            dot += (kBits == 6 ? code_at6(codes + g * kGroupBytes, i, k) : code_at<kBits>(codes + g * kGroupBytes, i, k)) *
+                   xq.q[gr * kGroup + k];
           c[h] = static_cast<float>(dot) - kCentre * static_cast<float>(xq.qs[2 * gr + h]);
         }
         if constexpr (kSym) {
@@ -194,8 +221,8 @@ void gguf_a8_linear(at::Tensor& out, const at::Tensor& x, const std::vector<at::
       grouped_linear(y, x, codes, scales, true, plain);
     } else {
       TORCH_CHECK(k % (kGroup * kSuper) == 0, "K must be whole super-blocks of 256");
-      TORCH_CHECK(codes.size(2) == (format == kA8K4 ? 4 : 8) && codes.size(3) == 64, "segment ", i,
-                  ": codes of the wrong width");
+      TORCH_CHECK(codes.size(2) == (format == kA8K4 ? 4 : format == kA8K8 ? 8 : 6) && codes.size(3) == 64,
+                  "segment ", i, ": codes of the wrong width");
       TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
                       scales.numel() == codes.size(0) * (groups / kSuper) * record_floats(format),
                   "segment ", i, ": scales must be float32 [tiles, K/256, ", record_floats(format), "]");
@@ -205,7 +232,7 @@ void gguf_a8_linear(at::Tensor& out, const at::Tensor& x, const std::vector<at::
       }
       if (format == kA8K4) run_k<4, false>(y, xq, codes, scales, groups, plain);
       else if (format == kA8K8) run_k<8, false>(y, xq, codes, scales, groups, plain);
-      else run_k<8, true>(y, xq, codes, scales, groups, plain);
+      else run_k<6, true>(y, xq, codes, scales, groups, plain);
     }
     start += rows;
   }

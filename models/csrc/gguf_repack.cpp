@@ -295,7 +295,7 @@ struct TileRows {
 
 // Whether gguf_a8_linear's `format` holds `type`'s values exactly, and its code bytes u = q + shift.
 bool a8_fits(int64_t type, int64_t format, int& shift) {
-  shift = format == kA8G8 || format == kA8S16 ? 128 : 0;
+  shift = format == kA8G8 ? 128 : format == kA8S16 ? 32 : 0;
   switch (format) {
     case kA8G4: return type == kQ4_0 || type == kQ4_1;
     case kA8G8: return type == kQ8_0 || type == kQ5_0 || type == kIQ4_NL;  // (m = 0: m - 128 d exact)
@@ -461,8 +461,9 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
   const int64_t block_bytes = in.block_bytes, per_block = in.per_block, k = in.k, groups = k / 32, tiles = in.tiles;
   int shift;
   TORCH_CHECK(a8_fits(type, format, shift), "GGUF type ", type, " has no int8-activation format ", format);
-  const bool nibbles = format == kA8G4 || format == kA8K4, compact = format >= kA8K4, sym = format == kA8S16;
-  const int64_t code_bytes = nibbles ? 256 : 512, record = sym ? 80 : 96;
+  const bool compact = format >= kA8K4, sym = format == kA8S16;
+  const bool nibbles = format == kA8G4 || format == kA8K4 || sym;  // (S16: the low plane, then the high bits)
+  const int64_t code_bytes = format == kA8S16 ? 384 : nibbles ? 256 : 512, record = sym ? 80 : 96;
   const int64_t scale_floats = compact ? tiles * (groups / 8) * record : tiles * groups * 32;
   TORCH_CHECK(codes.is_contiguous() && codes.numel() == tiles * groups * code_bytes && codes.element_size() == 1,
               "codes must hold ", tiles * groups * code_bytes, " bytes");
@@ -484,8 +485,21 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
         for (int j = 0; j < (nibbles ? 4 : 8); ++j)
           for (int o = 0; o < 16; ++o)
             for (int b = 0; b < 4; ++b)
-              c[j * 64 + o * 4 + b] = nibbles ? static_cast<uint8_t>(u(o, 4 * j + b) | (u(o, 16 + 4 * j + b) << 4))
+              c[j * 64 + o * 4 + b] = nibbles ? static_cast<uint8_t>((u(o, 4 * j + b) & 0xF) |
+                                                                     ((u(o, 16 + 4 * j + b) & 0xF) << 4))
                                               : u(o, 4 * j + b);
+        if (sym) {  // the high 2 bits: byte b of lane o of the v-th vector, bits 2t, of code vector 4v + t
+          for (int v = 0; v < 2; ++v)
+            for (int o = 0; o < 16; ++o)
+              for (int b = 0; b < 4; ++b) {
+                int high = 0;
+                for (int t = 0; t < 4; ++t) {
+                  const int j = 4 * v + t, in = j < 4 ? 4 * j + b : 16 + 4 * (j - 4) + b;
+                  high |= (u(o, in) >> 4) << (2 * t);
+                }
+                c[256 + v * 64 + o * 4 + b] = static_cast<uint8_t>(high);
+              }
+        }
         if (compact) continue;
         float* s = sp + (tile * groups + g) * 32;
         for (int o = 0; o < 16; ++o) {
