@@ -23,7 +23,7 @@ from models import autotune, catalog, gguf_native, ops
 from models.config import ModelConfig
 from models.gguf_loader import config_from_gguf, iter_gguf_weights, open_gguf, projection_type
 from models.memory import available_memory, peak_rss_gb
-from models.moe_loader import build_native_moe, iter_gguf_moe_weights, native_splittable
+from models.moe_loader import a8_ready_moe, build_native_moe, iter_gguf_moe_weights, native_splittable
 from models.parallel import TensorParallel, check_split, shard_model
 from models.quant import prepare_projections
 from models.registry import model_class
@@ -86,7 +86,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def resolve_path(dtype: str, quantization: str, config: ModelConfig, gguf_type: str | None,
                  device: torch.device, types: gguf_native.FileTypes | None = None,
-                 moe_native: bool = False) -> tuple[torch.dtype, str]:
+                 moe_native: bool = False, moe_a8: bool = False) -> tuple[torch.dtype, str]:
     """The activation dtype and quantization to run with.
 
     A setting other than ``auto`` is kept. On a CPU the open ones are measured
@@ -95,9 +95,9 @@ def resolve_path(dtype: str, quantization: str, config: ModelConfig, gguf_type: 
     (``gguf_type``) w4a8, int4 or dense weights, and where the CPU has AMX-BF16 w4a16,
     which keeps a GGUF file's own codes at their types (``types``: the file's, when
     ``gguf_native`` can keep them). A mixture of experts' GGUF whose experts ``w4a16``
-    keeps (``moe_native``) runs ``w4a16`` where the CPU has AMX-BF16: the path choice's
-    probes are dense layers, and any other path makes every expert float first (a 7B
-    MoE's 28 GB). On CUDA ``auto`` means bfloat16 (float16 without bf16 support) and
+    keeps (``moe_native``) runs ``w4a16`` where the CPU has AMX-BF16, else ``w4a8`` where
+    that keeps them (``moe_a8``): the path choice's probes are dense layers, and any other
+    path makes every expert float first (a 7B MoE's 28 GB). On CUDA ``auto`` means bfloat16 (float16 without bf16 support) and
     no quantization.
     """
     if dtype != "auto" and dtype not in _DTYPES:
@@ -116,6 +116,9 @@ def resolve_path(dtype: str, quantization: str, config: ModelConfig, gguf_type: 
     if moe_native and quantization == "auto" and dtype in ("auto", "float32") and ops.amx_bf16_usable():
         logger.info("a mixture of experts on a CPU with AMX-BF16: w4a16 keeps its experts' own codes")
         return torch.float32, "w4a16"
+    if moe_a8 and quantization == "auto" and dtype in ("auto", "float32") and ops.has_int8_dots():
+        logger.info("a mixture of experts on a CPU without AMX-BF16: w4a8 keeps its experts' own codes")
+        return torch.float32, "w4a8"
     chosen = autotune.choose(config, dtype, quantization, four_bit=autotune.four_bit(gguf_type), types=types)
     ops.set_amx_enabled(chosen.amx)
     return _DTYPES[chosen.dtype], chosen.quantization
@@ -191,23 +194,23 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
             gguf_type = projection_type(reader)
     types = gguf_native.file_types(reader) if reader is not None and dev.type == "cpu" else None
     moe_native = config.moe is not None and reader is not None and dev.type == "cpu" and native_splittable(reader)
-    torch_dtype, quantization = resolve_path(dtype, quantization, config, gguf_type, dev, types, moe_native)
+    moe_a8 = config.moe is not None and reader is not None and dev.type == "cpu" and a8_ready_moe(reader) is None
+    torch_dtype, quantization = resolve_path(dtype, quantization, config, gguf_type, dev, types, moe_native, moe_a8)
     with _file_named(path):  # a damaged or unsupported tensor: say which file it is in
         if tp is not None:
             check_split(config, tp.world_size, quantized=quantization != "none")
         whole = tp is None or tp.world_size == 1
         native = quantization == "w4a16" and whole and (
             types is not None if config.moe is None else moe_native)  # (an MoE file's experts: models.moe_loader)
-        a8 = quantization == "w4a8" and whole and reader is not None and config.moe is None and dev.type == "cpu"
-        if a8 and (why := gguf_native.a8_ready(types, reader)) is not None:
+        a8 = quantization == "w4a8" and whole and reader is not None and dev.type == "cpu"
+        if a8 and (why := a8_ready_moe(reader) if config.moe else gguf_native.a8_ready(types, reader)) is not None:
             logger.warning("w4a8 requantises %s's projections to 4 bits: %s", path.name, why)
             a8 = False
         logger.info("loading %s (%s, %d layers) as %s, quantization %s%s, on %s", path.name,
                     config.architecture, config.num_hidden_layers, str(torch_dtype).removeprefix("torch."),
                     quantization, _path_note(quantization, native, a8), dev)
         if native or a8:
-            model = (build_native_moe(reader, config, torch_dtype) if config.moe
-                     else gguf_native.build_model(reader, config, torch_dtype, a8=a8))
+            model = (build_native_moe if config.moe else gguf_native.build_model)(reader, config, torch_dtype, a8=a8)
             model.init_rope(max_positions or config.max_position_embeddings)
             model.eval()
             logger.info("loaded in %.1fs, peak RSS %.2f GB (%s)", time.perf_counter() - t0, peak_rss_gb(),

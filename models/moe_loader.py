@@ -25,7 +25,9 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.gguf_loader import PERMUTED_ARCHITECTURES, dequantize, iter_gguf_weights
-from models.gguf_native import embedding_from, head_projection, materialize, projection, rotary_order, type_name
+from models.gguf_linear import A8_TYPE_FORMATS
+from models.gguf_native import (a8_projection, embedding_from, head_projection, materialize, projection, rotary_order,
+                                type_name)
 from models.gguf_quants import SPLIT_TYPES
 from models.gguf_reader import GGUFFile, GGUFTensor
 from models.moe import MoEForCausalLM, SparseMoeBlock
@@ -93,6 +95,19 @@ def native_splittable(reader: GGUFFile) -> bool:
     return bool(kept) and all(type_name(t) in SPLIT_TYPES for t in kept)
 
 
+def a8_ready_moe(reader: GGUFFile) -> str | None:
+    """``gguf_native.a8_ready`` for an MoE file: why ``w4a8`` cannot keep its projections'
+    codes, its experts' included, or None where it can."""
+    kept = [t for t in reader.tensors if t.name.startswith("blk.") and t.name.split(".")[2] in _NATIVE_KINDS
+            and t.name.endswith(".weight")]
+    other = sorted({type_name(t) for t in kept} - set(A8_TYPE_FORMATS))
+    if not kept or other:
+        return f"no int8-activation format holds {', '.join(other) or 'its projections'}"
+    if any(int(t.shape[1]) % 16 for t in kept):
+        return "a projection's rows are not whole 16-row tiles"
+    return None
+
+
 def _expert(stacked: GGUFTensor, e: int) -> GGUFTensor:
     """Expert ``e``'s matrix of a stacked ``[n_expert, rows, row bytes]`` tensor: its own blocks."""
     data = stacked.data[e]
@@ -100,8 +115,10 @@ def _expert(stacked: GGUFTensor, e: int) -> GGUFTensor:
                       stacked.offset + e * data.nbytes)
 
 
-def build_native_moe(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> MoEForCausalLM:
-    """The MoE model of ``config`` on the CPU, every projection a ``NativeLinear`` of the file's codes."""
+def build_native_moe(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, a8: bool = False) -> MoEForCausalLM:
+    """The MoE model of ``config`` on the CPU, every projection a ``NativeLinear`` of the file's codes
+    (``a8``: a ``NativeA8Linear``, the int8-activation GEMMs; ``a8_ready_moe`` checks first)."""
+    make = a8_projection if a8 else projection
     tensors = {t.name: t for t in reader.tensors}
     permuted = config.architecture in PERMUTED_ARCHITECTURES
     used: set[str] = set()
@@ -116,7 +133,7 @@ def build_native_moe(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype) 
     def native(module: nn.Module, proj: str, parts: list[GGUFTensor], orders: list | None = None,
                owner: GGUFFile | None = reader) -> None:
         bias = getattr(module, proj).bias is not None
-        setattr(module, proj, projection(owner, parts, orders or [None] * len(parts), bias))
+        setattr(module, proj, make(owner, parts, orders or [None] * len(parts), bias))
 
     with torch.device("meta"):
         model = model_class(config)(config)
@@ -140,7 +157,7 @@ def build_native_moe(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype) 
             native(mlp.shared_expert, "gate_up_proj", [get(i, "ffn_gate_shexp"), get(i, "ffn_up_shexp")])
             native(mlp.shared_expert, "down_proj", [get(i, "ffn_down_shexp")])
     embed = tensors["token_embd.weight"]
-    model.lm_head = head_projection(reader, tensors.get("output.weight", embed))
+    model.lm_head = head_projection(reader, tensors.get("output.weight", embed), a8)
     model.model.embed_tokens = embedding_from(embed, dtype)
     materialize(model, dtype)
     # (the head is codes or w8a16 codes; the embedding floats only where its type is not split)

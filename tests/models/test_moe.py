@@ -217,6 +217,22 @@ def test_moe_gguf_runs_its_own_codes_on_w4a16(tiny_prompt, make_runner, tmp_path
     assert torch.equal(chunked_beside_another(make_runner(model, seed=1), tiny_prompt), whole)
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2moe"])
+def test_moe_gguf_runs_its_own_codes_on_w4a8(tiny_prompt, make_runner, tmp_path, arch):
+    # Every projection Q8_0, the experts' too: each a NativeA8Linear of the file's blocks.
+    from models.gguf_linear import NativeA8Linear
+
+    reference = tiny_moe(arch)
+    path = write_moe_gguf(tmp_path / f"{arch}.gguf", reference, arch, "Q8_0", every_projection=True)
+    model = load_model(str(path), dtype="float32", device="cpu", quantization="w4a8").model
+    assert isinstance(model.model.layers[0].mlp.experts[7].down_proj, NativeA8Linear)
+    whole = prefill(make_runner(model), tiny_prompt)
+
+    # (inputs rounded to int8 per 16 at every projection: near transformers, not equal)
+    assert max_diff(whole, reference_logits(reference, tiny_prompt)) < 0.1
+    assert torch.equal(chunked_beside_another(make_runner(model, seed=1), tiny_prompt), whole)
+
+
 @pytest.mark.parametrize("arch, expert_type", [("mixtral", None), ("qwen2moe", None), ("qwen3moe", None),
                                                ("olmoe", None), ("granitemoe", None), ("qwen2moe", "Q8_0")])
 def test_moe_gguf_matches_transformers(tiny_prompt, make_runner, tmp_path, arch, expert_type):
