@@ -194,7 +194,7 @@ def test_resolve_path_keeps_forced_settings_and_measures_open_ones(
         resolve_path("float8", "none", TINY, None, cpu)
 
 
-def test_an_moe_file_keeps_its_experts_codes_where_the_cpu_has_amx_bf16(
+def test_an_moe_file_keeps_its_experts_codes_on_w4a8_or_w4a16(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # The path probes are dense layers, and every other path makes each expert float first.
     monkeypatch.setattr(autotune.ops, "cache_directory", lambda: tmp_path)
@@ -203,6 +203,11 @@ def test_an_moe_file_keeps_its_experts_codes_where_the_cpu_has_amx_bf16(
         monkeypatch.setattr(ops, "amx_bf16_usable", lambda amx=amx: amx)
         got = resolve_path("float32", "auto", TINY, None, cpu, moe_native=True)
         assert got == (torch.float32, "w4a16" if amx else "none")
+    # w4a8 where its formats hold every projection's type, on any CPU with integer dots.
+    for amx in (True, False):
+        monkeypatch.setattr(ops, "amx_bf16_usable", lambda amx=amx: amx)
+        got = resolve_path("float32", "auto", TINY, None, cpu, moe_native=True, moe_a8=True)
+        assert got == (torch.float32, "w4a8")
     # A setting given is kept, and a file whose experts w4a16 cannot keep is measured as before.
     monkeypatch.setattr(ops, "amx_bf16_usable", lambda: True)
     assert resolve_path("float32", "none", TINY, None, cpu, moe_native=True) == (torch.float32, "none")
