@@ -98,10 +98,12 @@ def build_attention_metadata(seqs: list[SeqSpec], block_size: int,
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's queries over its cached context (with
     ``window`` > 0, over the last ``window`` positions up to each query's own; with
-    ``softcap`` > 0, each score soft-capped to ``softcap * tanh(score / softcap)``).
+    ``softcap`` > 0, each score soft-capped to ``softcap * tanh(score / softcap)``; with
+    ``sinks``, float32 ``[heads]``, a sink logit in each head's softmax: gpt-oss).
 
     ``q`` is ``[T, heads, head_dim]``; ``k``/``v`` are this step's new keys and
     values ``[T, kv_heads, head_dim]`` (already written to the caches).
@@ -110,11 +112,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     d = meta.num_decodes
     if d == meta.num_seqs:
         return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                max(meta.context_lens_host), scale, window, softcap)
+                                max(meta.context_lens_host), scale, window, softcap, sinks)
     out = q.new_empty(q.shape)
     if d:
         out[:d] = decode_attention(q[:d], k_cache, v_cache, meta.block_tables[:d],
-                                   meta.context_lens[:d], max(meta.context_lens_host[:d]), scale, window, softcap)
+                                   meta.context_lens[:d], max(meta.context_lens_host[:d]), scale, window, softcap,
+                                   sinks)
     out[d:] = prefill_attention(q[d:], k[d:], v[d:], k_cache, v_cache, meta.block_tables[d:],
-                                meta.query_lens_host[d:], meta.context_lens_host[d:], scale, window, softcap)
+                                meta.query_lens_host[d:], meta.context_lens_host[d:], scale, window, softcap,
+                                sinks)
     return out

@@ -206,15 +206,15 @@ A8_G4, A8_G8, A8_K4, A8_K8, A8_S16 = range(5)
 A8_FORMATS = {A8_G4: "4-bit, d and m per 32", A8_G8: "8-bit, d per 32", A8_K4: "4-bit, Q4_K's scales",
               A8_K8: "8-bit, Q5_K's scales", A8_S16: "6-bit, a scale per 16"}
 A8_TYPE_FORMATS = {"Q4_0": A8_G4, "Q4_1": A8_G4, "Q8_0": A8_G8, "Q5_0": A8_G8, "IQ4_NL": A8_G8,
-                   "Q4_K": A8_K4, "Q5_K": A8_K8, "Q6_K": A8_S16, "Q3_K": A8_S16}
+                   "MXFP4": A8_G8, "Q4_K": A8_K4, "Q5_K": A8_K8, "Q6_K": A8_S16, "Q3_K": A8_S16}
 
 
 # Each GGUF type's format, scaled and folded (the one ``amx_format`` gives its codes, before the
 # exactness check; F4K only from a file's blocks).
 SCALED_FORMATS = {"Q4_0": W4, "Q4_1": W4, "Q4_K": W4, "Q8_0": W8, "Q5_0": W8, "IQ4_NL": W8, "IQ4_XS": W8,
-                  "Q5_1": W8_AFFINE, "Q5_K": W8_AFFINE, "Q6_K": W8_G16, "Q3_K": W8_G16, "Q2_K": W8_AFFINE_G16}
+                  "MXFP4": W8, "Q5_1": W8_AFFINE, "Q5_K": W8_AFFINE, "Q6_K": W8_G16, "Q3_K": W8_G16, "Q2_K": W8_AFFINE_G16}
 FOLDED_FORMATS = {"Q4_0": F4, "Q4_1": F4, "Q4_K": F4K, "Q8_0": W8, "Q5_0": F8, "IQ4_NL": W8, "IQ4_XS": W8,
-                  "Q5_1": F8, "Q5_K": F8, "Q6_K": F8_G16S, "Q3_K": F8_G16S, "Q2_K": F8_G16}
+                  "MXFP4": W8, "Q5_1": F8, "Q5_K": F8, "Q6_K": F8_G16S, "Q3_K": F8_G16S, "Q2_K": F8_G16}
 
 
 def type_format(type_name: str) -> int:

@@ -31,6 +31,8 @@ _ARCH_LAYER_NAMES = {
     "Phi3ForCausalLM": {"ffn_up": "mlp.gate_up_proj"},
     "Gemma2ForCausalLM": _GEMMA_NORMS,
     "Gemma3ForCausalLM": _GEMMA_NORMS,
+    # (gpt-oss's norm before its experts is llama.cpp's post_attention_norm; sinks: one per head)
+    "GptOssForCausalLM": {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"},
 }
 # Gemma's files carry no layer pattern: llama.cpp's, Gemma 2's every other layer full, Gemma 3's
 # every sixth, the rest windowed.
@@ -133,6 +135,12 @@ def config_from_gguf(reader: GGUFFile) -> ModelConfig:
         window = window or 4096  # (llama.cpp's default for a Gemma 2 file without one)
         windows = tuple(0 if (i + 1) % GEMMA_FULL_EVERY[arch] == 0 else window for i in range(layers))
     rope_scaling = _rope_scaling(get, rope)
+    if arch == "gpt-oss":
+        # llama.cpp's gpt-oss: the even layers windowed, the odd ones full; its YaRN, as
+        # transformers' config for it, does not round the ramp's ends (truncate: false).
+        windows = tuple(window if i % 2 == 0 else 0 for i in range(layers)) if window else ()
+        if rope_scaling is not None and rope_scaling.get("rope_type") == "yarn":
+            rope_scaling = {**rope_scaling, "truncate": False}
     eos = field_value(reader, "tokenizer.ggml.eos_token_id")
     eot = field_value(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))

@@ -26,7 +26,11 @@ Q3_K       -4..3                   16     none
 Q2_K       0..3                    16     -dmin * min
 IQ4_NL     the codebook's values   32     none
 IQ4_XS     the codebook's values   32     none
+MXFP4      twice E2M1's values     32     none
 =========  ======================  =====  ==============
+
+(MXFP4, gpt-oss's experts: 4-bit floats with a power-of-two scale per 32, ``d = 2^(e - 128)``
+from the block's E8M0 byte ``e``: half the scale, as the codes are twice the values.)
 """
 
 from __future__ import annotations
@@ -39,18 +43,22 @@ import torch
 QK_K = 256
 # IQ4_NL's and IQ4_XS's 16 code values (llama.cpp's kvalues_iq4nl).
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# MXFP4's E2M1 values times two (llama.cpp's kvalues_mxfp4).
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 # Block bytes and values per block of each type this module splits.
 _BLOCKS = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q5_1": (24, 32), "Q8_0": (34, 32),
            "Q2_K": (84, 256), "Q3_K": (110, 256), "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256),
-           "IQ4_NL": (18, 32), "IQ4_XS": (136, 256)}
+           "IQ4_NL": (18, 32), "IQ4_XS": (136, 256), "MXFP4": (17, 32)}
 SPLIT_TYPES = tuple(_BLOCKS)
 # Each type's span of codes (Codes.bits, Codes.offset).
 SPANS = {"Q4_0": (4, 0), "Q4_1": (4, 0), "Q4_K": (4, 0), "Q5_0": (5, 16), "Q5_1": (5, 0), "Q5_K": (5, 0),
-         "Q6_K": (6, 32), "Q3_K": (3, 4), "Q2_K": (2, 0), "Q8_0": (8, 128), "IQ4_NL": (8, 128), "IQ4_XS": (8, 128)}
+         "Q6_K": (6, 32), "Q3_K": (3, 4), "Q2_K": (2, 0), "Q8_0": (8, 128), "IQ4_NL": (8, 128), "IQ4_XS": (8, 128),
+         "MXFP4": (8, 128)}
 # Where each type's half-precision fields (scales, minimums) sit in its block.
 _F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
-               "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+               "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,),
+               "MXFP4": ()}
 
 
 def random_blocks(type_name: str, shape: tuple[int, int], seed: int = 0, scale: float = 0.01,
@@ -73,6 +81,9 @@ def random_blocks(type_name: str, shape: tuple[int, int], seed: int = 0, scale: 
         if halves is None or not one_scale:
             halves = (np.abs(rng.standard_normal((n, k // per_block, 1))) * scale + scale / 4).astype(np.float16)
         raw[..., offset:offset + 2] = halves.view(np.uint8)
+    if type_name == "MXFP4":  # (its E8M0 exponent: d = 2^(e - 128) about scale / 4 .. scale)
+        top = 128 + int(np.floor(np.log2(scale)))
+        raw[..., 0] = rng.integers(top - 2, top + 1, size=(n, k // per_block), dtype=np.uint8)
     return raw.reshape(n, -1)
 
 
@@ -255,5 +266,14 @@ def _iq4_xs(raw: torch.Tensor) -> Split:
     return q.reshape(*lead, 256), d * ls.float(), None, 32
 
 
+def _mxfp4(raw: torch.Tensor) -> Split:
+    e = raw[..., 0:1].to(torch.int32)
+    # 2^(e - 128) built from its bits, as ggml does (e < 2: a subnormal)
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32) << e, (e - 1) << 23)
+    values = torch.tensor(MXFP4_VALUES, dtype=torch.int16)
+    return values[_nibbles(raw[..., 1:17]).long()], bits.view(torch.float32), None, 32
+
+
 _SPLITTERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "Q4_K": _q4_k,
-              "Q5_K": _q5_k, "Q6_K": _q6_k, "Q3_K": _q3_k, "Q2_K": _q2_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
+              "Q5_K": _q5_k, "Q6_K": _q6_k, "Q3_K": _q3_k, "Q2_K": _q2_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs,
+              "MXFP4": _mxfp4}

@@ -59,6 +59,8 @@ class Attention(nn.Module):
         # of the q/k rows it scales (``load_weights``).
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # gpt-oss's attention sinks: one logit per query head in its softmax (models/moe.py sets them).
+        self.sinks: nn.Parameter | None = None
         self.tp: TensorParallel | None = None  # set by ``parallel.shard_model``
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
@@ -82,8 +84,9 @@ class Attention(nn.Module):
             qkv = self._norm_heads(qkv)
         q, k, v = ops.rotary_and_cache(qkv, rope.rotations, positions, k_cache, v_cache,
                                        meta.slot_mapping, self.num_heads, self.num_kv_heads)
+        sinks = None if self.sinks is None else self.sinks.float()
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window,
-                            self.softcap).reshape(t, self.q_size)
+                            self.softcap, sinks).reshape(t, self.q_size)
         out = self.o_proj(o)
         if lora is not None:
             out = lora.add("o_proj", o, out)

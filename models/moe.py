@@ -1,4 +1,4 @@
-"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and Granite MoE.
+"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE and gpt-oss.
 
 Each is Llama's decoder (``models.llama``: attention, RMSNorm, RoPE, the paged cache)
 whose MLP is, in its sparse layers, a ``SparseMoeBlock``:
@@ -12,7 +12,9 @@ whose MLP is, in its sparse layers, a ``SparseMoeBlock``:
   float, int4, w4a8, AMX) run over its tokens only, llama.cpp's ``mul_mat_id``;
 * each token's expert outputs, scaled by its router weights, are added in ascending
   expert id from zero, the order of transformers' ``index_add_`` (exact for any k);
-* Qwen2-MoE adds a shared expert every token runs, scaled by ``sigmoid(gate(x))``.
+* Qwen2-MoE adds a shared expert every token runs, scaled by ``sigmoid(gate(x))``;
+* gpt-oss's router and experts carry biases, and its experts gate by a clamped SwiGLU
+  (``ClampedSwiGLUExpert``).
 
 Invariance: the kernels' result for a row does not depend on the other rows
 (``models.dense``, ``models.quant``), the router's linear is the packed dense GEMM,
@@ -24,11 +26,12 @@ What the families change beyond the MLP (``ModelConfig`` and ``MoESettings`` car
 Qwen2-MoE's q/k/v biases, Qwen3-MoE's per-head query and key norms, OLMoE's norms over
 the whole query and key projections, Granite's multipliers (embedding, attention scale,
 each residual branch, a divisor of the logits), Qwen's dense layers (mlp_only_layers,
-decoder_sparse_step).
+decoder_sparse_step), gpt-oss's attention sinks (a logit per head in each softmax, in
+the paged attention kernels), its output projection's bias and its alternating windowed
+layers (``ModelConfig.layer_windows``).
 
 Layers run op by op (the one-call layer kernel is Llama's dense layer). Not yet:
-LoRA adapters and tensor parallel (refused with a ``ValueError``), gpt-oss, a fused
-expert kernel, routed-token metrics.
+LoRA adapters and tensor parallel (refused with a ``ValueError``), a fused expert kernel.
 """
 
 from __future__ import annotations
@@ -73,9 +76,10 @@ class SparseMoeBlock(nn.Module):
         moe = config.moe
         assert moe is not None
         self.moe = moe
-        self.gate = nn.Linear(config.hidden_size, moe.num_experts, bias=False)
+        self.gate = nn.Linear(config.hidden_size, moe.num_experts, bias=moe.biases)
         expert = replace(config, intermediate_size=moe.expert_size)
-        self.experts = nn.ModuleList(MLP(expert) for _ in range(moe.num_experts))
+        make = (lambda: ClampedSwiGLUExpert(expert, moe)) if moe.swiglu_limit else (lambda: MLP(expert))
+        self.experts = nn.ModuleList(make() for _ in range(moe.num_experts))
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_size:
             self.shared_expert = MLP(replace(config, intermediate_size=moe.shared_expert_size))
@@ -113,6 +117,28 @@ class SparseMoeBlock(nn.Module):
         return y
 
 
+class ClampedSwiGLUExpert(MLP):
+    """gpt-oss's expert: projections with biases, and ``(clamp(up, -L, L) + 1) * g *
+    sigmoid(alpha * g)`` with ``g = min(gate, L)`` between them (``MoESettings.swiglu_limit``
+    L, ``swiglu_alpha``)."""
+
+    def __init__(self, config: ModelConfig, moe: MoESettings) -> None:
+        super().__init__(config)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=True)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=True)
+        self.limit, self.alpha = moe.swiglu_limit, moe.swiglu_alpha
+
+    def forward(self, x: torch.Tensor, lora: object | None = None) -> torch.Tensor:
+        assert lora is None, "experts run no LoRA adapters"
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=1)
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        # g * sigmoid(a g) = silu(a g) / a, through the row kernel of every SiLU MLP: each
+        # value's result depends on it alone, never on its place in the batch (torch's own
+        # sigmoid rounds its vector body and scalar tail differently; see _sigmoid).
+        h = ops.silu_and_mul(torch.cat([gate * self.alpha, up + 1], dim=1)) / self.alpha
+        return self.down_proj(h)
+
+
 def _sigmoid(g: torch.Tensor) -> torch.Tensor:
     """``sigmoid(g)`` for ``g [T, 1]``, each row's value the same in any batch.
 
@@ -125,10 +151,14 @@ def _sigmoid(g: torch.Tensor) -> torch.Tensor:
 
 
 class MoEAttention(Attention):
-    """Llama's attention; with OLMoE's norms over the whole query and key projections."""
+    """Llama's attention; with OLMoE's norms over the whole query and key projections, or
+    gpt-oss's sinks and output bias."""
 
     def __init__(self, config: ModelConfig, window: int = 0) -> None:
         super().__init__(config, window)
+        if config.moe is not None and config.moe.attention_sinks:
+            self.sinks = nn.Parameter(torch.zeros(self.num_heads))
+            self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=True)
         if config.moe is not None and config.moe.qk_norm_projection:
             self.q_norm = RMSNorm(self.q_size, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.kv_size, config.rms_norm_eps)
@@ -272,7 +302,7 @@ class MoEForCausalLM(LlamaForCausalLM):
         for ckpt_name, tensor in weights:
             if "rotary_emb.inv_freq" in ckpt_name or (ckpt_name == "lm_head.weight" and cfg.tie_word_embeddings):
                 continue
-            for name, shard, part in _canonical(ckpt_name, tensor):
+            for name, shard, part in _canonical(ckpt_name, tensor, cfg.architecture == "GptOssForCausalLM"):
                 param = params.get(name)
                 if param is None:
                     raise ValueError(f"checkpoint tensor {ckpt_name!r} does not belong to {cfg.architecture}")
@@ -288,7 +318,7 @@ class MoEForCausalLM(LlamaForCausalLM):
         for name in params:
             if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
                 expected.update(f"{name}#{i}" for i in range(3))
-            elif name.endswith("gate_up_proj.weight"):
+            elif name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
                 expected.update(f"{name}#{i}" for i in range(2))
             elif not (name == "lm_head.weight" and cfg.tie_word_embeddings):
                 expected.add(name)
@@ -318,12 +348,37 @@ _STACKED = {".mlp.input_linear.weight": "gate_up_proj", ".mlp.output_linear.weig
             ".mlp.experts.gate_up_proj": "gate_up_proj", ".mlp.experts.down_proj": "down_proj"}
 
 
-def _canonical(name: str, tensor: torch.Tensor) -> list[tuple[str, int | None, torch.Tensor]]:
+def _gpt_oss_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, int | None, torch.Tensor]] | None:
+    """gpt-oss's stacked experts, stored for ``x @ W`` ([E, H, 2I] with gate and up
+    interleaved, [E, I, H]) with their biases, as per-expert rows; None for another tensor."""
+    prefix, _, kind = name.rpartition(".mlp.experts.")
+    if not prefix:
+        return None
+    experts = f"{prefix}.mlp.experts"
+    if kind == "gate_up_proj":
+        return [(f"{experts}.{e}.gate_up_proj.weight", i, t.T[i::2]) for e, t in enumerate(tensor) for i in (0, 1)]
+    if kind == "gate_up_proj_bias":
+        return [(f"{experts}.{e}.gate_up_proj.bias", i, t[i::2]) for e, t in enumerate(tensor) for i in (0, 1)]
+    if kind == "down_proj":
+        return [(f"{experts}.{e}.down_proj.weight", None, t.T) for e, t in enumerate(tensor)]
+    if kind == "down_proj_bias":
+        return [(f"{experts}.{e}.down_proj.bias", None, t) for e, t in enumerate(tensor)]
+    return None
+
+
+def _canonical(name: str, tensor: torch.Tensor, gpt_oss: bool = False) -> list[tuple[str, int | None, torch.Tensor]]:
     """A checkpoint tensor as ``(parameter, part, tensor)`` triples: ``part`` is its place
     in a fused projection (q, k, v of ``qkv_proj``; gate, up of ``gate_up_proj``) or None.
     Mixtral and Granite keep their experts under ``block_sparse_moe``; Mixtral names their
-    projections w1, w3, w2; Granite stacks them ([E, 2I, H] gate then up, [E, H, I])."""
+    projections w1, w3, w2; Granite stacks them ([E, 2I, H] gate then up, [E, H, I]);
+    gpt-oss names its router ``router`` and stacks its experts transposed and interleaved
+    (``_gpt_oss_experts``)."""
     name = name.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.router.layer.", ".mlp.gate.")
+    if gpt_oss:
+        name = name.replace(".mlp.router.", ".mlp.gate.").replace(".self_attn.sinks.weight", ".self_attn.sinks")
+        experts = _gpt_oss_experts(name, tensor)
+        if experts is not None:
+            return experts
     match = _MIXTRAL_EXPERT.match(name)
     if match:
         name = f"{match[1]}.{_MIXTRAL_EXPERTS[match[2]]}.weight"

@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
-                     "GraniteMoeForCausalLM")
+                     "GraniteMoeForCausalLM", "GptOssForCausalLM")
 # GGUF general.architecture -> HF architecture (Mixtral is llama.cpp's `llama` with experts).
 GGUF_MOE_ARCHITECTURES = {"qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-                          "olmoe": "OlmoeForCausalLM", "granitemoe": "GraniteMoeForCausalLM"}
+                          "olmoe": "OlmoeForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
+                          "gpt-oss": "GptOssForCausalLM"}
 # Routers: "softmax-topk" takes the k largest probabilities of a softmax over every expert
-# (Mixtral, Qwen, OLMoE); "topk-softmax" a softmax over the k largest logits (Granite).
+# (Mixtral, Qwen, OLMoE); "topk-softmax" a softmax over the k largest logits (Granite, gpt-oss).
 ROUTERS = ("softmax-topk", "topk-softmax")
 
 
@@ -43,6 +44,14 @@ class MoESettings:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # gpt-oss: the router and every expert projection carry a bias; the experts' activation
+    # is (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+    # (0: SiLU gating, the others'); each attention head has a sink logit, and the output
+    # projection a bias.
+    biases: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.0
+    attention_sinks: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.experts_per_token <= self.num_experts:
@@ -66,6 +75,8 @@ def _sparse_layers(cfg: dict[str, Any]) -> tuple[bool, ...]:
 def moe_fields(cfg: dict[str, Any], arch: str, head_dim: int) -> dict[str, Any]:
     """The ``ModelConfig`` fields an MoE family's config.json ``cfg`` sets beyond a dense
     model's: ``moe`` and the attention settings it changes."""
+    if arch == "GptOssForCausalLM":
+        return _gpt_oss_fields(cfg)
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported for {arch} (silu is)")
     if cfg.get("clip_qkv") is not None:
@@ -96,6 +107,23 @@ def moe_fields(cfg: dict[str, Any], arch: str, head_dim: int) -> dict[str, Any]:
     return {**fields, "moe": moe}
 
 
+def _gpt_oss_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's fields (its config.json's experts hold their own activation: hidden_act is
+    not read, as transformers does not)."""
+    if cfg.get("quantization_config"):
+        raise ValueError("gpt-oss checkpoints with MXFP4 experts (quantization_config) are not read from a "
+                         "directory here: use the model's GGUF file, or a dequantised (bfloat16) checkpoint")
+    moe = MoESettings(num_experts=cfg["num_local_experts"], experts_per_token=cfg["num_experts_per_tok"],
+                      expert_size=cfg["intermediate_size"], router="topk-softmax", biases=True,
+                      swiglu_limit=cfg.get("swiglu_limit", 7.0), swiglu_alpha=cfg.get("swiglu_alpha", 1.702),
+                      attention_sinks=True)
+    return {"attention_bias": cfg.get("attention_bias", True), "moe": moe}
+
+
+# llama.cpp's gpt-oss graph fixes these (ggml's swiglu_oai), they are not in the file.
+GGUF_GPT_OSS_SWIGLU = dict(swiglu_limit=7.0, swiglu_alpha=1.702)
+
+
 def gguf_moe_fields(arch: str, get: Callable[..., Any], names: set[str], layers: int,
                     intermediate_size: int | None) -> dict[str, Any]:
     """The ``ModelConfig`` fields of a GGUF MoE file of llama.cpp architecture ``arch`` beyond
@@ -105,7 +133,9 @@ def gguf_moe_fields(arch: str, get: Callable[..., Any], names: set[str], layers:
     if not count or not used:
         raise ValueError(f"GGUF metadata lacks {arch}.expert_count/expert_used_count of an MoE model")
     hf = GGUF_MOE_ARCHITECTURES.get(arch, "MixtralForCausalLM")
-    if get("expert_gating_func") not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+    gpt_oss = hf == "GptOssForCausalLM"
+    # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX (1), or gpt-oss's softmax over the chosen (3)
+    if get("expert_gating_func") not in (None, 3 if gpt_oss else 1):
         raise ValueError(f"{arch}.expert_gating_func {get('expert_gating_func')} is not supported (softmax, 1, is)")
     expert_size = get("expert_feed_forward_length") or intermediate_size
     # llama.cpp normalises the chosen weights for Mixtral and Qwen3-MoE, not for Qwen2-MoE and OLMoE.
@@ -116,12 +146,15 @@ def gguf_moe_fields(arch: str, get: Callable[..., Any], names: set[str], layers:
     fields: dict[str, Any] = {}
     moe = MoESettings(num_experts=count, experts_per_token=used, expert_size=expert_size, norm_topk_prob=bool(norm),
                       sparse_layers=() if all(sparse) else sparse,
-                      router="topk-softmax" if hf == "GraniteMoeForCausalLM" else "softmax-topk",
+                      router="topk-softmax" if hf in ("GraniteMoeForCausalLM", "GptOssForCausalLM") else "softmax-topk",
                       shared_expert_size=shared, qk_norm_projection=hf == "OlmoeForCausalLM",
                       embedding_multiplier=get("embedding_scale", 1.0), residual_multiplier=get("residual_scale", 1.0),
-                      logits_scaling=get("logit_scale", 1.0))
+                      logits_scaling=get("logit_scale", 1.0),
+                      **(dict(biases=True, attention_sinks=True, **GGUF_GPT_OSS_SWIGLU) if gpt_oss else {}))
     if hf == "GraniteMoeForCausalLM" and get("attention.scale") is not None:
         fields["attention_scale"] = get("attention.scale")
     # (Qwen3-MoE: a norm per head; OLMoE: over the whole projections, qk_norm_projection)
     fields["qk_norm"] = hf == "Qwen3MoeForCausalLM"
+    if gpt_oss:
+        fields["attention_bias"] = True
     return {**fields, "architecture": hf, "intermediate_size": intermediate_size or expert_size, "moe": moe}

@@ -41,12 +41,13 @@ BLOCK_KINDS = {"ffn_gate_inp": "gate", "ffn_gate_inp_shexp": "shared_expert_gate
                "ffn_down_shexp": "shared_expert.down_proj"}
 
 
-def _kind(name: str) -> tuple[str, str] | None:
-    """``blk.3.ffn_up_exps.weight`` -> ``("3", "ffn_up_exps")`` for an MoE block's tensor, else None."""
+def _kind(name: str) -> tuple[str, str, str] | None:
+    """``blk.3.ffn_up_exps.weight`` -> ``("3", "ffn_up_exps", "weight")`` for an MoE block's
+    tensor (gpt-oss's biases: ``bias``), else None."""
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and (
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] in ("weight", "bias") and (
             parts[2] in EXPERT_KINDS or parts[2] in BLOCK_KINDS):
-        return parts[1], parts[2]
+        return parts[1], parts[2], parts[3]
     return None
 
 
@@ -67,19 +68,20 @@ def iter_gguf_moe_weights(reader: GGUFFile, config: ModelConfig, skip: set[str] 
         kind = _kind(tensor.name)
         if kind is None or tensor.name in skip:
             continue
-        layer, what = kind
+        layer, what, param = kind
         prefix = f"model.layers.{layer}.mlp"
         w = dequantize(tensor)
         if what in EXPERT_KINDS:
-            if w.ndim != 3 or w.shape[0] != config.moe.num_experts:
+            dims = 3 if param == "weight" else 2
+            if w.ndim != dims or w.shape[0] != config.moe.num_experts:
                 raise ValueError(f"tensor {tensor.name!r} has shape {w.shape}, expected "
-                                 f"[{config.moe.num_experts} experts, rows, columns]")
+                                 f"[{config.moe.num_experts} experts, rows{', columns' if dims == 3 else ''}]")
             for e in range(w.shape[0]):
-                yield f"{prefix}.experts.{e}.{EXPERT_KINDS[what]}.weight", _torch(w[e])
+                yield f"{prefix}.experts.{e}.{EXPERT_KINDS[what]}.{param}", _torch(w[e])
         else:
             if what == "ffn_gate_inp_shexp":
                 w = w.reshape(1, -1)  # (one output: llama.cpp's converter squeezes it)
-            yield f"{prefix}.{BLOCK_KINDS[what]}.weight", _torch(w)
+            yield f"{prefix}.{BLOCK_KINDS[what]}.{param}", _torch(w)
 
 
 # The layer tensors ``build_native_moe`` keeps as codes (the routers are read as floats).

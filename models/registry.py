@@ -29,6 +29,7 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": MoEForCausalLM,
     "OlmoeForCausalLM": MoEForCausalLM,
     "GraniteMoeForCausalLM": MoEForCausalLM,
+    "GptOssForCausalLM": MoEForCausalLM,
 }
 assert set(_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 

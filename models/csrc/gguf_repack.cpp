@@ -26,10 +26,21 @@ namespace {
 // ggml's type ids (gguf.GGMLQuantizationType).
 enum GgmlType : int64_t {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13,
-  kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23
+  kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23, kMXFP4 = 39
 };
 
 constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// MXFP4's E2M1 values, doubled to integers (llama.cpp's kvalues_mxfp4); the block's E8M0
+// exponent e makes d = 2^(e - 128), the half its value would be.
+constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// 2^(e - 128) exactly (ggml's GGML_E8M0_TO_FP32_HALF: e < 2 is a subnormal).
+float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 
 float f16(const uint8_t* p) {
   uint16_t h;
@@ -73,6 +84,7 @@ bool block_shape(int64_t type, int64_t& bytes, int64_t& values) {
     case kQ6_K: bytes = 210, values = 256; return true;
     case kIQ4_NL: bytes = 18, values = 32; return true;
     case kIQ4_XS: bytes = 136, values = 256; return true;
+    case kMXFP4: bytes = 17, values = 32; return true;
     default: return false;
   }
 }
@@ -104,6 +116,15 @@ void decode_block(int64_t type, const uint8_t* b, int8_t* q, float* d, float* m)
       }
       d[0] = d[1] = dd;
       m[0] = m[1] = mm;
+      return;
+    }
+    case kMXFP4: {
+      for (int i = 0; i < 16; ++i) {
+        q[i] = kMxfp4Values[b[1 + i] & 0xF];
+        q[16 + i] = kMxfp4Values[b[1 + i] >> 4];
+      }
+      d[0] = d[1] = e8m0_half(b[0]);
+      m[0] = m[1] = 0.0f;
       return;
     }
     case kQ5_0:
@@ -230,7 +251,7 @@ void decode_block(int64_t type, const uint8_t* b, int8_t* q, float* d, float* m)
 }
 
 // The folded formats' codes u = q + offset, u < 2^bits (bits <= 7): false for the types
-// whose codes span 8 bits (Q8_0, IQ4_NL, IQ4_XS).
+// whose codes span 8 bits (Q8_0, IQ4_NL, IQ4_XS, MXFP4).
 bool fold_span(int64_t type, int& bits, int& offset) {
   switch (type) {
     case kQ4_0: case kQ4_1: case kQ4_K: bits = 4, offset = 0; return true;
@@ -298,7 +319,7 @@ bool a8_fits(int64_t type, int64_t format, int& shift) {
   shift = format == kA8G8 ? 128 : format == kA8S16 ? 32 : 0;
   switch (format) {
     case kA8G4: return type == kQ4_0 || type == kQ4_1;
-    case kA8G8: return type == kQ8_0 || type == kQ5_0 || type == kIQ4_NL;  // (m = 0: m - 128 d exact)
+    case kA8G8: return type == kQ8_0 || type == kQ5_0 || type == kIQ4_NL || type == kMXFP4;  // (m - 128 d exact)
     case kA8K4: return type == kQ4_K;
     case kA8K8: return type == kQ5_K;
     case kA8S16: return type == kQ6_K || type == kQ3_K;

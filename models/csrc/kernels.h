@@ -13,6 +13,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace kvserve {
@@ -28,16 +29,18 @@ void rotary_and_cache(at::Tensor& qkv, const at::Tensor& rotations, const at::Te
 
 // paged_attention.cpp: decode tokens and prompt chunks, one arithmetic per query token;
 // `window` > 0: each query sees only the last `window` positions up to its own; `softcap` > 0:
-// each score becomes softcap * tanh(score / softcap) before the softmax (Gemma 2).
+// each score becomes softcap * tanh(score / softcap) before the softmax (Gemma 2); `sinks`
+// (float32, one per query head): a logit each row's softmax counts with no value (gpt-oss).
 void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, double scale, int64_t window = 0,
-                            double softcap = 0.0);
+                            double softcap = 0.0, const std::optional<at::Tensor>& sinks = std::nullopt);
 
 void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_tables,
                              const at::Tensor& context_lens, const at::Tensor& query_start, double scale,
-                             int64_t window = 0, double softcap = 0.0);
+                             int64_t window = 0, double softcap = 0.0,
+                             const std::optional<at::Tensor>& sinks = std::nullopt);
 
 // dense_gemm.cpp: x @ W^T for unquantised weights packed as [N/16, K, 16], the same
 // arithmetic for a row whatever the batch.

@@ -44,10 +44,12 @@ inline float row_max(const float* s, int64_t n) {
 }
 
 // Softmax of each of ``rows`` score rows of length n, in place. The sum runs
-// in 16 lanes over the row in order, then one fixed lane reduction.
-inline void softmax_rows(float* s, int64_t rows, int64_t n) {
+// in 16 lanes over the row in order, then one fixed lane reduction. ``sinks``
+// (one logit per row, or null): gpt-oss's attention sink, a logit with no value
+// that joins each row's softmax (its max and its sum) and takes its share away.
+inline void softmax_rows(float* s, int64_t rows, int64_t n, const float* sinks = nullptr) {
   for (int64_t g = 0; g < rows; ++g, s += n) {
-    const float mx = row_max(s, n);
+    const float mx = sinks ? std::max(row_max(s, n), sinks[g]) : row_max(s, n);
     float sum = 0.0f;
     int64_t t = 0;
 #if defined(KVSERVE_V16)
@@ -71,6 +73,7 @@ inline void softmax_rows(float* s, int64_t rows, int64_t n) {
       s[t] = exp_approx(s[t] - mx);
       sum += s[t];
     }
+    if (sinks) sum += exp_approx(sinks[g] - mx);
     const float inv = 1.0f / sum;
     for (t = 0; t < n; ++t) s[t] *= inv;
   }
@@ -249,12 +252,13 @@ inline void for_head_passes(int64_t group, F&& f) {
 
 // The ``group`` query heads sharing one KV head, for one sequence's tokens
 // first..ctx-1 (all ``ctx`` but where a sliding window leaves the first out):
-// scores, soft-capping (``softcap`` > 0), softmax, weighted sum of values. ``qf`` is pre-scaled.
+// scores, soft-capping (``softcap`` > 0), softmax (with the group's ``sinks``, or null),
+// weighted sum of values. ``qf`` is pre-scaled.
 // HD is the head size when known at compile time (0: read ``head_dim``), so
 // the common sizes get fully unrolled, register-resident loops.
 template <typename T, typename C, int HD>
 void attend_group(T* out, const float* qf, const C* kc, const C* vc, const PagedView& pv, int64_t head_offset,
-                  int64_t head_dim, int64_t group, int64_t first, int64_t ctx, float softcap,
+                  int64_t head_dim, int64_t group, int64_t first, int64_t ctx, float softcap, const float* sinks,
                   std::vector<float>& scores, std::vector<float>& acc) {
   const int64_t hd = HD ? HD : head_dim;
   const int64_t n = ctx - first;
@@ -269,7 +273,7 @@ void attend_group(T* out, const float* qf, const C* kc, const C* vc, const Paged
                                                 g == 0 ? vc : nullptr);
     });
     if (softcap > 0.0f) softcap_rows(s, group * n, softcap);
-    softmax_rows(s, group, n);
+    softmax_rows(s, group, n, sinks);
     for_head_passes<HD>(group, [&](auto heads, int64_t g) {
       values_v16<C, HD, decltype(heads)::value>(a + g * hd, s + g * n, vc, pv, head_offset, first, ctx);
     });
@@ -284,7 +288,7 @@ void attend_group(T* out, const float* qf, const C* kc, const C* vc, const Paged
     for (int64_t g = 0; g < group; ++g) s[g * n + t - first] = dot_row(qf + g * hd, k, hd) * ks;
   });
   if (softcap > 0.0f) softcap_rows(s, group * n, softcap);
-  softmax_rows(s, group, n);
+  softmax_rows(s, group, n, sinks);
   for_each_token(vc, row_bytes, pv, head_offset, first, ctx, [&](int64_t t, int64_t off) {
     const C* v = vc + off;
     const float vs = row_scale(v, hd);
@@ -341,6 +345,7 @@ struct PagedCall {
   float scale;
   int64_t window;  // a sliding window's keys per query (0: all)
   float softcap;   // scores become softcap * tanh(score / softcap) (0: none)
+  const float* sinks;  // one sink logit per query head (null: none)
 };
 
 // Query row `row` (its heads of KV head h) over the first ctx tokens of the
@@ -360,26 +365,31 @@ void attend_token(const PagedCall<T, C>& c, int64_t row, int64_t h, const int64_
   const PagedView pv{p.block_size, p.kv_heads * row_elems, table};
   T* dst = c.out + (row * p.heads + h * group) * d;
   const float cap = c.softcap;
-  if (d == 64) attend_group<T, C, 64>(dst, qf.data(), c.kc, c.vc, pv, h * row_elems, d, group, first, ctx, cap, scores,
-                                        acc);
+  const float* sinks = c.sinks ? c.sinks + h * group : nullptr;
+  if (d == 64) attend_group<T, C, 64>(dst, qf.data(), c.kc, c.vc, pv, h * row_elems, d, group, first, ctx, cap, sinks,
+                                        scores, acc);
   else if (d == 128) attend_group<T, C, 128>(dst, qf.data(), c.kc, c.vc, pv, h * row_elems, d, group, first, ctx, cap,
-                                             scores, acc);
-  else attend_group<T, C, 0>(dst, qf.data(), c.kc, c.vc, pv, h * row_elems, d, group, first, ctx, cap, scores,
-                                        acc);
+                                             sinks, scores, acc);
+  else attend_group<T, C, 0>(dst, qf.data(), c.kc, c.vc, pv, h * row_elems, d, group, first, ctx, cap, sinks, scores,
+                             acc);
 }
 
 // Calls f(PagedCall<scalar_t, C>) for q's dtype and the caches' element type.
 template <typename F>
 void dispatch_paged(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                    const PagedShapes& p, double scale, int64_t window, double softcap, F&& f) {
+                    const PagedShapes& p, double scale, int64_t window, double softcap,
+                    const std::optional<at::Tensor>& sinks, F&& f) {
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
   TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: no soft-capping)");
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == p.heads),
+              "sinks: float32, one per query head");
+  const float* sink_logits = sinks ? sinks->data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     dispatch_cache_type(k_cache.scalar_type(), [&](auto cache_tag) {
       using C = decltype(cache_tag);
       f(PagedCall<scalar_t, C>{q.data_ptr<scalar_t>(), q.stride(0), out.data_ptr<scalar_t>(),
                                static_cast<const C*>(k_cache.data_ptr()), static_cast<const C*>(v_cache.data_ptr()),
-                               p, static_cast<float>(scale), window, static_cast<float>(softcap)});
+                               p, static_cast<float>(scale), window, static_cast<float>(softcap), sink_logits});
     });
   });
 }
@@ -394,10 +404,11 @@ void dispatch_paged(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
 // and value row is read once per sequence.
 void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, double scale, int64_t window, double softcap) {
+                            const at::Tensor& context_lens, double scale, int64_t window, double softcap,
+                            const std::optional<at::Tensor>& sinks) {
   const PagedShapes p = check_paged(out, q, k_cache, v_cache, block_tables, context_lens);
   TORCH_CHECK(context_lens.numel() == q.size(0), "one query token per sequence");
-  dispatch_paged(out, q, k_cache, v_cache, p, scale, window, softcap, [&](const auto& call) {
+  dispatch_paged(out, q, k_cache, v_cache, p, scale, window, softcap, sinks, [&](const auto& call) {
     kvserve::parallel_chunks(q.size(0) * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
         const int64_t b = item / p.kv_heads, h = item % p.kv_heads;
@@ -417,7 +428,7 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
 void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_tables,
                              const at::Tensor& context_lens, const at::Tensor& query_start, double scale,
-                             int64_t window, double softcap) {
+                             int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
   const PagedShapes p = check_paged(out, q, k_cache, v_cache, block_tables, context_lens);
   const int64_t seqs = context_lens.numel();
   TORCH_CHECK(query_start.is_contiguous() && query_start.scalar_type() == at::kLong && query_start.numel() == seqs + 1,
@@ -428,7 +439,7 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Ten
     const int64_t qlen = starts[i + 1] - starts[i];
     TORCH_CHECK(qlen >= 1 && qlen <= p.lens[i], "sequence ", i, ": ", qlen, " query tokens, context length ", p.lens[i]);
   }
-  dispatch_paged(out, q, k_cache, v_cache, p, scale, window, softcap, [&](const auto& call) {
+  dispatch_paged(out, q, k_cache, v_cache, p, scale, window, softcap, sinks, [&](const auto& call) {
     kvserve::parallel_chunks(q.size(0) * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
         const int64_t token = item / p.kv_heads, h = item % p.kv_heads;

@@ -34,7 +34,7 @@ MIXED_HEAD, MIXED_EMBED = "Q6_K", "Q4_K"
 # Half-precision scales that keep each type's weights at a typical model's size (~0.03).
 _SCALES = {"Q4_0": 0.005, "Q4_1": 0.004, "Q5_0": 0.003, "Q5_1": 0.002, "Q8_0": 0.0004, "Q2_K": 0.004,
            "Q3_K": 0.0015, "Q4_K": 0.00012, "Q5_K": 0.00006, "Q6_K": 0.00002, "IQ4_NL": 0.0004,
-           "IQ4_XS": 0.00002}
+           "IQ4_XS": 0.00002, "MXFP4": 0.008}
 
 _KINDS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",

@@ -27,12 +27,13 @@ SCALE = HEAD_DIM ** -0.5
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0,
-                    softcap: float = 0.0) -> torch.Tensor:
+                    softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(QK^T * scale + causal mask) V in float64, KV heads repeated for each query group.
 
     ``q`` is ``[n, heads, d]``, the last ``n`` positions of a context ``k``/``v`` ``[ctx, kv_heads, d]``;
     with ``window``, a query at position p sees keys p - window + 1 .. p only; with ``softcap``,
-    the scores are ``softcap * tanh(score / softcap)`` (Gemma 2).
+    the scores are ``softcap * tanh(score / softcap)`` (Gemma 2); with ``sinks`` ``[heads]``,
+    each head's softmax has one more logit, whose probability is dropped (gpt-oss).
     """
     group = q.shape[1] // k.shape[1]
     q, k, v = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
@@ -46,7 +47,11 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: i
     if window:
         hidden |= keys <= query_pos - window
     scores = scores.masked_fill(hidden, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    if sinks is None:
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    sink = sinks.double()[:, None, None].expand(-1, n, 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    return torch.einsum("hqk,khd->qhd", probs, v)
 
 
 @dataclass
@@ -64,18 +69,20 @@ class Case:
     full_v: list[torch.Tensor]
     window: int = 0  # a sliding window (0: none)
     softcap: float = 0.0  # attention logit soft-capping (0: none)
+    sinks: torch.Tensor | None = None  # a sink logit per query head (None: none)
 
     def run(self) -> list[torch.Tensor]:
         """write_kv then paged_attention, as a model layer does; outputs split per sequence."""
         meta = build_attention_metadata(self.specs, self.block_size)
         write_kv(self.k_cache, self.v_cache, self.k, self.v, meta.slot_mapping)
         out = paged_attention(self.q, self.k, self.v, self.k_cache, self.v_cache, meta, SCALE, self.window,
-                              self.softcap)
+                              self.softcap, self.sinks)
         return list(out.split([s.query_len for s in self.specs]))
 
     def reference(self) -> list[torch.Tensor]:
         qs = self.q.split([s.query_len for s in self.specs])
-        return [dense_attention(q, k, v, self.window, self.softcap) for q, k, v in zip(qs, self.full_k, self.full_v)]
+        return [dense_attention(q, k, v, self.window, self.softcap, self.sinks)
+                for q, k, v in zip(qs, self.full_k, self.full_v)]
 
 
 def make_case(lengths: list[tuple[int, int]], block_size: int, group: int, seed: int = 0,
@@ -160,6 +167,19 @@ def test_soft_capped_scores_match_dense_attention(window: int, head_dim: int) ->
     lengths = [(1, 1), (1, 17), (1, 40), (23, 23), (9, 41)]
     for group in (1, 3):
         case = make_case(lengths, 16, group, head_dim=head_dim, window=window, softcap=4.0, q_scale=4.0)
+        assert_matches_reference(case)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])  # the generic loop, an unrolled one
+@pytest.mark.parametrize("window", [0, 5])
+def test_attention_sinks_match_dense_attention(window: int, head_dim: int) -> None:
+    # gpt-oss: each head's sink logit takes its share of the softmax. Sinks from -2 to 6 (the
+    # scores are ~N(0, 1)): a large one leaves the keys little, a kernel that dropped it would
+    # miss by the whole output; a mixed batch of decodes and chunks, heads in passes of 1-3.
+    lengths = [(1, 1), (1, 17), (1, 40), (23, 23), (9, 41)]
+    for group in (1, 3):
+        case = make_case(lengths, 16, group, head_dim=head_dim, window=window)
+        case.sinks = torch.linspace(-2.0, 6.0, KV_HEADS * group)
         assert_matches_reference(case)
 
 

@@ -80,8 +80,8 @@ def write_gguf(path: Path, hf_model, arch: str = "llama", drop: tuple[str, ...] 
         qtype = (quantize or {}).get(name)
         if qtype is None:
             writer.add_tensor(name, w)
-        else:
-            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:  # (a uint8 ``replace`` is the type's blocks already)
+            writer.add_tensor(name, w if w.dtype == np.uint8 else gguf.quants.quantize(w, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -179,11 +179,15 @@ def test_hf_checkpoint_of_an_unknown_architecture_is_rejected(tiny_llama):
 
 
 def test_gguf_with_an_unsupported_quantisation_type_is_rejected(tiny_llama, tmp_path):
-    assert "MXFP4" not in SUPPORTED_QUANT_TYPES  # gpt-oss's experts' type: not yet
-    path = write_gguf(tmp_path / "tiny.gguf", tiny_llama[1],
-                      quantize={"blk.0.ffn_down.weight": gguf.GGMLQuantizationType.MXFP4})
+    # Q8_1 (llama.cpp's activations' type, never a weight's), its blocks written as bytes.
+    assert "Q8_1" not in SUPPORTED_QUANT_TYPES
+    name, qtype = "blk.0.ffn_down.weight", gguf.GGMLQuantizationType.Q8_1
+    rows, columns = tiny_llama[1].config.hidden_size, tiny_llama[1].config.intermediate_size
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = np.zeros((rows, columns // block * size), np.uint8)
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_llama[1], replace={name: blocks}, quantize={name: qtype})
 
-    with pytest.raises(ValueError, match="'blk.0.ffn_down.weight' uses quantisation type MXFP4"):
+    with pytest.raises(ValueError, match="'blk.0.ffn_down.weight' uses quantisation type Q8_1"):
         load(path)
 
 

@@ -8,7 +8,6 @@ the saved files on the unchanged base checkpoint.
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest

@@ -3,7 +3,9 @@ result does not depend on the tokens routed with it.
 
 Each family: 2 layers, 8 experts, top-2 (Qwen3-MoE top-3, its weights renormalised),
 every parameter random; Qwen2-MoE with its gated shared expert and a dense second layer
-(mlp_only_layers), Granite with multipliers other than 1.
+(mlp_only_layers), Granite with multipliers other than 1, gpt-oss with its sinks, biases,
+YaRN, a window of 8 on its first layer (the 21-token prompt is longer) and a SwiGLU limit
+low enough that its clamps cut.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ FAMILIES = {
     "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, pad_token_id=0, eos_token_id=2),
     "granitemoe": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, embedding_multiplier=3.0,
                        attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.0),
+    "gptoss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, head_dim=16, sliding_window=8,
+                   swiglu_limit=1.0),
 }
 
 
@@ -42,6 +46,7 @@ def tiny_moe(arch: str, **overrides) -> torch.nn.Module:
         "qwen3moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
         "granitemoe": (transformers.GraniteMoeConfig, transformers.GraniteMoeForCausalLM),
+        "gptoss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }[arch]
     torch.manual_seed(0)
     model = model_cls(config_cls(**{**TINY_CONFIG, **FAMILIES[arch], **overrides})).eval()
@@ -76,7 +81,7 @@ def test_moe_checkpoint_matches_transformers(moe_checkpoint, tiny_prompt, make_r
     assert make_runner(model).greedy(tiny_prompt, 4) == reference_greedy(reference, tiny_prompt, 4)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2moe", "olmoe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2moe", "olmoe", "gptoss"])
 @pytest.mark.parametrize("quantization", ["none", "int4", "w4a8", pytest.param("w4a16", marks=pytest.mark.skipif(
     not ops.amx_bf16_usable(), reason="w4a16 needs a CPU with AMX-BF16"))])
 def test_moe_logits_do_not_depend_on_chunks_or_batch(moe_checkpoint, tiny_prompt, make_runner, arch, quantization):
@@ -117,7 +122,7 @@ def test_moe_refuses_tensor_parallel_and_lora_adapters(moe_checkpoint, tmp_path)
 
 # transformers' family -> llama.cpp's general.architecture (Mixtral is `llama` with experts).
 GGUF_ARCH = {"mixtral": "llama", "qwen2moe": "qwen2moe", "qwen3moe": "qwen3moe", "olmoe": "olmoe",
-             "granitemoe": "granitemoe"}
+             "granitemoe": "granitemoe", "gptoss": "gpt-oss"}
 # HF module -> llama.cpp tensor kind, written out here so the test does not trust the loader's tables.
 _GGUF_KINDS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -126,7 +131,7 @@ _GGUF_KINDS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
                "mlp.up_proj": "ffn_up",
                "mlp.down_proj": "ffn_down", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
                "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
-               "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+               "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.router": "ffn_gate_inp"}
 _GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                 "lm_head.weight": "output.weight"}
 
@@ -157,6 +162,11 @@ def write_moe_gguf(path: Path, model, arch: str, expert_type: str | None = None,
         writer.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", cfg.intermediate_size))
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch == "gptoss":  # (llama.cpp's converter: the window, YaRN's fields)
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(cfg.rope_parameters["factor"])
+        writer.add_rope_scaling_orig_ctx_len(cfg.rope_parameters["original_max_position_embeddings"])
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"<t{i}>" for i in range(cfg.vocab_size)])
 
@@ -177,6 +187,26 @@ def write_moe_gguf(path: Path, model, arch: str, expert_type: str | None = None,
             add(_GGUF_GLOBAL[hf], w)
             continue
         _, _, layer, *module, kind = hf.split(".")
+        if arch == "gptoss" and module[-1] == "experts":
+            # [E, H, 2I] gate and up interleaved, [E, I, H], and their biases: llama.cpp's converter
+            # writes them as the other families' stacks ([E, rows, columns]), gate and up apart.
+            if kind == "gate_up_proj":
+                rows = w.transpose(1, 2)
+                gate = add(f"blk.{layer}.ffn_gate_exps.weight", rows[:, 0::2].contiguous(), quantise=True)
+                up = add(f"blk.{layer}.ffn_up_exps.weight", rows[:, 1::2].contiguous(), quantise=True)
+                state[hf] = torch.stack([gate, up], dim=2).flatten(1, 2).transpose(1, 2)
+            elif kind == "gate_up_proj_bias":
+                add(f"blk.{layer}.ffn_gate_exps.bias", w[:, 0::2].contiguous())
+                add(f"blk.{layer}.ffn_up_exps.bias", w[:, 1::2].contiguous())
+            elif kind == "down_proj":
+                held = add(f"blk.{layer}.ffn_down_exps.weight", w.transpose(1, 2).contiguous(), quantise=True)
+                state[hf] = held.transpose(1, 2)
+            else:
+                add(f"blk.{layer}.ffn_down_exps.bias", w)
+            continue
+        if arch == "gptoss" and (kind == "sinks" or module == ["post_attention_layernorm"]):
+            add(f"blk.{layer}.{'attn_sinks' if kind == 'sinks' else 'post_attention_norm'}.weight", w)
+            continue
         if hf.endswith("experts.gate_up_proj"):  # [E, 2I, H]: gate then up
             gate, up = w.chunk(2, dim=1)
             state[hf] = torch.cat([add(f"blk.{layer}.ffn_gate_exps.weight", gate, quantise=True),
@@ -217,13 +247,14 @@ def test_moe_gguf_runs_its_own_codes_on_w4a16(tiny_prompt, make_runner, tmp_path
     assert torch.equal(chunked_beside_another(make_runner(model, seed=1), tiny_prompt), whole)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2moe"])
-def test_moe_gguf_runs_its_own_codes_on_w4a8(tiny_prompt, make_runner, tmp_path, arch):
-    # Every projection Q8_0, the experts' too: each a NativeA8Linear of the file's blocks.
+@pytest.mark.parametrize("arch, type_name", [("mixtral", "Q8_0"), ("qwen2moe", "Q8_0"), ("gptoss", "MXFP4")])
+def test_moe_gguf_runs_its_own_codes_on_w4a8(tiny_prompt, make_runner, tmp_path, arch, type_name):
+    # Every projection Q8_0 (gpt-oss: MXFP4), the experts' too: each a NativeA8Linear of the
+    # file's blocks.
     from models.gguf_linear import NativeA8Linear
 
-    reference = tiny_moe(arch)
-    path = write_moe_gguf(tmp_path / f"{arch}.gguf", reference, arch, "Q8_0", every_projection=True)
+    reference = tiny_moe(arch, **({"swiglu_limit": 7.0} if arch == "gptoss" else {}))
+    path = write_moe_gguf(tmp_path / f"{arch}.gguf", reference, arch, type_name, every_projection=True)
     model = load_model(str(path), dtype="float32", device="cpu", quantization="w4a8").model
     assert isinstance(model.model.layers[0].mlp.experts[7].down_proj, NativeA8Linear)
     whole = prefill(make_runner(model), tiny_prompt)
@@ -234,9 +265,11 @@ def test_moe_gguf_runs_its_own_codes_on_w4a8(tiny_prompt, make_runner, tmp_path,
 
 
 @pytest.mark.parametrize("arch, expert_type", [("mixtral", None), ("qwen2moe", None), ("qwen3moe", None),
-                                               ("olmoe", None), ("granitemoe", None), ("qwen2moe", "Q8_0")])
+                                               ("olmoe", None), ("granitemoe", None), ("qwen2moe", "Q8_0"),
+                                               ("gptoss", None), ("gptoss", "MXFP4")])
 def test_moe_gguf_matches_transformers(tiny_prompt, make_runner, tmp_path, arch, expert_type):
-    reference = tiny_moe(arch)
+    # (a gpt-oss file holds no SwiGLU limit: llama.cpp's graph fixes gpt-oss's own, 7)
+    reference = tiny_moe(arch, **({"swiglu_limit": 7.0} if arch == "gptoss" else {}))
     path = write_moe_gguf(tmp_path / f"{arch}.gguf", reference, arch, expert_type)
     loaded = load_model(str(path), dtype="float32", device="cpu")
     assert loaded.config.architecture == type(reference).__name__
