@@ -1,5 +1,7 @@
 """A mixture of experts through the engine: a prompt's tokens and prompt logprobs are the same
-alone, batched with others (their tokens routed to the same experts) and after prefix hits."""
+alone, batched with others (their tokens routed to the same experts) and after prefix hits
+(Qwen2-MoE; gpt-oss with its sinks and a window of 8 on every other layer, shorter than most
+prompts, so that its windowed layers' blocks are let go)."""
 
 from __future__ import annotations
 
@@ -24,10 +26,19 @@ def qwen2_moe(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("moe") / "gptoss"
+    tiny_moe("gptoss").save_pretrained(path)
+    save_tiny_tokenizer(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
 @pytest.mark.parametrize("quantization", ["none", "w4a8"])
-def test_moe_answers_do_not_depend_on_the_batch(qwen2_moe, quantization):
-    engine = LLMEngine(EngineConfig(model=qwen2_moe, dtype="float32", device="cpu", quantization=quantization,
-                                    max_model_len=128))
+def test_moe_answers_do_not_depend_on_the_batch(request, family, quantization):
+    engine = LLMEngine(EngineConfig(model=request.getfixturevalue(family), dtype="float32", device="cpu",
+                                    quantization=quantization, max_model_len=128))
     # Steps of 100 rows and more: some of a row's elementwise ops run in torch's vector loops
     # in one batch and in their scalar tails in another (Qwen2-MoE's sigmoid gate did differ).
     prompts = [torch.randint(128, (n,), generator=torch.Generator().manual_seed(n)).tolist()
