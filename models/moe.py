@@ -30,8 +30,9 @@ decoder_sparse_step), gpt-oss's attention sinks (a logit per head in each softma
 the paged attention kernels), its output projection's bias and its alternating windowed
 layers (``ModelConfig.layer_windows``).
 
-Layers run op by op (the one-call layer kernel is Llama's dense layer). Not yet:
-LoRA adapters and tensor parallel (refused with a ``ValueError``), a fused expert kernel.
+Tensor parallel splits every expert's features across ranks (``models.parallel``). Layers
+run op by op (the one-call layer kernel is Llama's dense layer). Not yet: LoRA adapters
+(refused with a ``ValueError``), a fused expert kernel.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from models.dense import DTYPES, PackedLinear
 from models.fused import FUSED_PARTS, fused_part_sizes
 from models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
 from models.moe_config import MoESettings
+from models.parallel import TensorParallel, embed
 from models.quant import AmxBf16Linear, QuantizedLinear
 from models.rope import RotaryEmbedding, interleave_rotary_rows
 
@@ -86,6 +88,9 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         # Tokens routed to each expert since the last take (None: not counted; the metrics' flag).
         self.routed: list[int] | None = None
+        # Split across ranks (``parallel.shard_model``): each expert holds this rank's features,
+        # and the block's output is all-reduced once.
+        self.tp: TensorParallel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t, k = x.shape[0], self.moe.experts_per_token
@@ -114,7 +119,7 @@ class SparseMoeBlock(nn.Module):
             y = y + out[:, j]
         if self.shared_expert is not None:
             y = y + _sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return y
+        return y if self.tp is None else self.tp.all_reduce(y)
 
 
 class ClampedSwiGLUExpert(MLP):
@@ -234,12 +239,12 @@ class MoEForCausalLM(LlamaForCausalLM):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 logits_indices: torch.Tensor | None = None, lora: object | None = None,
                 hidden_indices: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """As ``LlamaForCausalLM.forward`` (no LoRA rows, no tensor parallel)."""
+        """As ``LlamaForCausalLM.forward`` (no LoRA rows)."""
         assert self.rope is not None, "call init_rope() before forward()"
-        if lora is not None or self.tp is not None:
-            raise ValueError(f"{self.config.architecture} runs without LoRA adapters and tensor parallel here")
-        moe = self.config.moe
-        x = self.model.embed_tokens(input_ids)
+        if lora is not None:
+            raise ValueError(f"{self.config.architecture} runs without LoRA adapters here")
+        moe, tp = self.config.moe, self.tp
+        x = self.model.embed_tokens(input_ids) if tp is None else embed(self.model.embed_tokens, input_ids, tp)
         if moe.embedding_multiplier != 1:
             x = x * moe.embedding_multiplier
         residual = None
@@ -250,6 +255,9 @@ class MoEForCausalLM(LlamaForCausalLM):
         if moe.logits_scaling != 1:
             logits = logits / moe.logits_scaling
         logits = logits.float()
+        if tp is not None:  # (vocabulary-parallel head: rank 0 gathers every rank's slice)
+            logits = tp.gather_rows(logits)
+            logits = logits[:, :self.config.vocab_size] if tp.rank == 0 else logits
         return logits if hidden is None else (logits, hidden)
 
     def prepare_projections(self, quantization: str) -> None:

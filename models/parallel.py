@@ -12,6 +12,12 @@ query heads and of the KV heads (so its KV cache holds only its own heads) and
   ``ceil(V/N)`` rows; a lookup is summed over ranks (one rank holds each token's
   row, the others add zeros: exact), the logits are gathered on rank 0.
 
+A mixture of experts splits each expert (and Qwen2-MoE's shared expert) as a dense MLP:
+every rank keeps ``1/N`` of each expert's intermediate features and runs the same routing
+(the router is whole on every rank); the experts block's output, its experts' partial sums
+weighted and added, is all-reduced once. A bias after a row-parallel product (gpt-oss's
+output projection and experts' down projections) is added on rank 0 only.
+
 The split is applied to the dense weights after loading and before
 quantisation (``quant.prepare_projections``), so every rank quantises its own
 slices; 4-bit groups (32 inputs) must not straddle ranks. The fused one-call
@@ -79,13 +85,10 @@ def check_split(config: ModelConfig, world_size: int, quantized: bool) -> None:
     """Raise ``ValueError`` naming the numbers if ``config`` cannot be split ``world_size`` ways."""
     if world_size < 1:
         raise ValueError(f"tensor parallel size must be >= 1, got {world_size}")
-    if config.moe is not None and world_size > 1:
-        raise ValueError(f"tensor parallel does not split {config.architecture}'s experts yet; "
-                         "serve it with --tensor-parallel-size 1")
+    mlps = _mlp_widths(config)
     problems = []
     for what, n in (("query heads", config.num_attention_heads),
-                    ("KV heads", config.num_key_value_heads),
-                    ("MLP features (intermediate_size)", config.intermediate_size)):
+                    ("KV heads", config.num_key_value_heads), *mlps):
         if n % world_size:
             problems.append(f"{n} {what}")
     if problems:
@@ -94,11 +97,24 @@ def check_split(config: ModelConfig, world_size: int, quantized: bool) -> None:
                          f"{config.num_key_value_heads} (the KV heads)")
     if quantized:
         for what, width in (("attention output inputs", config.num_attention_heads * config.head_dim),
-                            ("MLP down inputs", config.intermediate_size)):
+                            *((f"{name} down inputs", n) for name, n in mlps)):
             if (width // world_size) % _QUANT_GROUP:
                 raise ValueError(f"tensor parallel size {world_size} splits the {width} {what} into "
                                  f"slices of {width // world_size}, not whole 4-bit groups of "
                                  f"{_QUANT_GROUP}; use --quantization none")
+
+
+def _mlp_widths(config: ModelConfig) -> list[tuple[str, int]]:
+    """``(what, intermediate features)`` of each kind of MLP the model has."""
+    moe = config.moe
+    if moe is None:
+        return [("MLP features (intermediate_size)", config.intermediate_size)]
+    widths = [("expert features", moe.expert_size)]
+    if moe.shared_expert_size:
+        widths.append(("shared expert features", moe.shared_expert_size))
+    if moe.sparse_layers and not all(moe.sparse_layers):
+        widths.append(("MLP features (intermediate_size)", config.intermediate_size))
+    return widths
 
 
 def local_kv_heads(config: ModelConfig, world_size: int) -> int:
@@ -154,13 +170,20 @@ def shard_model(model: nn.Module, tp: TensorParallel) -> None:
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         _keep_rows(attn.qkv_proj, part.qkv_rows)
-        _keep_cols(attn.o_proj, part.o_cols)
-        _keep_rows(mlp.gate_up_proj, part.gate_up_rows)
-        _keep_cols(mlp.down_proj, part.down_cols)
+        _keep_cols(attn.o_proj, part.o_cols, tp)
+        if attn.sinks is not None:  # (gpt-oss: one per query head)
+            attn.sinks = nn.Parameter(attn.sinks.data[r * hq:(r + 1) * hq].clone(), requires_grad=False)
         attn.num_heads, attn.num_kv_heads = hq, hkv
         attn.q_size, attn.kv_size = hq * d, hkv * d
-        mlp.intermediate_size = inter
         attn.tp = mlp.tp = tp
+        experts = getattr(mlp, "experts", None)  # (models.moe.SparseMoeBlock, which imports this module)
+        if experts is None:
+            _split_mlp(mlp, inter, tp)
+            continue
+        for expert in experts:
+            _split_mlp(expert, expert.intermediate_size // n, tp)
+        if mlp.shared_expert is not None:
+            _split_mlp(mlp.shared_expert, mlp.shared_expert.intermediate_size // n, tp)
     # Vocabulary-parallel embedding and head; a tied head stays tied.
     rows = vocab_rows(cfg.vocab_size, n)
     embed = model.model.embed_tokens
@@ -185,6 +208,15 @@ def embed(embedding: nn.Embedding, ids: torch.Tensor, tp: TensorParallel) -> tor
     return tp.all_reduce(x)
 
 
+def _split_mlp(mlp: nn.Module, inter: int, tp: TensorParallel) -> None:
+    """Keep this rank's ``inter`` of an MLP's intermediate features (gate and up rows, down columns)."""
+    r, full = tp.rank, mlp.intermediate_size
+    rows = torch.cat([torch.arange(r * inter, (r + 1) * inter), full + torch.arange(r * inter, (r + 1) * inter)])
+    _keep_rows(mlp.gate_up_proj, rows)
+    _keep_cols(mlp.down_proj, slice(r * inter, (r + 1) * inter), tp)
+    mlp.intermediate_size = inter
+
+
 def _keep_rows(linear: nn.Linear, rows: torch.Tensor) -> None:
     linear.weight = nn.Parameter(linear.weight.data.index_select(0, rows).contiguous(), requires_grad=False)
     if linear.bias is not None:
@@ -192,9 +224,11 @@ def _keep_rows(linear: nn.Linear, rows: torch.Tensor) -> None:
     linear.out_features = len(rows)
 
 
-def _keep_cols(linear: nn.Linear, cols: slice) -> None:
+def _keep_cols(linear: nn.Linear, cols: slice, tp: TensorParallel) -> None:
     linear.weight = nn.Parameter(linear.weight.data[:, cols].contiguous(), requires_grad=False)
     linear.in_features = linear.weight.shape[1]
+    if linear.bias is not None and tp.rank:  # (the partial products are summed: one rank adds it)
+        linear.bias = nn.Parameter(torch.zeros_like(linear.bias), requires_grad=False)
 
 
 def _vocab_slice(weight: torch.Tensor, rank: int, rows: int) -> torch.Tensor:

@@ -107,15 +107,36 @@ def test_a_tokens_expert_output_does_not_depend_on_the_tokens_sharing_its_expert
     assert torch.equal(block(x[37:])[5], together[42])
 
 
-def test_moe_refuses_tensor_parallel_and_lora_adapters(moe_checkpoint, tmp_path):
+def test_moe_refuses_lora_adapters_and_splits_that_cut_an_expert(moe_checkpoint, tmp_path):
     from models.lora import load_adapter
     from models.parallel import check_split
 
-    config = load_model(str(moe_checkpoint("mixtral")[0]), dtype="float32", device="cpu").config
-    with pytest.raises(ValueError, match="tensor parallel does not split MixtralForCausalLM's experts"):
-        check_split(config, 2, quantized=False)
+    config = load_model(str(moe_checkpoint("qwen2moe")[0]), dtype="float32", device="cpu").config
+    with pytest.raises(ValueError, match="does not divide the model's 4 query heads and 2 KV heads and 32 expert features and 64 shared"):
+        check_split(config, 3, quantized=False)
+    # 2 ranks: 16 expert features each, half a 4-bit group
+    with pytest.raises(ValueError, match="splits the 32 expert features down inputs into slices of 16"):
+        check_split(config, 2, quantized=True)
+    check_split(config, 2, quantized=False)
     with pytest.raises(ValueError, match="runs no LoRA adapters yet"):
         load_adapter("a", tmp_path, config, torch.float32, torch.device("cpu"))
+
+
+# Qwen2-MoE: its shared expert and its dense layer split too; gpt-oss: its sinks split by head,
+# its output and experts' down biases added once; w4a8: every rank quantises its experts' slices.
+@pytest.mark.parametrize("arch, quantization, overrides", [
+    ("qwen2moe", "none", {}), ("gptoss", "w4a8", {"intermediate_size": 64, "swiglu_limit": 7.0})])
+def test_two_ranks_compute_the_whole_moes_logits(tmp_path, arch, quantization, overrides):
+    from tests.models.test_parallel import run_ranks
+
+    path = tmp_path / arch
+    tiny_moe(arch, **overrides).save_pretrained(path)
+    save_tiny_tokenizer(path)
+    whole = run_ranks(1, path, quantization, tmp_path / "whole.pt")
+    split = run_ranks(2, path, quantization, tmp_path / "split.pt")
+    assert split.shape == whole.shape == (23, 128)
+    torch.testing.assert_close(split, whole, rtol=0, atol=1e-5)
+    assert torch.equal(split.argmax(-1), whole.argmax(-1))
 
 
 # --- GGUF: llama.cpp's stacked expert tensors ---------------------------------------------
