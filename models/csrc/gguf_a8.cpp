@@ -16,9 +16,14 @@
 //           of the v-th holds, at bits 2t, those of byte b of lane i of code vector 4v + t, as
 //           load_codes<8> gives them); a record of 80 floats per tile and 256 inputs, D[16] then
 //           int8 sc[8][2][16]. 6.75 bits a weight, against Q6_K's 6.56.
+//   MX4, NL4: 4-bit indices into a table of 16 int8 values (MXFP4's E2M1 values doubled; IQ4_NL's
+//           and IQ4_XS's codebook) in G4's layout, and a float32 d per row and 32 inputs
+//           ([tiles, K/32, 16]): 5 bits a weight, against MXFP4's 4.25 and IQ4_NL's 4.5. The
+//           kernel looks the bytes up (vpshufb) as u = value + 128, then as S16 with c = 128.
 // Per group, with the dots s_h = sum(u qx) of each half h and qs_h = sum(qx) (grouped_rows.h):
 //   K:   y += d * (dx_1 (s_1 - c qs_1) + dx_0 (s_0 - c qs_0)) + (c d + m) * sum(x)   (c: 8, 16)
 //   S16: y += d_0 * (dx_0 (s_0 - 32 qs_0)) + d_1 * (dx_1 (s_1 - 32 qs_1))
+//   L4:  y += d * (dx_1 (s_1 - 128 qs_1) + dx_0 (s_0 - 128 qs_0))
 // s_h - c qs_h = sum((u - c) qx) is an integer below 2^24, exact in float; so the rounding of
 // x meets the centred codes, as in grouped_gemm.cpp. A row's result does not depend on the
 // rows beside it, and the plain C++ gives the vector code's bits (the same operations in order).
@@ -170,6 +175,100 @@ void tile_rows_k_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, 
   }
 }
 
+// The 16 table values of an L4 format as bytes u = value + 128.
+struct Lut16 {
+  alignas(16) uint8_t u[16];
+};
+
+Lut16 lut_of(int64_t format) {
+  static constexpr int8_t kMx[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+  static constexpr int8_t kNl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+  Lut16 t;
+  for (int i = 0; i < 16; ++i) t.u[i] = static_cast<uint8_t>((format == kA8MX4 ? kMx[i] : kNl[i]) + 128);
+  return t;
+}
+
+#if defined(KVSERVE_V16_INT8) && defined(KVSERVE_V16_LUT)
+// Up to R rows of int8 x against one 16-row tile of an L4 format.
+template <int R>
+KVSERVE_ALWAYS_INLINE void tile_rows_l4(float* y, int64_t ys, const QuantizedRows& xq, int64_t r0, int64_t groups,
+                                        const uint8_t* codes, const float* scales, int64_t valid, const Lut16& lut) {
+  constexpr int64_t kGroupBytes = kTile * kGroup / 2;
+  const V16i table = v16i_bcast16(lut.u);
+  V16 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = v16_zero();
+  for (int64_t g = 0; g < groups; ++g) {
+    V16i w[8];
+    load_codes<4>(codes + g * kGroupBytes, w);
+    for (int j = 0; j < 8; ++j) w[j] = v16i_lut16(table, w[j]);
+    const V16 d = v16_load(scales + g * 16);
+    const int64_t first = g * xq.rows + r0;
+    const int8_t* qx = xq.q.data() + first * kGroup;
+    const float* dx = xq.d.data() + first * 2;
+    const int32_t* qs = xq.qs.data() + first * 2;
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      V16i s0, s1;
+      group_dots<8, (R >= kVnniRows)>(s0, s1, w, qx + r * kGroup);
+      const V16 c0 = v16_from_int(s0) - v16_set1(128.0f * static_cast<float>(qs[2 * r]));
+      const V16 c1 = v16_from_int(s1) - v16_set1(128.0f * static_cast<float>(qs[2 * r + 1]));
+      const V16 t = v16_fmadd(c1, v16_set1(dx[2 * r + 1]), c0 * v16_set1(dx[2 * r]));
+      acc[r] = v16_fmadd(d, t, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) v16_store_n(y + r * ys, acc[r], static_cast<int>(valid));
+}
+#endif
+
+// The same arithmetic one output at a time.
+void tile_rows_l4_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, int64_t r0, int64_t groups,
+                        const uint8_t* codes, const float* scales, int64_t valid, const Lut16& lut) {
+  constexpr int64_t kGroupBytes = kTile * kGroup / 2;
+  for (int r = 0; r < rows; ++r) {
+    for (int i = 0; i < valid; ++i) {
+      float acc = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t gr = g * xq.rows + r0 + r;
+        float c[2];
+        for (int h = 0; h < 2; ++h) {
+          int32_t dot = 0;
+          for (int k = 16 * h; k < 16 * h + 16; ++k)
+            dot += lut.u[code_at<4>(codes + g * kGroupBytes, i, k)] * xq.q[gr * kGroup + k];
+          c[h] = static_cast<float>(dot) - 128.0f * static_cast<float>(xq.qs[2 * gr + h]);
+        }
+        const float p0 = c[0] * xq.d[2 * gr];
+        const float t = std::fma(c[1], xq.d[2 * gr + 1], p0);
+        acc = std::fma(scales[g * 16 + i], t, acc);
+      }
+      y[r * ys + i] = acc;
+    }
+  }
+}
+
+void run_l4(at::Tensor& y, const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& scales,
+            int64_t groups, bool plain, int64_t format) {
+  constexpr int64_t kGroupBytes = kTile * kGroup / 2;
+  const Lut16 lut = lut_of(format);
+  const int64_t tiles = codes.size(0), ys = y.stride(0);
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+#if !defined(KVSERVE_V16_INT8) || !defined(KVSERVE_V16_LUT)
+  plain = true;
+#endif
+  for_each_tile_chunk(y.size(0), kRowsInt8, tiles, y.size(1), [&](int64_t t, int64_t r0, int r, int64_t valid) {
+    float* out = yp + r0 * ys + t * kTile;
+    const uint8_t* c = cp + t * groups * kGroupBytes;
+    const float* s = sp + t * groups * 16;
+    if (plain) return tile_rows_l4_plain(r, out, ys, xq, r0, groups, c, s, valid, lut);
+#if defined(KVSERVE_V16_INT8) && defined(KVSERVE_V16_LUT)
+    with_rows<kRowsInt8>(r, [&](auto n) {
+      tile_rows_l4<decltype(n)::value>(out, ys, xq, r0, groups, c, s, valid, lut);
+    });
+#endif
+  });
+}
+
 template <int kBits, bool kSym>
 void run_k(at::Tensor& y, const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& scales,
            int64_t groups, bool plain) {
@@ -211,7 +310,7 @@ void gguf_a8_linear(at::Tensor& out, const at::Tensor& x, const std::vector<at::
     const at::Tensor& codes = parts[2 * i];
     const at::Tensor& scales = parts[2 * i + 1];
     const int64_t format = formats[i];
-    TORCH_CHECK(format >= kA8G4 && format <= kA8S16, "unknown format ", format);
+    TORCH_CHECK(format >= kA8G4 && format <= kA8NL4, "unknown format ", format);
     TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 4 &&
                     codes.size(1) == groups, "segment ", i, ": codes must be uint8 [tiles, K/32, ., 64]");
     const int64_t rows = std::min(codes.size(0) * kTile, n - start);
@@ -219,6 +318,16 @@ void gguf_a8_linear(at::Tensor& out, const at::Tensor& x, const std::vector<at::
     at::Tensor y = out.narrow(1, start, rows);
     if (format == kA8G4 || format == kA8G8) {
       grouped_linear(y, x, codes, scales, true, plain);
+    } else if (format == kA8MX4 || format == kA8NL4) {
+      TORCH_CHECK(codes.size(2) == 4 && codes.size(3) == 64, "segment ", i, ": codes of the wrong width");
+      TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
+                      scales.numel() == codes.size(0) * groups * kTile,
+                  "segment ", i, ": scales must be float32 [tiles, K/32, 16]");
+      if (!quantized) {
+        xq = quantize_rows(x.data_ptr<float>(), x.size(0), x.stride(0), groups, 0.0f, x.size(0));
+        quantized = true;
+      }
+      run_l4(y, xq, codes, scales, groups, plain, format);
     } else {
       TORCH_CHECK(k % (kGroup * kSuper) == 0, "K must be whole super-blocks of 256");
       TORCH_CHECK(codes.size(2) == (format == kA8K4 ? 4 : format == kA8K8 ? 8 : 6) && codes.size(3) == 64,

@@ -318,6 +318,8 @@ struct TileRows {
 bool a8_fits(int64_t type, int64_t format, int& shift) {
   shift = format == kA8G8 ? 128 : format == kA8S16 ? 32 : 0;
   switch (format) {
+    case kA8MX4: return type == kMXFP4;  // (the codes are table indices: no shift)
+    case kA8NL4: return type == kIQ4_NL || type == kIQ4_XS;
     case kA8G4: return type == kQ4_0 || type == kQ4_1;
     case kA8G8: return type == kQ8_0 || type == kQ5_0 || type == kIQ4_NL || type == kMXFP4;  // (m - 128 d exact)
     case kA8K4: return type == kQ4_K;
@@ -482,10 +484,19 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
   const int64_t block_bytes = in.block_bytes, per_block = in.per_block, k = in.k, groups = k / 32, tiles = in.tiles;
   int shift;
   TORCH_CHECK(a8_fits(type, format, shift), "GGUF type ", type, " has no int8-activation format ", format);
-  const bool compact = format >= kA8K4, sym = format == kA8S16;
-  const bool nibbles = format == kA8G4 || format == kA8K4 || sym;  // (S16: the low plane, then the high bits)
+  const bool sym = format == kA8S16, compact = format == kA8K4 || format == kA8K8 || sym;
+  const bool lut = format == kA8MX4 || format == kA8NL4;
+  // (S16: the low plane, then the high bits; L4: table indices)
+  const bool nibbles = format == kA8G4 || format == kA8K4 || sym || lut;
   const int64_t code_bytes = format == kA8S16 ? 384 : nibbles ? 256 : 512, record = sym ? 80 : 96;
-  const int64_t scale_floats = compact ? tiles * (groups / 8) * record : tiles * groups * 32;
+  const int64_t scale_floats = compact ? tiles * (groups / 8) * record : tiles * groups * (lut ? 16 : 32);
+  // L4: each table value's index (MXFP4's two zeros: the first)
+  int index_of[256];
+  std::fill(index_of, index_of + 256, -1);
+  if (lut) {
+    const int8_t* table = format == kA8MX4 ? kMxfp4Values : kIq4Values;
+    for (int i = 15; i >= 0; --i) index_of[static_cast<uint8_t>(table[i])] = i;
+  }
   TORCH_CHECK(codes.is_contiguous() && codes.numel() == tiles * groups * code_bytes && codes.element_size() == 1,
               "codes must hold ", tiles * groups * code_bytes, " bytes");
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == scale_floats,
@@ -502,7 +513,10 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
       t.decode(in, tile, 0);
       for (int64_t g = 0; g < groups; ++g) {
         uint8_t* c = cp + (tile * groups + g) * code_bytes;
-        const auto u = [&](int o, int in) { return static_cast<uint8_t>(t.q[o * k + 32 * g + in] + shift); };
+        const auto u = [&](int o, int in) {
+          const int8_t q = t.q[o * k + 32 * g + in];
+          return static_cast<uint8_t>(lut ? std::max(0, index_of[static_cast<uint8_t>(q)]) : q + shift);  // (a zero row: 0)
+        };
         for (int j = 0; j < (nibbles ? 4 : 8); ++j)
           for (int o = 0; o < 16; ++o)
             for (int b = 0; b < 4; ++b)
@@ -522,6 +536,15 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
               }
         }
         if (compact) continue;
+        if (lut) {  // one d per 32 inputs, no m
+          float* s = sp + (tile * groups + g) * 16;
+          for (int o = 0; o < 16; ++o) {
+            const int64_t at = o * (k / 16) + 2 * g;
+            s[o] = t.d[at];
+            if (t.d[at + 1] != t.d[at] || t.m[at] != 0.0f || t.m[at + 1] != 0.0f) exact = false;
+          }
+          continue;
+        }
         float* s = sp + (tile * groups + g) * 32;
         for (int o = 0; o < 16; ++o) {
           const float dd = t.d[o * (k / 16) + 2 * g], mm = t.m[o * (k / 16) + 2 * g];

@@ -128,6 +128,13 @@ inline V16i v16i_maddubs(V16i u, V16i x) { return {_mm512_maddubs_epi16(u.v, x.v
 inline V16i v16i_add16(V16i a, V16i b) { return {_mm512_add_epi16(a.v, b.v)}; }
 // Per 32-bit lane the sum of its two int16 lanes.
 inline V16i v16i_widen_pairs(V16i a) { return {_mm512_madd_epi16(a.v, _mm512_set1_epi16(1))}; }
+#define KVSERVE_V16_LUT 1
+// Each byte of idx (0..15) looked up in the 16 bytes of its 128-bit lane of table (vpshufb).
+inline V16i v16i_lut16(V16i table, V16i idx) { return {_mm512_shuffle_epi8(table.v, idx.v)}; }
+// The 16 bytes at p in every 128-bit lane.
+inline V16i v16i_bcast16(const void* p) {
+  return {_mm512_broadcast_i32x4(_mm_loadu_si128(static_cast<const __m128i*>(p)))};
+}
 #endif
 inline V16 v16_from_int(V16i a) { return {_mm512_cvtepi32_ps(a.v)}; }
 inline V16 v16_as_float(V16i a) { return {_mm512_castsi512_ps(a.v)}; }
@@ -244,6 +251,14 @@ inline V16i v16i_add16(V16i a, V16i b) { return {_mm256_add_epi16(a.lo, b.lo), _
 inline V16i v16i_widen_pairs(V16i a) {
   const __m256i ones = _mm256_set1_epi16(1);
   return {_mm256_madd_epi16(a.lo, ones), _mm256_madd_epi16(a.hi, ones)};
+}
+#define KVSERVE_V16_LUT 1
+inline V16i v16i_lut16(V16i table, V16i idx) {
+  return {_mm256_shuffle_epi8(table.lo, idx.lo), _mm256_shuffle_epi8(table.hi, idx.hi)};
+}
+inline V16i v16i_bcast16(const void* p) {
+  const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+  return {v, v};
 }
 #if defined(KVSERVE_V16_VNNI)
 // s += per 32-bit lane the dot of u's 4 unsigned bytes with the 4 signed bytes at p (vpdpbusd).

@@ -30,13 +30,14 @@ def _gemms(gen: torch.Generator) -> dict[str, torch.Tensor]:
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(9, k, generator=gen).to(dtype)
             out[f"dense {dtype} 9x{k}x{n}"] = ops.dense_linear(x, pack_dense(w.to(dtype)), n)
-    # a GGUF file's codes on the int8-activation GEMMs, each K-quant format (csrc/gguf_a8.cpp)
+    # a GGUF file's codes on the int8-activation GEMMs, each K-quant format and each table of
+    # 4-bit indices (csrc/gguf_a8.cpp)
     from gguf import GGMLQuantizationType
 
     from models.gguf_native import a8_projection
     from models.gguf_quants import random_blocks
     from models.gguf_reader import GGUFTensor
-    for i, type_name in enumerate(("Q4_K", "Q5_K", "Q6_K", "Q3_K")):
+    for i, type_name in enumerate(("Q4_K", "Q5_K", "Q6_K", "Q3_K", "MXFP4", "IQ4_XS")):
         raw = random_blocks(type_name, (48, 512), i, one_scale=True)
         linear = a8_projection(None, [GGUFTensor("t", int(GGMLQuantizationType[type_name]), (512, 48), raw)], [None])
         for rows in (1, 7, 37):
@@ -70,6 +71,12 @@ def _attention(gen: torch.Generator) -> dict[str, torch.Tensor]:
             out[f"decode softcap {key}"] = ops.decode_attention(q, *caches, tables, lens, 96, head_dim ** -0.5, 0, 2.0)
             out[f"prefill softcap {key}"] = ops.prefill_attention(qp, None, None, *caches, tables, [5, 19], [37, 96],
                                                                   head_dim ** -0.5, 0, 2.0)
+            # gpt-oss's sinks, a logit per head
+            sinks = torch.randn(heads, generator=gen)
+            out[f"decode sinks {key}"] = ops.decode_attention(q, *caches, tables, lens, 96, head_dim ** -0.5, 0, 0.0,
+                                                              sinks)
+            out[f"prefill sinks {key}"] = ops.prefill_attention(qp, None, None, *caches, tables, [5, 19], [37, 96],
+                                                                head_dim ** -0.5, 0, 0.0, sinks)
     return out
 
 
