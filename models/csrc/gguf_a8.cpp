@@ -78,6 +78,16 @@ KVSERVE_ALWAYS_INLINE void load_group(const uint8_t* group, V16i* w) {
 }
 
 #if defined(KVSERVE_V16_INT8)
+// Asks for the codes kPrefetchGroups groups past `group` (the next tile's, past the last of
+// this one: a thread's tiles follow each other in memory). On a 2-core EPYC (Zen 4) the
+// 1.5B's decode step of 16 sequences took 119.7 / 125.8 / 124.0 ms with it against 134.0 /
+// 137.9 / 137.6 without (builds alternating); one sequence's did not move beyond the noise.
+constexpr int64_t kPrefetchGroups = 16;
+template <int64_t kGroupBytes>
+KVSERVE_ALWAYS_INLINE void prefetch_ahead(const uint8_t* group) {
+  for (int64_t b = 0; b < kGroupBytes; b += 64) __builtin_prefetch(group + kPrefetchGroups * kGroupBytes + b);
+}
+
 // Up to R rows of int8 x against one 16-row tile of a K or S16 format.
 template <int kBits, bool kSym, int R>
 KVSERVE_ALWAYS_INLINE void tile_rows_k(float* y, int64_t ys, const QuantizedRows& xq, int64_t r0, int64_t groups,
@@ -98,6 +108,7 @@ KVSERVE_ALWAYS_INLINE void tile_rows_k(float* y, int64_t ys, const QuantizedRows
       sub = reinterpret_cast<const int8_t*>(rec + (kSym ? 16 : 32));
     }
     V16i w[8];
+    prefetch_ahead<kGroupBytes>(codes + g * kGroupBytes);
     load_group<kBits>(codes + g * kGroupBytes, w);
     V16 d0, d1, off;
     if constexpr (kSym) {
@@ -199,6 +210,7 @@ KVSERVE_ALWAYS_INLINE void tile_rows_l4(float* y, int64_t ys, const QuantizedRow
   for (int r = 0; r < R; ++r) acc[r] = v16_zero();
   for (int64_t g = 0; g < groups; ++g) {
     V16i w[8];
+    prefetch_ahead<kGroupBytes>(codes + g * kGroupBytes);
     load_codes<4>(codes + g * kGroupBytes, w);
     for (int j = 0; j < 8; ++j) w[j] = v16i_lut16(table, w[j]);
     const V16 d = v16_load(scales + g * 16);
