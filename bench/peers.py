@@ -250,15 +250,22 @@ def read_bandwidth(gib: int = 1, runs: int = 5) -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def weight_bytes_per_token(gguf: Path) -> int:
-    """Bytes of a GGUF file's weights a decode step reads: every tensor but the embedding
-    (one row per token), which a tied head reads whole."""
+def weight_bytes_per_token(gguf: Path, active: bool = True) -> int:
+    """Bytes of a GGUF file's weights a decode step of one token reads: every tensor but the
+    embedding (one row per token), which a tied head reads whole; a mixture of experts'
+    stacked experts (``*_exps``) at the share a token routes to (``expert_used_count`` of
+    ``expert_count``), unless ``active`` is False (every byte)."""
+    from models.gguf_loader import field_value
     from models.gguf_reader import read_gguf
 
     reader = read_gguf(gguf)
     names = {t.name for t in reader.tensors}
     tied = "output.weight" not in names
-    return sum(t.data.nbytes for t in reader.tensors if t.name != "token_embd.weight" or tied)
+    arch = field_value(reader, "general.architecture")
+    count, used = field_value(reader, f"{arch}.expert_count"), field_value(reader, f"{arch}.expert_used_count")
+    share = used / count if active and count and used else 1.0
+    return round(sum(t.data.nbytes * (share if "_exps." in t.name else 1.0)
+                     for t in reader.tensors if t.name != "token_embd.weight" or tied))
 
 
 def kvserve_weight_bytes(log: Path) -> int | None:
@@ -282,8 +289,9 @@ def bandwidth_line(bw: dict, servers: Mapping[str, dict]) -> str:
         rate = nbytes / (first["tpot_ms"]["mean"] / 1e3) / 1e9
         parts.append(f"{name} {nbytes / 1e9:.2f} GB a token in {first['tpot_ms']['mean']:.1f} ms: "
                      f"{rate:.1f} GB/s, {rate / bw['gb_s']:.0%}")
-    return (f"Decode bandwidth at one stream (weight bytes read per output token / mean TPOT, against the "
-            f"machine's {bw['gb_s']:.1f} GB/s: `torch.sum` over 1 GiB, all threads): " + "; ".join(parts) + ".")
+    experts = " (the experts counted at the share of them a token routes to)" if bw.get("experts_share") else ""
+    return (f"Decode bandwidth at one stream (weight bytes read per output token{experts} / mean TPOT, against "
+            f"the machine's {bw['gb_s']:.1f} GB/s: `torch.sum` over 1 GiB, all threads): " + "; ".join(parts) + ".")
 
 
 def resolve_bench_model(name: str | None) -> Path:
@@ -390,8 +398,11 @@ def main(argv: list[str] | None = None) -> int:
         peers["vLLM-CPU"] = measure("vLLM-CPU", vllm_cpu.server_argv(vllm_py, model, port), port,
                                     "/health", levels, num_prompts, logs / f"vllm-cpu-{stamp}.log",
                                     env=vllm_cpu.server_env(), **lengths)
+    active, whole = weight_bytes_per_token(gguf), weight_bytes_per_token(gguf, active=False)
+    kv_bytes = kvserve_weight_bytes(kv_log)  # (its formats' whole size: scaled as the file's to a token's share)
     meta["bandwidth"] = {"gb_s": round(read_bandwidth(), 1),
-                         "bytes": {"kvserve": kvserve_weight_bytes(kv_log), "llama.cpp": weight_bytes_per_token(gguf)}}
+                         "bytes": {"kvserve": kv_bytes and round(kv_bytes * active / whole), "llama.cpp": active},
+                         "experts_share": active < whole}
     args.results_dir.mkdir(parents=True, exist_ok=True)
     offline = (run_offline(args.results_dir / f"offline-{stamp}{suffix}.json", args.quick)
                if args.with_transformers else None)

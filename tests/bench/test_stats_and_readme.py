@@ -145,3 +145,19 @@ def test_peers_markdown_names_the_path_kvserve_ran_and_its_environment(tmp_path)
     from bench.peers import path_switches
 
     assert path_switches({"KVSERVE_AMX": "force", "KVSERVE_API_KEY": "secret", "HOME": "/x"}) == {"KVSERVE_AMX": "force"}
+
+
+def test_a_tokens_weight_bytes_count_a_mixture_of_experts_at_its_routed_share(tmp_path, monkeypatch) -> None:
+    # 8 experts, top-2: a decode of one token reads a quarter of the stacked experts' bytes.
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "models"))  # (the GGUF writers' helpers)
+    from bench.peers import weight_bytes_per_token
+    from models.gguf_reader import read_gguf
+    from tests.models.test_moe import tiny_moe, write_moe_gguf
+
+    path = write_moe_gguf(tmp_path / "mixtral.gguf", tiny_moe("mixtral"), "mixtral")
+    tensors = read_gguf(path).tensors
+    experts = sum(t.data.nbytes for t in tensors if "_exps." in t.name)
+    rest = sum(t.data.nbytes for t in tensors if "_exps." not in t.name and t.name != "token_embd.weight")
+    assert experts > 0
+    assert weight_bytes_per_token(path, active=False) == rest + experts
+    assert weight_bytes_per_token(path) == round(rest + experts * 2 / 8)
