@@ -250,11 +250,11 @@ def read_bandwidth(gib: int = 1, runs: int = 5) -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def weight_bytes_per_token(gguf: Path, active: bool = True) -> int:
-    """Bytes of a GGUF file's weights a decode step of one token reads: every tensor but the
-    embedding (one row per token), which a tied head reads whole; a mixture of experts'
-    stacked experts (``*_exps``) at the share a token routes to (``expert_used_count`` of
-    ``expert_count``), unless ``active`` is False (every byte)."""
+def weight_bytes_per_token(gguf: Path) -> tuple[int, int]:
+    """Bytes of a GGUF file's weights a decode step of one token reads, and every byte of them:
+    every tensor but the embedding (one row per token), which a tied head reads whole; in
+    the first figure a mixture of experts' stacked experts (``*_exps``) at the share a token
+    routes to (``expert_used_count`` of ``expert_count``)."""
     from models.gguf_loader import field_value
     from models.gguf_reader import read_gguf
 
@@ -263,9 +263,10 @@ def weight_bytes_per_token(gguf: Path, active: bool = True) -> int:
     tied = "output.weight" not in names
     arch = field_value(reader, "general.architecture")
     count, used = field_value(reader, f"{arch}.expert_count"), field_value(reader, f"{arch}.expert_used_count")
-    share = used / count if active and count and used else 1.0
-    return round(sum(t.data.nbytes * (share if "_exps." in t.name else 1.0)
-                     for t in reader.tensors if t.name != "token_embd.weight" or tied))
+    share = used / count if count and used else 1.0
+    read = [t for t in reader.tensors if t.name != "token_embd.weight" or tied]
+    return (round(sum(t.data.nbytes * (share if "_exps." in t.name else 1.0) for t in read)),
+            sum(t.data.nbytes for t in read))
 
 
 def kvserve_weight_bytes(log: Path) -> int | None:
@@ -398,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         peers["vLLM-CPU"] = measure("vLLM-CPU", vllm_cpu.server_argv(vllm_py, model, port), port,
                                     "/health", levels, num_prompts, logs / f"vllm-cpu-{stamp}.log",
                                     env=vllm_cpu.server_env(), **lengths)
-    active, whole = weight_bytes_per_token(gguf), weight_bytes_per_token(gguf, active=False)
+    active, whole = weight_bytes_per_token(gguf)
     kv_bytes = kvserve_weight_bytes(kv_log)  # (its formats' whole size: scaled as the file's to a token's share)
     meta["bandwidth"] = {"gb_s": round(read_bandwidth(), 1),
                          "bytes": {"kvserve": kv_bytes and round(kv_bytes * active / whole), "llama.cpp": active},

@@ -145,14 +145,20 @@ def rank_slices(cfg: ModelConfig, tp: TensorParallel) -> RankSlices:
     d = cfg.head_dim
     hq, hkv = cfg.num_attention_heads // n, cfg.num_key_value_heads // n
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    inter = cfg.intermediate_size // n
     # qkv rows: [q heads | k heads | v heads]; this rank's heads of each.
     qkv_rows = torch.cat([torch.arange(r * hq * d, (r + 1) * hq * d),
                           q + torch.arange(r * hkv * d, (r + 1) * hkv * d),
                           q + kv + torch.arange(r * hkv * d, (r + 1) * hkv * d)])
-    gate_up_rows = torch.cat([torch.arange(r * inter, (r + 1) * inter),
-                              cfg.intermediate_size + torch.arange(r * inter, (r + 1) * inter)])
-    return RankSlices(qkv_rows, gate_up_rows, slice(r * hq * d, (r + 1) * hq * d), slice(r * inter, (r + 1) * inter))
+    gate_up_rows, down_cols = _feature_slices(cfg.intermediate_size, tp)
+    return RankSlices(qkv_rows, gate_up_rows, slice(r * hq * d, (r + 1) * hq * d), down_cols)
+
+
+def _feature_slices(features: int, tp: TensorParallel) -> tuple[torch.Tensor, slice]:
+    """``tp.rank``'s share of an MLP of ``features`` intermediate features: its rows of
+    ``gate_up_proj`` ([gate | up]) and its columns of ``down_proj``."""
+    inter, r = features // tp.world_size, tp.rank
+    mine = torch.arange(r * inter, (r + 1) * inter)
+    return torch.cat([mine, features + mine]), slice(r * inter, (r + 1) * inter)
 
 
 def shard_model(model: nn.Module, tp: TensorParallel) -> None:
@@ -165,7 +171,6 @@ def shard_model(model: nn.Module, tp: TensorParallel) -> None:
     n, r = tp.world_size, tp.rank
     d = cfg.head_dim
     hq, hkv = cfg.num_attention_heads // n, cfg.num_key_value_heads // n
-    inter = cfg.intermediate_size // n
     part = rank_slices(cfg, tp)
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -178,12 +183,12 @@ def shard_model(model: nn.Module, tp: TensorParallel) -> None:
         attn.tp = mlp.tp = tp
         experts = getattr(mlp, "experts", None)  # (models.moe.SparseMoeBlock, which imports this module)
         if experts is None:
-            _split_mlp(mlp, inter, tp)
+            _split_mlp(mlp, tp)
             continue
         for expert in experts:
-            _split_mlp(expert, expert.intermediate_size // n, tp)
+            _split_mlp(expert, tp)
         if mlp.shared_expert is not None:
-            _split_mlp(mlp.shared_expert, mlp.shared_expert.intermediate_size // n, tp)
+            _split_mlp(mlp.shared_expert, tp)
     # Vocabulary-parallel embedding and head; a tied head stays tied.
     rows = vocab_rows(cfg.vocab_size, n)
     embed = model.model.embed_tokens
@@ -208,13 +213,12 @@ def embed(embedding: nn.Embedding, ids: torch.Tensor, tp: TensorParallel) -> tor
     return tp.all_reduce(x)
 
 
-def _split_mlp(mlp: nn.Module, inter: int, tp: TensorParallel) -> None:
-    """Keep this rank's ``inter`` of an MLP's intermediate features (gate and up rows, down columns)."""
-    r, full = tp.rank, mlp.intermediate_size
-    rows = torch.cat([torch.arange(r * inter, (r + 1) * inter), full + torch.arange(r * inter, (r + 1) * inter)])
+def _split_mlp(mlp: nn.Module, tp: TensorParallel) -> None:
+    """Keep this rank's share of an MLP's intermediate features (gate and up rows, down columns)."""
+    rows, cols = _feature_slices(mlp.intermediate_size, tp)
     _keep_rows(mlp.gate_up_proj, rows)
-    _keep_cols(mlp.down_proj, slice(r * inter, (r + 1) * inter), tp)
-    mlp.intermediate_size = inter
+    _keep_cols(mlp.down_proj, cols, tp)
+    mlp.intermediate_size = cols.stop - cols.start
 
 
 def _keep_rows(linear: nn.Linear, rows: torch.Tensor) -> None:

@@ -29,6 +29,7 @@
 // rows beside it, and the plain C++ gives the vector code's bits (the same operations in order).
 #include <ATen/core/Tensor.h>
 
+#include "gguf_tables.h"
 #include "grouped_gemm.h"
 #include "grouped_rows.h"
 #include "kernels.h"
@@ -192,10 +193,9 @@ struct Lut16 {
 };
 
 Lut16 lut_of(int64_t format) {
-  static constexpr int8_t kMx[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-  static constexpr int8_t kNl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+  const int8_t* values = a8_table(format);
   Lut16 t;
-  for (int i = 0; i < 16; ++i) t.u[i] = static_cast<uint8_t>((format == kA8MX4 ? kMx[i] : kNl[i]) + 128);
+  for (int i = 0; i < 16; ++i) t.u[i] = static_cast<uint8_t>(values[i] + 128);
   return t;
 }
 

@@ -10,6 +10,7 @@
 // where the torch reference took 15 s and 4 GB.
 #include <ATen/core/Tensor.h>
 
+#include "gguf_tables.h"
 #include "kernels.h"
 #include "parallel.h"
 
@@ -28,11 +29,6 @@ enum GgmlType : int64_t {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13,
   kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23, kMXFP4 = 39
 };
-
-constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-// MXFP4's E2M1 values, doubled to integers (llama.cpp's kvalues_mxfp4); the block's E8M0
-// exponent e makes d = 2^(e - 128), the half its value would be.
-constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 // 2^(e - 128) exactly (ggml's GGML_E8M0_TO_FP32_HALF: e < 2 is a subnormal).
 float e8m0_half(uint8_t e) {
@@ -494,7 +490,7 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
   int index_of[256];
   std::fill(index_of, index_of + 256, -1);
   if (lut) {
-    const int8_t* table = format == kA8MX4 ? kMxfp4Values : kIq4Values;
+    const int8_t* table = a8_table(format);
     for (int i = 15; i >= 0; --i) index_of[static_cast<uint8_t>(table[i])] = i;
   }
   TORCH_CHECK(codes.is_contiguous() && codes.numel() == tiles * groups * code_bytes && codes.element_size() == 1,

@@ -17,21 +17,22 @@ from tests.models.test_moe import tiny_moe
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
 
 
+def _checkpoint(tmp_path_factory, arch: str) -> str:
+    path = tmp_path_factory.mktemp("moe") / arch
+    tiny_moe(arch).save_pretrained(path)
+    save_tiny_tokenizer(path)
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def qwen2_moe(tmp_path_factory) -> str:
     """A tiny Qwen2-MoE checkpoint: 8 experts, top-2, a gated shared expert, a dense second layer."""
-    path = tmp_path_factory.mktemp("moe") / "qwen2moe"
-    tiny_moe("qwen2moe").save_pretrained(path)
-    save_tiny_tokenizer(path)
-    return str(path)
+    return _checkpoint(tmp_path_factory, "qwen2moe")
 
 
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("moe") / "gptoss"
-    tiny_moe("gptoss").save_pretrained(path)
-    save_tiny_tokenizer(path)
-    return str(path)
+    return _checkpoint(tmp_path_factory, "gptoss")
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])

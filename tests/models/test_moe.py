@@ -126,12 +126,10 @@ def test_moe_refuses_lora_adapters_and_splits_that_cut_an_expert(moe_checkpoint,
 # its output and experts' down biases added once; w4a8: every rank quantises its experts' slices.
 @pytest.mark.parametrize("arch, quantization, overrides", [
     ("qwen2moe", "none", {}), ("gptoss", "w4a8", {"intermediate_size": 64, "swiglu_limit": 7.0})])
-def test_two_ranks_compute_the_whole_moes_logits(tmp_path, arch, quantization, overrides):
+def test_two_ranks_compute_the_whole_moes_logits(moe_checkpoint, tmp_path, arch, quantization, overrides):
     from tests.models.test_parallel import run_ranks
 
-    path = tmp_path / arch
-    tiny_moe(arch, **overrides).save_pretrained(path)
-    save_tiny_tokenizer(path)
+    path, _ = moe_checkpoint(arch, **overrides)
     whole = run_ranks(1, path, quantization, tmp_path / "whole.pt")
     split = run_ranks(2, path, quantization, tmp_path / "split.pt")
     assert split.shape == whole.shape == (23, 128)
