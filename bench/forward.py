@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     total = args.prompt_len + args.decode_steps + 1
     nblocks = kv_cache.cdiv(total, block)
     kv_dtype = loaded.dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
-    kv = kv_cache.allocate(cfg.num_hidden_layers, nblocks, block, cfg.num_key_value_heads, cfg.head_dim, kv_dtype)
+    kv = kv_cache.allocate_model(cfg, nblocks, block, kv_dtype)
     table = list(range(nblocks))
     ids = torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0))
     t = args.prompt_len

@@ -202,8 +202,7 @@ def path_logprobs(path: tuple, chunks: list[list[int]], ctx: int, model: str = D
         coarsen_activations(loaded.model, span[0])
     cfg = loaded.config
     blocks = kv_cache.cdiv(ctx, BLOCK_SIZE)
-    caches = kv_cache.allocate(cfg.num_hidden_layers, blocks, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim,
-                               getattr(torch, kv_dtype), torch.device("cpu"))
+    caches = kv_cache.allocate_model(cfg, blocks, BLOCK_SIZE, getattr(torch, kv_dtype), torch.device("cpu"))
     meta = build_attention_metadata([SeqSpec(ctx, ctx, list(range(blocks)))], BLOCK_SIZE)
     scored = torch.arange(ctx // 2, ctx - 1)
     positions = torch.arange(ctx)

@@ -36,7 +36,7 @@ from engine.structured import BitmaskFiller, GrammarCompiler
 from engine.validation import RequestLimits
 from engine.workers import WorkerGroup
 from models.chat_template import read_chat_template
-from models.kv_cache import cdiv, kv_layout, resolve_dtype
+from models.kv_cache import cdiv, model_layout, resolve_dtype
 from models.loader import LoadedModel, load_model
 from models.lora import LoRAAdapter
 from models.memory import available_memory
@@ -118,7 +118,7 @@ class LLMEngine:
         tp_size = config.parallel.tensor_parallel_size
         cfg = loaded.config
         layout_len = self.max_model_len  # (the ranks build the same layout from it)
-        self.kv_layout = kv_layout(cfg.layer_windows, cfg.num_hidden_layers, layout_len, config.hybrid_kv_cache)
+        self.kv_layout = model_layout(cfg, layout_len, config.hybrid_kv_cache)
         block_bytes = kv_bytes_per_block(cfg, kv_dtype, config.block_size, tp_size, self.kv_layout)
         free = torch.cuda.mem_get_info(loaded.device)[0] if loaded.device.type == "cuda" else available_memory()
         # Bytes a token takes in every layer (what a short sequence holds in a hybrid cache too).
@@ -217,7 +217,9 @@ class LLMEngine:
                              f"{c.model!r}: its proposals would be other tokens")
         kv_dtype = resolve_dtype(c.kv_cache_dtype, draft.dtype)
         # As many tokens as the target holds in every layer (a hybrid cache's block ids hold fewer layers).
-        blocks = self.num_blocks * self.kv_layout.num_slots // self.model_config.num_hidden_layers
+        cfg = self.model_config
+        holding = len(set(cfg.kv_sources)) if cfg.kv_sources else cfg.num_hidden_layers  # layers with a cache
+        blocks = self.num_blocks * self.kv_layout.num_slots // holding
         logger.info("speculative: draft model %s, %d KV blocks of its own", spec.draft_model, blocks)
         return DraftProposer(draft, blocks, self.block_size, kv_dtype, spec.num_speculative_tokens,
                              self.vocab_size, max_catch_up=self.budget.max_num_batched_tokens)

@@ -12,10 +12,9 @@ from engine.scheduler import SchedulerOutput
 from models import kv_cache
 from models.attention import AttentionMetadata, SeqSpec, build_attention_metadata
 from models.config import ModelConfig
-from models.kv_cache import KVLayout, kv_layout
+from models.kv_cache import KVLayout
 from models.loader import LoadedModel
 from models.lora import LoRAAdapter, LoRABatch
-from models.parallel import local_kv_heads
 
 logger = logging.getLogger(__name__)
 
@@ -23,9 +22,9 @@ logger = logging.getLogger(__name__)
 def kv_bytes_per_block(config: ModelConfig, dtype: torch.dtype, block_size: int, tp_size: int = 1,
                        layout: KVLayout | None = None) -> int:
     """Bytes one block id takes, keys and values (on one of ``tp_size`` ranks): every
-    layer's, or the ``layout``'s slots' (a hybrid cache's group of layers)."""
-    layers = layout.num_slots if layout is not None else config.num_hidden_layers
-    return kv_cache.bytes_per_block(layers, block_size, local_kv_heads(config, tp_size), config.head_dim, dtype)
+    layer's that holds a cache, or the ``layout``'s slots' (a hybrid cache's group of layers)."""
+    layout = layout if layout is not None else kv_cache.model_layout(config, 0, hybrid=False)
+    return kv_cache.block_bytes(layout, kv_cache.model_shapes(config, tp_size), block_size, dtype)
 
 
 @dataclass
@@ -63,7 +62,7 @@ class ModelRunner:
                  peers: StepPeers | None = None, layout: KVLayout | None = None) -> None:
         """``peers``: the other ranks of a tensor-parallel model (each forward is
         sent to them first; they run it alongside). ``layout``: how layers share block
-        ids (``models.kv_cache.kv_layout``; None: one table for every layer)."""
+        ids (``models.kv_cache.model_layout``; None: one table for every layer)."""
         self.model = loaded.model
         self.config = loaded.config
         self.device = loaded.device
@@ -76,12 +75,10 @@ class ModelRunner:
         tp_size = loaded.tp.world_size if loaded.tp is not None else 1
         # Loaded LoRA adapters by the key their requests carry (LLMEngine.install_adapter).
         self.adapters: dict[str, LoRAAdapter] = {}
-        n = self.config.num_hidden_layers
-        self.layout = layout if layout is not None else kv_layout((), n, 0)
-        slots = kv_cache.allocate(self.layout.num_slots, num_blocks, block_size, local_kv_heads(self.config, tp_size),
-                                  self.config.head_dim, self.kv_dtype, self.device)
-        # Layers of different groups share a slot's tensors: their block ids never meet.
-        self.kv_caches = [slots[s] for s in self.layout.layer_slot]
+        self.layout = layout if layout is not None else kv_cache.model_layout(self.config, 0, hybrid=False)
+        # Layers of different groups share a slot's memory: their block ids never meet.
+        self.kv_caches = kv_cache.allocate(self.layout, kv_cache.model_shapes(self.config, tp_size), num_blocks,
+                                           block_size, self.kv_dtype, self.device)
 
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run every scheduled token. Returns each entry's ``num_logits`` rows of logits, in

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig, torchrun_rank
 from engine.model_runner import Chunk, ModelRunner
-from models.kv_cache import kv_layout, resolve_dtype
+from models.kv_cache import model_layout, resolve_dtype
 from models.loader import read_config, resolve_device, resolve_path
 from models.parallel import TensorParallel, check_split
 
@@ -231,7 +231,7 @@ class WorkerGroup:
 
     def set_num_blocks(self, num_blocks: int, max_model_len: int, hybrid: bool) -> None:
         """Tell every rank how many KV blocks to allocate (after each has loaded its slice)
-        and how its layers group (``models.kv_cache.kv_layout``'s last two arguments)."""
+        and how its layers group (``models.kv_cache.model_layout``'s last two arguments)."""
         _broadcast_header(_OP_NUM_BLOCKS, num_blocks, 2, self._device)
         dist.broadcast(torch.tensor([max_model_len, int(hybrid)], dtype=torch.long, device=self._device), src=0)
         self._watchdog.start()
@@ -386,7 +386,7 @@ def run_rank(spec: RankSpec, rank: int) -> None:
         return
     max_model_len, hybrid = shape.tolist()
     cfg = loaded.config
-    layout = kv_layout(cfg.layer_windows, cfg.num_hidden_layers, max_model_len, bool(hybrid))
+    layout = model_layout(cfg, max_model_len, bool(hybrid))
     runner = ModelRunner(loaded, num_blocks, spec.block_size, getattr(torch, spec.kv_cache_dtype), layout=layout)
     for name, path in spec.lora_modules:
         runner.adapters[name] = load_adapter(name, path, loaded.config, loaded.dtype, loaded.device, tp=tp)

@@ -32,7 +32,8 @@ def _layer_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
     layers = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
     # (Gemma's windowed layers keep their window, whatever the context: it names their RoPE base too)
-    if not window or (window >= cfg.get("max_position_embeddings", 0) and arch != "Gemma3ForCausalLM"):
+    if not window or (window >= cfg.get("max_position_embeddings", 0)
+                      and arch not in ("Gemma3ForCausalLM", GEMMA4_ARCHITECTURE)):
         return ()
     if types is not None:
         windowed = [t == "sliding_attention" for t in types]
@@ -102,6 +103,9 @@ class ModelConfig:
     final_logit_softcap: float = 0.0
     # Gemma 4's layer options (models/gemma4_config.py); None: another family.
     gemma4: Gemma4Settings | None = None
+    # Each layer's (KV heads, head size) where some layer's differ from num_key_value_heads and
+    # head_dim (Gemma 4's full layers: global_head_dim 512 beside 256); empty: none differs.
+    layer_attention: tuple[tuple[int, int], ...] = ()
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # each head's query and key are RMS-normalised before RoPE (Qwen3)
@@ -142,13 +146,39 @@ class ModelConfig:
                                    or any(w < 0 for w in self.layer_windows)):
             raise ValueError(f"layer_windows must give each of the {self.num_hidden_layers} layers a window "
                              f">= 0, got {self.layer_windows}")
-        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+        if self.layer_attention and (len(self.layer_attention) != self.num_hidden_layers or any(
+                kv < 1 or self.num_attention_heads % kv or d < 2 or d % 2 for kv, d in self.layer_attention)):
+            raise ValueError(f"layer_attention must give each of the {self.num_hidden_layers} layers KV heads "
+                             f"dividing {self.num_attention_heads} and an even head size, got {self.layer_attention}")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.full_head_dim // 2:
             raise ValueError(f"rope_freqs has {len(self.rope_freq_factors)} factors; the head size "
-                             f"{self.head_dim} needs {self.head_dim // 2}")
+                             f"{self.full_head_dim} needs {self.full_head_dim // 2}")
 
     def layer_window(self, index: int) -> int:
         """Layer ``index``'s sliding window (0: none)."""
         return self.layer_windows[index] if self.layer_windows else 0
+
+    def layer_kv_heads(self, index: int) -> int:
+        """Layer ``index``'s KV heads (its cache's)."""
+        return self.layer_attention[index][0] if self.layer_attention else self.num_key_value_heads
+
+    def layer_head_dim(self, index: int) -> int:
+        """Layer ``index``'s head size (its queries', keys' and values')."""
+        return self.layer_attention[index][1] if self.layer_attention else self.head_dim
+
+    @property
+    def full_head_dim(self) -> int:
+        """The head size of the full-attention layers (the model's RoPE table's; Gemma 4's
+        global_head_dim), head_dim when no layer's differs."""
+        full = [i for i in range(self.num_hidden_layers) if not self.layer_window(i)]
+        return self.layer_head_dim(full[0]) if self.layer_attention and full else self.head_dim
+
+    @property
+    def kv_sources(self) -> tuple[int, ...]:
+        """The layer whose KV cache each layer reads: itself, but in Gemma 4's KV-sharing
+        last layers; empty when every layer reads its own."""
+        return self.gemma4.kv_source if self.gemma4 is not None and self.gemma4.kv_source != tuple(
+            range(self.num_hidden_layers)) else ()
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "ModelConfig":

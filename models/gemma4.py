@@ -15,7 +15,10 @@ What Gemma 4 changes (``ModelConfig`` and its ``gemma4`` settings carry each; re
   cached keys and values of the last earlier layer of their type (and may have an MLP
   twice as wide); with ``attention_k_eq_v`` the full layers' values are their key
   projection (loaded into the value rows);
-* each layer's output is scaled by its ``layer_scalar``; the logits may be soft-capped.
+* each layer's output is scaled by its ``layer_scalar``; the logits may be soft-capped;
+* the full layers have a head size (``global_head_dim``) and may have a KV head count of
+  their own (``ModelConfig.layer_attention``): their caches take their own row shape
+  (``models.kv_cache.allocate``).
 
 Its layers run op by op, on Llama's GEMMs and paged-attention kernels; not with LoRA
 adapters or tensor parallel.
@@ -48,7 +51,9 @@ class Gemma4Attention(Attention):
     """Llama's attention with normed values; a K/V-sharing layer projects queries only."""
 
     def __init__(self, config: ModelConfig, index: int) -> None:
-        super().__init__(config, config.layer_window(index))
+        # (its own head size and KV heads: the full layers' global_head_dim)
+        super().__init__(replace(config, head_dim=config.layer_head_dim(index),
+                                 num_key_value_heads=config.layer_kv_heads(index)), config.layer_window(index))
         assert config.gemma4 is not None
         self.shares_kv = config.gemma4.shares_kv(index)
         if self.shares_kv:
@@ -125,6 +130,14 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
                 settings.per_layer_vocab_size, width, _weight=torch.empty(settings.per_layer_vocab_size, width))
             self.model.per_layer_model_projection = nn.Linear(config.hidden_size, width, bias=False)
             self.model.per_layer_projection_norm = RMSNorm(settings.per_layer_size, config.rms_norm_eps)
+
+    def init_rope(self, max_positions: int) -> None:
+        """The full layers' table at their head size (global_head_dim), the windowed layers'
+        at theirs, by their own base."""
+        cfg, device = self.config, self.model.norm.weight.device
+        self.rope = RotaryEmbedding(replace(cfg, head_dim=cfg.full_head_dim), max_positions, device)
+        self.local_rope = RotaryEmbedding(replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None,
+                                                  rope_freq_factors=None), max_positions, device)
 
     def _per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Each token's input to each layer ``[T, layers, size]``: its row of the per-layer

@@ -2,10 +2,10 @@
 
 ``gemma4_text_config`` rewrites the config into the fields Gemma 3's reading understands
 (one RoPE set per layer type, whole-head rotation) and returns the settings only Gemma 4
-has (``Gemma4Settings``, read by ``models.gemma4``). What kvserve cannot run is a
-``ValueError`` naming it: full-attention layers with a head size or KV head count of their
-own (every published Gemma 4: ``global_head_dim`` 512 beside 256, as KV cache layers of
-one shape cannot hold), the mixture-of-experts block and bidirectional attention.
+has (``Gemma4Settings``, read by ``models.gemma4``), and each layer's KV heads and head size
+(``ModelConfig.layer_attention``: every published Gemma 4's full layers have
+``global_head_dim`` 512 beside the windowed layers' 256). What kvserve cannot run is a
+``ValueError`` naming it: the mixture-of-experts block and bidirectional attention.
 
 No import of ``models.config`` (which imports this module).
 """
@@ -48,23 +48,32 @@ def _refuse_unsupported(cfg: dict[str, Any]) -> None:
     if cfg.get("use_bidirectional_attention"):
         raise ValueError(f"Gemma 4's bidirectional attention (use_bidirectional_attention="
                          f"{cfg['use_bidirectional_attention']!r}) is not supported: kvserve's attention is causal")
-    head_dim, kv_heads = cfg.get("head_dim", 256), cfg.get("num_key_value_heads")
+    if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation {cfg['hidden_activation']!r} is not supported (gelu_pytorch_tanh is)")
+
+
+def _layer_attention(cfg: dict[str, Any], types: list[str]) -> tuple[tuple[int, int], ...]:
+    """Each layer's ``(KV heads, head size)`` as transformers reads them (empty when no
+    layer's differ): a saved ``per_layer_config`` (layer index -> overrides), else the full
+    layers' ``global_head_dim`` (512 unless given) and, with ``attention_k_eq_v``, their
+    ``num_global_key_value_heads``."""
+    head_dim, kv_heads = cfg.get("head_dim", 256), cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     if "per_layer_config" in cfg:
-        overrides = dict((cfg["per_layer_config"] or {}).items())
-    else:  # as transformers reads a config without one: the full layers' global_head_dim (512 unless given)
+        overrides = {int(k): dict(v) for k, v in (cfg["per_layer_config"] or {}).items()}
+    else:
         full = {"head_dim": cfg.get("global_head_dim", 512)}
         if cfg.get("attention_k_eq_v", False) and cfg.get("num_global_key_value_heads") is not None:
             full["num_key_value_heads"] = cfg["num_global_key_value_heads"]
-        overrides = {"full_attention": full}
+        overrides = {i: full for i, kind in enumerate(types) if kind == "full_attention"}
     for layer, o in overrides.items():
-        if o.get("head_dim", head_dim) != head_dim or o.get("num_key_value_heads", kv_heads) != kv_heads:
-            raise ValueError(
-                f"Gemma 4's full-attention layers have a head size or KV head count of their own (layer {layer}: "
-                f"head_dim {o.get('head_dim', head_dim)}, {o.get('num_key_value_heads', kv_heads)} KV heads; the "
-                f"others: {head_dim}, {kv_heads}), which is not supported: kvserve's KV cache gives every layer "
-                "one shape")
-    if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
-        raise ValueError(f"hidden_activation {cfg['hidden_activation']!r} is not supported (gelu_pytorch_tanh is)")
+        other = sorted(set(o) - {"head_dim", "num_key_value_heads"})
+        if other or not 0 <= layer < len(types):
+            raise ValueError(f"Gemma 4's per_layer_config for layer {layer} sets {', '.join(other) or 'a layer'} "
+                             f"kvserve does not read (it reads head_dim and num_key_value_heads of layers 0-"
+                             f"{len(types) - 1})")
+    shapes = tuple((overrides.get(i, {}).get("num_key_value_heads", kv_heads),
+                    overrides.get(i, {}).get("head_dim", head_dim)) for i in range(len(types)))
+    return shapes if len(set(shapes)) > 1 else ()
 
 
 def _kv_sources(types: list[str], shared: int) -> tuple[int, ...]:
@@ -107,12 +116,18 @@ def gemma4_text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, A
     layers, head_dim = cfg["num_hidden_layers"], cfg.get("head_dim", 256)
     types = list(cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention"
                                             for i in range(layers)])
+    shapes = _layer_attention(cfg, types)
+    full_dims = {shapes[i][1] for i in range(layers) if types[i] == "full_attention"} if shapes else {head_dim}
+    if len(full_dims) != 1 or (shapes and len({shapes[i][1] for i in range(layers)
+                                               if types[i] != "full_attention"} - {head_dim})):
+        raise ValueError(f"Gemma 4's layers of one type must share a head size (the windowed ones head_dim "
+                         f"{head_dim}), got {[d for _, d in shapes]}")
     rope = cfg.get("rope_parameters") or {}
     sliding = dict(rope.get("sliding_attention") or {"rope_type": "default", "rope_theta": 10_000.0})
     if sliding.get("rope_type", "default") != "default":
         raise ValueError(f"Gemma 4 sliding-attention rope_type {sliding['rope_type']!r} is not supported (default)")
     theta, factors = _full_rope(rope.get("full_attention") or
-                                {"rope_type": "proportional", "partial_rotary_factor": 0.25}, head_dim)
+                                {"rope_type": "proportional", "partial_rotary_factor": 0.25}, full_dims.pop())
     sources = _kv_sources(types, cfg.get("num_kv_shared_layers", 0))
     wide = cfg.get("use_double_wide_mlp", False)
     inter = cfg["intermediate_size"]
@@ -122,12 +137,13 @@ def gemma4_text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, A
         kv_source=sources,
         values_from_keys=bool(cfg.get("attention_k_eq_v", False)),
         mlp_sizes=tuple(inter * (2 if wide and sources[i] != i else 1) for i in range(layers)))
-    rewritten = {**cfg, "layer_types": types,
+    rewritten = {**cfg, "layer_types": types, "sliding_window": cfg.get("sliding_window", 512),
                  "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": theta},
                                      "sliding_attention": sliding}}
     # Gemma 4's norms scale by w (not 1 + w), and its queries are not scaled (their norm is).
     overrides = dict(attention_scale=1.0, norm_offset=0.0, local_rope_theta=sliding.get("rope_theta", 10_000.0),
                      rope_freq_factors=factors, qk_norm=True,
                      tie_word_embeddings=cfg.get("tie_word_embeddings", True),
-                     final_logit_softcap=cfg.get("final_logit_softcapping") or 0.0, gemma4=settings)
+                     final_logit_softcap=cfg.get("final_logit_softcapping") or 0.0, gemma4=settings,
+                     layer_attention=shapes)
     return rewritten, overrides

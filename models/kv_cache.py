@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import errno
 import mmap
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from models.config import ModelConfig
 
 # Bytes after each int8 row: its float32 scale.
 INT8_SCALE_BYTES = 4
@@ -47,27 +50,61 @@ def row_width(head_dim: int, dtype: torch.dtype) -> int:
     return head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                    dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, keys and values."""
-    itemsize = torch.tensor([], dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * row_width(head_dim, dtype) * itemsize
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
 
 
-def allocate(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+def slot_pages(layout: KVLayout, shapes: Sequence[tuple[int, int]], block_size: int,
+               dtype: torch.dtype) -> list[int]:
+    """Elements one block takes in each slot tensor (keys or values): the largest of its
+    layers' ``block_size * kv_heads * row`` (``shapes``: each layer's ``(kv_heads, head_dim)``;
+    layers of other groups share a slot, and Gemma 4's full and windowed layers differ)."""
+    pages = [0] * layout.num_slots
+    for layer, slot in enumerate(layout.layer_slot):
+        heads, dim = shapes[layer]
+        pages[slot] = max(pages[slot], block_size * heads * row_width(dim, dtype))
+    return pages
+
+
+def block_bytes(layout: KVLayout, shapes: Sequence[tuple[int, int]], block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block id takes across its slots, keys and values."""
+    return 2 * sum(slot_pages(layout, shapes, block_size, dtype)) * _itemsize(dtype)
+
+
+def allocate(layout: KVLayout, shapes: Sequence[tuple[int, int]], num_blocks: int, block_size: int,
              dtype: torch.dtype, device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zeroed ``(k_cache, v_cache)`` per layer.
+    """Zeroed ``(k_cache, v_cache)`` per layer, ``[num_blocks, block_size, kv_heads, row]`` of
+    its ``shapes`` entry; layers of one slot (``layout.layer_slot``) share its memory.
 
-    On the CPU every layer's K and V are views of one mapping of huge pages
-    (``huge_page_zeros``).
+    A slot whose layers differ in shape takes the largest one's bytes a block, and each
+    layer views the start of every block: a tensor whose blocks lie further apart than its
+    rows fill (``stride(0)``; the kernels read that stride). On the CPU the slots are views
+    of one mapping of huge pages (``huge_page_zeros``).
     """
-    shape = (num_blocks, block_size, num_kv_heads, row_width(head_dim, dtype))
-    if torch.device(device).type != "cpu":
-        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                for _ in range(num_layers)]
-    nbytes = num_blocks * bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
-    flat = huge_page_zeros(nbytes).view(dtype).view(2 * num_layers, *shape)
-    return [(flat[2 * i], flat[2 * i + 1]) for i in range(num_layers)]
+    pages = slot_pages(layout, shapes, block_size, dtype)
+    total = 2 * sum(pages) * num_blocks
+    if torch.device(device).type == "cpu":
+        flat = huge_page_zeros(total * _itemsize(dtype)).view(dtype)
+    else:
+        flat = torch.zeros(total, dtype=dtype, device=device)
+    regions, start = [], 0
+    for page in pages:  # each slot's K then V, [num_blocks, page] each
+        regions.append(tuple(flat[start + i * num_blocks * page:start + (i + 1) * num_blocks * page]
+                             .view(num_blocks, page) for i in range(2)))
+        start += 2 * num_blocks * page
+    caches = []
+    for layer, slot in enumerate(layout.layer_slot):
+        heads, dim = shapes[layer]
+        shape = (num_blocks, block_size, heads, row_width(dim, dtype))
+        caches.append(tuple(r[:, :block_size * shape[2] * shape[3]].view(shape) for r in regions[slot]))
+    return caches
+
+
+def paged_layout(cache: torch.Tensor) -> bool:
+    """Whether ``cache`` is as the kernels read it: ``[blocks, block_size, heads, row]`` packed
+    within a block, blocks ``stride(0)`` apart (``allocate``'s tensors)."""
+    return (cache.dim() == 4 and cache.stride(3) == 1 and cache.stride(2) == cache.shape[3]
+            and cache.stride(1) == cache.shape[2] * cache.shape[3] and cache.stride(0) >= cache.shape[1] * cache.stride(1))
 
 
 _MADV_POPULATE_WRITE = 23  # <linux/mman.h>; Python's mmap names it from 3.13 (where the platform has it)
@@ -173,26 +210,55 @@ class KVLayout:
 
 
 def kv_layout(layer_windows: tuple[int, ...], num_layers: int, max_model_len: int,
-              hybrid: bool = True) -> KVLayout:
+              hybrid: bool = True, sources: tuple[int, ...] = ()) -> KVLayout:
     """The grouping of ``num_layers`` layers with these windows (empty: none).
 
     A window of at least ``max_model_len`` sees every position, so its layers group
     with the full ones. Groups hold as many layers as the rarest kind has (vLLM's
     rule): Gemma 3 270M's 3 full and 15 windowed layers make 6 groups of 3.
     ``hybrid=False``: one group of all layers (every block kept for every layer).
+    ``sources``: the layer whose cache each layer reads (Gemma 4's KV-sharing layers read an
+    earlier one's; empty: its own): a layer reading another's holds no cache of its own, and
+    takes its source's group and slot.
     """
-    windows = [w if 0 < w < max_model_len else 0 for w in (layer_windows or (0,) * num_layers)]
-    kinds = sorted(set(windows))
-    if not hybrid or len(kinds) == 1:
-        return KVLayout((kinds[0] if hybrid else 0,), (0,) * num_layers, tuple(range(num_layers)), num_layers)
-    size = min(windows.count(k) for k in kinds)
-    group_windows: list[int] = []
+    sources = sources or tuple(range(num_layers))
+    owners = [i for i in range(num_layers) if sources[i] == i]
+    assert all(sources[sources[i]] == sources[i] for i in range(num_layers)), "a source layer reads its own cache"
+    windows = {i: w if 0 < w < max_model_len else 0 for i, w in enumerate(layer_windows or (0,) * num_layers)}
+    kinds = sorted({windows[i] for i in owners})
     layer_group = [0] * num_layers
     layer_slot = [0] * num_layers
-    for kind in kinds:
-        layers = [i for i, w in enumerate(windows) if w == kind]
-        for start in range(0, len(layers), size):
-            for slot, layer in enumerate(layers[start:start + size]):
-                layer_group[layer], layer_slot[layer] = len(group_windows), slot
-            group_windows.append(kind)
+    if not hybrid or len(kinds) == 1:
+        group_windows, size = [kinds[0] if hybrid else 0], len(owners)
+        for slot, layer in enumerate(owners):
+            layer_slot[layer] = slot
+    else:
+        size = min(sum(windows[i] == k for i in owners) for k in kinds)
+        group_windows = []
+        for kind in kinds:
+            layers = [i for i in owners if windows[i] == kind]
+            for start in range(0, len(layers), size):
+                for slot, layer in enumerate(layers[start:start + size]):
+                    layer_group[layer], layer_slot[layer] = len(group_windows), slot
+                group_windows.append(kind)
+    for i in range(num_layers):
+        layer_group[i], layer_slot[i] = layer_group[sources[i]], layer_slot[sources[i]]
     return KVLayout(tuple(group_windows), tuple(layer_group), tuple(layer_slot), size)
+
+
+def model_layout(config: ModelConfig, max_model_len: int, hybrid: bool = True) -> KVLayout:
+    """``kv_layout`` of a model's windows and cache sources."""
+    return kv_layout(config.layer_windows, config.num_hidden_layers, max_model_len, hybrid, config.kv_sources)
+
+
+def model_shapes(config: ModelConfig, tp_size: int = 1) -> list[tuple[int, int]]:
+    """Each layer's cache ``(kv_heads, head_dim)`` on one of ``tp_size`` ranks (which
+    caches its share of the KV heads)."""
+    return [(config.layer_kv_heads(i) // tp_size, config.layer_head_dim(i)) for i in range(config.num_hidden_layers)]
+
+
+def allocate_model(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                   device: torch.device | str = "cpu", tp_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``allocate`` for a model with one block table for every layer (no hybrid groups)."""
+    return allocate(model_layout(config, 0, hybrid=False), model_shapes(config, tp_size), num_blocks, block_size,
+                    dtype, device)

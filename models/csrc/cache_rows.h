@@ -37,6 +37,20 @@ inline int64_t cache_row(const at::Tensor& cache, int64_t head_dim) {
   return head_dim + (cache.scalar_type() == at::kChar ? kInt8ScaleBytes : 0);
 }
 
+// Elements from one block to the next in a pair of caches [NB, BS, KVH, row]:
+// packed within a block, blocks stride(0) apart (a layer whose rows are
+// smaller than its slot's largest views the start of each block;
+// models/kv_cache.py). K and V alike.
+inline int64_t cache_block_stride(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
+              "K and V caches must be [NB, BS, KVH, row] of one shape and layout");
+  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) &&
+                  k_cache.stride(1) == k_cache.size(2) * k_cache.size(3) &&
+                  k_cache.stride(0) >= k_cache.size(1) * k_cache.stride(1),
+              "caches must be packed within each block");
+  return k_cache.stride(0);
+}
+
 // What a row's values are multiplied by: its stored scale (int8), else 1,
 // which the compiler folds away.
 template <typename C>

@@ -118,7 +118,7 @@ inline void axpy_row(float* acc, float p, const T* v, int64_t n) {
 
 // One sequence's view of the paged caches [num_blocks, block_size, KVH, D].
 struct PagedView {
-  int64_t block_size, token_stride;
+  int64_t block_size, token_stride, block_stride;
   const int64_t* table;
 };
 
@@ -146,14 +146,14 @@ inline void for_each_token(const C* cache, int64_t row_bytes, const PagedView& p
   for (int64_t i = first / pv.block_size, start = i * pv.block_size; start < ctx; start += pv.block_size, ++i) {
     if (i + 1 < blocks) {
       const int64_t n_next = std::min(pv.block_size, ctx - start - pv.block_size);
-      const int64_t next = pv.table[i + 1] * pv.block_size * pv.token_stride + head_offset;
+      const int64_t next = pv.table[i + 1] * pv.block_stride + head_offset;
       const int64_t stride = pv.token_stride * sizeof(C);
       prefetch_rows<3>(reinterpret_cast<const char*>(cache + next), n_next, stride, row_bytes);
       if (also) prefetch_rows<2>(reinterpret_cast<const char*>(also + next), n_next, stride, row_bytes);
     }
     const int64_t n = std::min(pv.block_size, ctx - start);
     const int64_t skip = std::max<int64_t>(first - start, 0);
-    int64_t off = pv.table[i] * pv.block_size * pv.token_stride + head_offset + skip * pv.token_stride;
+    int64_t off = pv.table[i] * pv.block_stride + head_offset + skip * pv.token_stride;
     for (int64_t j = skip; j < n; ++j, off += pv.token_stride) f(start + j, off);
   }
 }
@@ -298,11 +298,11 @@ void attend_group(T* out, const float* qf, const C* kc, const C* vc, const Paged
 }
 
 // The shapes both entry points read, checked: q [N, H, D] with packed heads
-// (rows may be strided), out like q, caches [NB, BS, KVH, row], one block
-// table and context length per sequence, every block a context touches
-// inside the cache.
+// (rows may be strided), out like q, caches [NB, BS, KVH, row] packed within
+// each block (blocks block_stride apart), one block table and context length
+// per sequence, every block a context touches inside the cache.
 struct PagedShapes {
-  int64_t heads, head_dim, block_size, kv_heads, max_blocks;
+  int64_t heads, head_dim, block_size, kv_heads, max_blocks, block_stride;
   const int64_t* tables;
   const int64_t* lens;
 };
@@ -311,7 +311,7 @@ PagedShapes check_paged(const at::Tensor& out, const at::Tensor& q, const at::Te
                         const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& context_lens) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [N, H, D] with packed heads");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous like q");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  const int64_t block_stride = cache_block_stride(k_cache, v_cache);
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must share a dtype");
   TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong && block_tables.dim() == 2,
               "block_tables: int64 [S, max_blocks]");
@@ -330,7 +330,7 @@ PagedShapes check_paged(const at::Tensor& out, const at::Tensor& q, const at::Te
       TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id ", blk, " out of range");
     }
   }
-  return {heads, head_dim, block_size, kv_heads, max_blocks, tables, lens};
+  return {heads, head_dim, block_size, kv_heads, max_blocks, block_stride, tables, lens};
 }
 
 // The caches and shapes every token of a call shares.
@@ -362,7 +362,7 @@ void attend_token(const PagedCall<T, C>& c, int64_t row, int64_t h, const int64_
   qf.resize(group * d);
   const T* src = c.q + row * c.q_stride + h * group * d;
   for (int64_t i = 0; i < group * d; ++i) qf[i] = to_f(src[i]) * c.scale;
-  const PagedView pv{p.block_size, p.kv_heads * row_elems, table};
+  const PagedView pv{p.block_size, p.kv_heads * row_elems, p.block_stride, table};
   T* dst = c.out + (row * p.heads + h * group) * d;
   const float cap = c.softcap;
   const float* sinks = c.sinks ? c.sinks + h * group : nullptr;

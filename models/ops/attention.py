@@ -28,7 +28,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """
     ext = kernels_for(q)
     if (ext is not None and q.stride(2) == 1 and q.stride(1) == q.shape[2]
-            and k_cache.is_contiguous() and v_cache.is_contiguous()):
+            and kv_cache.paged_layout(k_cache) and kv_cache.paged_layout(v_cache)):
         out = q.new_empty(q.shape)
         ext.paged_decode_attention(out, q, k_cache, v_cache, block_tables.contiguous(),
                                    context_lens.contiguous(), scale, window, softcap, sinks)
@@ -75,7 +75,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     """
     ext = kernels_for(q)
     if (ext is not None and q.stride(2) == 1 and q.stride(1) == q.shape[2]
-            and k_cache.is_contiguous() and v_cache.is_contiguous()):
+            and kv_cache.paged_layout(k_cache) and kv_cache.paged_layout(v_cache)):
         out = q.new_empty(q.shape)
         starts = [0]
         for n in query_lens:

@@ -67,7 +67,8 @@ def rotary_and_cache(qkv: torch.Tensor, rotations: torch.Tensor, positions: torc
     head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     ext = kernels_for(qkv)
-    fused = ext is not None and qkv.stride(1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    fused = (ext is not None and qkv.stride(1) == 1 and kv_cache.paged_layout(k_cache)
+             and kv_cache.paged_layout(v_cache))
     if fused:
         ext.rotary_and_cache(qkv, torch.view_as_real(rotations), positions, k_cache, v_cache,
                              slot_mapping, num_heads, num_kv_heads)
@@ -91,11 +92,12 @@ def apply_rotary(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Scatter new keys/values ``[T, kv_heads, head_dim]`` into their slots (in the caches' format)."""
-    num_blocks, block_size, kv_heads, row = k_cache.shape
+    """Scatter new keys/values ``[T, kv_heads, head_dim]`` into their slots (in the caches' format).
+    A cache's blocks may lie further apart than its rows fill (``kv_cache.allocate``)."""
+    block_size = k_cache.shape[1]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
     for cache, x in ((k_cache, k), (v_cache, v)):
-        cache.view(num_blocks * block_size, kv_heads, row).index_copy_(0, slot_mapping,
-                                                                      kv_cache.to_cache_rows(x, cache.dtype))
+        cache.index_put_((blocks, offsets), kv_cache.to_cache_rows(x, cache.dtype))
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

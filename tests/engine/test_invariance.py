@@ -27,7 +27,7 @@ from engine.llm_engine import LLMEngine
 from engine.model_runner import kv_bytes_per_block
 from engine.sampling_params import SamplingParams
 from models import ops
-from models.kv_cache import kv_layout
+from models.kv_cache import model_layout
 from models.loader import load_model
 
 pytestmark = pytest.mark.slow
@@ -138,7 +138,7 @@ def make_engine(model: str, mode, num_blocks: int = 128, **overrides) -> LLMEngi
     import torch
 
     cfg = loaded.config
-    layout = kv_layout(cfg.layer_windows, cfg.num_hidden_layers, MAX_MODEL_LEN, overrides.get("hybrid_kv_cache", True))
+    layout = model_layout(cfg, MAX_MODEL_LEN, overrides.get("hybrid_kv_cache", True))
     budget = num_blocks * kv_bytes_per_block(cfg, getattr(torch, kv_dtype), BLOCK_SIZE, layout=layout)
     settings = dict(dtype=dtype, device="cpu", kv_cache_memory=budget, block_size=BLOCK_SIZE,
                     max_model_len=MAX_MODEL_LEN, kv_cache_dtype=kv_dtype, quantization=quantization,

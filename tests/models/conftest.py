@@ -40,8 +40,7 @@ class PagedRunner:
         dtype = kv_dtype or model.model.norm.weight.dtype
         self.model = model
         self.block_size = block_size
-        self.kv_caches = kv_cache.allocate(cfg.num_hidden_layers, num_blocks, block_size,
-                                           cfg.num_key_value_heads, cfg.head_dim, dtype)
+        self.kv_caches = kv_cache.allocate_model(cfg, num_blocks, block_size, dtype)
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)
 

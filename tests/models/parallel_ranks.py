@@ -22,7 +22,7 @@ from models import kv_cache  # noqa: E402
 from models.attention import SeqSpec, build_attention_metadata  # noqa: E402
 from models.loader import load_model  # noqa: E402
 from models.lora import LoRABatch, load_adapter  # noqa: E402
-from models.parallel import TensorParallel, local_kv_heads  # noqa: E402
+from models.parallel import TensorParallel  # noqa: E402
 
 PROMPT = [(7 * i + 3) % 120 for i in range(21)]
 
@@ -39,8 +39,7 @@ def main() -> None:
     cfg = loaded.config
     adapter = (load_adapter("a", adapter_dir[0], cfg, torch.float32, torch.device("cpu"), tp=tp)
                if adapter_dir else None)
-    caches = kv_cache.allocate(cfg.num_hidden_layers, 8, 16, local_kv_heads(cfg, world), cfg.head_dim,
-                               torch.float32, torch.device("cpu"))
+    caches = kv_cache.allocate_model(cfg, 8, 16, torch.float32, torch.device("cpu"), tp_size=world)
     blocks = [3, 5]
     steps = [(PROMPT, 0), ([11], len(PROMPT)), ([42], len(PROMPT) + 1)]
     logits = []

@@ -183,6 +183,32 @@ def test_attention_sinks_match_dense_attention(window: int, head_dim: int) -> No
         assert_matches_reference(case)
 
 
+def _spaced(cache: torch.Tensor, spare: int) -> torch.Tensor:
+    """``cache``'s values in a tensor whose blocks lie ``spare`` more elements apart, the
+    gaps filled with garbage (how a Gemma 4 windowed layer views the slot it shares with a
+    full layer of twice its head size: ``kv_cache.allocate``)."""
+    blocks = cache.shape[0]
+    page = cache[0].numel()
+    pool = torch.full((blocks, page + spare), float("nan"))
+    spaced = pool[:, :page].view(cache.shape)
+    spaced.copy_(cache)
+    return spaced
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("window", [0, 5])
+def test_caches_with_blocks_spaced_apart_match_dense_attention(window: int, head_dim: int) -> None:
+    # The kernels read a block's place from the cache's stride(0), the cache writes too:
+    # NaN in the gaps reaches the output of any read or write that assumes packed blocks.
+    lengths = [(1, 1), (1, 17), (1, 40), (23, 23), (9, 41)]
+    case = make_case(lengths, 16, 3, head_dim=head_dim, window=window)
+    case.k_cache, case.v_cache = _spaced(case.k_cache, 96), _spaced(case.v_cache, 96)
+    assert case.k_cache.stride(0) > case.k_cache[0].numel() and kv_cache.paged_layout(case.k_cache)
+    assert_matches_reference(case)
+    assert case.k_cache.as_strided((case.k_cache.shape[0], 96), (case.k_cache.stride(0), 1),
+                                   case.k_cache[0].numel()).isnan().all(), "a write landed in a gap"
+
+
 def test_write_kv_stores_each_token_in_its_slot() -> None:
     block_size = 4
     k_cache = torch.zeros(6, block_size, KV_HEADS, HEAD_DIM)

@@ -42,11 +42,12 @@ def test_float_rows_are_a_cast(dtype: torch.dtype) -> None:
 
 def test_sizes_per_dtype() -> None:
     # SmolLM2-135M: 30 layers, 3 KV heads of 64, blocks of 16 tokens.
-    fp16 = kv_cache.bytes_per_block(30, 16, 3, 64, torch.float16)
-    int8 = kv_cache.bytes_per_block(30, 16, 3, 64, torch.int8)
+    layout = kv_cache.kv_layout((), 30, 0)
+    fp16 = kv_cache.block_bytes(layout, [(3, 64)] * 30, 16, torch.float16)
+    int8 = kv_cache.block_bytes(layout, [(3, 64)] * 30, 16, torch.int8)
     assert fp16 == 2 * 30 * 16 * 3 * 64 * 2
     assert int8 == 2 * 30 * 16 * 3 * 68
-    (k, v), = kv_cache.allocate(1, 5, 16, 3, 64, torch.int8)
+    (k, v), = kv_cache.allocate(kv_cache.kv_layout((), 1, 0), [(3, 64)], 5, 16, torch.int8)
     assert k.shape == v.shape == (5, 16, 3, 68) and not k.any()
     assert kv_cache.row_width(64, torch.int8) == 68 and kv_cache.row_width(64, torch.float16) == 64
 
@@ -54,7 +55,7 @@ def test_sizes_per_dtype() -> None:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.int8])
 def test_cpu_caches_are_separate_zeroed_views_that_outlive_the_list(dtype: torch.dtype) -> None:
     layers, shape = 3, (5, 4, 2, kv_cache.row_width(8, dtype))
-    caches = kv_cache.allocate(layers, 5, 4, 2, 8, dtype)
+    caches = kv_cache.allocate(kv_cache.kv_layout((), layers, 0), [(2, 8)] * layers, 5, 4, dtype)
     assert len(caches) == layers
     tensors = [t for pair in caches for t in pair]
     for i, t in enumerate(tensors):
@@ -67,6 +68,34 @@ def test_cpu_caches_are_separate_zeroed_views_that_outlive_the_list(dtype: torch
     for i, t in enumerate(tensors):
         assert (t == i + 1).all()
     assert len({t.data_ptr() for t in tensors}) == 2 * layers
+
+
+def test_layers_of_other_shapes_share_a_slot_without_overlapping() -> None:
+    # Gemma 4's shape: windowed layers of 2 KV heads of 16 beside full ones of 1 head of 64;
+    # the last two layers read layers 2 and 3's caches and hold none.
+    windows, sources = (8, 0) * 3, (0, 1, 2, 3, 2, 3)
+    shapes = [(2, 16), (1, 64)] * 3
+    layout = kv_cache.kv_layout(windows, 6, 64, sources=sources)
+    assert layout.group_windows == (0, 8) and layout.num_slots == 2
+    assert layout.layer_group[4:] == layout.layer_group[2:4] and layout.layer_slot[4:] == layout.layer_slot[2:4]
+    # A block id takes its slots' larger pages (the full layers' 4 tokens of 64), K and V.
+    assert kv_cache.block_bytes(layout, shapes, 4, torch.float32) == 2 * 2 * 4 * 64 * 4
+    caches = kv_cache.allocate(layout, shapes, 3, 4, torch.float32)
+    assert [c[0].data_ptr() for c in caches[4:]] == [c[0].data_ptr() for c in caches[2:4]]  # the sources'
+    (wk, wv), (fk, fv) = caches[0], caches[1]  # one slot: windowed layer 0, full layer 1
+    assert wk.shape == (3, 4, 2, 16) and fk.shape == (3, 4, 1, 64) and wk.stride(0) == fk.stride(0) == 256
+    assert not wk.is_contiguous() and all(kv_cache.paged_layout(t) for t in (wk, wv, fk, fv))
+    # Block 1 of the windowed layer, block 2 of the full one (a block id is one group's at a
+    # time): each write stays in its block id's bytes.
+    wk[1].fill_(1.0)
+    fk[2].fill_(2.0)
+    assert (wk[1] == 1).all() and (fk[2] == 2).all() and not fk[0].any() and not wk[0].any()
+    assert (wk[2] == 2).all()  # (the same bytes: block 2 is the full group's now)
+    assert not wv.any() and not fv.any() and not caches[2][0].any()
+    # Without hybrid groups every layer holding a cache has a slot of its own shape, packed.
+    flat = kv_cache.kv_layout(windows, 6, 64, hybrid=False, sources=sources)
+    assert flat.num_slots == 4 and flat.layer_slot == (0, 1, 2, 3, 2, 3)
+    assert all(t.is_contiguous() for pair in kv_cache.allocate(flat, shapes, 3, 4, torch.float16) for t in pair)
 
 
 def test_huge_page_zeros_is_zeroed_and_writable() -> None:

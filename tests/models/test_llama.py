@@ -204,7 +204,7 @@ FAMILIES = {"qwen3": dict(arch="qwen3"), "phi3-longrope": VARIANTS["phi3-longrop
             # (a per-layer input width of 16: torch's GELU computes a tensor's elements past the last
             # multiple of 16 in a scalar loop, whose last bit differs, and which elements those are
             # moves with the batch; a published model's widths are multiples of 256)
-            "gemma4": dict(arch="gemma4", num_hidden_layers=4, head_dim=16, global_head_dim=16, sliding_window=8,
+            "gemma4": dict(arch="gemma4", num_hidden_layers=4, head_dim=16, global_head_dim=32, sliding_window=8,
                            layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=16,
                            vocab_size_per_layer_input=128, num_kv_shared_layers=2),
             "llama-yarn": dict(arch="llama", rope_scaling={"rope_type": "yarn", "factor": 4.0,
@@ -265,11 +265,12 @@ GEMMA2 = dict(arch="gemma2", head_dim=16, sliding_window=8, query_pre_attn_scala
               attn_logit_softcapping=1.0, final_logit_softcapping=2.0)
 
 
-# Gemma 4: full layers of the windowed ones' head size (global_head_dim, 512 in the published
-# models, refused), proportional RoPE on them (2 of 8 pairs turned), per-layer input
-# embeddings, the last two layers reading layers 2 and 3's K/V with double-wide MLPs,
-# soft-capped logits; and with the full layers' values from their key projection.
-GEMMA4 = dict(arch="gemma4", num_hidden_layers=6, head_dim=16, global_head_dim=16, sliding_window=8,
+# Gemma 4: full layers of twice the windowed ones' head size (global_head_dim: 512 beside 256
+# in the published models), proportional RoPE on them (4 of 16 pairs turned), per-layer
+# input embeddings, the last two layers reading layers 2 and 3's K/V with double-wide MLPs,
+# soft-capped logits; with the full layers' values from their key projection and one KV head
+# (num_global_key_value_heads); and with every layer of one head size.
+GEMMA4 = dict(arch="gemma4", num_hidden_layers=6, head_dim=16, global_head_dim=32, sliding_window=8,
               layer_types=["sliding_attention", "full_attention"] * 3, hidden_size_per_layer_input=8,
               vocab_size_per_layer_input=128, num_kv_shared_layers=2, use_double_wide_mlp=True,
               final_logit_softcapping=3.0)
@@ -280,8 +281,10 @@ GEMMA4 = dict(arch="gemma4", num_hidden_layers=6, head_dim=16, global_head_dim=1
     ({**GEMMA3, "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                     "full_attention": {"rope_type": "linear", "factor": 2.0,
                                                        "rope_theta": 1000000.0}}}, (8, 8, 0)),
-    (GEMMA2, (8, 0, 8)), (GEMMA4, (8, 0) * 3), ({**GEMMA4, "attention_k_eq_v": True}, (8, 0) * 3)],
-    ids=["gemma3", "gemma3-scaled", "gemma2", "gemma4", "gemma4-k-eq-v"])
+    (GEMMA2, (8, 0, 8)), (GEMMA4, (8, 0) * 3),
+    ({**GEMMA4, "attention_k_eq_v": True, "num_global_key_value_heads": 1}, (8, 0) * 3),
+    ({**GEMMA4, "global_head_dim": 16}, (8, 0) * 3)],
+    ids=["gemma3", "gemma3-scaled", "gemma2", "gemma4", "gemma4-k-eq-v", "gemma4-one-head-size"])
 def test_gemma_matches_transformers(tiny_checkpoint, tiny_prompt, make_runner, variant, windows):
     path, reference = tiny_checkpoint(**variant)
     loaded = load_model(str(path), dtype="float32", device="cpu")
@@ -293,15 +296,31 @@ def test_gemma_matches_transformers(tiny_checkpoint, tiny_prompt, make_runner, v
 
 
 @pytest.mark.parametrize("settings, refused", [
-    ({}, "a head size or KV head count of their own"),  # (global_head_dim defaults to 512)
-    ({"global_head_dim": 16, "enable_moe_block": True}, "mixture-of-experts block"),
-    ({"global_head_dim": 16, "use_bidirectional_attention": "all"}, "bidirectional attention")])
+    ({"enable_moe_block": True}, "mixture-of-experts block"),
+    ({"use_bidirectional_attention": "all"}, "bidirectional attention"),
+    ({"per_layer_config": {"1": {"intermediate_size": 8}}}, "layer 1 sets intermediate_size"),
+    ({"per_layer_config": {"0": {"head_dim": 32}}}, "layers of one type must share a head size")])
 def test_gemma4_features_kvserve_lacks_are_errors_naming_them(settings, refused):
     cfg = {"architectures": ["Gemma4ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
            "layer_types": ["sliding_attention", "full_attention"], **settings}
     with pytest.raises(ValueError, match=refused):
         ModelConfig.from_hf(cfg)
+
+
+def test_gemma4_full_layers_take_their_own_head_size_and_kv_heads():
+    # As transformers reads config.json: global_head_dim (512 unless given) for the full layers,
+    # num_global_key_value_heads with attention_k_eq_v only; a saved per_layer_config as it says.
+    cfg = {"architectures": ["Gemma4ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "layer_types": ["sliding_attention", "full_attention"], "num_global_key_value_heads": 1}
+    config = ModelConfig.from_hf(cfg)
+    assert config.layer_attention == ((2, 16), (2, 512)) and config.full_head_dim == 512
+    assert len(config.rope_freq_factors) == 256  # (the full layers' table: 64 pairs turned of 256)
+    assert ModelConfig.from_hf({**cfg, "attention_k_eq_v": True}).layer_attention == ((2, 16), (1, 512))
+    saved = ModelConfig.from_hf({**cfg, "per_layer_config": {"1": {"head_dim": 32, "num_key_value_heads": 4}}})
+    assert (saved.layer_kv_heads(1), saved.layer_head_dim(1), saved.layer_head_dim(0)) == (4, 32, 16)
+    assert ModelConfig.from_hf({**cfg, "global_head_dim": 16}).layer_attention == ()
 
 
 def test_a_gemma2_config_without_layer_types_windows_every_other_layer_from_the_first():

@@ -85,7 +85,7 @@ def test_rotary_and_cache_rotates_q_k_and_fills_the_slots(dtype: torch.dtype, ca
     slots = torch.randperm(8 * 16, generator=torch.Generator().manual_seed(3))[:tokens]
 
     def run():
-        caches = kv_cache.allocate(1, 8, 16, kv_heads, head_dim, cache_dtype)[0]
+        caches = kv_cache.allocate(kv_cache.kv_layout((), 1, 0), [(kv_heads, head_dim)], 8, 16, cache_dtype)[0]
         q, k, v = ops.rotary_and_cache(qkv.clone(), rotations, positions, *caches, slots, heads, kv_heads)
         return q, k, v, caches
 
