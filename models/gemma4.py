@@ -174,9 +174,14 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
 
     def prepare_projections(self, quantization: str) -> None:
         """The decoder's projections as ``quantization`` runs them (``quant.prepare_projections``),
-        and the per-layer input projections in the packed dense GEMM where the kernels run:
-        torch's GEMM gives a row another result in another batch, the packed one does not."""
+        then ``prepare_extras``."""
         prepare_decoder_projections(self, quantization)
+        self.prepare_extras()
+
+    def prepare_extras(self) -> None:
+        """The per-layer input projections in the packed dense GEMM where the kernels run
+        (a GGUF's native paths call this after building the decoder's): torch's GEMM gives a
+        row another result in another batch, the packed one does not."""
         weight = self.model.norm.weight
         if not (ops.kernels_enabled(weight.device) and weight.dtype in DTYPES):
             return

@@ -13,6 +13,7 @@ No import of ``models.config`` (which imports this module).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,3 +148,57 @@ def gemma4_text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, A
                      final_logit_softcap=cfg.get("final_logit_softcapping") or 0.0, gemma4=settings,
                      layer_attention=shapes)
     return rewritten, overrides
+
+
+def gemma4_gguf_config(get: Callable[..., Any], names: set[str], rope_freqs: tuple[float, ...] | None,
+                       per_layer_rows: int | None) -> dict[str, Any]:
+    """A Gemma 4 GGUF file's metadata (``get(key)``: ``gemma4.<key>``) as the config.json
+    ``gemma4_text_config`` reads, as llama.cpp's converter writes it: the full layers' head
+    size in ``attention.key_length`` and the windowed ones' in ``key_length_swa``; KV heads and
+    MLP widths per layer where they differ; the layer pattern as one flag per layer; no
+    ``attn_v`` in a full layer whose values are its keys; the full layers' proportional RoPE
+    as ``rope_freqs`` (1 for a turned pair, 1e30 for the others); norms as they are (w)."""
+    layers, heads = get("block_count"), get("attention.head_count")
+    pattern = get("attention.sliding_window_pattern")
+    if not isinstance(pattern, list) or len(pattern) != layers:
+        raise ValueError(f"a Gemma 4 GGUF gives each layer's kind in gemma4.attention.sliding_window_pattern "
+                         f"({layers} flags), got {pattern!r}")
+    types = ["sliding_attention" if swa else "full_attention" for swa in pattern]
+    full_dim, swa_dim = get("attention.key_length"), get("attention.key_length_swa") or get("attention.key_length")
+    kv = get("attention.head_count_kv") or heads
+    kv = kv if isinstance(kv, list) else [kv] * layers
+    swa_kv = next((kv[i] for i in range(layers) if pattern[i]), kv[0])
+    ff = get("feed_forward_length")
+    ff = ff if isinstance(ff, list) else [ff] * layers
+    shared = get("attention.shared_kv_layers", 0) or 0
+    first_shared = layers - shared
+    wide = any(ff[i] != ff[0] for i in range(layers))
+    if wide and any(ff[i] != ff[0] * (2 if i >= first_shared else 1) for i in range(layers)):
+        raise ValueError(f"Gemma 4 GGUF MLP widths {ff} are not one width with twice it in the KV-sharing layers")
+    full = [i for i in range(layers) if not pattern[i]]
+    k_eq_v = bool(full) and all(f"blk.{i}.attn_v.weight" not in names for i in full if i < first_shared)
+    turned = None
+    if rope_freqs is not None:
+        turned = next((i for i, f in enumerate(rope_freqs) if f != 1.0), len(rope_freqs))
+        if any(f < 1e29 for f in rope_freqs[turned:]):
+            raise ValueError("a Gemma 4 GGUF's rope_freqs must be 1 for its first pairs and 1e30 for the others "
+                             "(llama.cpp's proportional RoPE)")
+    theta = get("rope.freq_base", 1_000_000.0)
+    full_rope = ({"rope_type": "default", "rope_theta": theta} if turned is None else
+                 {"rope_type": "proportional", "partial_rotary_factor": 2 * turned / full_dim, "rope_theta": theta})
+    return {
+        "architectures": [GEMMA4_ARCHITECTURE], "hidden_size": get("embedding_length"), "num_hidden_layers": layers,
+        "intermediate_size": ff[0], "use_double_wide_mlp": wide, "num_attention_heads": heads,
+        "num_key_value_heads": swa_kv, "head_dim": swa_dim,
+        "per_layer_config": {str(i): {"head_dim": full_dim, "num_key_value_heads": kv[i]} for i in full},
+        "attention_k_eq_v": k_eq_v, "layer_types": types, "sliding_window": get("attention.sliding_window", 512),
+        "num_kv_shared_layers": shared, "max_position_embeddings": get("context_length", 131072),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_parameters": {"full_attention": full_rope,
+                            "sliding_attention": {"rope_type": "default",
+                                                  "rope_theta": get("rope.freq_base_swa", 10_000.0)}},
+        "final_logit_softcapping": get("final_logit_softcapping"),
+        "hidden_size_per_layer_input": get("embedding_length_per_layer_input", 0) or 0,
+        "tie_word_embeddings": "output.weight" not in names,
+        **({"vocab_size_per_layer_input": per_layer_rows} if per_layer_rows else {}),
+    }

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from models.config import ModelConfig
+from models.gemma4_config import gemma4_gguf_config
 from models.gguf_quants import SPLIT_TYPES
 from models.gguf_reader import GGMLQuantizationType, GGUFFile, GGUFTensor, read_gguf
 from models.moe_config import GGUF_MOE_ARCHITECTURES, gguf_moe_fields
@@ -21,7 +22,7 @@ SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", *SPLIT_TYPES)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                 "gemma3": "Gemma3ForCausalLM"}
+                 "gemma3": "Gemma3ForCausalLM", "gemma4": "Gemma4ForCausalLM"}
 # Where a family's tensor kinds name other modules than Llama's: Phi-3's ffn_up is its fused
 # gate and up (gate first; models.fused splits it at load); Gemma's ffn_norm is the norm
 # before its MLP, and it has a norm after the attention and after the MLP.
@@ -31,6 +32,9 @@ _ARCH_LAYER_NAMES = {
     "Phi3ForCausalLM": {"ffn_up": "mlp.gate_up_proj"},
     "Gemma2ForCausalLM": _GEMMA_NORMS,
     "Gemma3ForCausalLM": _GEMMA_NORMS,
+    # (Gemma 4's per-layer input: its gate, projection and norm; layer_output_scale: see hf_name)
+    "Gemma4ForCausalLM": {**_GEMMA_NORMS, "inp_gate": "per_layer_input_gate", "proj": "per_layer_projection",
+                          "post_norm": "post_per_layer_input_norm"},
     # (gpt-oss's norm before its experts is llama.cpp's post_attention_norm; sinks: one per head)
     "GptOssForCausalLM": {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"},
 }
@@ -61,6 +65,10 @@ _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    # Gemma 4's per-layer input embeddings
+    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
 }
 
 
@@ -125,6 +133,8 @@ def config_from_gguf(reader: GGUFFile) -> ModelConfig:
     tokens = field_value(reader, "tokenizer.ggml.tokens") or []
     names = {t.name for t in reader.tensors}
     rope = {t.name: _f32_values(t) for t in reader.tensors if t.name in ROPE_TENSORS}
+    if arch == "gemma4":
+        return _gemma4_config(reader, get, names, rope, len(tokens))
     # A sliding window over every layer (llama.cpp writes one for Phi-3-mini-4k); none where
     # it covers the whole context.
     window, layers = get("attention.sliding_window") or 0, get("block_count")
@@ -172,6 +182,17 @@ def config_from_gguf(reader: GGUFFile) -> ModelConfig:
     return replace(config, **gguf_moe_fields(arch, get, names, layers, config.intermediate_size))
 
 
+def _gemma4_config(reader: GGUFFile, get: Any, names: set[str], rope: dict[str, tuple[float, ...]],
+                   tokens: int) -> ModelConfig:
+    """A Gemma 4 file's config, through the config.json reading (``gemma4_gguf_config``)."""
+    rows = next((int(t.shape[1]) for t in reader.tensors if t.name == "per_layer_token_embd.weight"), None)
+    cfg = gemma4_gguf_config(get, names, rope.get("rope_freqs.weight"), rows)
+    eos = [i for i in (field_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")) if i is not None]
+    cfg.update(vocab_size=get("vocab_size") or tokens, bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
+               eos_token_id=list(dict.fromkeys(eos)))
+    return ModelConfig.from_hf(cfg)
+
+
 def _gemma_settings(arch: str, get: Any, hidden: int, heads: int) -> dict[str, Any]:
     """A Gemma 2 or 3 file's ModelConfig fields beyond Llama's, as llama.cpp reads them. Its
     norms hold 1 + w already (llama.cpp's converter added the 1): no norm offset."""
@@ -193,6 +214,8 @@ def hf_name(gguf_name: str, architecture: str | None = None) -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] == "layer_output_scale":
+        return f"model.layers.{parts[1]}.layer_scalar"  # (Gemma 4's: a parameter of its own, no .weight)
     names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(architecture or "", {})}
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"

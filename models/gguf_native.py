@@ -44,6 +44,18 @@ PROJECTIONS = {("self_attn", "qkv_proj"): ("attn_q", "attn_k", "attn_v"),
 KINDS = tuple(k for parts in PROJECTIONS.values() for k in parts)
 
 
+def layer_parts(config: ModelConfig, index: int) -> dict[tuple[str, str], tuple[str, ...]]:
+    """The tensor kinds each projection of layer ``index`` is made of: ``PROJECTIONS``, but
+    in Gemma 4's layers that read another layer's K/V (queries alone) and its full layers
+    whose values are their keys (the key tensor twice: keys, then values)."""
+    g = config.gemma4
+    if g is not None and g.shares_kv(index):
+        return {**PROJECTIONS, ("self_attn", "qkv_proj"): ("attn_q",)}
+    if g is not None and g.values_from_keys and not config.layer_window(index):
+        return {**PROJECTIONS, ("self_attn", "qkv_proj"): ("attn_q", "attn_k", "attn_k")}
+    return PROJECTIONS
+
+
 @dataclass(frozen=True)
 class FileTypes:
     """The GGUF types of a file's projections, per layer (``KINDS`` order), and of its LM head:
@@ -78,7 +90,13 @@ def file_types(reader: GGUFFile) -> FileTypes | None:
     if not splittable(reader) or any(f"blk.0.{k}.weight" not in by_name for k in KINDS):
         return None  # (Phi-3 keeps q, k, v and gate, up fused: such a file runs dequantised)
     count = 1 + max(int(name.split(".")[1]) for name in by_name if name.startswith("blk."))
-    layers = tuple(tuple(by_name[f"blk.{i}.{k}.weight"] for k in KINDS) for i in range(count))
+
+    def kind_type(i: int, kind: str) -> str:
+        # (Gemma 4: a full layer's values are its keys; a K/V-sharing layer may have no K/V of its own)
+        own = by_name.get(f"blk.{i}.{kind}.weight") or (kind == "attn_v" and by_name.get(f"blk.{i}.attn_k.weight"))
+        return own or by_name[f"blk.0.{kind}.weight"]
+
+    layers = tuple(tuple(kind_type(i, k) for k in KINDS) for i in range(count))
     return FileTypes(layers, by_name.get("output.weight", by_name["token_embd.weight"]))
 
 
@@ -246,23 +264,29 @@ def build_model(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, a8: b
     with torch.device("meta"):
         model = model_class(config)(config)
     for i, layer in enumerate(model.model.layers):
-        for (block, proj), kinds in PROJECTIONS.items():
+        for (block, proj), kinds in layer_parts(config, i).items():
             parts = [get(f"blk.{i}.{kind}.weight") for kind in kinds]
             orders = []
-            for kind, t in zip(kinds, parts):
-                heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(kind)
-                orders.append(None if heads is None else rotary_order(int(t.shape[1]), heads, permuted))
+            for j, (kind, t) in enumerate(zip(kinds, parts)):
+                heads = {"attn_q": config.num_attention_heads, "attn_k": config.layer_kv_heads(i)}.get(kind)
+                values = kind in kinds[:j]  # (the key tensor again: the values, in the file's order)
+                orders.append(None if heads is None or values else rotary_order(int(t.shape[1]), heads, permuted))
             bias = getattr(getattr(layer, block), proj).bias is not None
             setattr(getattr(layer, block), proj, make(reader, parts, orders, bias))
     embed = get("token_embd.weight")
     head = tensors.get("output.weight", embed)
     model.lm_head = head_projection(reader, head, a8)
     model.model.embed_tokens = embedding_from(embed, dtype)
-    materialize(model, dtype)
     skip = {"token_embd.weight", "output.weight"} | {
         f"blk.{i}.{k}.weight" for i in range(config.num_hidden_layers) for parts in PROJECTIONS.values()
         for k in parts}
+    if "per_layer_token_embd.weight" in tensors:  # (Gemma 4's per-layer table: as the embedding)
+        model.model.embed_tokens_per_layer = embedding_from(tensors["per_layer_token_embd.weight"], dtype)
+        skip.add("per_layer_token_embd.weight")
+    materialize(model, dtype)
     model.load_weights(iter_gguf_weights(reader, config, skip=skip))
+    if hasattr(model, "prepare_extras"):
+        model.prepare_extras()
     return model
 
 
@@ -287,7 +311,10 @@ def embedding_from(tensor: GGUFTensor, dtype: torch.dtype) -> nn.Module:
     if type_name(tensor) in SPLIT_TYPES:
         return QuantizedEmbedding(type_name(tensor), tensor.data, shape, dtype)
     weight = torch.from_numpy(np.array(dequantize(tensor), dtype=np.float32)).to(dtype)
-    return nn.Embedding(*shape, _weight=weight)
+    embedding = nn.Embedding(*shape, _weight=weight)
+    del embedding.weight  # (a buffer: filled here, not one of the parameters load_weights expects)
+    embedding.register_buffer("weight", weight)
+    return embedding
 
 
 def materialize(model: nn.Module, dtype: torch.dtype) -> None:

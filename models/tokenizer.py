@@ -246,16 +246,17 @@ class Tokenizer:
             pre = field("ggml.pre") or "default"
             backend = _byte_level_backend(tokens, types, field("ggml.merges") or [], pre)
             add_bos_default = _BPE_PRE_TYPES[pre].add_bos
-        elif kind == "llama":
+        elif kind in ("llama", "gemma4"):  # (Gemma 4's: SentencePiece-style, its merges listed)
             backend = _sentencepiece_backend(
                 tokens, types, field("ggml.scores"), field("ggml.unknown_token_id"),
-                add_space_prefix=field("ggml.add_space_prefix", True),
+                add_space_prefix=field("ggml.add_space_prefix", kind == "llama"),
+                merges=field("ggml.merges") if kind == "gemma4" else None,
             )
             add_bos_default = True
         else:
             raise ValueError(
                 f"GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level BPE), "
-                "'llama' (SentencePiece BPE). Use the model's Hugging Face directory instead."
+                "'llama' and 'gemma4' (SentencePiece BPE). Use the model's Hugging Face directory instead."
             )
         eos_ids = [field(f"ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
         return cls(
@@ -421,15 +422,20 @@ def _add_gguf_added_tokens(backend: tokenizers.Tokenizer, tokens: list[str], typ
 
 
 def _sentencepiece_backend(
-    tokens: list[str], types: list[int], scores: list[float] | None, unk_id: int | None, *, add_space_prefix: bool
+    tokens: list[str], types: list[int], scores: list[float] | None, unk_id: int | None, *, add_space_prefix: bool,
+    merges: list[str] | None = None,
 ) -> tokenizers.Tokenizer:
-    if scores is None:
+    """SentencePiece-style BPE: its merges implied by the scores, or (``merges``: Gemma 4's
+    files) listed, then run, as llama.cpp does, within runs of newlines and of other text."""
+    if scores is None and merges is None:
         raise ValueError("GGUF 'llama' tokenizer has no tokenizer.ggml.scores; the file is incomplete")
     vocab = {token: index for index, token in reversed(list(enumerate(tokens)))}
     unk = tokens[unk_id] if unk_id is not None else None
-    backend = tokenizers.Tokenizer(
-        BPE(vocab, _merges_from_scores(tokens, types, scores, vocab), unk_token=unk, byte_fallback=True, fuse_unk=True)
-    )
+    pairs = ([tuple(m.split(" ", 1)) for m in merges] if merges is not None
+             else _merges_from_scores(tokens, types, scores or [], vocab))
+    backend = tokenizers.Tokenizer(BPE(vocab, pairs, unk_token=unk, byte_fallback=True, fuse_unk=True))
+    if merges is not None:
+        backend.pre_tokenizer = pre_tokenizers.Split(Regex("[^\\n]+|[\\n]+"), behavior="isolated")
     # llama.cpp escapes spaces as U+2581 and, with add_space_prefix, prefixes one to every text
     # fragment (also after a special token), which is what a per-segment normalizer does.
     steps = [normalizers.Prepend("\u2581")] if add_space_prefix else []
