@@ -282,6 +282,11 @@ class NativeLinear(nn.Module):
         return cls(segments, parts[0].q.shape[1], sum(rows), bias)
 
     @property
+    def segments(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """``(format, codes, scales)`` of each segment, in row order (what it was made of)."""
+        return [(fmt, self._parts[2 * i], self._parts[2 * i + 1]) for i, fmt in enumerate(self.formats)]
+
+    @property
     def fused_args(self) -> list[torch.Tensor]:
         """The fused layer's arguments for this projection: each segment's codes and
         scales, then the formats."""

@@ -31,6 +31,7 @@ from models.gguf_quants import SPLIT_TYPES, Codes, random_blocks, split
 from models.gguf_reader import GGUFFile, GGUFTensor
 from models.quant import AmxBf16Linear, QuantizedLinear
 from models.registry import model_class
+from models.repack_cache import RepackCache
 from models.rope import interleave_rotary_rows
 
 # GGUF tensor kinds each decoder projection (its block and name) is made of, in row order.
@@ -249,10 +250,12 @@ def projection(reader: GGUFFile | None, tensors: list[GGUFTensor], orders: list[
     return NativeLinear(segments, k, sum(rows), bias)
 
 
-def build_model(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, a8: bool = False) -> nn.Module:
+def build_model(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, a8: bool = False,
+                cache: RepackCache | None = None) -> nn.Module:
     """The model of ``config`` on the CPU, its projections ``NativeLinear``s of the file's codes
-    (``a8``: ``NativeA8Linear``s, the int8-activation GEMMs)."""
+    (``a8``: ``NativeA8Linear``s, the int8-activation GEMMs), from ``cache`` where it has them."""
     make = a8_projection if a8 else projection
+    cached = cache.projection if cache is not None else lambda name, bias, build: build()
     tensors = {t.name: t for t in reader.tensors}
     permuted = config.architecture in PERMUTED_ARCHITECTURES
 
@@ -272,10 +275,12 @@ def build_model(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, a8: b
                 values = kind in kinds[:j]  # (the key tensor again: the values, in the file's order)
                 orders.append(None if heads is None or values else rotary_order(int(t.shape[1]), heads, permuted))
             bias = getattr(getattr(layer, block), proj).bias is not None
-            setattr(getattr(layer, block), proj, make(reader, parts, orders, bias))
+            built = cached(f"blk.{i}.{block}.{proj}", bias,
+                           lambda parts=parts, orders=orders, bias=bias: make(reader, parts, orders, bias))
+            setattr(getattr(layer, block), proj, built)
     embed = get("token_embd.weight")
     head = tensors.get("output.weight", embed)
-    model.lm_head = head_projection(reader, head, a8)
+    model.lm_head = cached("lm_head", False, lambda: head_projection(reader, head, a8))
     model.model.embed_tokens = embedding_from(embed, dtype)
     skip = {"token_embd.weight", "output.weight"} | {
         f"blk.{i}.{k}.weight" for i in range(config.num_hidden_layers) for parts in PROJECTIONS.values()

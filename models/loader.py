@@ -21,12 +21,14 @@ import torch
 
 from models import autotune, catalog, gguf_native, ops
 from models.config import ModelConfig
+from models.gguf_linear import folding
 from models.gguf_loader import config_from_gguf, iter_gguf_weights, open_gguf, projection_type
 from models.memory import available_memory, peak_rss_gb
 from models.moe_loader import a8_ready_moe, build_native_moe, iter_gguf_moe_weights, native_splittable
 from models.parallel import TensorParallel, check_split, shard_model
 from models.quant import prepare_projections
 from models.registry import model_class
+from models.repack_cache import RepackCache
 from models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -214,11 +216,15 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
                     config.architecture, config.num_hidden_layers, str(torch_dtype).removeprefix("torch."),
                     quantization, _path_note(quantization, native, a8), dev)
         if native or a8:
-            model = (build_native_moe if config.moe else gguf_native.build_model)(reader, config, torch_dtype, a8=a8)
+            cache = RepackCache(path, quantization, folding())
+            model = (build_native_moe if config.moe else gguf_native.build_model)(reader, config, torch_dtype, a8=a8,
+                                                                                 cache=cache)
             model.init_rope(max_positions or config.max_position_embeddings)
             model.eval()
-            logger.info("loaded in %.1fs, peak RSS %.2f GB (%s)", time.perf_counter() - t0, peak_rss_gb(),
-                        gguf_native.describe(model))
+            cache.save()
+            logger.info("loaded in %.1fs, peak RSS %.2f GB (%s)%s", time.perf_counter() - t0, peak_rss_gb(),
+                        gguf_native.describe(model),
+                        f"; {cache.hits} projections mapped from {cache.file}" if cache.hits else "")
             return LoadedModel(model, tokenizer, config, path, torch_dtype, dev, None)
         with torch.device("meta"):
             model = model_class(config)(config)

@@ -32,6 +32,7 @@ from models.gguf_quants import SPLIT_TYPES
 from models.gguf_reader import GGUFFile, GGUFTensor
 from models.moe import MoEForCausalLM, SparseMoeBlock
 from models.registry import model_class
+from models.repack_cache import RepackCache
 
 # GGUF tensor kind -> the experts' projection each slice fills.
 EXPERT_KINDS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
@@ -117,10 +118,13 @@ def _expert(stacked: GGUFTensor, e: int) -> GGUFTensor:
                       stacked.offset + e * data.nbytes)
 
 
-def build_native_moe(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, a8: bool = False) -> MoEForCausalLM:
+def build_native_moe(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, a8: bool = False,
+                     cache: RepackCache | None = None) -> MoEForCausalLM:
     """The MoE model of ``config`` on the CPU, every projection a ``NativeLinear`` of the file's codes
-    (``a8``: a ``NativeA8Linear``, the int8-activation GEMMs; ``a8_ready_moe`` checks first)."""
+    (``a8``: a ``NativeA8Linear``, the int8-activation GEMMs; ``a8_ready_moe`` checks first), from
+    ``cache`` where it has them."""
     make = a8_projection if a8 else projection
+    cached = cache.projection if cache is not None else lambda name, bias, build: build()
     tensors = {t.name: t for t in reader.tensors}
     permuted = config.architecture in PERMUTED_ARCHITECTURES
     used: set[str] = set()
@@ -135,7 +139,8 @@ def build_native_moe(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, 
     def native(module: nn.Module, proj: str, parts: list[GGUFTensor], orders: list | None = None,
                owner: GGUFFile | None = reader) -> None:
         bias = getattr(module, proj).bias is not None
-        setattr(module, proj, make(owner, parts, orders or [None] * len(parts), bias))
+        name = "+".join(t.name for t in parts) + f"#{proj}"  # (an expert's parts: slices named by the expert)
+        setattr(module, proj, cached(name, bias, lambda: make(owner, parts, orders or [None] * len(parts), bias)))
 
     with torch.device("meta"):
         model = model_class(config)(config)
@@ -159,11 +164,11 @@ def build_native_moe(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, 
             native(mlp.shared_expert, "gate_up_proj", [get(i, "ffn_gate_shexp"), get(i, "ffn_up_shexp")])
             native(mlp.shared_expert, "down_proj", [get(i, "ffn_down_shexp")])
     embed = tensors["token_embd.weight"]
-    model.lm_head = head_projection(reader, tensors.get("output.weight", embed), a8)
+    model.lm_head = cached("lm_head", False, lambda: head_projection(reader, tensors.get("output.weight", embed), a8))
     model.model.embed_tokens = embedding_from(embed, dtype)
     materialize(model, dtype)
-    # (the head is codes or w8a16 codes; the embedding floats only where its type is not split)
-    skip = used | {"output.weight"} | ({"token_embd.weight"} if type_name(embed) in SPLIT_TYPES else set())
+    # (the head is codes or w8a16 codes; the embedding the file's blocks, or its floats: embedding_from)
+    skip = used | {"output.weight", "token_embd.weight"}
     model.load_weights(iter_gguf_moe_weights(reader, config, skip=skip))
     model.pack_routers()
     return model

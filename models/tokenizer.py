@@ -392,12 +392,12 @@ def _byte_level_backend(tokens: list[str], types: list[int], merges: list[str], 
         raise ValueError(f"GGUF pre-tokenizer type {pre!r} is not supported; supported: {sorted(_BPE_PRE_TYPES)}")
     pre_type = _BPE_PRE_TYPES[pre]
     byte_to_char = _byte_to_char()
-    alphabet = set(byte_to_char.values())
+    outside = _outside_alphabet(tuple(sorted(byte_to_char.values())))
     vocab: dict[str, int] = {}
     for index, (token, token_type) in enumerate(zip(tokens, types)):
         # Added tokens stay as raw text (that is how they are matched); a normal token outside
         # the byte alphabet is a converter slip, respelled so BPE can still reach it.
-        if token_type not in _ADDED_TYPES and not set(token) <= alphabet:
+        if token_type not in _ADDED_TYPES and outside.search(token):
             token = "".join(byte_to_char[b] for b in token.encode("utf-8"))
         vocab.setdefault(token, index)
     pairs = [tuple(merge.split(" ", 1)) for merge in merges]
@@ -406,6 +406,12 @@ def _byte_level_backend(tokens: list[str], types: list[int], merges: list[str], 
     backend.decoder = decoders.ByteLevel()
     _add_gguf_added_tokens(backend, tokens, types)
     return backend
+
+
+@lru_cache(maxsize=1)
+def _outside_alphabet(alphabet: tuple[str, ...]) -> re.Pattern[str]:
+    """A character not in ``alphabet`` (one search a token: half the time of a set's)."""
+    return re.compile("[^" + re.escape("".join(alphabet)) + "]")
 
 
 def _add_gguf_added_tokens(backend: tokenizers.Tokenizer, tokens: list[str], types: list[int]) -> None:

@@ -1,0 +1,93 @@
+"""The repack cache: a GGUF file's repacked projections written on its first native start and
+mapped on the next, the same bits either way; an entry made from another file or by other
+formats is rebuilt, a damaged one too, and entries whose file is gone are deleted."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from gguf_files import MIXED_TYPES, write_mixed_gguf
+from models import repack_cache
+from models.gguf_linear import NativeA8Linear
+from models.loader import load_model
+from models.ops import build
+
+PROMPT = torch.randint(256, (37,), generator=torch.Generator().manual_seed(5)).tolist()
+TYPES = [MIXED_TYPES[0], {"attn_q": "Q5_K", "attn_k": "Q8_0", "attn_v": "Q5_0", "attn_output": "Q4_0",
+                          "ffn_gate": "Q3_K", "ffn_up": "Q4_1", "ffn_down": "IQ4_NL"}]
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty cache folder that every file, however small, is cached in."""
+    monkeypatch.setenv("KVSERVE_REPACK_CACHE", str(tmp_path / "repacked"))
+    monkeypatch.setattr(repack_cache, "MIN_FILE_BYTES", 0)
+    return tmp_path / "repacked"
+
+
+def _load(path: Path, make_runner) -> tuple[torch.Tensor, list]:
+    model = load_model(str(path), "float32", "cpu", quantization="w4a8").model
+    runner = make_runner(model)
+    projections = [m for m in model.modules() if isinstance(m, NativeA8Linear)]
+    return runner.step([(runner.new_seq(len(PROMPT)), PROMPT)])[0], projections
+
+
+def test_a_second_start_maps_what_the_first_repacked(cache_dir, tmp_path, make_runner, caplog):
+    path = tmp_path / "qwen2.gguf"
+    write_mixed_gguf(path, arch="qwen2", types=TYPES)
+    built, _ = _load(path, make_runner)
+    entries = list(cache_dir.glob("*.safetensors"))
+    assert len(entries) == 1
+    with caplog.at_level(logging.INFO, logger="models.loader"):
+        mapped, projections = _load(path, make_runner)
+    assert f"{len(projections)} projections mapped from {entries[0]}" in caplog.text  # (every one, the head too)
+    assert torch.equal(mapped, built)
+
+    # The file changed (its modification time): rebuilt, and the entry replaced.
+    os.utime(path, ns=(1, 1))
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        again, _ = _load(path, make_runner)
+    assert "repack cache: wrote" in caplog.text and torch.equal(again, built)
+
+    # A damaged entry is set aside with a warning and rebuilt.
+    entries[0].write_bytes(entries[0].read_bytes()[:100])
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        again, _ = _load(path, make_runner)
+    assert "ignoring the repack cache" in caplog.text and "repack cache: wrote" in caplog.text
+    assert torch.equal(again, built)
+
+
+def test_entries_of_files_that_are_gone_are_deleted(cache_dir, tmp_path, make_runner):
+    old, new = tmp_path / "old.gguf", tmp_path / "new.gguf"
+    write_mixed_gguf(old, arch="qwen2", types=TYPES)
+    _load(old, make_runner)
+    old.unlink()
+    write_mixed_gguf(new, arch="qwen2", types=TYPES, seed=1)
+    _load(new, make_runner)
+    assert [p.name.split(".")[0] for p in cache_dir.glob("*.safetensors")] == ["new"]
+
+
+def test_small_files_and_off_are_not_cached(tmp_path, monkeypatch, make_runner):
+    path = tmp_path / "qwen2.gguf"
+    write_mixed_gguf(path, arch="qwen2", types=TYPES)
+    monkeypatch.setenv("KVSERVE_REPACK_CACHE", str(tmp_path / "repacked"))
+    _load(path, make_runner)  # (under MIN_FILE_BYTES)
+    monkeypatch.setattr(repack_cache, "MIN_FILE_BYTES", 0)
+    monkeypatch.setenv("KVSERVE_REPACK_CACHE", "off")
+    _load(path, make_runner)
+    assert not (tmp_path / "repacked").exists()
+
+
+def test_a_kernel_build_is_loaded_as_is_only_when_made_from_these_sources(tmp_path):
+    name, flags = "kvserve_cpu_ops_test", ["-O3"]
+    assert build._load_built(name, tmp_path, flags) is None  # nothing built
+    (tmp_path / f"{name}.so").write_bytes(b"not a library")
+    (tmp_path / build._BUILT_FROM).write_text("another digest -O3")
+    assert build._load_built(name, tmp_path, flags) is None  # built from other sources: rebuilt
