@@ -172,7 +172,7 @@ class LLMEngine:
                                default_max_tokens=default_max_tokens(config, loaded.config))
         self.sampler = Sampler(self.vocab_size)
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
-        self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.vocab_size, sorted(self.eos_token_ids))
+        self.grammars = GrammarCompiler(self.tokenizer.to_json, self.vocab_size, sorted(self.eos_token_ids))
         self._masks = BitmaskFiller(self.vocab_size)
         self.speculator = (Speculator(config.speculative, self.max_model_len, self._proposer(config.speculative, draft))
                            if config.speculative else None)

@@ -9,7 +9,7 @@ later start of the same file maps it instead (no copy: the tensors are views of 
 mapping). An entry is used only if it was made from this file (path, size, modification
 time) by these formats (the kernels' sources, the packing code, the path); any other is
 rebuilt and replaced. Entries whose file is gone are deleted when another is written.
-Files under ``MIN_FILE_BYTES`` are not cached (they repack in a fraction of a second).
+Files under ``MIN_FILE_BYTES`` (128 MiB) are not cached: they repack in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from models.gguf_linear import NativeA8Linear, NativeLinear
 
 logger = logging.getLogger(__name__)
 
-MIN_FILE_BYTES = 256 << 20
+MIN_FILE_BYTES = 128 << 20
 # The Python that decides a projection's formats and layout, beside the kernels' sources.
 _PACKING = [Path(__file__).parent / name for name in ("gguf_linear.py", "gguf_native.py", "gguf_quants.py",
                                                       "moe_loader.py")]

@@ -457,17 +457,19 @@ def _sentencepiece_backend(
 def _merges_from_scores(
     tokens: list[str], types: list[int], scores: list[float], vocab: dict[str, int]
 ) -> list[tuple[str, str]]:
-    """Merges implied by a scored vocabulary: SentencePiece joins the pair whose result scores highest."""
-    ranked = []
+    """Merges implied by a scored vocabulary: SentencePiece joins the pair whose result scores highest
+    (ties: by the parts' ids). Every cut of every token is looked up: 1.0 s for Gemma's 262k."""
+    normal, get = int(TokenType.NORMAL), vocab.get
+    ranked: list[tuple[float, int, int]] = []
     for token, token_type, score in zip(tokens, types, scores):
-        if token_type != TokenType.NORMAL:
+        if token_type != normal:
             continue
         for cut in range(1, len(token)):
-            left, right = token[:cut], token[cut:]
-            if left in vocab and right in vocab:
-                ranked.append((-score, vocab[left], vocab[right], left, right))
+            left = get(token[:cut])
+            if left is not None and (right := get(token[cut:])) is not None:
+                ranked.append((-score, left, right))
     ranked.sort()
-    return [(left, right) for *_, left, right in ranked]
+    return [(tokens[left], tokens[right]) for _, left, right in ranked]
 
 
 # --- Hugging Face directory -----------------------------------------------------
