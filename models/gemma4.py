@@ -16,6 +16,9 @@ What Gemma 4 changes (``ModelConfig`` and its ``gemma4`` settings carry each; re
   twice as wide); with ``attention_k_eq_v`` the full layers' values are their key
   projection (loaded into the value rows);
 * each layer's output is scaled by its ``layer_scalar``; the logits may be soft-capped;
+* the 26B-A4B adds experts beside every layer's MLP (``Gemma4Router``: a softmax over all
+  experts, the k largest renormalised and scaled per expert; the experts' GELU-tanh MLPs
+  run on their tokens as ``models.moe`` runs them, outputs added in ascending expert id);
 * the full layers have a head size (``global_head_dim``) and may have a KV head count of
   their own (``ModelConfig.layer_attention``): their caches take their own row shape
   (``models.kv_cache.allocate``).
@@ -39,7 +42,9 @@ from models.config import ModelConfig
 from models.dense import DTYPES, PackedLinear
 from models.gemma import GemmaDecoderLayer, GemmaForCausalLM, GemmaMLP
 from models.llama import Attention, RMSNorm
-from models.quant import prepare_decoder_projections
+from models.moe import mix_experts
+from models.moe_config import MoESettings
+from models.quant import AmxBf16Linear, QuantizedLinear, prepare_decoder_projections
 from models.rope import RotaryEmbedding, interleave_rotary_rows
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -85,8 +90,37 @@ class Gemma4Attention(Attention):
         return self.o_proj(o.reshape(t, q_size)), (k, v)
 
 
+def _unweighted_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS-normalised rows of ``x`` in float32, no weight (transformers' Gemma 4 arithmetic)."""
+    x = x.float()
+    return x * torch.pow(x.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+
+
+class Gemma4Router(nn.Module):
+    """The 26B-A4B's router: the layer's input normalised (no weight), scaled by ``scale``
+    and hidden_size ** -0.5, projected to one logit per expert; a softmax in float32, the
+    k largest renormalised to sum to 1, each then times its expert's ``per_expert_scale``."""
+
+    def __init__(self, config: ModelConfig, moe: MoESettings) -> None:
+        super().__init__()
+        self.moe, self.eps, self.root = moe, config.rms_norm_eps, config.hidden_size ** -0.5
+        self.proj = nn.Linear(config.hidden_size, moe.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(config.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(moe.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [T, k] float32, experts [T, k])``."""
+        h = (_unweighted_norm(x, self.eps).to(x.dtype) * self.scale * self.root)
+        probs = torch.softmax(self.proj(h).float(), dim=-1)
+        weights, chosen = probs.topk(self.moe.experts_per_token, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale.float()[chosen], chosen
+
+
 class Gemma4DecoderLayer(GemmaDecoderLayer):
-    """Gemma's layer, then its per-layer input's gated projection, all scaled by ``layer_scalar``."""
+    """Gemma's layer, then its per-layer input's gated projection, all scaled by ``layer_scalar``.
+    With experts (the 26B-A4B), the MLP's output and the experts' (on the layer's input,
+    normed apart) are each normed and added before the post-MLP norm."""
 
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__(config, index)
@@ -101,13 +135,26 @@ class Gemma4DecoderLayer(GemmaDecoderLayer):
             self.per_layer_projection = nn.Linear(size, config.hidden_size, bias=False)
             self.post_per_layer_input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layer_scalar = nn.Parameter(torch.ones(1))
+        self.router: Gemma4Router | None = None
+        moe = settings.experts
+        if moe is not None:
+            self.router = Gemma4Router(config, moe)
+            expert = replace(config, intermediate_size=moe.expert_size)
+            self.experts = nn.ModuleList(GemmaMLP(expert) for _ in range(moe.num_experts))
+            for name in ("post_feedforward_layernorm_1", "post_feedforward_layernorm_2", "pre_feedforward_layernorm_2"):
+                setattr(self, name, RMSNorm(config.hidden_size, config.rms_norm_eps))
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor,  # type: ignore[override]
                 meta: AttentionMetadata, kv_cache: KV, per_layer_input: torch.Tensor | None,
                 source: KV | None) -> tuple[torch.Tensor, KV]:
         h, kv = self.self_attn(self.input_layernorm(x), rope, positions, meta, kv_cache, source)
         x = x + self.post_attention_layernorm(h)
-        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        if self.router is not None:
+            weights, chosen = self.router(x)
+            routed, _ = mix_experts(self.experts, self.pre_feedforward_layernorm_2(x), weights, chosen)
+            h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(routed)
+        x = x + self.post_feedforward_layernorm(h)
         if per_layer_input is not None:
             gate = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * per_layer_input
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(gate))
@@ -174,8 +221,20 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
 
     def prepare_projections(self, quantization: str) -> None:
         """The decoder's projections as ``quantization`` runs them (``quant.prepare_projections``),
-        then ``prepare_extras``."""
+        the experts' too (as ``models.moe`` converts them), then ``prepare_extras``."""
         prepare_decoder_projections(self, quantization)
+        packable = ops.kernels_enabled(self.model.norm.weight.device) and self.model.norm.weight.dtype in DTYPES
+        for layer in self.model.layers:
+            for expert in getattr(layer, "experts", ()):
+                for name in ("gate_up_proj", "down_proj"):
+                    linear = getattr(expert, name)
+                    if quantization == "none":
+                        converted = PackedLinear(linear) if packable else linear
+                    elif quantization in ("amx-bf16", "w4a16"):
+                        converted = AmxBf16Linear(linear, quantization)
+                    else:
+                        converted = QuantizedLinear(linear, "int4", quantization == "w4a8")
+                    setattr(expert, name, converted)
         self.prepare_extras()
 
     def prepare_extras(self) -> None:
@@ -185,8 +244,9 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
         weight = self.model.norm.weight
         if not (ops.kernels_enabled(weight.device) and weight.dtype in DTYPES):
             return
-        for module in [self.model, *self.model.layers]:
-            for name in _PER_LAYER_LINEARS:
+        routers = [layer.router for layer in self.model.layers if layer.router is not None]
+        for module in [self.model, *self.model.layers, *routers]:
+            for name in (*_PER_LAYER_LINEARS, "proj"):  # (a router's, which picks the experts)
                 child = getattr(module, name, None)
                 if isinstance(child, nn.Linear):
                     setattr(module, name, PackedLinear(child))
@@ -246,4 +306,6 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
             return [(name, None, interleave_rotary_rows(tensor, 1))]
         if module in ("mlp.gate_proj", "mlp.up_proj"):
             return [(gate_up, 0 if module == "mlp.gate_proj" else inter, tensor)]
+        if module == "experts" and parts[-1] in ("gate_up_proj", "down_proj"):  # stacked [E, out, in]
+            return [(f"{prefix}experts.{e}.{parts[-1]}.weight", None, tensor[e]) for e in range(tensor.shape[0])]
         return [(name, None, tensor)]

@@ -5,7 +5,7 @@
 has (``Gemma4Settings``, read by ``models.gemma4``), and each layer's KV heads and head size
 (``ModelConfig.layer_attention``: every published Gemma 4's full layers have
 ``global_head_dim`` 512 beside the windowed layers' 256). What kvserve cannot run is a
-``ValueError`` naming it: the mixture-of-experts block and bidirectional attention.
+``ValueError`` naming it: bidirectional attention, and a GGUF file of the experts' model.
 
 No import of ``models.config`` (which imports this module).
 """
@@ -16,6 +16,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from models.moe_config import MoESettings
 
 GEMMA4_ARCHITECTURE = "Gemma4ForCausalLM"
 
@@ -36,6 +38,10 @@ class Gemma4Settings:
     values_from_keys: bool
     # Each layer's MLP width: twice intermediate_size in the KV-sharing layers [use_double_wide_mlp].
     mlp_sizes: tuple[int, ...]
+    # The 26B-A4B's experts beside every layer's MLP [enable_moe_block, num_experts,
+    # top_k_experts, moe_intermediate_size]: a softmax over all experts, the k largest
+    # renormalised, then each scaled by its own factor (models.gemma4); None: none.
+    experts: MoESettings | None = None
 
     def shares_kv(self, index: int) -> bool:
         """Whether layer ``index`` reads another layer's keys and values (it has no K/V projection)."""
@@ -44,8 +50,6 @@ class Gemma4Settings:
 
 def _refuse_unsupported(cfg: dict[str, Any]) -> None:
     """A ValueError naming what of Gemma 4 kvserve does not run."""
-    if cfg.get("enable_moe_block"):
-        raise ValueError("Gemma 4's mixture-of-experts block (enable_moe_block, the 26B-A4B model) is not supported")
     if cfg.get("use_bidirectional_attention"):
         raise ValueError(f"Gemma 4's bidirectional attention (use_bidirectional_attention="
                          f"{cfg['use_bidirectional_attention']!r}) is not supported: kvserve's attention is causal")
@@ -137,7 +141,9 @@ def gemma4_text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, A
         per_layer_vocab_size=cfg.get("vocab_size_per_layer_input", cfg["vocab_size"]),
         kv_source=sources,
         values_from_keys=bool(cfg.get("attention_k_eq_v", False)),
-        mlp_sizes=tuple(inter * (2 if wide and sources[i] != i else 1) for i in range(layers)))
+        mlp_sizes=tuple(inter * (2 if wide and sources[i] != i else 1) for i in range(layers)),
+        experts=MoESettings(num_experts=cfg["num_experts"], experts_per_token=cfg["top_k_experts"],
+                            expert_size=cfg["moe_intermediate_size"]) if cfg.get("enable_moe_block") else None)
     rewritten = {**cfg, "layer_types": types, "sliding_window": cfg.get("sliding_window", 512),
                  "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": theta},
                                      "sliding_attention": sliding}}
@@ -159,6 +165,8 @@ def gemma4_gguf_config(get: Callable[..., Any], names: set[str], rope_freqs: tup
     ``attn_v`` in a full layer whose values are its keys; the full layers' proportional RoPE
     as ``rope_freqs`` (1 for a turned pair, 1e30 for the others); norms as they are (w)."""
     layers, heads = get("block_count"), get("attention.head_count")
+    if get("expert_count"):
+        raise ValueError("a Gemma 4 GGUF with experts (the 26B-A4B) is not supported; its checkpoint directory is")
     pattern = get("attention.sliding_window_pattern")
     if not isinstance(pattern, list) or len(pattern) != layers:
         raise ValueError(f"a Gemma 4 GGUF gives each layer's kind in gemma4.attention.sliding_window_pattern "

@@ -93,36 +93,44 @@ class SparseMoeBlock(nn.Module):
         self.tp: TensorParallel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t, k = x.shape[0], self.moe.experts_per_token
         weights, chosen = route(self.gate(x).float(), self.moe)
-        # NOTE: a token's k outputs are added in ascending expert id, from its first: an order
-        # its own choice fixes (not the batch's), and transformers' index_add_ order. Its choices
-        # are put in that order first, so its slots below hold their outputs in it (sorting the
-        # outputs afterwards, a gather of every slot's row, took a third of a decode step's
-        # Python time on the OLMoE shape).
-        chosen, by_id = chosen.sort(dim=1)
-        weights = weights.gather(1, by_id)
-        # Group the step's (token, choice) slots by expert: each expert runs once, on its rows.
-        flat = chosen.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()
+        y, counts = mix_experts(self.experts, x, weights, chosen)
         if self.routed is not None:
             self.routed = [a + b for a, b in zip(self.routed, counts)]
-        tokens = order // k
-        out = x.new_empty(t * k, x.shape[1])
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                rows = self.experts[e](x.index_select(0, tokens[start:start + n]))
-                out.index_copy_(0, order[start:start + n], rows)
-                start += n
-        out = out.view(t, k, -1) * weights.to(x.dtype).unsqueeze(-1)
-        y = out[:, 0]
-        for j in range(1, k):
-            y = y + out[:, j]
         if self.shared_expert is not None:
             y = y + _sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y if self.tp is None else self.tp.all_reduce(y)
+
+
+def mix_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor,
+                chosen: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """Each token's chosen experts (``chosen [T, k]``) run on its row of ``x``, their outputs
+    scaled by ``weights [T, k]`` (float32) and added: ``(y [T, H], tokens per expert)``."""
+    t, k = chosen.shape
+    # NOTE: a token's k outputs are added in ascending expert id, from its first: an order
+    # its own choice fixes (not the batch's), and transformers' index_add_ order. Its choices
+    # are put in that order first, so its slots below hold their outputs in it (sorting the
+    # outputs afterwards, a gather of every slot's row, took a third of a decode step's
+    # Python time on the OLMoE shape).
+    chosen, by_id = chosen.sort(dim=1)
+    weights = weights.gather(1, by_id)
+    # Group the step's (token, choice) slots by expert: each expert runs once, on its rows.
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    tokens = order // k
+    out = x.new_empty(t * k, x.shape[1])
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            rows = experts[e](x.index_select(0, tokens[start:start + n]))
+            out.index_copy_(0, order[start:start + n], rows)
+            start += n
+    out = out.view(t, k, -1) * weights.to(x.dtype).unsqueeze(-1)
+    y = out[:, 0]
+    for j in range(1, k):
+        y = y + out[:, j]
+    return y, counts
 
 
 class ClampedSwiGLUExpert(MLP):

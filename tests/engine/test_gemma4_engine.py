@@ -66,7 +66,7 @@ def test_gemma4_answers_do_not_depend_on_the_batch(gemma4, quantization):
 def test_gemma4_greedy_tokens_are_transformers(gemma4):
     path, reference = gemma4
     engine = LLMEngine(EngineConfig(model=path, dtype="float32", device="cpu", quantization="none",
-                                    max_model_len=128))
+                                    max_model_len=128, kv_cache_dtype="float32"))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     for prompt in _prompts()[1:]:  # (21 to 64 tokens: past the window of 8)
         got = engine.generate([prompt], params, use_tqdm=False)[0][0].token_ids
@@ -83,3 +83,35 @@ def test_a_block_holds_the_full_layers_rows_in_each_slot(gemma4):
     shapes = kv_cache.model_shapes(engine.model_config)
     assert kv_cache.block_bytes(engine.kv_layout, shapes, engine.block_size, torch.float16) == \
         2 * 2 * engine.block_size * max(2 * 16, 1 * 64) * 2
+
+
+@pytest.fixture(scope="module")
+def gemma4_moe(tmp_path_factory) -> tuple[str, torch.nn.Module]:
+    """The 26B-A4B's shape, small: 8 experts (top-2) beside every layer's MLP."""
+    model = tiny_hf_model("gemma4", **{**GEMMA4, "num_kv_shared_layers": 0, "enable_moe_block": True,
+                                       "num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": 32})
+    path = tmp_path_factory.mktemp("gemma4-moe") / "tiny"
+    model.save_pretrained(path)
+    save_tiny_tokenizer(path)
+    return str(path), model
+
+
+@pytest.mark.parametrize("quantization", ["none", "w4a8"])
+def test_gemma4_experts_answer_the_same_in_any_batch(gemma4_moe, quantization):
+    # A token's experts and their sum do not depend on which tokens share them.
+    engine = LLMEngine(EngineConfig(model=gemma4_moe[0], dtype="float32", device="cpu", quantization=quantization,
+                                    max_model_len=128, kv_cache_dtype="float32"))
+    assert engine.model_config.gemma4.experts.num_experts == 8
+    prompts = _prompts()
+    answers = [[(r[0].token_ids, r[0].prompt_logprobs) for r in engine.generate([p], PARAMS, use_tqdm=False)][0]
+               for p in prompts]
+    together = [(r[0].token_ids, r[0].prompt_logprobs) for r in engine.generate(prompts, PARAMS, use_tqdm=False)]
+    assert together == answers
+    if quantization == "none":  # and the greedy tokens are transformers' (a float32 cache: the exact path)
+        reference = gemma4_moe[1]
+        for prompt, (tokens, _) in zip(prompts[1:], answers[1:]):
+            ids = list(prompt)
+            with torch.no_grad():
+                for _ in range(len(tokens)):
+                    ids.append(int(reference(torch.tensor([ids])).logits[0, -1].argmax()))
+            assert tokens == ids[len(prompt):]

@@ -197,3 +197,11 @@ def test_the_gemma4_tokenizer_merges_as_listed_within_newline_runs():
     assert [tokens[i] for i in ids] == ["abc", "\u2581cab", "\n\n", "ab", "<0x21>"]
     assert tok.decode(ids) == "abc cab\n\nab!"
     assert tok.encode("a", add_special_tokens=True)[0] == 2
+
+
+def test_a_gemma4_gguf_with_experts_is_an_error_naming_it():
+    from models.gemma4_config import gemma4_gguf_config
+
+    fields = {"block_count": 2, "attention.head_count": 4, "expert_count": 128}
+    with pytest.raises(ValueError, match="Gemma 4 GGUF with experts"):
+        gemma4_gguf_config(fields.get, set(), None, None)

@@ -207,6 +207,10 @@ FAMILIES = {"qwen3": dict(arch="qwen3"), "phi3-longrope": VARIANTS["phi3-longrop
             "gemma4": dict(arch="gemma4", num_hidden_layers=4, head_dim=16, global_head_dim=32, sliding_window=8,
                            layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=16,
                            vocab_size_per_layer_input=128, num_kv_shared_layers=2),
+            "gemma4-moe": dict(arch="gemma4", num_hidden_layers=2, head_dim=16, global_head_dim=32, sliding_window=8,
+                               layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=16,
+                               vocab_size_per_layer_input=128, enable_moe_block=True, num_experts=8,
+                               top_k_experts=2, moe_intermediate_size=32),
             "llama-yarn": dict(arch="llama", rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                            "original_max_position_embeddings": 16})}
 
@@ -276,6 +280,11 @@ GEMMA4 = dict(arch="gemma4", num_hidden_layers=6, head_dim=16, global_head_dim=3
               final_logit_softcapping=3.0)
 
 
+# The 26B-A4B's experts beside every layer's MLP: 8 experts, top-2, 32 features each (a
+# multiple of 16: see FAMILIES' note on GELU).
+GEMMA4_EXPERTS = dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32)
+
+
 @pytest.mark.parametrize("variant, windows", [
     (GEMMA3, (8, 8, 0)),
     ({**GEMMA3, "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -283,8 +292,8 @@ GEMMA4 = dict(arch="gemma4", num_hidden_layers=6, head_dim=16, global_head_dim=3
                                                        "rope_theta": 1000000.0}}}, (8, 8, 0)),
     (GEMMA2, (8, 0, 8)), (GEMMA4, (8, 0) * 3),
     ({**GEMMA4, "attention_k_eq_v": True, "num_global_key_value_heads": 1}, (8, 0) * 3),
-    ({**GEMMA4, "global_head_dim": 16}, (8, 0) * 3)],
-    ids=["gemma3", "gemma3-scaled", "gemma2", "gemma4", "gemma4-k-eq-v", "gemma4-one-head-size"])
+    ({**GEMMA4, "global_head_dim": 16}, (8, 0) * 3), ({**GEMMA4, **GEMMA4_EXPERTS}, (8, 0) * 3)],
+    ids=["gemma3", "gemma3-scaled", "gemma2", "gemma4", "gemma4-k-eq-v", "gemma4-one-head-size", "gemma4-moe"])
 def test_gemma_matches_transformers(tiny_checkpoint, tiny_prompt, make_runner, variant, windows):
     path, reference = tiny_checkpoint(**variant)
     loaded = load_model(str(path), dtype="float32", device="cpu")
@@ -296,7 +305,6 @@ def test_gemma_matches_transformers(tiny_checkpoint, tiny_prompt, make_runner, v
 
 
 @pytest.mark.parametrize("settings, refused", [
-    ({"enable_moe_block": True}, "mixture-of-experts block"),
     ({"use_bidirectional_attention": "all"}, "bidirectional attention"),
     ({"per_layer_config": {"1": {"intermediate_size": 8}}}, "layer 1 sets intermediate_size"),
     ({"per_layer_config": {"0": {"head_dim": 32}}}, "layers of one type must share a head size")])
