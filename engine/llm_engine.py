@@ -121,6 +121,8 @@ class LLMEngine:
         self.kv_layout = model_layout(cfg, layout_len, config.hybrid_kv_cache)
         block_bytes = kv_bytes_per_block(cfg, kv_dtype, config.block_size, tp_size, self.kv_layout)
         free = torch.cuda.mem_get_info(loaded.device)[0] if loaded.device.type == "cuda" else available_memory()
+        if free is not None and loaded.device.type != "cuda":
+            free = max(0, free - loaded.mapped_bytes)  # (mapped weights: counted available until read)
         # Bytes a token takes in every layer (what a short sequence holds in a hybrid cache too).
         token_bytes = cdiv(kv_bytes_per_block(cfg, kv_dtype, config.block_size, tp_size), config.block_size)
         self.budget = step_budget(config, loaded.device.type, self.max_model_len, token_bytes, free)

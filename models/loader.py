@@ -49,6 +49,9 @@ class LoadedModel:
     device: torch.device
     # This process's slice of a tensor-parallel model (None: the whole model).
     tp: TensorParallel | None = None
+    # Bytes of weights mapped from a file (the repack cache), not yet in memory: the page
+    # cache the OS counts as available now holds them once they are read.
+    mapped_bytes: int = 0
 
 
 def resolve_model_path(name: str) -> Path:
@@ -225,7 +228,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
             logger.info("loaded in %.1fs, peak RSS %.2f GB (%s)%s", time.perf_counter() - t0, peak_rss_gb(),
                         gguf_native.describe(model),
                         f"; {cache.hits} projections mapped from {cache.file}" if cache.hits else "")
-            return LoadedModel(model, tokenizer, config, path, torch_dtype, dev, None)
+            return LoadedModel(model, tokenizer, config, path, torch_dtype, dev, None, cache.mapped_bytes)
         with torch.device("meta"):
             model = model_class(config)(config)
         if dev.type == "cpu":

@@ -65,6 +65,7 @@ class RepackCache:
         self.layouts: dict[str, dict] = {}
         self.built: dict[str, torch.Tensor] = {}
         self.hits = self.misses = 0
+        self.mapped_bytes = 0  # of the projections mapped from the entry
         if self.enabled and self.file.is_file():
             self._open()
 
@@ -89,6 +90,7 @@ class RepackCache:
             cls = NativeA8Linear if layout["a8"] else NativeLinear
             segments = [(fmt, self.stored[f"{name}.{i}.codes"], self.stored[f"{name}.{i}.scales"])
                         for i, fmt in enumerate(layout["formats"])]
+            self.mapped_bytes += sum(t.numel() * t.element_size() for _, c, s in segments for t in (c, s))
             return cls(segments, layout["in"], layout["out"], bias)
         self.misses += 1
         module = build()

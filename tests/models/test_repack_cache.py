@@ -47,6 +47,9 @@ def test_a_second_start_maps_what_the_first_repacked(cache_dir, tmp_path, make_r
         mapped, projections = _load(path, make_runner)
     assert f"{len(projections)} projections mapped from {entries[0]}" in caplog.text  # (every one, the head too)
     assert torch.equal(mapped, built)
+    # The engine sizes the KV cache from the memory available less the mapped weights.
+    codes = sum(t.numel() * t.element_size() for p in projections for _, c, s in p.segments for t in (c, s))
+    assert load_model(str(path), "float32", "cpu", quantization="w4a8").mapped_bytes == codes
 
     # The file changed (its modification time): rebuilt, and the entry replaced.
     os.utime(path, ns=(1, 1))
