@@ -308,4 +308,7 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
             return [(gate_up, 0 if module == "mlp.gate_proj" else inter, tensor)]
         if module == "experts" and parts[-1] in ("gate_up_proj", "down_proj"):  # stacked [E, out, in]
             return [(f"{prefix}experts.{e}.{parts[-1]}.weight", None, tensor[e]) for e in range(tensor.shape[0])]
+        if module == "experts" and parts[-1] in ("gate_proj", "up_proj"):  # (a GGUF's gate and up apart)
+            first = 0 if parts[-1] == "gate_proj" else tensor.shape[1]
+            return [(f"{prefix}experts.{e}.gate_up_proj.weight", first, tensor[e]) for e in range(tensor.shape[0])]
         return [(name, None, tensor)]

@@ -163,10 +163,9 @@ def gemma4_gguf_config(get: Callable[..., Any], names: set[str], rope_freqs: tup
     size in ``attention.key_length`` and the windowed ones' in ``key_length_swa``; KV heads and
     MLP widths per layer where they differ; the layer pattern as one flag per layer; no
     ``attn_v`` in a full layer whose values are its keys; the full layers' proportional RoPE
-    as ``rope_freqs`` (1 for a turned pair, 1e30 for the others); norms as they are (w)."""
+    as ``rope_freqs`` (1 for a turned pair, 1e30 for the others); norms as they are (w); the
+    26B-A4B's ``expert_count``, ``expert_used_count`` and ``expert_feed_forward_length``."""
     layers, heads = get("block_count"), get("attention.head_count")
-    if get("expert_count"):
-        raise ValueError("a Gemma 4 GGUF with experts (the 26B-A4B) is not supported; its checkpoint directory is")
     pattern = get("attention.sliding_window_pattern")
     if not isinstance(pattern, list) or len(pattern) != layers:
         raise ValueError(f"a Gemma 4 GGUF gives each layer's kind in gemma4.attention.sliding_window_pattern "
@@ -209,4 +208,6 @@ def gemma4_gguf_config(get: Callable[..., Any], names: set[str], rope_freqs: tup
         "hidden_size_per_layer_input": get("embedding_length_per_layer_input", 0) or 0,
         "tie_word_embeddings": "output.weight" not in names,
         **({"vocab_size_per_layer_input": per_layer_rows} if per_layer_rows else {}),
+        **({"enable_moe_block": True, "num_experts": get("expert_count"), "top_k_experts": get("expert_used_count"),
+            "moe_intermediate_size": get("expert_feed_forward_length")} if get("expert_count") else {}),
     }

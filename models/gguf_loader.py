@@ -34,7 +34,9 @@ _ARCH_LAYER_NAMES = {
     "Gemma3ForCausalLM": _GEMMA_NORMS,
     # (Gemma 4's per-layer input: its gate, projection and norm; layer_output_scale: see hf_name)
     "Gemma4ForCausalLM": {**_GEMMA_NORMS, "inp_gate": "per_layer_input_gate", "proj": "per_layer_projection",
-                          "post_norm": "post_per_layer_input_norm"},
+                          "post_norm": "post_per_layer_input_norm", "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+                          "post_ffw_norm_1": "post_feedforward_layernorm_1",
+                          "post_ffw_norm_2": "post_feedforward_layernorm_2", "ffn_gate_inp": "router.proj"},
     # (gpt-oss's norm before its experts is llama.cpp's post_attention_norm; sinks: one per head)
     "GptOssForCausalLM": {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"},
 }
@@ -61,6 +63,12 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 4's per-layer parameters without a module's .weight: (kind, suffix) -> HF name.
+_GEMMA4_PARAMETERS = {("layer_output_scale", "weight"): "layer_scalar", ("ffn_gate_inp", "scale"): "router.scale",
+                      ("ffn_down_exps", "scale"): "router.per_expert_scale",
+                      ("ffn_gate_up_exps", "weight"): "experts.gate_up_proj",
+                      ("ffn_gate_exps", "weight"): "experts.gate_proj", ("ffn_up_exps", "weight"): "experts.up_proj",
+                      ("ffn_down_exps", "weight"): "experts.down_proj"}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -214,8 +222,9 @@ def hf_name(gguf_name: str, architecture: str | None = None) -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] == "layer_output_scale":
-        return f"model.layers.{parts[1]}.layer_scalar"  # (Gemma 4's: a parameter of its own, no .weight)
+    if architecture == "Gemma4ForCausalLM" and len(parts) == 4 and (parts[2], parts[3]) in _GEMMA4_PARAMETERS:
+        # (Gemma 4's parameters of their own, no .weight; its stacked experts, split at load)
+        return f"model.layers.{parts[1]}.{_GEMMA4_PARAMETERS[parts[2], parts[3]]}"
     names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(architecture or "", {})}
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"

@@ -43,6 +43,16 @@ PROJECTIONS = {("self_attn", "qkv_proj"): ("attn_q", "attn_k", "attn_v"),
 
 # The projection tensors of a layer, in FileTypes' order.
 KINDS = tuple(k for parts in PROJECTIONS.values() for k in parts)
+# Stacked experts' tensors ``[n_expert, rows, row bytes]`` (Gemma 4's 26B-A4B here; the MoE
+# families': models.moe_loader), gate and up fused or apart.
+EXPERT_KINDS = ("ffn_gate_up_exps", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def expert_slice(stacked: GGUFTensor, e: int) -> GGUFTensor:
+    """Expert ``e``'s matrix of a stacked ``[n_expert, rows, row bytes]`` tensor: its own blocks."""
+    data = stacked.data[e]
+    return GGUFTensor(f"{stacked.name}#{e}", stacked.tensor_type, tuple(stacked.shape[:2]), data,
+                      stacked.offset + e * data.nbytes)
 
 
 def layer_parts(config: ModelConfig, index: int) -> dict[tuple[str, str], tuple[str, ...]]:
@@ -106,11 +116,11 @@ def a8_ready(types: FileTypes | None, reader: GGUFFile) -> str | None:
     every projection of a type ``A8_TYPE_FORMATS`` holds and in whole 16-row tiles."""
     if types is None:
         return "its projections are not all of quantised types kvserve splits"
-    if not types.a8():
-        other = sorted({t for layer in types.layers for t in layer} - set(A8_TYPE_FORMATS))
+    projections = [t for t in reader.tensors if t.name.startswith("blk.")
+                   and t.name.split(".")[2] in KINDS + EXPERT_KINDS and t.name.endswith(".weight")]
+    other = sorted({type_name(t) for t in projections} - set(A8_TYPE_FORMATS))
+    if other:
         return f"no int8-activation format holds {', '.join(other)}"
-    projections = [t for t in reader.tensors if t.name.startswith("blk.") and t.name.split(".")[2] in KINDS
-                   and t.name.endswith(".weight")]
     if any(int(t.shape[1]) % 16 for t in projections):
         return "a projection's rows are not whole 16-row tiles"
     return None
@@ -133,8 +143,8 @@ def type_name(tensor: GGUFTensor) -> str:
 
 def splittable(reader: GGUFFile) -> bool:
     """Whether every projection tensor of the file is of a type ``gguf_quants`` splits."""
-    projections = [t for t in reader.tensors if t.name.startswith("blk.") and t.name.split(".")[2] in KINDS
-                   and t.name.endswith(".weight")]
+    projections = [t for t in reader.tensors if t.name.startswith("blk.")
+                   and t.name.split(".")[2] in KINDS + EXPERT_KINDS and t.name.endswith(".weight")]
     return bool(projections) and all(type_name(t) in SPLIT_TYPES for t in projections)
 
 
@@ -278,13 +288,20 @@ def build_model(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, a8: b
             built = cached(f"blk.{i}.{block}.{proj}", bias,
                            lambda parts=parts, orders=orders, bias=bias: make(reader, parts, orders, bias))
             setattr(getattr(layer, block), proj, built)
+        for e, expert in enumerate(getattr(layer, "experts", ())):  # (Gemma 4's: beside the MLP)
+            gate_up = [f"blk.{i}.ffn_gate_up_exps.weight"] if f"blk.{i}.ffn_gate_up_exps.weight" in tensors else [
+                f"blk.{i}.ffn_gate_exps.weight", f"blk.{i}.ffn_up_exps.weight"]
+            for proj, names in (("gate_up_proj", gate_up), ("down_proj", [f"blk.{i}.ffn_down_exps.weight"])):
+                parts = [expert_slice(get(name), e) for name in names]
+                built = cached("+".join(t.name for t in parts), False,
+                               lambda parts=parts: make(None, parts, [None] * len(parts), False))
+                setattr(expert, proj, built)
     embed = get("token_embd.weight")
     head = tensors.get("output.weight", embed)
     model.lm_head = cached("lm_head", False, lambda: head_projection(reader, head, a8))
     model.model.embed_tokens = embedding_from(embed, dtype)
     skip = {"token_embd.weight", "output.weight"} | {
-        f"blk.{i}.{k}.weight" for i in range(config.num_hidden_layers) for parts in PROJECTIONS.values()
-        for k in parts}
+        f"blk.{i}.{k}.weight" for i in range(config.num_hidden_layers) for k in KINDS + EXPERT_KINDS}
     if "per_layer_token_embd.weight" in tensors:  # (Gemma 4's per-layer table: as the embedding)
         model.model.embed_tokens_per_layer = embedding_from(tensors["per_layer_token_embd.weight"], dtype)
         skip.add("per_layer_token_embd.weight")

@@ -26,8 +26,8 @@ from torch import nn
 from models.config import ModelConfig
 from models.gguf_loader import PERMUTED_ARCHITECTURES, dequantize, iter_gguf_weights
 from models.gguf_linear import A8_TYPE_FORMATS
-from models.gguf_native import (a8_projection, embedding_from, head_projection, materialize, projection, rotary_order,
-                                type_name)
+from models.gguf_native import (a8_projection, embedding_from, expert_slice, head_projection, materialize, projection,
+                                rotary_order, type_name)
 from models.gguf_quants import SPLIT_TYPES
 from models.gguf_reader import GGUFFile, GGUFTensor
 from models.moe import MoEForCausalLM, SparseMoeBlock
@@ -111,13 +111,6 @@ def a8_ready_moe(reader: GGUFFile) -> str | None:
     return None
 
 
-def _expert(stacked: GGUFTensor, e: int) -> GGUFTensor:
-    """Expert ``e``'s matrix of a stacked ``[n_expert, rows, row bytes]`` tensor: its own blocks."""
-    data = stacked.data[e]
-    return GGUFTensor(f"{stacked.name}#{e}", stacked.tensor_type, tuple(stacked.shape[:2]), data,
-                      stacked.offset + e * data.nbytes)
-
-
 def build_native_moe(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, a8: bool = False,
                      cache: RepackCache | None = None) -> MoEForCausalLM:
     """The MoE model of ``config`` on the CPU, every projection a ``NativeLinear`` of the file's codes
@@ -156,8 +149,8 @@ def build_native_moe(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, 
             continue
         gate, up, down = (get(i, f"ffn_{x}_exps") for x in ("gate", "up", "down"))
         for e, expert in enumerate(mlp.experts):
-            native(expert, "gate_up_proj", [_expert(gate, e), _expert(up, e)], owner=None)
-            native(expert, "down_proj", [_expert(down, e)], owner=None)
+            native(expert, "gate_up_proj", [expert_slice(gate, e), expert_slice(up, e)], owner=None)
+            native(expert, "down_proj", [expert_slice(down, e)], owner=None)
         for t in (gate, up, down):
             reader.release(t)
         if mlp.shared_expert is not None:
