@@ -159,15 +159,22 @@ def test_a_quantised_gemma4_gguf_keeps_its_codes_on_w4a8(gemma4, tiny_prompt, ma
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
     for ours, theirs in zip(layers, exact.model.layers):
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
-            a, b = ours.get_submodule(name), theirs.get_submodule(name)
-            want = b(x[:, :b.in_features])
-            assert (a(x[:, :b.in_features]) - want).abs().max() < 0.02 * want.abs().max(), name
+            _assert_within_int8_rounding(ours.get_submodule(name), theirs.get_submodule(name), x, name)
+    _assert_chunks_and_batch_change_nothing(model, make_runner, tiny_prompt)
+
+
+def _assert_within_int8_rounding(a: torch.nn.Module, b: torch.nn.Module, x: torch.Tensor, name: str) -> None:
+    want = b(x[:, :b.in_features])
+    assert (a(x[:, :b.in_features]) - want).abs().max() < 0.02 * want.abs().max(), name
+
+
+def _assert_chunks_and_batch_change_nothing(model, make_runner, prompt: list[int]) -> None:
     alone = make_runner(model)
-    whole = alone.step([(alone.new_seq(len(tiny_prompt)), tiny_prompt)])[0]
+    whole = alone.step([(alone.new_seq(len(prompt)), prompt)])[0]
     runner = make_runner(model, seed=1)
-    seq, other = runner.new_seq(len(tiny_prompt)), runner.new_seq(8)
-    first = runner.step([(seq, tiny_prompt[:13]), (other, [5, 6, 7])])[0]
-    second = runner.step([(seq, tiny_prompt[13:])])[0]
+    seq, other = runner.new_seq(len(prompt)), runner.new_seq(8)
+    first = runner.step([(seq, prompt[:13]), (other, [5, 6, 7])])[0]
+    second = runner.step([(seq, prompt[13:])])[0]
     assert torch.equal(torch.cat([first, second]), whole)
 
 
@@ -234,14 +241,6 @@ def test_a_gemma4_gguf_with_experts_loads(tiny_checkpoint, tiny_prompt, make_run
     for mine, theirs in zip(model.model.layers, exact.model.model.layers):
         for a_expert, b_expert in zip(mine.experts, theirs.experts):
             for name in ("gate_up_proj", "down_proj"):
-                a, b = getattr(a_expert, name), getattr(b_expert, name)
-                assert isinstance(a, NativeA8Linear)
-                want = b(x[:, :b.in_features])
-                assert (a(x[:, :b.in_features]) - want).abs().max() < 0.02 * want.abs().max(), name
-    alone = make_runner(model)
-    whole = alone.step([(alone.new_seq(len(tiny_prompt)), tiny_prompt)])[0]
-    runner = make_runner(model, seed=1)
-    seq, other = runner.new_seq(len(tiny_prompt)), runner.new_seq(8)
-    first = runner.step([(seq, tiny_prompt[:13]), (other, [5, 6, 7])])[0]
-    second = runner.step([(seq, tiny_prompt[13:])])[0]
-    assert torch.equal(torch.cat([first, second]), whole)
+                assert isinstance(getattr(a_expert, name), NativeA8Linear)
+                _assert_within_int8_rounding(getattr(a_expert, name), getattr(b_expert, name), x, name)
+    _assert_chunks_and_batch_change_nothing(model, make_runner, tiny_prompt)
