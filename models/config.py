@@ -85,6 +85,9 @@ class ModelConfig:
     # A GGUF file's rope_freqs: each rotary pair's frequency is divided by its factor (how
     # llama.cpp's converter stores Llama 3.1's scaling); None: no such tensor.
     rope_freq_factors: tuple[float, ...] | None = None
+    # The head's first rows RoPE turns, in halves of their own (Phi-4-mini's 3/4:
+    # partial_rotary_factor); 0: the whole head.
+    rotary_dim: int = 0
     # Each layer's sliding window (positions a query sees, its own included; 0: the whole
     # context); empty: no layer has one. Mistral v0.1 and Phi-3 window every layer, Qwen2
     # with use_sliding_window those from max_window_layers on, as transformers' layer_types.
@@ -138,10 +141,13 @@ class ModelConfig:
             missing = [k for k in _ROPE_REQUIRED.get(rope_type, ()) if self.rope_scaling.get(k) is None]
             if missing:
                 raise ValueError(f"rope_scaling of type {rope_type} lacks {', '.join(missing)}")
+            turned = self.rotary_dim or self.head_dim
             for key in ("long_factor", "short_factor"):
-                if key in self.rope_scaling and len(self.rope_scaling[key]) != self.head_dim // 2:
+                if key in self.rope_scaling and len(self.rope_scaling[key]) != turned // 2:
                     raise ValueError(f"rope_scaling's {key} has {len(self.rope_scaling[key])} values; "
-                                     f"the head size {self.head_dim} needs {self.head_dim // 2}")
+                                     f"the {turned} rotary dimensions need {turned // 2}")
+        if self.rotary_dim and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
+            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and at most the head size {self.head_dim}")
         if self.layer_windows and (len(self.layer_windows) != self.num_hidden_layers
                                    or any(w < 0 for w in self.layer_windows)):
             raise ValueError(f"layer_windows must give each of the {self.num_hidden_layers} layers a window "
@@ -204,8 +210,8 @@ class ModelConfig:
             rope = dict(rope["full_attention"] or {})
         rope_theta = cfg.get("rope_theta", rope.pop("rope_theta", 10000.0))
         partial = cfg.get("partial_rotary_factor", rope.pop("partial_rotary_factor", 1.0))
-        if partial != 1.0:  # (Phi-4-mini's 0.75: the rotary kernels turn every pair of a head)
-            raise ValueError(f"partial_rotary_factor {partial} is not supported: RoPE turns whole heads here")
+        head_dim = cfg.get("head_dim") or hidden // heads
+        rotary_dim = int(head_dim * partial) if partial != 1.0 else 0  # (Phi-4-mini's 0.75)
         rope_scaling = cfg.get("rope_scaling")
         if rope_scaling is None and rope.get("rope_type", "default") != "default":
             rope_scaling = rope
@@ -228,7 +234,8 @@ class ModelConfig:
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
+            head_dim=head_dim,
+            rotary_dim=rotary_dim,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,

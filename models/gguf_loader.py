@@ -162,6 +162,10 @@ def config_from_gguf(reader: GGUFFile) -> ModelConfig:
     eos = field_value(reader, "tokenizer.ggml.eos_token_id")
     eot = field_value(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
+    head_dim = get("attention.key_length") or hidden // heads
+    # Phi-4-mini turns 3/4 of each head (llama.cpp's rope.dimension_count; its NEOX rope pairs
+    # the turned rows' halves, as transformers does)
+    turned = get("rope.dimension_count") if arch == "phi3" else None
     config = ModelConfig(
         architecture=ARCHITECTURES.get(arch, "LlamaForCausalLM"),
         vocab_size=get("vocab_size") or len(tokens),
@@ -170,7 +174,8 @@ def config_from_gguf(reader: GGUFFile) -> ModelConfig:
         num_hidden_layers=get("block_count"),
         num_attention_heads=heads,
         num_key_value_heads=get("attention.head_count_kv") or heads,
-        head_dim=get("attention.key_length") or hidden // heads,
+        head_dim=head_dim,
+        rotary_dim=turned if turned and turned < head_dim else 0,
         max_position_embeddings=get("context_length", 2048),
         rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=get("rope.freq_base", 10000.0),

@@ -311,7 +311,7 @@ class LlamaForCausalLM(nn.Module):
                 tensor = tensor.float() + cfg.norm_offset  # (Gemma's 1 + w, made once here)
             if shard in (0, 1) and target.endswith(("qkv_proj.weight", "qkv_proj.bias")):
                 heads = cfg.num_attention_heads if shard == 0 else cfg.num_key_value_heads
-                tensor = interleave_rotary_rows(tensor, heads)
+                tensor = interleave_rotary_rows(tensor, heads, cfg.rotary_dim)
             elif target.endswith(("q_norm.weight", "k_norm.weight")):
                 tensor = interleave_rotary_rows(tensor, 1)  # scales one head's rows, reordered so
             if shard is not None:

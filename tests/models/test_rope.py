@@ -83,7 +83,7 @@ def test_the_served_context_fixes_the_table_for_every_length():
 def test_an_incomplete_scaling_is_an_error_naming_what_is_missing():
     with pytest.raises(ValueError, match="rope_scaling of type longrope lacks long_factor"):
         tiny_config({"rope_type": "longrope", "short_factor": [1.0] * HALF, "original_max_position_embeddings": 64})
-    with pytest.raises(ValueError, match="long_factor has 3 values; the head size 16 needs 8"):
+    with pytest.raises(ValueError, match="long_factor has 3 values; the 16 rotary dimensions need 8"):
         tiny_config({"rope_type": "longrope", "short_factor": [1.0] * HALF, "long_factor": [1.0] * 3,
                      "original_max_position_embeddings": 64})
     with pytest.raises(ValueError, match="rope_scaling of type yarn lacks factor"):
