@@ -6,9 +6,9 @@ Two sources are supported:
   as-is with the ``tokenizers`` library;
 * a GGUF file, whose ``tokenizer.ggml.*`` metadata (vocabulary, merges, token
   types) is rebuilt into a ``tokenizers`` pipeline that splits text the way
-  llama.cpp does for the file's ``tokenizer.ggml.pre`` type. For "smollm" that
-  means isolating every digit before the GPT-2 regex, as SmolLM2's own
-  tokenizer.json does (transformers' GGUF converter skips that step).
+  llama.cpp does for the file's ``tokenizer.ggml.pre`` type (``models.gguf_tokenizer``).
+  For "smollm" that means isolating every digit before the GPT-2 regex, as SmolLM2's
+  own tokenizer.json does (transformers' GGUF converter skips that step).
 
 BOS is added by this class, never by a ``tokenizers`` post-processor, so that
 ``encode(text, add_special_tokens=True)`` means exactly "prepend BOS if the
@@ -18,22 +18,19 @@ model asks for it" for both sources.
 from __future__ import annotations
 
 import copy
-
-import json
-import re
-from collections.abc import Mapping, Sequence
 import functools
-from functools import lru_cache
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import tokenizers
 from gguf import TokenType
-from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
-from tokenizers.models import BPE
+from tokenizers import decoders
 
 from models.chat_template import render_chat_template, template_tool_syntax
+from models.gguf_tokenizer import BPE_PRE_TYPES, BYTE_FALLBACK, byte_level_backend, char_to_byte, sentencepiece_backend
 
 
 @dataclass(frozen=True)
@@ -146,10 +143,10 @@ class Tokenizer:
         if token_id in self._added_token_ids:
             return piece.encode("utf-8")
         if self._byte_level:
-            table = _char_to_byte()
+            table = char_to_byte()
             if all(c in table for c in piece):
                 return bytes(table[c] for c in piece)
-        fallback = _BYTE_FALLBACK.fullmatch(piece)
+        fallback = BYTE_FALLBACK.fullmatch(piece)
         if fallback:
             return bytes([int(fallback[1], 16)])
         return piece.replace("\u2581", " ").encode("utf-8")
@@ -244,10 +241,10 @@ class Tokenizer:
         types = field("ggml.token_type") or [TokenType.NORMAL] * len(tokens)
         if kind == "gpt2":
             pre = field("ggml.pre") or "default"
-            backend = _byte_level_backend(tokens, types, field("ggml.merges") or [], pre)
-            add_bos_default = _BPE_PRE_TYPES[pre].add_bos
+            backend = byte_level_backend(tokens, types, field("ggml.merges") or [], pre)
+            add_bos_default = BPE_PRE_TYPES[pre].add_bos
         elif kind in ("llama", "gemma4"):  # (Gemma 4's: SentencePiece-style, its merges listed)
-            backend = _sentencepiece_backend(
+            backend = sentencepiece_backend(
                 tokens, types, field("ggml.scores"), field("ggml.unknown_token_id"),
                 add_space_prefix=field("ggml.add_space_prefix", kind == "llama"),
                 merges=field("ggml.merges") if kind == "gemma4" else None,
@@ -311,165 +308,6 @@ class Tokenizer:
             add_bos_token=bool(add_bos),
             chat_template=_hf_chat_template(path, config),
         )
-
-
-# --- GGUF: byte-level BPE ("gpt2") -------------------------------------------
-
-# Split regexes, as llama.cpp applies them per tokenizer.ggml.pre (llama-vocab.cpp).
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-class _PreType(NamedTuple):
-    """How llama.cpp treats one tokenizer.ggml.pre value."""
-
-    splitter: str  # "gpt2" | "digits" | "llama3" | "qwen2"
-    ignore_merges: bool = False  # a word that is itself in the vocabulary is taken whole
-    add_bos: bool = False  # default when the file has no tokenizer.ggml.add_bos_token
-
-
-# "gpt2" is the GPT-2 regex built into ByteLevel; "digits" first isolates every \p{N}
-# character (SmolLM, StarCoder); "default" (or no key at all) gets the GPT-2 regex.
-_BPE_PRE_TYPES: dict[str, _PreType] = {
-    **dict.fromkeys(("default", "gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4"), _PreType("gpt2")),
-    **dict.fromkeys(
-        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"), _PreType("digits")
-    ),
-    **dict.fromkeys(
-        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"),
-        _PreType("llama3", ignore_merges=True, add_bos=True),
-    ),
-    **dict.fromkeys(("dbrx", "smaug-bpe"), _PreType("llama3")),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"), _PreType("qwen2")),
-}
-
-
-def _byte_level_pre_tokenizer(splitter: str) -> pre_tokenizers.PreTokenizer:
-    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if splitter == "gpt2":
-        return gpt2
-    if splitter == "digits":
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
-    pattern = {"llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}[splitter]
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-
-
-_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-@lru_cache(maxsize=1)
-def _char_to_byte() -> dict[str, int]:
-    return {c: b for b, c in _byte_to_char().items()}
-
-
-@lru_cache(maxsize=1)
-def _byte_to_char() -> dict[int, str]:
-    """GPT-2's byte -> printable character table that byte-level vocabularies are spelled in."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {b: chr(b) for b in printable}
-    extra = (b for b in range(256) if b not in table)
-    table.update({b: chr(256 + n) for n, b in enumerate(extra)})
-    return table
-
-
-# llama.cpp matches these token types whole in the raw text before any splitting; the first two
-# are special (skipped when decoding with skip_special_tokens), USER_DEFINED ones are plain text.
-_SPECIAL_TYPES = {TokenType.CONTROL, TokenType.UNKNOWN}
-_ADDED_TYPES = _SPECIAL_TYPES | {TokenType.USER_DEFINED}
-
-
-def _byte_level_backend(tokens: list[str], types: list[int], merges: list[str], pre: str) -> tokenizers.Tokenizer:
-    if pre not in _BPE_PRE_TYPES:
-        raise ValueError(f"GGUF pre-tokenizer type {pre!r} is not supported; supported: {sorted(_BPE_PRE_TYPES)}")
-    pre_type = _BPE_PRE_TYPES[pre]
-    byte_to_char = _byte_to_char()
-    outside = _outside_alphabet(tuple(sorted(byte_to_char.values())))
-    vocab: dict[str, int] = {}
-    for index, (token, token_type) in enumerate(zip(tokens, types)):
-        # Added tokens stay as raw text (that is how they are matched); a normal token outside
-        # the byte alphabet is a converter slip, respelled so BPE can still reach it.
-        if token_type not in _ADDED_TYPES and outside.search(token):
-            token = "".join(byte_to_char[b] for b in token.encode("utf-8"))
-        vocab.setdefault(token, index)
-    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
-    backend = tokenizers.Tokenizer(BPE(vocab, pairs, ignore_merges=pre_type.ignore_merges))
-    backend.pre_tokenizer = _byte_level_pre_tokenizer(pre_type.splitter)
-    backend.decoder = decoders.ByteLevel()
-    _add_gguf_added_tokens(backend, tokens, types)
-    return backend
-
-
-@lru_cache(maxsize=1)
-def _outside_alphabet(alphabet: tuple[str, ...]) -> re.Pattern[str]:
-    """A character not in ``alphabet`` (one search a token: half the time of a set's)."""
-    return re.compile("[^" + re.escape("".join(alphabet)) + "]")
-
-
-def _add_gguf_added_tokens(backend: tokenizers.Tokenizer, tokens: list[str], types: list[int]) -> None:
-    # Their text is already a vocabulary key, so tokenizers reuses the GGUF id instead of appending one.
-    backend.add_special_tokens(
-        [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types) if k in _SPECIAL_TYPES]
-    )
-    backend.add_tokens(
-        [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == TokenType.USER_DEFINED]
-    )
-
-
-# --- GGUF: SentencePiece-style BPE ("llama") ---------------------------------
-
-
-def _sentencepiece_backend(
-    tokens: list[str], types: list[int], scores: list[float] | None, unk_id: int | None, *, add_space_prefix: bool,
-    merges: list[str] | None = None,
-) -> tokenizers.Tokenizer:
-    """SentencePiece-style BPE: its merges implied by the scores, or (``merges``: Gemma 4's
-    files) listed, then run, as llama.cpp does, within runs of newlines and of other text."""
-    if scores is None and merges is None:
-        raise ValueError("GGUF 'llama' tokenizer has no tokenizer.ggml.scores; the file is incomplete")
-    vocab = {token: index for index, token in reversed(list(enumerate(tokens)))}
-    unk = tokens[unk_id] if unk_id is not None else None
-    pairs = ([tuple(m.split(" ", 1)) for m in merges] if merges is not None
-             else _merges_from_scores(tokens, types, scores or [], vocab))
-    backend = tokenizers.Tokenizer(BPE(vocab, pairs, unk_token=unk, byte_fallback=True, fuse_unk=True))
-    if merges is not None:
-        backend.pre_tokenizer = pre_tokenizers.Split(Regex("[^\\n]+|[\\n]+"), behavior="isolated")
-    # llama.cpp escapes spaces as U+2581 and, with add_space_prefix, prefixes one to every text
-    # fragment (also after a special token), which is what a per-segment normalizer does.
-    steps = [normalizers.Prepend("\u2581")] if add_space_prefix else []
-    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "\u2581")])
-    strip = [decoders.Strip(" ", 1, 0)] if add_space_prefix else []
-    backend.decoder = decoders.Sequence(
-        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
-    )
-    _add_gguf_added_tokens(backend, tokens, types)
-    return backend
-
-
-def _merges_from_scores(
-    tokens: list[str], types: list[int], scores: list[float], vocab: dict[str, int]
-) -> list[tuple[str, str]]:
-    """Merges implied by a scored vocabulary: SentencePiece joins the pair whose result scores highest
-    (ties: by the parts' ids). Every cut of every token is looked up: 1.0 s for Gemma's 262k."""
-    normal, get = int(TokenType.NORMAL), vocab.get
-    ranked: list[tuple[float, int, int]] = []
-    for token, token_type, score in zip(tokens, types, scores):
-        if token_type != normal:
-            continue
-        for cut in range(1, len(token)):
-            left = get(token[:cut])
-            if left is not None and (right := get(token[cut:])) is not None:
-                ranked.append((-score, left, right))
-    ranked.sort()
-    return [(tokens[left], tokens[right]) for _, left, right in ranked]
 
 
 # --- Hugging Face directory -----------------------------------------------------
