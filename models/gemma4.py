@@ -42,9 +42,9 @@ from models.config import ModelConfig
 from models.dense import DTYPES, PackedLinear
 from models.gemma import GemmaDecoderLayer, GemmaForCausalLM, GemmaMLP
 from models.llama import Attention, RMSNorm
-from models.moe import mix_experts
+from models.moe import convert_projection, mix_experts
 from models.moe_config import MoESettings
-from models.quant import AmxBf16Linear, QuantizedLinear, prepare_decoder_projections
+from models.quant import prepare_decoder_projections
 from models.rope import RotaryEmbedding, interleave_rotary_rows
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -227,14 +227,7 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
         for layer in self.model.layers:
             for expert in getattr(layer, "experts", ()):
                 for name in ("gate_up_proj", "down_proj"):
-                    linear = getattr(expert, name)
-                    if quantization == "none":
-                        converted = PackedLinear(linear) if packable else linear
-                    elif quantization in ("amx-bf16", "w4a16"):
-                        converted = AmxBf16Linear(linear, quantization)
-                    else:
-                        converted = QuantizedLinear(linear, "int4", quantization == "w4a8")
-                    setattr(expert, name, converted)
+                    setattr(expert, name, convert_projection(getattr(expert, name), quantization, packable))
         self.prepare_extras()
 
     def prepare_extras(self) -> None:

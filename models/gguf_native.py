@@ -116,11 +116,21 @@ def a8_ready(types: FileTypes | None, reader: GGUFFile) -> str | None:
     every projection of a type ``A8_TYPE_FORMATS`` holds and in whole 16-row tiles."""
     if types is None:
         return "its projections are not all of quantised types kvserve splits"
-    projections = [t for t in reader.tensors if t.name.startswith("blk.")
-                   and t.name.split(".")[2] in KINDS + EXPERT_KINDS and t.name.endswith(".weight")]
+    return a8_holds(layer_tensors(reader, KINDS + EXPERT_KINDS))
+
+
+def layer_tensors(reader: GGUFFile, kinds: tuple[str, ...]) -> list[GGUFTensor]:
+    """The file's layer weights of these kinds (``blk.N.KIND.weight``)."""
+    return [t for t in reader.tensors if t.name.startswith("blk.") and t.name.split(".")[2] in kinds
+            and t.name.endswith(".weight")]
+
+
+def a8_holds(projections: list[GGUFTensor]) -> str | None:
+    """Why the int8-activation formats cannot keep these projections' codes (None: they can):
+    a type ``A8_TYPE_FORMATS`` lacks, or rows that are not whole 16-row tiles."""
     other = sorted({type_name(t) for t in projections} - set(A8_TYPE_FORMATS))
-    if other:
-        return f"no int8-activation format holds {', '.join(other)}"
+    if not projections or other:
+        return f"no int8-activation format holds {', '.join(other) or 'its projections'}"
     if any(int(t.shape[1]) % 16 for t in projections):
         return "a projection's rows are not whole 16-row tiles"
     return None
@@ -141,10 +151,9 @@ def type_name(tensor: GGUFTensor) -> str:
     return GGMLQuantizationType(tensor.tensor_type).name
 
 
-def splittable(reader: GGUFFile) -> bool:
-    """Whether every projection tensor of the file is of a type ``gguf_quants`` splits."""
-    projections = [t for t in reader.tensors if t.name.startswith("blk.")
-                   and t.name.split(".")[2] in KINDS + EXPERT_KINDS and t.name.endswith(".weight")]
+def splittable(reader: GGUFFile, kinds: tuple[str, ...] = KINDS + EXPERT_KINDS) -> bool:
+    """Whether every projection tensor of the file (of these kinds) is of a type ``gguf_quants`` splits."""
+    projections = layer_tensors(reader, kinds)
     return bool(projections) and all(type_name(t) in SPLIT_TYPES for t in projections)
 
 

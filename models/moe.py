@@ -103,6 +103,16 @@ class SparseMoeBlock(nn.Module):
         return y if self.tp is None else self.tp.all_reduce(y)
 
 
+def convert_projection(linear: nn.Linear, quantization: str, packable: bool) -> nn.Module:
+    """``linear`` as ``quantization`` runs an expert's projection: the packed dense GEMM
+    (``none``, where the kernels run: ``packable``), AMX-BF16 tiles, or int4 groups."""
+    if quantization == "none":
+        return PackedLinear(linear) if packable else linear
+    if quantization in ("amx-bf16", "w4a16"):
+        return AmxBf16Linear(linear, quantization)
+    return QuantizedLinear(linear, "int4", quantization == "w4a8")
+
+
 def mix_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor,
                 chosen: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     """Each token's chosen experts (``chosen [T, k]``) run on its row of ``x``, their outputs
@@ -318,17 +328,11 @@ class MoEForCausalLM(LlamaForCausalLM):
         if not packable:  # torch's GEMM runs the dense weights: column-major for it
             self.use_column_major_weights()
 
-        def convert(name: str, linear: nn.Linear) -> nn.Module:
-            if name in _ROUTERS or quantization == "none":
-                return PackedLinear(linear) if packable else linear
-            if quantization in ("amx-bf16", "w4a16"):
-                return AmxBf16Linear(linear, quantization)
-            return QuantizedLinear(linear, "int4", quantization == "w4a8")
-
         for module in list(self.model.layers.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear) and name in _PROJECTIONS + _ROUTERS:
-                    setattr(module, name, convert(name, child))
+                    setattr(module, name, convert_projection(child, "none" if name in _ROUTERS else quantization,
+                                                             packable))
         head = self.lm_head
         if quantization == "none":
             self.lm_head = PackedLinear(head) if packable else head

@@ -25,10 +25,8 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.gguf_loader import PERMUTED_ARCHITECTURES, dequantize, iter_gguf_weights
-from models.gguf_linear import A8_TYPE_FORMATS
-from models.gguf_native import (a8_projection, embedding_from, expert_slice, head_projection, materialize, projection,
-                                rotary_order, type_name)
-from models.gguf_quants import SPLIT_TYPES
+from models.gguf_native import (a8_holds, a8_projection, embedding_from, expert_slice, head_projection, layer_tensors,
+                                materialize, projection, rotary_order, splittable)
 from models.gguf_reader import GGUFFile, GGUFTensor
 from models.moe import MoEForCausalLM, SparseMoeBlock
 from models.registry import model_class
@@ -93,22 +91,13 @@ _NATIVE_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_u
 def native_splittable(reader: GGUFFile) -> bool:
     """Whether every projection of an MoE file, its experts' included, is of a type whose
     codes ``build_native_moe`` keeps (``gguf_quants.SPLIT_TYPES``)."""
-    kept = [t for t in reader.tensors if t.name.startswith("blk.") and t.name.split(".")[2] in _NATIVE_KINDS
-            and t.name.endswith(".weight")]
-    return bool(kept) and all(type_name(t) in SPLIT_TYPES for t in kept)
+    return splittable(reader, _NATIVE_KINDS)
 
 
 def a8_ready_moe(reader: GGUFFile) -> str | None:
     """``gguf_native.a8_ready`` for an MoE file: why ``w4a8`` cannot keep its projections'
     codes, its experts' included, or None where it can."""
-    kept = [t for t in reader.tensors if t.name.startswith("blk.") and t.name.split(".")[2] in _NATIVE_KINDS
-            and t.name.endswith(".weight")]
-    other = sorted({type_name(t) for t in kept} - set(A8_TYPE_FORMATS))
-    if not kept or other:
-        return f"no int8-activation format holds {', '.join(other) or 'its projections'}"
-    if any(int(t.shape[1]) % 16 for t in kept):
-        return "a projection's rows are not whole 16-row tiles"
-    return None
+    return a8_holds(layer_tensors(reader, _NATIVE_KINDS))
 
 
 def build_native_moe(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, a8: bool = False,
