@@ -168,14 +168,14 @@ def tensor_codes(tensor: GGUFTensor) -> Codes:
         raise ValueError(f"tensor {tensor.name!r}: {exc}") from None
 
 
-def rotary_order(rows: int, heads: int, permuted: bool) -> torch.Tensor:
+def rotary_order(rows: int, heads: int, permuted: bool, rotary_dim: int = 0) -> torch.Tensor:
     """Which file row each Q or K row of kvserve's interleaved rotary order comes from: the
     row reordering ``iter_gguf_weights`` and ``load_weights`` apply to a float weight
     (llama.cpp's own order for llama-arch files, else HF's), applied to the row numbers."""
     order = np.arange(rows)
     if permuted:
         order = permute_back(order, heads)
-    return interleave_rotary_rows(torch.from_numpy(np.ascontiguousarray(order)), heads).contiguous()
+    return interleave_rotary_rows(torch.from_numpy(np.ascontiguousarray(order)), heads, rotary_dim).contiguous()
 
 
 def _raw(tensor: GGUFTensor) -> torch.Tensor:
@@ -292,7 +292,8 @@ def build_model(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, a8: b
             for j, (kind, t) in enumerate(zip(kinds, parts)):
                 heads = {"attn_q": config.num_attention_heads, "attn_k": config.layer_kv_heads(i)}.get(kind)
                 values = kind in kinds[:j]  # (the key tensor again: the values, in the file's order)
-                orders.append(None if heads is None or values else rotary_order(int(t.shape[1]), heads, permuted))
+                orders.append(None if heads is None or values else
+                              rotary_order(int(t.shape[1]), heads, permuted, config.rotary_dim))
             bias = getattr(getattr(layer, block), proj).bias is not None
             built = cached(f"blk.{i}.{block}.{proj}", bias,
                            lambda parts=parts, orders=orders, bias=bias: make(reader, parts, orders, bias))

@@ -129,8 +129,9 @@ def build_native_moe(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, 
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         q, k, v = get(i, "attn_q"), get(i, "attn_k"), get(i, "attn_v")
-        native(attn, "qkv_proj", [q, k, v], [rotary_order(int(q.shape[1]), config.num_attention_heads, permuted),
-                                             rotary_order(int(k.shape[1]), config.num_key_value_heads, permuted), None])
+        native(attn, "qkv_proj", [q, k, v],
+               [rotary_order(int(q.shape[1]), config.num_attention_heads, permuted, config.rotary_dim),
+                rotary_order(int(k.shape[1]), config.num_key_value_heads, permuted, config.rotary_dim), None])
         native(attn, "o_proj", [get(i, "attn_output")])
         if not isinstance(mlp, SparseMoeBlock):
             native(mlp, "gate_up_proj", [get(i, "ffn_gate"), get(i, "ffn_up")])
