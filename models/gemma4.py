@@ -40,9 +40,10 @@ from models import ops
 from models.attention import AttentionMetadata, paged_attention
 from models.config import ModelConfig
 from models.dense import DTYPES, PackedLinear
+from models.experts import mix_experts
 from models.gemma import GemmaDecoderLayer, GemmaForCausalLM, GemmaMLP
 from models.llama import Attention, RMSNorm
-from models.moe import convert_projection, mix_experts
+from models.moe import convert_projection
 from models.moe_config import MoESettings
 from models.quant import prepare_decoder_projections
 from models.rope import RotaryEmbedding, interleave_rotary_rows

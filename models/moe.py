@@ -9,7 +9,9 @@ whose MLP is, in its sparse layers, a ``SparseMoeBlock``:
   (Mixtral, Qwen, OLMoE), or the k largest logits then a softmax over them (Granite);
 * the step's tokens are grouped by chosen expert, and each expert's gate_up and down
   projections (Llama's ``MLP``, in the same linear kernels as a dense MLP: packed
-  float, int4, w4a8, AMX) run over its tokens only, llama.cpp's ``mul_mat_id``;
+  float, int4, w4a8, AMX) run over its tokens only, llama.cpp's ``mul_mat_id``
+  (``models.experts``: on a GGUF file's codes with ``w4a8``, every chosen expert's rows
+  in one call a projection);
 * each token's expert outputs, scaled by its router weights, are added in ascending
   expert id from zero, the order of transformers' ``index_add_`` (exact for any k);
 * Qwen2-MoE adds a shared expert every token runs, scaled by ``sigmoid(gate(x))``;
@@ -32,7 +34,7 @@ layers (``ModelConfig.layer_windows``).
 
 Tensor parallel splits every expert's features across ranks (``models.parallel``). Layers
 run op by op (the one-call layer kernel is Llama's dense layer). Not yet: LoRA adapters
-(refused with a ``ValueError``), a fused expert kernel.
+(refused with a ``ValueError``).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from models.attention import AttentionMetadata
 from models.config import ModelConfig
 from models.dense import DTYPES, PackedLinear
 from models.fused import FUSED_PARTS, fused_part_sizes
-from models.gguf_linear import NativeA8Linear
+from models.experts import FusedExperts, mix_experts
 from models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
 from models.moe_config import MoESettings
 from models.parallel import TensorParallel, embed
@@ -92,10 +94,12 @@ class SparseMoeBlock(nn.Module):
         # Split across ranks (``parallel.shard_model``): each expert holds this rank's features,
         # and the block's output is all-reduced once.
         self.tp: TensorParallel | None = None
+        # The experts held by the kernels as one weight a projection (``fuse_experts``), or None.
+        self.fused: FusedExperts | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = route(self.gate(x).float(), self.moe)
-        y, counts = mix_experts(self.experts, x, weights, chosen)
+        y, counts = mix_experts(self.experts, x, weights, chosen, self.fused)
         if self.routed is not None:
             self.routed = [a + b for a, b in zip(self.routed, counts)]
         if self.shared_expert is not None:
@@ -111,72 +115,6 @@ def convert_projection(linear: nn.Linear, quantization: str, packable: bool) -> 
     if quantization in ("amx-bf16", "w4a16"):
         return AmxBf16Linear(linear, quantization)
     return QuantizedLinear(linear, "int4", quantization == "w4a8")
-
-
-def mix_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor,
-                chosen: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-    """Each token's chosen experts (``chosen [T, k]``) run on its row of ``x``, their outputs
-    scaled by ``weights [T, k]`` (float32) and added: ``(y [T, H], tokens per expert)``."""
-    t, k = chosen.shape
-    # NOTE: a token's k outputs are added in ascending expert id, from its first: an order
-    # its own choice fixes (not the batch's), and transformers' index_add_ order. Its choices
-    # are put in that order first, so its slots below hold their outputs in it (sorting the
-    # outputs afterwards, a gather of every slot's row, took a third of a decode step's
-    # Python time on the OLMoE shape).
-    chosen, by_id = chosen.sort(dim=1)
-    weights = weights.gather(1, by_id)
-    ids = chosen[0].tolist() if t == 1 else []
-    if ids and all(_gate_ups_in_one_call(experts[e]) for e in ids):
-        out = _one_token(experts, x, ids)
-        counts = [0] * len(experts)
-        for e in ids:
-            counts[e] += 1
-    else:
-        out, counts = _grouped(experts, x, chosen)
-    out = out.view(t, k, -1) * weights.to(x.dtype).unsqueeze(-1)
-    y = out[:, 0]
-    for j in range(1, k):
-        y = y + out[:, j]
-    return y, counts
-
-
-def _grouped(experts: nn.ModuleList, x: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-    """Every (token, choice) slot's expert output ``[T * k, H]``: the step's slots grouped by
-    expert, each expert run once on its rows."""
-    t, k = chosen.shape
-    flat = chosen.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=len(experts)).tolist()
-    tokens = order // k
-    out = x.new_empty(t * k, x.shape[1])
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            rows = experts[e](x.index_select(0, tokens[start:start + n]))
-            out.index_copy_(0, order[start:start + n], rows)
-            start += n
-    return out, counts
-
-
-def _gate_ups_in_one_call(expert: nn.Module) -> bool:
-    """Whether ``expert`` is a plain SiLU MLP whose gate_up keeps a GGUF's codes on the
-    int8-activation GEMM (``w4a8`` on an MoE file): its part of ``_one_token``'s one call."""
-    return (type(expert) is MLP and expert.tp is None and isinstance(expert.gate_up_proj, NativeA8Linear)
-            and expert.gate_up_proj.bias is None)
-
-
-def _one_token(experts: nn.ModuleList, x: torch.Tensor, ids: list[int]) -> torch.Tensor:
-    """One token's chosen experts' outputs ``[k, H]``, their gate_up projections in one GEMM
-    call (the segments of every chosen expert, one after another: a row's result does not
-    depend on the other rows, so each expert's rows are what its own call gives, bit for
-    bit), then SiLU * up over the k rows and each expert's down projection. A decode step
-    at one stream: 16 layers of OLMoE's 8 experts 20.4 ms where one call each took 23.3."""
-    gate_ups = [experts[e].gate_up_proj for e in ids]
-    parts = [p for proj in gate_ups for p in proj.fused_args[:-1]]
-    formats = [f for proj in gate_ups for f in proj.formats]
-    both = ops.gguf_a8_linear(x.float(), parts, formats, sum(p.out_features for p in gate_ups)).to(x.dtype)
-    h = ops.silu_and_mul(both.view(len(ids), -1))
-    return torch.cat([experts[e].down_proj(h[j:j + 1]) for j, e in enumerate(ids)])
 
 
 class ClampedSwiGLUExpert(MLP):
@@ -340,6 +278,12 @@ class MoEForCausalLM(LlamaForCausalLM):
             self.lm_head = AmxBf16Linear(head, "w8a16")
         else:
             self.lm_head = QuantizedLinear(head, "int8", quantization == "w4a8")
+
+    def fuse_experts(self) -> None:
+        """Each sparse layer's experts as ``FusedExperts`` where they can be: call once their
+        projections are final (no later conversion or split of an expert)."""
+        for block in self._sparse_blocks().values():
+            block.fused = FusedExperts.of(block.experts)
 
     def pack_routers(self) -> None:
         """The routers (and Qwen2-MoE's shared-expert gates) in the packed dense GEMM, where

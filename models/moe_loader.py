@@ -154,4 +154,6 @@ def build_native_moe(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, 
     skip = used | {"output.weight", "token_embd.weight"}
     model.load_weights(iter_gguf_moe_weights(reader, config, skip=skip))
     model.pack_routers()
+    if a8:
+        model.fuse_experts()
     return model

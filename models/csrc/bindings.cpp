@@ -48,6 +48,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_a8_linear", &kvserve::gguf_a8_linear,
         "out = x @ W^T with x rounded to int8, W as row ranges of a GGUF file's codes in their formats",
         py::call_guard<py::gil_scoped_release>());
+  py::class_<kvserve::A8Experts, std::shared_ptr<kvserve::A8Experts>>(
+      m, "A8Experts", "a layer's experts' weights for one projection, as gguf_a8_experts takes them")
+      .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t>());
+  m.def("gguf_a8_experts", &kvserve::gguf_a8_experts,
+        "each expert's rows of x @ its W^T (x rounded to int8), every expert's tiles in one call",
+        py::call_guard<py::gil_scoped_release>());
   m.def("repack_gguf_a8", &kvserve::repack_gguf_a8,
         "a GGUF tensor's blocks as gguf_a8_linear's codes and scales of a format (false: not exact)",
         py::call_guard<py::gil_scoped_release>());

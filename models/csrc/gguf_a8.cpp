@@ -29,6 +29,7 @@
 // rows beside it, and the plain C++ gives the vector code's bits (the same operations in order).
 #include <ATen/core/Tensor.h>
 
+#include "gguf_a8_tiles.h"
 #include "gguf_tables.h"
 #include "grouped_gemm.h"
 #include "grouped_rows.h"
@@ -257,52 +258,68 @@ void tile_rows_l4_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq,
   }
 }
 
-void run_l4(at::Tensor& y, const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& scales,
-            int64_t groups, bool plain, int64_t format) {
-  constexpr int64_t kGroupBytes = kTile * kGroup / 2;
-  const Lut16 lut = lut_of(format);
-  const int64_t tiles = codes.size(0), ys = y.stride(0);
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-#if !defined(KVSERVE_V16_INT8) || !defined(KVSERVE_V16_LUT)
-  plain = true;
-#endif
-  for_each_tile_chunk(y.size(0), kRowsInt8, tiles, y.size(1), [&](int64_t t, int64_t r0, int r, int64_t valid) {
-    float* out = yp + r0 * ys + t * kTile;
-    const uint8_t* c = cp + t * groups * kGroupBytes;
-    const float* s = sp + t * groups * 16;
-    if (plain) return tile_rows_l4_plain(r, out, ys, xq, r0, groups, c, s, valid, lut);
-#if defined(KVSERVE_V16_INT8) && defined(KVSERVE_V16_LUT)
-    with_rows<kRowsInt8>(r, [&](auto n) {
-      tile_rows_l4<decltype(n)::value>(out, ys, xq, r0, groups, c, s, valid, lut);
-    });
-#endif
-  });
+}  // namespace
+
+A8Segment a8_segment(size_t i, const at::Tensor& codes, const at::Tensor& scales, int64_t format, int64_t groups) {
+  const bool l4 = format == kA8MX4 || format == kA8NL4;
+  TORCH_CHECK(l4 || format == kA8K4 || format == kA8K8 || format == kA8S16, "segment ", i, ": format ", format,
+              " is not a K, S16 or table format");
+  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 4 &&
+                  codes.size(1) == groups, "segment ", i, ": codes must be uint8 [tiles, K/32, ., 64]");
+  const int64_t bits = l4 || format == kA8K4 ? 4 : format == kA8K8 ? 8 : 6;
+  TORCH_CHECK(codes.size(2) == bits && codes.size(3) == 64, "segment ", i, ": codes of the wrong width");
+  const int64_t tiles = codes.size(0);
+  if (l4) {
+    TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == tiles * groups * kTile,
+                "segment ", i, ": scales must be float32 [tiles, K/32, 16]");
+  } else {
+    TORCH_CHECK(groups % kSuper == 0, "K must be whole super-blocks of 256");
+    TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
+                    scales.numel() == tiles * (groups / kSuper) * record_floats(format),
+                "segment ", i, ": scales must be float32 [tiles, K/256, ", record_floats(format), "]");
+  }
+  return A8Segment{format, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), tiles,
+                   groups * kTile * kGroup * bits / 8, l4 ? groups * kTile : (groups / kSuper) * record_floats(format)};
 }
 
-template <int kBits, bool kSym>
-void run_k(at::Tensor& y, const QuantizedRows& xq, const at::Tensor& codes, const at::Tensor& scales,
-           int64_t groups, bool plain) {
-  constexpr int64_t kGroupBytes = kTile * kGroup * kBits / 8;
-  constexpr int64_t kRecord = kSym ? 80 : 96;
-  const int64_t tiles = codes.size(0), ys = y.stride(0);
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-#if !defined(KVSERVE_V16_INT8)
-  plain = true;
+void a8_tile(const A8Segment& seg, int64_t t, float* y, int64_t ys, const QuantizedRows& xq, int64_t r0, int rows,
+             int64_t groups, int64_t valid, bool plain) {
+  const uint8_t* c = seg.codes + t * seg.code_bytes;
+  const float* s = seg.scales + t * seg.scale_floats;
+  if (seg.format == kA8MX4 || seg.format == kA8NL4) {
+    const Lut16 lut = lut_of(seg.format);
+#if defined(KVSERVE_V16_INT8) && defined(KVSERVE_V16_LUT)
+    if (!plain) {
+      return with_rows<kRowsInt8>(rows, [&](auto n) {
+        tile_rows_l4<decltype(n)::value>(y, ys, xq, r0, groups, c, s, valid, lut);
+      });
+    }
 #endif
-  for_each_tile_chunk(y.size(0), kRowsInt8, tiles, y.size(1), [&](int64_t t, int64_t r0, int r, int64_t valid) {
-    float* out = yp + r0 * ys + t * kTile;
-    const uint8_t* c = cp + t * groups * kGroupBytes;
-    const float* s = sp + t * (groups / kSuper) * kRecord;
-    if (plain) return tile_rows_k_plain<kBits, kSym>(r, out, ys, xq, r0, groups, c, s, valid);
+    return tile_rows_l4_plain(rows, y, ys, xq, r0, groups, c, s, valid, lut);
+  }
 #if defined(KVSERVE_V16_INT8)
-    with_rows<kRowsInt8>(r, [&](auto n) {
-      tile_rows_k<kBits, kSym, decltype(n)::value>(out, ys, xq, r0, groups, c, s, valid);
+  if (!plain) {
+    return with_rows<kRowsInt8>(rows, [&](auto n) {
+      constexpr int kRows = decltype(n)::value;
+      if (seg.format == kA8K4) tile_rows_k<4, false, kRows>(y, ys, xq, r0, groups, c, s, valid);
+      else if (seg.format == kA8K8) tile_rows_k<8, false, kRows>(y, ys, xq, r0, groups, c, s, valid);
+      else tile_rows_k<6, true, kRows>(y, ys, xq, r0, groups, c, s, valid);
     });
+  }
 #endif
+  if (seg.format == kA8K4) tile_rows_k_plain<4, false>(rows, y, ys, xq, r0, groups, c, s, valid);
+  else if (seg.format == kA8K8) tile_rows_k_plain<8, false>(rows, y, ys, xq, r0, groups, c, s, valid);
+  else tile_rows_k_plain<6, true>(rows, y, ys, xq, r0, groups, c, s, valid);
+}
+
+namespace {
+
+// y = x's rows against a segment, tile by tile over the threads (grouped_rows.h's walk).
+void run_segment(at::Tensor& y, const QuantizedRows& xq, const A8Segment& seg, int64_t groups, bool plain) {
+  const int64_t ys = y.stride(0);
+  float* yp = y.data_ptr<float>();
+  for_each_tile_chunk(y.size(0), kRowsInt8, seg.tiles, y.size(1), [&](int64_t t, int64_t r0, int r, int64_t valid) {
+    a8_tile(seg, t, yp + r0 * ys + t * kTile, ys, xq, r0, r, groups, valid, plain);
   });
 }
 
@@ -330,30 +347,13 @@ void gguf_a8_linear(at::Tensor& out, const at::Tensor& x, const std::vector<at::
     at::Tensor y = out.narrow(1, start, rows);
     if (format == kA8G4 || format == kA8G8) {
       grouped_linear(y, x, codes, scales, true, plain);
-    } else if (format == kA8MX4 || format == kA8NL4) {
-      TORCH_CHECK(codes.size(2) == 4 && codes.size(3) == 64, "segment ", i, ": codes of the wrong width");
-      TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
-                      scales.numel() == codes.size(0) * groups * kTile,
-                  "segment ", i, ": scales must be float32 [tiles, K/32, 16]");
-      if (!quantized) {
-        xq = quantize_rows(x.data_ptr<float>(), x.size(0), x.stride(0), groups, 0.0f, x.size(0));
-        quantized = true;
-      }
-      run_l4(y, xq, codes, scales, groups, plain, format);
     } else {
-      TORCH_CHECK(k % (kGroup * kSuper) == 0, "K must be whole super-blocks of 256");
-      TORCH_CHECK(codes.size(2) == (format == kA8K4 ? 4 : format == kA8K8 ? 8 : 6) && codes.size(3) == 64,
-                  "segment ", i, ": codes of the wrong width");
-      TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
-                      scales.numel() == codes.size(0) * (groups / kSuper) * record_floats(format),
-                  "segment ", i, ": scales must be float32 [tiles, K/256, ", record_floats(format), "]");
+      const A8Segment seg = a8_segment(i, codes, scales, format, groups);
       if (!quantized) {
         xq = quantize_rows(x.data_ptr<float>(), x.size(0), x.stride(0), groups, 0.0f, x.size(0));
         quantized = true;
       }
-      if (format == kA8K4) run_k<4, false>(y, xq, codes, scales, groups, plain);
-      else if (format == kA8K8) run_k<8, false>(y, xq, codes, scales, groups, plain);
-      else run_k<6, true>(y, xq, codes, scales, groups, plain);
+      run_segment(y, xq, seg, groups, plain);
     }
     start += rows;
   }

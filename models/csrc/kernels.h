@@ -12,6 +12,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "gguf_a8_tiles.h"
+
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -93,6 +95,25 @@ enum A8Format : int64_t { kA8G4 = 0, kA8G8 = 1, kA8K4 = 2, kA8K8 = 3, kA8S16 = 4
 // in their formats; plain: the portable C++ (the tests), which gives the same bits.
 void gguf_a8_linear(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tensor>& parts,
                     const std::vector<int64_t>& formats, bool plain);
+
+// gguf_experts.cpp: a layer's experts' weights for one projection, each as gguf_a8_linear's
+// parts in K, S16 or table formats (expert-major: expert 0's codes0, scales0, codes1, ...;
+// every expert of the same formats and shapes), checked when made. Holds the tensors.
+struct A8Experts {
+  A8Experts(std::vector<at::Tensor> parts, std::vector<int64_t> formats, int64_t experts, int64_t in_features,
+            int64_t out_features);
+  std::vector<at::Tensor> parts;
+  std::vector<int64_t> formats;
+  int64_t experts, in_features, out_features;
+  std::vector<A8Segment> first;                 // expert 0's segments (each expert's shapes)
+  std::vector<int64_t> columns;                 // each segment's first output column
+  std::vector<const uint8_t*> codes_of;         // [expert * segments + segment]
+  std::vector<const float*> scales_of;
+};
+// out [R, N] = each group of x's rows [R, K] (counts[i] rows for expert ids[i], in order)
+// against its expert's weight; a row's result is its expert's gguf_a8_linear's, bit for bit.
+void gguf_a8_experts(at::Tensor& out, const at::Tensor& x, const A8Experts& w, const std::vector<int64_t>& ids,
+                     const std::vector<int64_t>& counts, bool plain);
 
 // gguf_repack.cpp: a GGUF tensor's blocks as gguf_a8_linear's `format` (A8Format), row r of
 // the weight from raw row source[r] (-1: zeros). False where the type's values do not fit

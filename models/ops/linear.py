@@ -101,6 +101,33 @@ def gguf_a8_linear(x: torch.Tensor, parts: list[torch.Tensor], formats: list[int
     return out
 
 
+def a8_experts(parts: list[torch.Tensor], formats: list[int], experts: int, in_features: int,
+               out_features: int) -> object:
+    """A layer's experts' weights for one projection, as ``gguf_a8_experts`` takes them:
+    ``parts`` each expert's ``gguf_a8_linear`` parts in turn, every expert in the same
+    ``formats`` (K, S16 or table formats only) and shapes, checked here once. It holds the
+    tensors."""
+    ext = load_extension()
+    if ext is None:
+        raise RuntimeError("a8_experts needs the fused CPU kernels")
+    return ext.A8Experts(parts, formats, experts, in_features, out_features)
+
+
+def gguf_a8_experts(x: torch.Tensor, weights: object, ids: list[int], counts: list[int], out_features: int,
+                    plain: bool = False) -> torch.Tensor:
+    """Each expert's rows of ``x [R, K]`` (``counts[i]`` rows for expert ``ids[i]``, in
+    order) times its weight of ``weights`` (``a8_experts``), all in one call (llama.cpp's
+    ``mul_mat_id``): float32 ``[R, out_features]``, each row what its expert's own
+    ``gguf_a8_linear`` gives, bit for bit."""
+    ext = load_extension()
+    if ext is None:
+        raise RuntimeError("gguf_a8_experts needs the fused CPU kernels")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    ext.gguf_a8_experts(out, x, weights, ids, counts, plain)
+    return out
+
+
 def repack_gguf_a8(codes: torch.Tensor, scales: torch.Tensor, raw: torch.Tensor, type_id: int, fmt: int,
                    source: torch.Tensor) -> bool:
     """``repack_gguf`` for ``gguf_a8_linear``'s format ``fmt``: False where a scale made from

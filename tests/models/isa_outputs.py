@@ -42,6 +42,10 @@ def _gemms(gen: torch.Generator) -> dict[str, torch.Tensor]:
         linear = a8_projection(None, [GGUFTensor("t", int(GGMLQuantizationType[type_name]), (512, 48), raw)], [None])
         for rows in (1, 7, 37):
             out[f"gguf a8 {type_name} {rows}x512x48"] = linear(torch.randn(rows, 512, generator=gen) * 3)
+        # the same codes as two experts' weights in one call (csrc/gguf_experts.cpp)
+        experts = ops.a8_experts(linear.fused_args[:-1] * 2, linear.formats, 2, 512, 48)
+        x = torch.randn(19, 512, generator=gen) * 3
+        out[f"gguf a8 experts {type_name} 19x512x48"] = ops.gguf_a8_experts(x, experts, [0, 1], [2, 17], 48)
     return out
 
 

@@ -111,6 +111,40 @@ def test_a_shape_off_the_tiles_is_refused() -> None:
         a8_projection(None, [tensor_of("Q4_K", (24, 512))], [None])
 
 
+@pytest.mark.parametrize("types", [("Q4_K", "Q5_K"), ("Q6_K",), ("MXFP4", "IQ4_XS"), ("Q3_K",)])
+def test_experts_in_one_call_give_each_experts_own_call(types: tuple[str, ...]) -> None:
+    # Six experts' projections (segments of one or two formats) as one weight: each expert's
+    # rows are what its own projection gives them, bit for bit, on the vector code and the plain.
+    projections = [a8_projection(None, [tensor_of(t, (32 * (i + 1), 512), 10 * e + i) for i, t in enumerate(types)],
+                                 [None] * len(types)) for e in range(6)]
+    n = projections[0].out_features
+    weights = ops.a8_experts([t for p in projections for t in p.fused_args[:-1]], projections[0].formats, 6, 512, n)
+    x = torch.randn(23, 512, generator=torch.Generator().manual_seed(4))
+    ids, counts = [0, 2, 3, 5], [1, 17, 4, 1]
+    y = ops.gguf_a8_experts(x, weights, ids, counts, n)
+    starts = [0, 1, 18, 22, 23]
+    for e, a, b in zip(ids, starts, starts[1:]):
+        assert torch.equal(y[a:b], projections[e](x[a:b]))
+    assert torch.equal(ops.gguf_a8_experts(x, weights, ids, counts, n, plain=True), y)
+    # one token's row for each of its experts: the row read three times (a stride of 0)
+    alone = ops.gguf_a8_experts(x[:1].expand(3, -1), weights, [1, 2, 4], [1, 1, 1], n)
+    assert torch.equal(alone, torch.cat([projections[e](x[:1]) for e in (1, 2, 4)]))
+
+
+def test_experts_of_other_formats_shapes_or_counts_are_refused() -> None:
+    q8 = a8_projection(None, [tensor_of("Q8_0", (32, 512))], [None])
+    with pytest.raises(RuntimeError, match="not a K, S16 or table format"):
+        ops.a8_experts(q8.fused_args[:-1], q8.formats, 1, 512, 32)
+    two = [a8_projection(None, [tensor_of("Q4_K", (rows, 512))], [None]) for rows in (32, 48)]
+    with pytest.raises(RuntimeError, match="not the shape of expert 0's"):
+        ops.a8_experts([t for p in two for t in p.fused_args[:-1]], two[0].formats, 2, 512, 32)
+    weights = ops.a8_experts(two[0].fused_args[:-1], two[0].formats, 1, 512, 32)
+    with pytest.raises(RuntimeError, match="row counts add to 3, x has 4"):
+        ops.gguf_a8_experts(torch.zeros(4, 512), weights, [0], [3], 32)
+    with pytest.raises(RuntimeError, match="expert 1 with 4 rows"):
+        ops.gguf_a8_experts(torch.zeros(4, 512), weights, [1], [4], 32)
+
+
 # --- whole models ------------------------------------------------------------------------
 
 # A Q4_K_M-like layer, then one of the other types a format holds.

@@ -18,7 +18,7 @@ import torch
 
 from models import ops
 from models.loader import load_model
-from models.moe import SparseMoeBlock
+from models.moe import SparseMoeBlock, route
 from tests.models.conftest import TINY_CONFIG, save_tiny_tokenizer
 from tests.models.test_llama import chunked_beside_another, max_diff, prefill, reference_greedy, reference_logits
 
@@ -151,6 +151,8 @@ _GGUF_KINDS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
                "mlp.down_proj": "ffn_down", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
                "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
                "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.router": "ffn_gate_inp"}
+# The types the gguf package cannot quantise: written as random blocks, the reference their values.
+RANDOM_BLOCK_TYPES = {"Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"}
 _GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                 "lm_head.weight": "output.weight"}
 
@@ -164,7 +166,7 @@ def write_moe_gguf(path: Path, model, arch: str, expert_type: str | None = None,
     then replace ``model``'s own so that it stays the reference."""
     import gguf
 
-    from gguf_files import write_header
+    from gguf_files import blocks, write_header
     from tests.models.test_loader import llama_cpp_permute
 
     cfg, state = model.config, model.state_dict()
@@ -194,8 +196,12 @@ def write_moe_gguf(path: Path, model, arch: str, expert_type: str | None = None,
         the values the file holds, in ``w``'s order."""
         data = w.numpy().astype(np.float32)
         qtype = gguf.GGMLQuantizationType[expert_type] if quantise and expert_type else None
-        raw = data if qtype is None else gguf.quants.quantize(data, qtype)
-        held = w if qtype is None else torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(data.shape))
+        if qtype is not None and expert_type in RANDOM_BLOCK_TYPES:  # (no quantiser: random blocks)
+            flat, held = blocks(expert_type, (data.size // data.shape[-1], data.shape[-1]), seed=len(writer.tensors[0]))
+            raw, held = flat.reshape(*data.shape[:-1], -1), held.reshape(data.shape)
+        else:
+            raw = data if qtype is None else gguf.quants.quantize(data, qtype)
+            held = w if qtype is None else torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(data.shape))
         if heads is not None:  # (whole rows move: a quantised row's blocks move with it)
             raw = llama_cpp_permute(raw, heads)
         writer.add_tensor(name, raw, raw_dtype=qtype)
@@ -281,15 +287,41 @@ def test_moe_gguf_runs_its_own_codes_on_w4a8(tiny_prompt, make_runner, tmp_path,
     # (inputs rounded to int8 per 16 at every projection: near transformers, not equal)
     assert max_diff(whole, reference_logits(reference, tiny_prompt)) < 0.1
     assert torch.equal(chunked_beside_another(make_runner(model, seed=1), tiny_prompt), whole)
-    # One token alone (its chosen experts' gate_up projections in one call, where the experts
-    # are plain SiLU MLPs) is its row of a batch, bit for bit.
-    from models.moe import SparseMoeBlock, _gate_ups_in_one_call
-
+    # One token alone is its row of a batch, bit for bit; grouped_gemm.cpp's formats (Q8_0)
+    # and gpt-oss's experts run one call an expert (models.experts.FusedExperts takes neither).
     block = next(layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock))
-    assert all(_gate_ups_in_one_call(e) for e in block.experts) == (arch != "gptoss")
+    assert block.fused is None
     x = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
     batch = block(x)
     assert all(torch.equal(block(x[i:i + 1])[0], batch[i]) for i in range(9))
+
+
+@pytest.mark.skipif(not ops.has_int8_dots(), reason="w4a8 needs the kernels' integer dots")
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "IQ4_NL"])
+def test_moe_gguf_experts_run_in_one_call_a_projection(tiny_prompt, make_runner, tmp_path, type_name):
+    # Every projection of a K or table type: the experts held as one weight a projection
+    # (FusedExperts), each step's chosen experts in one call, bit for bit their own calls'.
+    from models.experts import _grouped
+
+    reference = tiny_moe("qwen3moe", hidden_size=256, moe_intermediate_size=256, head_dim=64, num_experts=16,
+                         num_experts_per_tok=4)
+    path = write_moe_gguf(tmp_path / "qwen3moe.gguf", reference, "qwen3moe", type_name, every_projection=True)
+    model = load_model(str(path), dtype="float32", device="cpu", quantization="w4a8").model
+    blocks = [layer.mlp for layer in model.model.layers]
+    assert all(isinstance(b, SparseMoeBlock) and b.fused is not None for b in blocks)
+    whole = prefill(make_runner(model), tiny_prompt)
+    want = reference_logits(reference, tiny_prompt)  # (x rounded to int8 per 16 at every projection)
+    assert max_diff(whole, want) < 0.05 * want.abs().max()
+    assert torch.equal(chunked_beside_another(make_runner(model, seed=1), tiny_prompt), whole)
+
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(3))
+    batch = blocks[0](x)
+    assert all(torch.equal(blocks[0](x[i:i + 1])[0], batch[i]) for i in (0, 17, 39))
+    _, chosen = route(blocks[0].gate(x).float(), blocks[0].moe)
+    chosen = chosen.sort(dim=1).values
+    fused, counts = blocks[0].fused(x, chosen)
+    grouped, grouped_counts = _grouped(blocks[0].experts, x, chosen)
+    assert torch.equal(fused, grouped) and counts == grouped_counts
 
 
 @pytest.mark.parametrize("arch, expert_type", [("mixtral", None), ("qwen2moe", None), ("qwen3moe", None),

@@ -1,0 +1,101 @@
+// A mixture's experts on the int8-activation GEMMs in one call a projection (llama.cpp's
+// mul_mat_id): the rows of a step's (token, expert) slots, grouped by expert, each group
+// against its expert's weight, every group's tiles shared out over the threads together.
+// One call per expert cost a decode step of 16 sequences a dispatch, a row rounding and a
+// thread fork per chosen expert and layer (about 56 of OLMoE's 64 experts a layer).
+//
+// A8Experts holds a layer's experts' weights for one projection (each a GGUF file's codes
+// in gguf_a8.cpp's K, S16 or table formats, row ranges as gguf_a8_linear takes them, every
+// expert in the same formats and shapes), checked once when it is made; the calls then take
+// the expert ids and row counts only. A slot's row is rounded to int8 as gguf_a8_linear
+// rounds it and meets the same tile products (gguf_a8_tiles.h), so its result is what its
+// expert's own gguf_a8_linear call gives, bit for bit, whatever else the step holds.
+#include <ATen/core/Tensor.h>
+
+#include "gguf_a8_tiles.h"
+#include "grouped_rows.h"
+#include "kernels.h"
+#include "parallel.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace kvserve {
+
+using grouped::kRowsInt8;
+using grouped::kTile;
+
+A8Experts::A8Experts(std::vector<at::Tensor> parts_, std::vector<int64_t> formats_, int64_t experts_,
+                     int64_t in_features_, int64_t out_features_)
+    : parts(std::move(parts_)), formats(std::move(formats_)), experts(experts_), in_features(in_features_),
+      out_features(out_features_) {
+  const int64_t segments = static_cast<int64_t>(formats.size());
+  TORCH_CHECK(experts > 0 && segments > 0 && static_cast<int64_t>(parts.size()) == 2 * segments * experts,
+              "one (codes, scales) pair per segment and expert");
+  TORCH_CHECK(in_features % grouped::kGroup == 0, "in_features must be whole groups of 32");
+  const int64_t groups = in_features / grouped::kGroup;
+  for (int64_t e = 0; e < experts; ++e) {
+    int64_t start = 0;
+    for (int64_t s = 0; s < segments; ++s) {
+      const at::Tensor& codes = parts[2 * (e * segments + s)];
+      const at::Tensor& scales = parts[2 * (e * segments + s) + 1];
+      const A8Segment seg = a8_segment(static_cast<size_t>(s), codes, scales, formats[s], groups);
+      if (e == 0) {
+        first.push_back(seg);
+        columns.push_back(start);
+      } else {
+        TORCH_CHECK(codes.sizes() == parts[2 * s].sizes() && scales.sizes() == parts[2 * s + 1].sizes(),
+                    "expert ", e, ", segment ", s, ": not the shape of expert 0's");
+      }
+      codes_of.push_back(seg.codes);
+      scales_of.push_back(seg.scales);
+      start += std::min(seg.tiles * kTile, out_features - start);
+    }
+    TORCH_CHECK(start == out_features, "expert ", e, "'s segments hold ", start, " rows, not ", out_features);
+  }
+}
+
+void gguf_a8_experts(at::Tensor& out, const at::Tensor& x, const A8Experts& w, const std::vector<int64_t>& ids,
+                     const std::vector<int64_t>& counts, bool plain) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat && x.size(1) == w.in_features,
+              "x must be float32 [rows, in_features]");
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.scalar_type() == at::kFloat && out.size(0) == x.size(0) &&
+                  out.size(1) == w.out_features, "out must be float32 [rows, out_features]");
+  TORCH_CHECK(ids.size() == counts.size(), "one row count per expert id");
+  const int64_t segments = static_cast<int64_t>(w.formats.size()), groups = w.in_features / grouped::kGroup;
+  std::vector<int64_t> starts(ids.size() + 1, 0);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < w.experts && counts[i] >= 0, "expert ", ids[i], " with ", counts[i], " rows");
+    starts[i + 1] = starts[i] + counts[i];
+  }
+  TORCH_CHECK(starts.back() == x.size(0), "the experts' row counts add to ", starts.back(), ", x has ", x.size(0));
+  // (segment, tile) of each of an expert's tiles, in column order.
+  std::vector<std::pair<int64_t, int64_t>> tiles;
+  for (int64_t s = 0; s < segments; ++s) {
+    for (int64_t t = 0; t < w.first[s].tiles; ++t) tiles.emplace_back(s, t);
+  }
+  const int64_t per_expert = static_cast<int64_t>(tiles.size());
+  const grouped::QuantizedRows xq =
+      grouped::quantize_rows(x.data_ptr<float>(), x.size(0), x.stride(0), groups, 0.0f, x.size(0));
+  float* yp = out.data_ptr<float>();
+  const int64_t ys = out.stride(0);
+  // Items expert-major: a thread's share is whole experts' weights, front to back.
+  parallel_chunks(static_cast<int64_t>(ids.size()) * per_expert, grouped::kTileGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item / per_expert, e = ids[i];
+      const auto [s, t] = tiles[item % per_expert];
+      A8Segment seg = w.first[s];
+      seg.codes = w.codes_of[e * segments + s];
+      seg.scales = w.scales_of[e * segments + s];
+      const int64_t column = w.columns[s] + t * kTile;
+      const int64_t valid = std::min(kTile, (s + 1 < segments ? w.columns[s + 1] : w.out_features) - column);
+      for (int64_t r = starts[i]; r < starts[i + 1]; r += kRowsInt8) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRowsInt8, starts[i + 1] - r));
+        a8_tile(seg, t, yp + r * ys + column, ys, xq, r, rows, groups, valid, plain);
+      }
+    }
+  });
+}
+
+}  // namespace kvserve

@@ -1,0 +1,128 @@
+"""A mixture's experts over a step's tokens: each token's chosen experts run on its row,
+their outputs scaled by its router weights and added (``mix_experts``).
+
+Two ways to run them, the same bits for every row:
+
+* ``FusedExperts``: where a layer's experts are plain SiLU MLPs whose projections keep a
+  GGUF file's codes on the int8-activation GEMMs (``w4a8`` on an MoE file), the kernels
+  hold each projection's experts as one weight (``ops.a8_experts``) and a step's gate_up
+  and down projections are one call each over every chosen expert's rows (llama.cpp's
+  ``mul_mat_id``);
+* ``_grouped``: any other expert module, one call per chosen expert over its rows.
+
+A row's result does not depend on the other rows of a GEMM (``models.quant``,
+``ops.gguf_a8_experts``), and a token's outputs are added in an order its own choice fixes,
+so a token's output does not depend on which tokens share its experts or its step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models import ops
+from models.gguf_linear import A8_G4, A8_G8, NativeA8Linear
+from models.llama import MLP
+
+
+class FusedExperts:
+    """A layer's experts' gate_up and down projections held by the kernels as one weight each
+    (``ops.a8_experts``): made by ``of`` where every expert can be, once the projections are
+    final (``models.moe_loader.build_native_moe``)."""
+
+    def __init__(self, experts: nn.ModuleList) -> None:
+        gate_ups = [e.gate_up_proj for e in experts]
+        downs = [e.down_proj for e in experts]
+        self.experts = len(experts)
+        self.gate_up_features, self.down_features = gate_ups[0].out_features, downs[0].out_features
+        self.gate_up = _weights(gate_ups)
+        self.down = _weights(downs)
+
+    @classmethod
+    def of(cls, experts: nn.ModuleList) -> FusedExperts | None:
+        """The experts held as one weight a projection, or None where one cannot be (not all
+        plain SiLU MLPs of a file's codes in the formats ``ops.a8_experts`` takes, alike)."""
+        if not all(_fusable(e) for e in experts):
+            return None
+        for kind in ("gate_up_proj", "down_proj"):
+            first = getattr(experts[0], kind)
+            if any(getattr(e, kind).formats != first.formats for e in experts):
+                return None
+        return cls(experts)
+
+    def __call__(self, x: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """Every (token, choice) slot's expert output ``[T * k, H]`` (``chosen [T, k]``, each
+        row ascending) and the tokens routed to each expert."""
+        t, k = chosen.shape
+        flat = chosen.reshape(-1)
+        if t == 1:  # (the slots are in expert order already, one row each)
+            ids, order, rows = flat.tolist(), None, x.float().expand(k, -1)
+            counts = [1] * k
+        else:
+            order = torch.argsort(flat, stable=True)
+            every = torch.bincount(flat, minlength=self.experts).tolist()
+            ids = [e for e, n in enumerate(every) if n]
+            counts = [every[e] for e in ids]
+            rows = x.float().index_select(0, order // k)
+        # (the dtype conversions of MLP.forward over NativeA8Linear's float32 products)
+        both = ops.gguf_a8_experts(rows, self.gate_up, ids, counts, self.gate_up_features).to(x.dtype)
+        h = ops.silu_and_mul(both)
+        out = ops.gguf_a8_experts(h.float(), self.down, ids, counts, self.down_features).to(x.dtype)
+        routed = [0] * self.experts
+        for e, n in zip(ids, counts):
+            routed[e] = n
+        if order is None:
+            return out, routed
+        return out.new_empty(out.shape).index_copy_(0, order, out), routed
+
+
+def _fusable(expert: nn.Module) -> bool:
+    return (type(expert) is MLP and expert.tp is None
+            and all(isinstance(p, NativeA8Linear) and p.bias is None
+                and not {A8_G4, A8_G8} & set(p.formats)  # (grouped_gemm.cpp's formats: one call each)
+                    for p in (expert.gate_up_proj, expert.down_proj)))
+
+
+def _weights(projections: list[NativeA8Linear]) -> object:
+    parts = [t for p in projections for t in p.fused_args[:-1]]
+    first = projections[0]
+    return ops.a8_experts(parts, first.formats, len(projections), first.in_features, first.out_features)
+
+
+def mix_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+                fused: FusedExperts | None = None) -> tuple[torch.Tensor, list[int]]:
+    """Each token's chosen experts (``chosen [T, k]``) run on its row of ``x``, their outputs
+    scaled by ``weights [T, k]`` (float32) and added: ``(y [T, H], tokens per expert)``;
+    ``fused``: the experts as ``FusedExperts`` holds them, where it can."""
+    t, k = chosen.shape
+    # NOTE: a token's k outputs are added in ascending expert id, from its first: an order
+    # its own choice fixes (not the batch's), and transformers' index_add_ order. Its choices
+    # are put in that order first, so its slots below hold their outputs in it (sorting the
+    # outputs afterwards, a gather of every slot's row, took a third of a decode step's
+    # Python time on the OLMoE shape).
+    chosen, by_id = chosen.sort(dim=1)
+    weights = weights.gather(1, by_id)
+    out, counts = fused(x, chosen) if fused is not None else _grouped(experts, x, chosen)
+    out = out.view(t, k, -1) * weights.to(x.dtype).unsqueeze(-1)
+    y = out[:, 0]
+    for j in range(1, k):
+        y = y + out[:, j]
+    return y, counts
+
+
+def _grouped(experts: nn.ModuleList, x: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """Every (token, choice) slot's expert output ``[T * k, H]``: the step's slots grouped by
+    expert, each expert run once on its rows."""
+    t, k = chosen.shape
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    tokens = order // k
+    out = x.new_empty(t * k, x.shape[1])
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            rows = experts[e](x.index_select(0, tokens[start:start + n]))
+            out.index_copy_(0, order[start:start + n], rows)
+            start += n
+    return out, counts
