@@ -82,8 +82,8 @@ async def _stream(client: httpx.AsyncClient, cfg: BenchConfig, body: dict,
     result.usage_reported = usage_tokens is not None
     result.output_tokens = usage_tokens if usage_tokens is not None else chunks
     result.ok = chunks > 0
-    if not result.ok:
-        result.error = "no text streamed"
+    if not result.ok:  # (the tokens a server reports, where it does: an empty text's cause)
+        result.error = "no text streamed" + (f" ({usage_tokens} tokens)" if usage_tokens is not None else "")
 
 
 async def send_request(client: httpx.AsyncClient, cfg: BenchConfig, model: str, prompt: str,

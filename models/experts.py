@@ -3,8 +3,9 @@ their outputs scaled by its router weights and added (``mix_experts``).
 
 Two ways to run them, the same bits for every row:
 
-* ``FusedExperts``: where a layer's experts are plain SiLU MLPs whose projections keep a
-  GGUF file's codes on the int8-activation GEMMs (``w4a8`` on an MoE file), the kernels
+* ``FusedExperts``: where a layer's experts are plain MLPs (SiLU: ``models.llama.MLP``; Gemma's
+  GELU-tanh: ``models.gemma.GemmaMLP``) whose projections keep a GGUF file's codes on the
+  int8-activation GEMMs (``w4a8`` on an MoE file), the kernels
   hold each projection's experts as one weight (``ops.a8_experts``) and a step's gate_up
   and down projections are one call each over every chosen expert's rows (llama.cpp's
   ``mul_mat_id``);
@@ -21,16 +22,21 @@ import torch
 from torch import nn
 
 from models import ops
+from models.gemma import GemmaMLP
 from models.gguf_linear import A8_G4, A8_G8, NativeA8Linear
 from models.llama import MLP
+
+# The expert modules whose forward is down(activate(gate_up(x))), nothing else.
+_PLAIN_MLPS = (MLP, GemmaMLP)
 
 
 class FusedExperts:
     """A layer's experts' gate_up and down projections held by the kernels as one weight each
     (``ops.a8_experts``): made by ``of`` where every expert can be, once the projections are
-    final (``models.moe_loader.build_native_moe``)."""
+    final (``models.moe_loader.build_native_moe``, ``models.gguf_native.build_model``)."""
 
     def __init__(self, experts: nn.ModuleList) -> None:
+        self.activate = type(experts[0]).activate
         gate_ups = [e.gate_up_proj for e in experts]
         downs = [e.down_proj for e in experts]
         self.experts = len(experts)
@@ -41,8 +47,8 @@ class FusedExperts:
     @classmethod
     def of(cls, experts: nn.ModuleList) -> FusedExperts | None:
         """The experts held as one weight a projection, or None where one cannot be (not all
-        plain SiLU MLPs of a file's codes in the formats ``ops.a8_experts`` takes, alike)."""
-        if not all(_fusable(e) for e in experts):
+        plain MLPs of one kind, of a file's codes in the formats ``ops.a8_experts`` takes, alike)."""
+        if not all(_fusable(e) and type(e) is type(experts[0]) for e in experts):
             return None
         for kind in ("gate_up_proj", "down_proj"):
             first = getattr(experts[0], kind)
@@ -66,7 +72,7 @@ class FusedExperts:
             rows = x.float().index_select(0, order // k)
         # (the dtype conversions of MLP.forward over NativeA8Linear's float32 products)
         both = ops.gguf_a8_experts(rows, self.gate_up, ids, counts, self.gate_up_features).to(x.dtype)
-        h = ops.silu_and_mul(both)
+        h = self.activate(both)
         out = ops.gguf_a8_experts(h.float(), self.down, ids, counts, self.down_features).to(x.dtype)
         routed = [0] * self.experts
         for e, n in zip(ids, counts):
@@ -77,7 +83,7 @@ class FusedExperts:
 
 
 def _fusable(expert: nn.Module) -> bool:
-    return (type(expert) is MLP and expert.tp is None
+    return (type(expert) in _PLAIN_MLPS and expert.tp is None
             and all(isinstance(p, NativeA8Linear) and p.bias is None
                 and not {A8_G4, A8_G8} & set(p.formats)  # (grouped_gemm.cpp's formats: one call each)
                     for p in (expert.gate_up_proj, expert.down_proj)))

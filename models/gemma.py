@@ -40,8 +40,13 @@ class GemmaMLP(MLP):
     """down(gelu_tanh(gate(x)) * up(x)), gate and up in one projection."""
 
     def forward(self, x: torch.Tensor, lora: None = None) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(self.activate(self.gate_up_proj(x)))
+
+    @staticmethod
+    def activate(gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu_tanh(gate) * up`` of the gate_up projection's output."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
 
 class GemmaDecoderLayer(nn.Module):

@@ -40,7 +40,7 @@ from models import ops
 from models.attention import AttentionMetadata, paged_attention
 from models.config import ModelConfig
 from models.dense import DTYPES, PackedLinear
-from models.experts import mix_experts
+from models.experts import FusedExperts, mix_experts
 from models.gemma import GemmaDecoderLayer, GemmaForCausalLM, GemmaMLP
 from models.llama import Attention, RMSNorm
 from models.moe import convert_projection
@@ -137,6 +137,7 @@ class Gemma4DecoderLayer(GemmaDecoderLayer):
             self.post_per_layer_input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layer_scalar = nn.Parameter(torch.ones(1))
         self.router: Gemma4Router | None = None
+        self.fused: FusedExperts | None = None  # (Gemma4ForCausalLM.fuse_experts)
         moe = settings.experts
         if moe is not None:
             self.router = Gemma4Router(config, moe)
@@ -153,7 +154,7 @@ class Gemma4DecoderLayer(GemmaDecoderLayer):
         h = self.mlp(self.pre_feedforward_layernorm(x))
         if self.router is not None:
             weights, chosen = self.router(x)
-            routed, _ = mix_experts(self.experts, self.pre_feedforward_layernorm_2(x), weights, chosen)
+            routed, _ = mix_experts(self.experts, self.pre_feedforward_layernorm_2(x), weights, chosen, self.fused)
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(routed)
         x = x + self.post_feedforward_layernorm(h)
         if per_layer_input is not None:
@@ -230,6 +231,13 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
                 for name in ("gate_up_proj", "down_proj"):
                     setattr(expert, name, convert_projection(getattr(expert, name), quantization, packable))
         self.prepare_extras()
+
+    def fuse_experts(self) -> None:
+        """Each expert layer's experts as ``FusedExperts`` where they can be (a GGUF's codes on
+        ``w4a8``): call once their projections are final."""
+        for layer in self.model.layers:
+            if layer.router is not None:
+                layer.fused = FusedExperts.of(layer.experts)
 
     def prepare_extras(self) -> None:
         """The per-layer input projections in the packed dense GEMM where the kernels run

@@ -319,6 +319,8 @@ def build_model(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, a8: b
     model.load_weights(iter_gguf_weights(reader, config, skip=skip))
     if hasattr(model, "prepare_extras"):
         model.prepare_extras()
+    if a8 and hasattr(model, "fuse_experts"):  # (Gemma 4's experts: models.experts.FusedExperts)
+        model.fuse_experts()
     return model
 
 

@@ -105,11 +105,16 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if lora is not None:
             gate_up = lora.add("gate_up_proj", x, gate_up)
-        h = ops.silu_and_mul(gate_up)
+        h = self.activate(gate_up)
         out = self.down_proj(h)
         if lora is not None:
             out = lora.add("down_proj", h, out)
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    @staticmethod
+    def activate(gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of the gate_up projection's output (one row kernel)."""
+        return ops.silu_and_mul(gate_up)
 
 
 class DecoderLayer(nn.Module):
