@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from gguf_files import blocks
 from models.gguf_linear import NativeA8Linear
 from models.loader import load_model
 from models.tokenizer import Tokenizer
@@ -53,9 +54,12 @@ def _gguf_name(hf: str) -> str:
     return f"blk.{layer}.{_LAYER['.'.join(module)]}.{kind}"
 
 
-def write_gemma4_gguf(path: Path, hf_model, quantize: gguf.GGMLQuantizationType | None = None) -> Path:
+def write_gemma4_gguf(path: Path, hf_model, quantize: gguf.GGMLQuantizationType | None = None,
+                      expert_type: str | None = None) -> Path:
     """``hf_model`` as llama.cpp's Gemma 4 converter writes it (projections of 64 inputs or more
-    and the embedding tables in ``quantize``, the rest F32), with a minimal gpt2 tokenizer."""
+    and the embedding tables in ``quantize``, the rest F32), with a minimal gpt2 tokenizer;
+    ``expert_type``: the stacked experts as random blocks of that type instead (a type the
+    gguf package cannot quantise; the file no longer holds ``hf_model``'s experts)."""
     cfg = hf_model.config
     layers, types = cfg.num_hidden_layers, cfg.layer_types
     full = [i for i, t in enumerate(types) if t == "full_attention"]
@@ -99,7 +103,10 @@ def write_gemma4_gguf(path: Path, hf_model, quantize: gguf.GGMLQuantizationType 
                                               ["ffn_up"], ["ffn_down"], ["ffn_gate_up_exps"]) or (
             name.endswith("ffn_down_exps.weight"))
         table = name in ("token_embd.weight", "per_layer_token_embd.weight")
-        if quantize is not None and (projection or table) and data.shape[-1] >= 32:
+        if expert_type is not None and name.endswith(("ffn_gate_up_exps.weight", "ffn_down_exps.weight")):
+            raw, _ = blocks(expert_type, (data.size // data.shape[-1], data.shape[-1]), len(w.tensors[0]))
+            w.add_tensor(name, raw.reshape(*data.shape[:-1], -1), raw_dtype=gguf.GGMLQuantizationType[expert_type])
+        elif quantize is not None and (projection or table) and data.shape[-1] >= 32:
             w.add_tensor(name, gguf.quants.quantize(data, quantize), raw_dtype=quantize)
         else:
             w.add_tensor(name, data.reshape(1) if data.ndim == 0 else data)
@@ -243,4 +250,30 @@ def test_a_gemma4_gguf_with_experts_loads(tiny_checkpoint, tiny_prompt, make_run
             for name in ("gate_up_proj", "down_proj"):
                 assert isinstance(getattr(a_expert, name), NativeA8Linear)
                 _assert_within_int8_rounding(getattr(a_expert, name), getattr(b_expert, name), x, name)
+    _assert_chunks_and_batch_change_nothing(model, make_runner, tiny_prompt)
+
+
+def test_a_gemma4_gguf_with_k_quant_experts_runs_them_in_one_call(tiny_checkpoint, tiny_prompt, make_runner,
+                                                                   tmp_path):
+    # Q4_K experts (GELU-tanh MLPs) on w4a8: each expert layer's experts held as one weight a
+    # projection (models.experts.FusedExperts), each expert within int8 rounding of the exact
+    # model's, the one-call path equal to one call an expert, chunks and batches changing nothing.
+    from models.experts import _grouped
+
+    _, reference = tiny_checkpoint("gemma4", **{**GEMMA4, "num_kv_shared_layers": 0, "use_double_wide_mlp": False,
+                                                "enable_moe_block": True, "num_experts": 8, "top_k_experts": 2,
+                                                "hidden_size": 256, "moe_intermediate_size": 256})
+    path = write_gemma4_gguf(tmp_path / "g4-q4k.gguf", reference, quantize=gguf.GGMLQuantizationType.Q8_0,
+                             expert_type="Q4_K")
+    exact = load_model(str(path), dtype="float32", device="cpu", quantization="none").model
+    model = load_model(str(path), dtype="float32", device="cpu", quantization="w4a8").model
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
+    for mine, theirs in zip(model.model.layers, exact.model.layers):
+        assert mine.fused is not None and mine.fused.activate is type(mine.experts[0]).activate
+        for a_expert, b_expert in zip(mine.experts, theirs.experts):
+            for name in ("gate_up_proj", "down_proj"):
+                _assert_within_int8_rounding(getattr(a_expert, name), getattr(b_expert, name), x, name)
+        _, chosen = mine.router(x)
+        chosen = chosen.sort(dim=1).values
+        assert torch.equal(mine.fused(x, chosen)[0], _grouped(mine.experts, x, chosen)[0])
     _assert_chunks_and_batch_change_nothing(model, make_runner, tiny_prompt)
