@@ -60,23 +60,21 @@ class FusedExperts:
         """Every (token, choice) slot's expert output ``[T * k, H]`` (``chosen [T, k]``, each
         row ascending) and the tokens routed to each expert."""
         t, k = chosen.shape
-        flat = chosen.reshape(-1)
         if t == 1:  # (the slots are in expert order already, one row each)
-            ids, order, rows = flat.tolist(), None, x.float().expand(k, -1)
+            ids, order, rows = chosen[0].tolist(), None, x.float().expand(k, -1)
             counts = [1] * k
+            routed = [0] * self.experts
+            for e in ids:
+                routed[e] = 1
         else:
-            order = torch.argsort(flat, stable=True)
-            every = torch.bincount(flat, minlength=self.experts).tolist()
-            ids = [e for e, n in enumerate(every) if n]
-            counts = [every[e] for e in ids]
+            order, routed = _slots_by_expert(chosen, self.experts)
+            ids = [e for e, n in enumerate(routed) if n]
+            counts = [routed[e] for e in ids]
             rows = x.float().index_select(0, order // k)
         # (the dtype conversions of MLP.forward over NativeA8Linear's float32 products)
         both = ops.gguf_a8_experts(rows, self.gate_up, ids, counts, self.gate_up_features).to(x.dtype)
         h = self.activate(both)
         out = ops.gguf_a8_experts(h.float(), self.down, ids, counts, self.down_features).to(x.dtype)
-        routed = [0] * self.experts
-        for e, n in zip(ids, counts):
-            routed[e] = n
         if order is None:
             return out, routed
         return out.new_empty(out.shape).index_copy_(0, order, out), routed
@@ -123,9 +121,7 @@ def _grouped(experts: nn.ModuleList, x: torch.Tensor, chosen: torch.Tensor) -> t
     """Every (token, choice) slot's expert output ``[T * k, H]``: the step's slots grouped by
     expert, each expert run once on its rows."""
     t, k = chosen.shape
-    flat = chosen.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    order, counts = _slots_by_expert(chosen, len(experts))
     tokens = order // k
     out = x.new_empty(t * k, x.shape[1])
     start = 0
@@ -135,3 +131,10 @@ def _grouped(experts: nn.ModuleList, x: torch.Tensor, chosen: torch.Tensor) -> t
             out.index_copy_(0, order[start:start + n], rows)
             start += n
     return out, counts
+
+
+def _slots_by_expert(chosen: torch.Tensor, experts: int) -> tuple[torch.Tensor, list[int]]:
+    """The step's (token, choice) slots (``chosen [T, k]`` flattened) in expert order, a stable
+    sort, and how many each expert has."""
+    flat = chosen.reshape(-1)
+    return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=experts).tolist()

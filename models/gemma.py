@@ -37,10 +37,8 @@ from models.rope import RotaryEmbedding
 
 
 class GemmaMLP(MLP):
-    """down(gelu_tanh(gate(x)) * up(x)), gate and up in one projection."""
-
-    def forward(self, x: torch.Tensor, lora: None = None) -> torch.Tensor:
-        return self.down_proj(self.activate(self.gate_up_proj(x)))
+    """down(gelu_tanh(gate(x)) * up(x)), gate and up in one projection: Llama's MLP with
+    another activation."""
 
     @staticmethod
     def activate(gate_up: torch.Tensor) -> torch.Tensor:
