@@ -18,7 +18,7 @@ What Gemma 4 changes (``ModelConfig`` and its ``gemma4`` settings carry each; re
 * each layer's output is scaled by its ``layer_scalar``; the logits may be soft-capped;
 * the 26B-A4B adds experts beside every layer's MLP (``Gemma4Router``: a softmax over all
   experts, the k largest renormalised and scaled per expert; the experts' GELU-tanh MLPs
-  run on their tokens as ``models.moe`` runs them, outputs added in ascending expert id);
+  run on their tokens through ``models.experts``, outputs added in ascending expert id);
 * the full layers have a head size (``global_head_dim``) and may have a KV head count of
   their own (``ModelConfig.layer_attention``): their caches take their own row shape
   (``models.kv_cache.allocate``).
