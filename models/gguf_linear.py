@@ -204,12 +204,12 @@ def pack_amx(codes: Codes, fmt: int) -> tuple[torch.Tensor, torch.Tensor]:
 # 6.75, where the AMX formats above take 6 and 10; MXFP4, IQ4_NL and IQ4_XS 5 (4-bit indices
 # into their table of 16 values, looked up in the kernel, and a scale per 32).
 A8_G4, A8_G8, A8_K4, A8_K8, A8_S16, A8_MX4, A8_NL4 = range(7)
-A8_FORMATS = {A8_G4: "4-bit, d and m per 32", A8_G8: "8-bit, d per 32", A8_K4: "4-bit, Q4_K's scales",
+A8_FORMATS = {A8_G4: "4-bit, d and m per 32", A8_G8: "8-bit, d and m per 32", A8_K4: "4-bit, Q4_K's scales",
               A8_K8: "8-bit, Q5_K's scales", A8_S16: "6-bit, a scale per 16",
               A8_MX4: "4-bit MXFP4 table, d per 32", A8_NL4: "4-bit IQ4_NL table, d per 32"}
-A8_TYPE_FORMATS = {"Q4_0": A8_G4, "Q4_1": A8_G4, "Q8_0": A8_G8, "Q5_0": A8_G8, "IQ4_NL": A8_NL4,
-                   "IQ4_XS": A8_NL4, "MXFP4": A8_MX4, "Q4_K": A8_K4, "Q5_K": A8_K8, "Q6_K": A8_S16,
-                   "Q3_K": A8_S16}
+A8_TYPE_FORMATS = {"Q4_0": A8_G4, "Q4_1": A8_G4, "Q8_0": A8_G8, "Q5_0": A8_G8, "Q5_1": A8_G8,
+                   "IQ4_NL": A8_NL4, "IQ4_XS": A8_NL4, "MXFP4": A8_MX4, "Q4_K": A8_K4, "Q5_K": A8_K8,
+                   "Q6_K": A8_S16, "Q3_K": A8_S16}
 
 
 # Each GGUF type's format, scaled and folded (the one ``amx_format`` gives its codes, before the

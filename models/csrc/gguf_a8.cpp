@@ -5,7 +5,8 @@
 //
 // Formats (models/gguf_linear.py A8_FORMATS), each a segment's (codes, scales):
 //   G4, G8: grouped_gemm.cpp's own 4- and 8-bit formats, d and m as float32 per 32 inputs
-//           (Q4_0, Q4_1; Q8_0, Q5_0, IQ4_NL as u = q + 128, m = -128 d): grouped_linear runs them.
+//           (Q4_0, Q4_1; Q8_0, Q5_0, IQ4_NL as u = q + 128, m = -128 d; Q5_1 as u = q + 112, m - 112 d):
+//           grouped_linear runs them.
 //   K4, K8: Q4_K's and Q5_K's codes (4-bit as G4's layout, 5-bit as 8-bit bytes) with the
 //           super-block's own scales: per 16-row tile and 256 inputs a record of 96 floats,
 //           D[16], M[16] (= -dmin) then int8 sc[8][16] and mn[8][16]. A group's d = D sc and

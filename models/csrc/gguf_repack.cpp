@@ -311,13 +311,17 @@ struct TileRows {
 };
 
 // Whether gguf_a8_linear's `format` holds `type`'s values exactly, and its code bytes u = q + shift.
+// G8 centres the codes on u = 128, where the integer dots must meet them (x's rounding meets
+// u - 128: Q5_1's codes 0..31 as they are put it 112 codes off their middle, and its mean KLD
+// on a 0.5B model was 120x llama.cpp's). So Q5_1 goes as u = q + 112 with m - 112 d, a float
+// sum that rounds once at load (the other G8 types' m - 128 d, with m = 0, is exact).
 bool a8_fits(int64_t type, int64_t format, int& shift) {
-  shift = format == kA8G8 ? 128 : format == kA8S16 ? 32 : 0;
+  shift = format == kA8G8 ? (type == kQ5_1 ? 112 : 128) : format == kA8S16 ? 32 : 0;
   switch (format) {
     case kA8MX4: return type == kMXFP4;  // (the codes are table indices: no shift)
     case kA8NL4: return type == kIQ4_NL || type == kIQ4_XS;
     case kA8G4: return type == kQ4_0 || type == kQ4_1;
-    case kA8G8: return type == kQ8_0 || type == kQ5_0 || type == kIQ4_NL || type == kMXFP4;  // (m - 128 d exact)
+    case kA8G8: return type == kQ8_0 || type == kQ5_0 || type == kIQ4_NL || type == kMXFP4 || type == kQ5_1;
     case kA8K4: return type == kQ4_K;
     case kA8K8: return type == kQ5_K;
     case kA8S16: return type == kQ6_K || type == kQ3_K;
@@ -545,8 +549,8 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
         for (int o = 0; o < 16; ++o) {
           const float dd = t.d[o * (k / 16) + 2 * g], mm = t.m[o * (k / 16) + 2 * g];
           s[o] = dd;
-          s[16 + o] = shift ? mm - 128.0f * dd : mm;
-          if (shift && mm != 0.0f) exact = false;
+          s[16 + o] = shift ? mm - static_cast<float>(shift) * dd : mm;
+          if (shift && mm != 0.0f && type != kQ5_1) exact = false;
         }
       }
       if (!compact) continue;
