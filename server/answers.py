@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
 from server.protocol_responses import DeltaToolCall
-from server.reasoning import ReasoningFormat, ReasoningStream
+from server.reasoning import ReasoningFormat
 from server.state import ServerState
 from server.tools import CallStream, ParsedCall, ToolFormat
 
@@ -43,7 +43,7 @@ class AnswerStream:
     """One answer read piece by piece (``AnswerReader.whole``'s streamed twin)."""
 
     def __init__(self, reader: AnswerReader) -> None:
-        self.thought = ReasoningStream(reader.thinking, reader.trim) if reader.thinking is not None else None
+        self.thought = reader.thinking.stream(reader.trim) if reader.thinking is not None else None
         self.calls = CallStream(reader.calls) if reader.calls is not None else None
         self.were_calls = False  # at the end: whether the content was calls
 
@@ -82,6 +82,8 @@ def plan_answer(state: ServerState, params: SamplingParams, tool_format: ToolFor
     and holds from the first token where they are not (then nothing is split off).
     ``tool_format``: the request can call tools in it."""
     if state.reasoning is None or params.structured is None:
+        if state.reasoning is not None and state.reasoning.keeps_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)  # (harmony's tags)
         return params, AnswerReader(state.reasoning, False, tool_format)
     if state.think_tokens is None:
         return params, AnswerReader(None, False, tool_format)

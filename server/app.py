@@ -72,7 +72,7 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
               max_body_size: int = 4 * MiB, served_model_name: str | Sequence[str] | None = None,
               metrics_require_key: bool = False, tool_call_parser: str = "auto",
               max_stored_responses: int = DEFAULT_STORED_RESPONSES,
-              reasoning_parser: str = "none", runtime_lora: bool = False, log_requests: bool = False,
+              reasoning_parser: str = "auto", runtime_lora: bool = False, log_requests: bool = False,
               max_log_len: int | None = None, cors: CORSSettings | None = CORSSettings()) -> FastAPI:
     """Build the HTTP app around ``engine``.
 
@@ -102,13 +102,16 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
     state = ServerState(engine=engine, model_name=model_name, model_aliases=tuple(names[1:]), metrics=metrics,
                         api_key=api_key, max_queue=max_queue, responses=ResponseStore(max_stored_responses),
                         log_requests=log_requests, max_log_len=max_log_len,
-                        reasoning=reasoning_format(reasoning_parser),
+                        reasoning=reasoning_format(reasoning_parser, engine.tokenizer.chat_template),
                         tool_format=tool_format_for(
                             tool_call_parser, engine.tokenizer.tool_call_syntax,
                             lambda text: engine.tokenizer.encode(text, add_special_tokens=False)))
     if state.reasoning is not None:
         state.think_tokens = state.reasoning.tokens(engine.tokenizer)
-        if state.think_tokens is None:
+        if state.think_tokens is None and state.reasoning.keeps_special_tokens:
+            logger.warning("harmony channels are not read in constrained answers (tools, structured outputs): "
+                           "their grammar holds from the start")
+        elif state.think_tokens is None:
             logger.warning("the tokenizer has no single token for <think> and </think>: constrained answers "
                            "(tools, structured outputs) cannot think first; their grammar holds from the start")
     if engine.tokenizer.tool_call_syntax == "unknown" and tool_call_parser == "auto":

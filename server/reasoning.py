@@ -5,7 +5,10 @@ reasoning up to ``</think>`` and the rest as content (Qwen3 thinks unless the
 request's ``chat_template_kwargs`` turn it off, and then writes no tags);
 ``deepseek_r1`` reads everything up to ``</think>`` as reasoning, since its
 template opens the block in the prompt (a leading ``<think>`` the model writes
-anyway is dropped), and an answer cut before ``</think>`` as all reasoning.
+anyway is dropped), and an answer cut before ``</think>`` as all reasoning;
+``openai_gptoss`` reads gpt-oss's harmony channels (``server.harmony``: analysis
+is reasoning), and ``auto``, the default, takes it where the chat template writes
+harmony's channels and reads no reasoning elsewhere.
 The text between the tags goes out as it was generated (no whitespace is
 trimmed), so a streamed answer's pieces join into the whole answer's.
 
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.sampling_params import ThinkTokens
+from server.harmony import CHANNEL, HarmonyStream
 
 START, END = "<think>", "</think>"
 
@@ -32,11 +36,17 @@ class ReasoningFormat:
     name: str
     # The answer starts inside the reasoning block (the template opened it).
     opens_in_prompt: bool
+    # The answer is read with the tokenizer's special tokens in its text (harmony's tags are).
+    keeps_special_tokens = False
+
+    def stream(self, trim: bool = False) -> "ReasoningStream | HarmonyStream":
+        """A reader of one answer arriving in pieces (``trim``: see ``ReasoningStream``)."""
+        return ReasoningStream(self, trim)
 
     def split(self, text: str, trim: bool = False) -> tuple[str | None, str]:
         """A whole answer as ``(reasoning, content)``; reasoning None where there is none
         (``trim``: see ``ReasoningStream``)."""
-        stream = ReasoningStream(self, trim)
+        stream = self.stream(trim)
         reasoning, content = stream.feed(text)
         rest_reasoning, rest_content = stream.finish()
         reasoning += rest_reasoning
@@ -58,15 +68,32 @@ class ReasoningFormat:
         return ThinkTokens(ids[0], ids[1], self.opens_in_prompt)
 
 
+@dataclass(frozen=True)
+class HarmonyFormat(ReasoningFormat):
+    """gpt-oss's harmony channels (``server.harmony``), read with the special tokens kept."""
+
+    keeps_special_tokens = True
+
+    def stream(self, trim: bool = False) -> HarmonyStream:
+        return HarmonyStream()
+
+    def tokens(self, tokenizer: Any) -> ThinkTokens | None:
+        return None  # (no block of two tags for a constrained answer's grammar to wait out)
+
+
 REASONING_FORMATS = {
     "qwen3": ReasoningFormat("qwen3", opens_in_prompt=False),
     "deepseek_r1": ReasoningFormat("deepseek_r1", opens_in_prompt=True),
+    "openai_gptoss": HarmonyFormat("openai_gptoss", opens_in_prompt=False),
 }
-REASONING_PARSERS = ("none", *REASONING_FORMATS)
+REASONING_PARSERS = ("auto", "none", *REASONING_FORMATS)
 
 
-def reasoning_format(name: str) -> ReasoningFormat | None:
-    """The format ``--reasoning-parser`` names; None for ``none``."""
+def reasoning_format(name: str, chat_template: str | None = None) -> ReasoningFormat | None:
+    """The format ``--reasoning-parser`` names; None for ``none``, and for ``auto`` unless
+    ``chat_template`` writes harmony's channels (gpt-oss's)."""
+    if name == "auto":
+        return REASONING_FORMATS["openai_gptoss"] if chat_template and CHANNEL in chat_template else None
     if name == "none":
         return None
     try:

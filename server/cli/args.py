@@ -191,9 +191,11 @@ def _add_api_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model's name in the API (default: the model's); with several, the "
                         "first answers and requests may name any of them")
-    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default="none",
-                   help="split a thinking model's <think> reasoning from its answer into "
-                        "reasoning_content: qwen3 or deepseek_r1 (default: none, all content)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default="auto",
+                   help="split a thinking model's reasoning from its answer into reasoning_content: "
+                        "qwen3 or deepseek_r1 (<think> blocks), openai_gptoss (gpt-oss's harmony "
+                        "analysis channel); none: all content (default: auto, openai_gptoss where "
+                        "the chat template writes harmony's channels, else none)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja2 chat template to use instead of the model's own: a file, or the "
                         "template itself")

@@ -195,7 +195,7 @@ def _serve(args: argparse.Namespace, engine: AsyncEngine) -> int:
                 "the chat template renders tools" if state.tool_format.native
                 else "tools listed in the system message")
     if state.reasoning is not None:
-        logger.info("reasoning: %s parser (<think> blocks go to reasoning_content)", state.reasoning.name)
+        logger.info("reasoning: %s parser (the reasoning goes to reasoning_content)", state.reasoning.name)
     logger.info("KV cache: %d blocks x %d tokens = %d tokens", engine.num_kv_blocks,
                 engine.block_size, engine.num_kv_blocks * engine.block_size)
 

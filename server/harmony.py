@@ -1,0 +1,102 @@
+"""gpt-oss's harmony response format: an answer's analysis channel apart from its final one.
+
+A harmony answer is a run of messages, each a header, ``<|message|>``, a body and an
+end tag; the prompt ends at ``<|start|>assistant``, so the first header is the channel
+alone::
+
+    <|channel|>analysis<|message|>Let me see.<|end|><|start|>assistant<|channel|>final<|message|>Hello!
+
+The analysis channel is the model's reasoning (``reasoning_content``); the final channel,
+and the commentary channel (a preamble to the user; a tool call's arguments, which are
+not read as calls here), are content. The tags are the tokenizer's special tokens, so an
+answer read this way is decoded with them (``ReasoningFormat.keeps_special_tokens``).
+Text with no header (a model that ignores the format) is content, as it came.
+"""
+
+from __future__ import annotations
+
+MESSAGE = "<|message|>"
+CHANNEL = "<|channel|>"
+HEADER_STARTS = ("<|start|>", CHANNEL)
+# A body ends at the end of its message, of the answer, or at a tool call.
+BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+# A header longer than this with no <|message|> is not one: it goes out as content.
+_MAX_HEADER = 256
+
+
+def _partial_tag(text: str, tags: tuple[str, ...]) -> int:
+    """How many characters at the end of ``text`` could start one of ``tags``."""
+    for k in range(min(max(map(len, tags)) - 1, len(text)), 0, -1):
+        if any(tag.startswith(text[-k:]) for tag in tags):
+            return k
+    return 0
+
+
+def _channel(header: str) -> str:
+    """The channel a header names ("" for none): the word after ``<|channel|>``."""
+    at = header.rfind(CHANNEL)
+    if at < 0:
+        return ""
+    rest = header[at + len(CHANNEL):]
+    return rest.split("<|", 1)[0].split(" ", 1)[0].strip()
+
+
+class HarmonyStream:
+    """One harmony answer fed piece by piece, split into reasoning and content pieces
+    (``server.reasoning.ReasoningStream``'s interface). Tags never go out, in whole or in
+    part: text that could still be one is held back until the next piece shows what it is."""
+
+    def __init__(self) -> None:
+        self.reasoned = False  # an analysis message has begun
+        self._header: str | None = ""  # a header being read (None: inside a body)
+        self._to_reasoning = False  # the body's channel is analysis
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """``(reasoning, content)`` to send for ``text``."""
+        buf, self._held = self._held + text, ""
+        reasoning = content = ""
+        while buf:
+            if self._header is not None:
+                header = self._header + buf
+                buf = ""
+                at = header.find(MESSAGE)
+                if at >= 0:
+                    channel = _channel(header[:at])
+                    self._to_reasoning = channel == "analysis"
+                    self.reasoned = self.reasoned or self._to_reasoning
+                    self._header, buf = None, header[at + len(MESSAGE):]
+                elif self._could_be_header(header):
+                    self._header = header
+                else:  # not a header: content, read as a body's
+                    self._header, self._to_reasoning, buf = None, False, header
+                continue
+            end, tag = min(((buf.find(t), t) for t in BODY_ENDS if t in buf), default=(-1, ""))
+            body = buf if end < 0 else buf[:end]
+            if end < 0:
+                keep = _partial_tag(body, BODY_ENDS)
+                self._held, body, buf = body[len(body) - keep:], body[:len(body) - keep], ""
+            else:
+                buf, self._header = buf[end + len(tag):], ""
+            if self._to_reasoning:
+                reasoning += body
+            else:
+                content += body
+        return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        """What is still held back, at the end of the answer: a body's last characters (a
+        header cut before its ``<|message|>`` is markup, and goes)."""
+        held, self._held = self._held, ""
+        if self._header is not None:
+            header, self._header = self._header, ""
+            return "", ("" if self._could_be_header(header) else header)
+        return (held, "") if self._to_reasoning else ("", held)
+
+    @staticmethod
+    def _could_be_header(text: str) -> bool:
+        """Whether ``text`` is, or may grow into, a header: it opens with a header tag (or
+        part of one) and is not yet too long to be one."""
+        if len(text) > _MAX_HEADER:
+            return False
+        return any(text.startswith(tag) or tag.startswith(text) for tag in HEADER_STARTS)

@@ -1,0 +1,120 @@
+"""--reasoning-parser openai_gptoss: gpt-oss's harmony analysis channel as reasoning_content,
+whole and streamed in any pieces, taken by ``auto`` where the chat template writes harmony's
+channels (the real engine on the tiny checkpoint, made to write a harmony answer:
+``ServedEngine.script``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from api_helpers import MODEL, sse_events
+from real_engine import PLAIN_TEMPLATE, ServedEngine
+from server.app import build_app
+from server.harmony import HarmonyStream
+from server.reasoning import REASONING_FORMATS, reasoning_format
+
+pytestmark = pytest.mark.anyio
+
+HARMONY = REASONING_FORMATS["openai_gptoss"]
+ANSWER = "<|channel|>analysis<|message|>Let me see.<|end|><|start|>assistant<|channel|>final<|message|>Hello!"
+
+CASES = [
+    # (answer, reasoning, content)
+    (ANSWER, "Let me see.", "Hello!"),
+    ("<|channel|>final<|message|>Hi there.", None, "Hi there."),  # no analysis: no reasoning
+    ("Plain text, no channels.", None, "Plain text, no channels."),  # the format ignored: content
+    ("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>analysis<|message|>b<|end|>"
+     "<|start|>assistant<|channel|>final<|message|>c", "ab", "c"),
+    # a preamble on the commentary channel is content, before the final answer
+    ("<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>commentary<|message|>Checking."
+     "<|end|><|start|>assistant<|channel|>final<|message|>Done.", "x", "Checking.Done."),
+    # a tool call's header (a recipient, a constraint) is markup; its arguments are content
+    ('<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": 1}<|call|>', None, '{"a": 1}'),
+    ("<|channel|>analysis<|message|>cut mid-thought <|en", "cut mid-thought <|en", ""),  # never a whole tag
+    ("<|channel|>analysis<|message|>done<|end|><|start|>assist", "done", ""),  # cut inside a header
+    ("<|channel|>analysis<|message|><|end|><|start|>assistant<|channel|>final<|message|>", "", ""),
+    ("a <| b", None, "a <| b"),  # no header at the start: all content, "<|" and all
+]
+
+
+@pytest.mark.parametrize("answer, reasoning, content", CASES)
+def test_every_split_of_a_harmony_answer_gives_its_parts(answer: str, reasoning: str | None, content: str) -> None:
+    assert HARMONY.split(answer) == (reasoning, content)
+    for size in range(1, len(answer) + 1):
+        stream, got = HarmonyStream(), ["", ""]
+        for i in range(0, len(answer), size):
+            r, c = stream.feed(answer[i:i + size])
+            for piece, whole in ((r, reasoning or ""), (c, content)):
+                # no tag goes out, in whole or in part (but text that was never one)
+                assert not any(t in piece for t in ("<|message|>", "<|channel|>", "<|end|>", "<|start|>"))
+                assert "<|" not in piece or "<|" in whole
+            got[0] += r
+            got[1] += c
+        r, c = stream.finish()
+        assert (got[0] + r, got[1] + c) == (reasoning or "", content), size
+
+
+def test_auto_takes_harmony_where_the_template_writes_its_channels() -> None:
+    assert reasoning_format("auto", "{{ '<|start|>assistant<|channel|>final<|message|>' }}") is HARMONY
+    assert reasoning_format("auto", PLAIN_TEMPLATE) is None
+    assert reasoning_format("auto", None) is None
+    assert reasoning_format("openai_gptoss") is HARMONY and HARMONY.keeps_special_tokens
+    assert HARMONY.tokens(None) is None  # no <think> pair for a constrained answer to wait out
+
+
+# gpt-oss's template, cut to its shape: each turn a harmony message; the answer opens at
+# <|start|>assistant, where the model writes its channel.
+HARMONY_TEMPLATE = ("{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}"
+                    "<|channel|>final{% endif %}<|message|>{{ m.content }}<|end|>{% endfor %}"
+                    "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+
+
+@pytest.fixture
+async def harmony(make_engine) -> Any:
+    engine = make_engine(chat_template=HARMONY_TEMPLATE)
+    engine.script = ANSWER
+    app = build_app(engine)  # (the parser left at auto)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            yield c
+
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+async def test_chat_answers_carry_the_analysis_channel_as_reasoning(harmony: httpx.AsyncClient) -> None:
+    state = harmony._transport.app.state.kvserve
+    engine: ServedEngine = state.engine
+    assert state.reasoning is HARMONY
+    body = (await harmony.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES})).json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello!",
+                                             "reasoning_content": "Let me see."}
+    # gpt-oss's tags are special tokens: the answer is read with them in its text
+    assert engine.requests[-1].params.skip_special_tokens is False
+    r = await harmony.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "stream": True})
+    deltas = [e["choices"][0]["delta"] for e in sse_events(r.text)[:-1] if e["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Let me see."
+    assert "".join(d.get("content") or "" for d in deltas) == "Hello!"
+    assert not any("<|" in (d.get("content") or "") + d.get("reasoning_content", "") for d in deltas)
+    body = (await harmony.post("/v1/responses", json={"model": MODEL, "input": "hi"})).json()
+    assert [i["type"] for i in body["output"]] == ["reasoning", "message"]
+    assert body["output"][0]["content"] == [{"type": "reasoning_text", "text": "Let me see."}]
+    assert body["output"][1]["content"][0]["text"] == "Hello!"
+
+
+async def test_a_completion_and_another_parser_keep_the_requests_own_choice(harmony: httpx.AsyncClient,
+                                                                          make_engine) -> None:
+    engine = harmony._transport.app.state.kvserve.engine
+    await harmony.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert engine.requests[-1].params.skip_special_tokens is True  # no answer to read: as asked
+    plain = make_engine(chat_template=HARMONY_TEMPLATE)
+    plain.script = ANSWER
+    app = build_app(plain, reasoning_parser="none")
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            body = (await c.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES})).json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": ANSWER}
+    assert plain.requests[-1].params.skip_special_tokens is True
