@@ -42,7 +42,8 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     a string or a list of ``{"type": "text", "text": ...}`` parts; the parts are
     joined with newlines (as vLLM does). An assistant message that only carries
     ``tool_calls`` may have ``content`` None. Other keys (``name``,
-    ``tool_calls``, ``tool_call_id``) are passed through to the template.
+    ``tool_calls``, ``tool_call_id``) are passed through to the template, and
+    ``reasoning_content`` also as ``thinking``.
 
     Raises:
         ValueError: a message is malformed; the message says which and how.
@@ -63,6 +64,10 @@ def _normalize_message(index: int, message: Mapping[str, Any]) -> dict[str, Any]
         raise ValueError(f"{where}.role is {role!r}; expected one of {sorted(VALID_ROLES)}")
     normalized = dict(message)
     normalized["content"] = _content_text(where, role, message)
+    if message.get("reasoning_content") is not None and "thinking" not in message:
+        # gpt-oss's template reads an earlier turn's reasoning as `thinking` (llama.cpp's
+        # server passes it so too); Qwen3's as `reasoning_content`.
+        normalized["thinking"] = message["reasoning_content"]
     return normalized
 
 

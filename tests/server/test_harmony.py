@@ -67,7 +67,8 @@ def test_auto_takes_harmony_where_the_template_writes_its_channels() -> None:
 
 # gpt-oss's template, cut to its shape: each turn a harmony message; the answer opens at
 # <|start|>assistant, where the model writes its channel.
-HARMONY_TEMPLATE = ("{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}"
+HARMONY_TEMPLATE = ("{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}{% if m.thinking %}"
+                    "<|channel|>analysis<|message|>{{ m.thinking }}<|end|><|start|>assistant{% endif %}"
                     "<|channel|>final{% endif %}<|message|>{{ m.content }}<|end|>{% endfor %}"
                     "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
 
@@ -103,6 +104,19 @@ async def test_chat_answers_carry_the_analysis_channel_as_reasoning(harmony: htt
     assert [i["type"] for i in body["output"]] == ["reasoning", "message"]
     assert body["output"][0]["content"] == [{"type": "reasoning_text", "text": "Let me see."}]
     assert body["output"][1]["content"][0]["text"] == "Hello!"
+
+
+async def test_an_earlier_turns_reasoning_goes_back_as_thinking(harmony: httpx.AsyncClient) -> None:
+    # gpt-oss's template reads an assistant turn's reasoning as `thinking`
+    engine = harmony._transport.app.state.kvserve.engine
+    history = MESSAGES + [{"role": "assistant", "content": "Hello!", "reasoning_content": "Let me see."},
+                          {"role": "user", "content": "again"}]
+    r = await harmony.post("/v1/chat/completions", json={"model": MODEL, "messages": history, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert engine.tokenizer.decode(engine.requests[-1].prompt_token_ids) == (
+        "<|start|>user<|message|>hi<|end|><|start|>assistant<|channel|>analysis<|message|>Let me see.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>Hello!<|end|><|start|>user<|message|>again<|end|>"
+        "<|start|>assistant")
 
 
 async def test_a_completion_and_another_parser_keep_the_requests_own_choice(harmony: httpx.AsyncClient,
