@@ -116,6 +116,9 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: the model goes on with the last (assistant) message instead of a new turn.
     continue_final_message: bool | None = False
+    # OpenAI's: how hard a reasoning model thinks; the chat template's `reasoning_effort`
+    # (gpt-oss's writes it into its system message), unless chat_template_kwargs sets it.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
     @model_validator(mode="after")
     def _check_continue(self) -> "ChatCompletionRequest":
@@ -301,7 +304,10 @@ def render_prompt(tokenizer: TokenizerLike, body: ChatCompletionRequest, fmt: To
     hands the tools to the template; the generic one lists them in the messages."""
     tools = body.tool_specs() if body.tools else None
     messages = template_messages(body.messages, tools, body.parallel_calls, fmt)
+    kwargs = body.chat_template_kwargs
+    if body.reasoning_effort is not None:
+        kwargs = {"reasoning_effort": body.reasoning_effort, **(kwargs or {})}
     text = apply_template(tokenizer, messages, body.generation_prompt,
                           [t.openai() for t in tools] if tools and fmt.native else None,
-                          body.chat_template_kwargs, bool(body.continue_final_message))
+                          kwargs, bool(body.continue_final_message))
     return tokenizer.encode(text, add_special_tokens=False)

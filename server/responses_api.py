@@ -28,7 +28,8 @@ from server.protocol_chat import ChatCompletionRequest
 # What a Responses body field is called in the chat body it is translated into,
 # so that an error found on the chat side names the field the client sent.
 _CHAT_TO_RESPONSES = {"messages": "input", "max_completion_tokens": "max_output_tokens",
-                      "max_tokens": "max_output_tokens", "response_format": "text.format"}
+                      "max_tokens": "max_output_tokens", "response_format": "text.format",
+                      "reasoning_effort": "reasoning.effort"}
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -220,7 +221,7 @@ class ResponsesRequest(_Strict):
     truncation: Literal["auto", "disabled"] | None = None
     background: bool | None = None
     metadata: dict[str, str] | None = None
-    reasoning: dict[str, Any] | None = None  # echoed: the model has no reasoning to configure
+    reasoning: dict[str, Any] | None = None  # its effort: the chat template's reasoning_effort (echoed)
     user: str | None = None
     # vLLM's extras, as in chat.
     seed: int | None = None
@@ -333,6 +334,7 @@ class ResponsesRequest(_Strict):
             "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "stop": self.stop, "priority": self.priority,
             "cache_salt": self.cache_salt,
+            "reasoning_effort": (self.reasoning or {}).get("effort"),
         }
         with responses_params():
             return validate(ChatCompletionRequest, {k: v for k, v in body.items() if v is not None})

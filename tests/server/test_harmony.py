@@ -67,7 +67,8 @@ def test_auto_takes_harmony_where_the_template_writes_its_channels() -> None:
 
 # gpt-oss's template, cut to its shape: each turn a harmony message; the answer opens at
 # <|start|>assistant, where the model writes its channel.
-HARMONY_TEMPLATE = ("{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}{% if m.thinking %}"
+HARMONY_TEMPLATE = ("<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
+                    "{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}{% if m.thinking %}"
                     "<|channel|>analysis<|message|>{{ m.thinking }}<|end|><|start|>assistant{% endif %}"
                     "<|channel|>final{% endif %}<|message|>{{ m.content }}<|end|>{% endfor %}"
                     "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
@@ -114,9 +115,31 @@ async def test_an_earlier_turns_reasoning_goes_back_as_thinking(harmony: httpx.A
     r = await harmony.post("/v1/chat/completions", json={"model": MODEL, "messages": history, "max_tokens": 1})
     assert r.status_code == 200, r.text
     assert engine.tokenizer.decode(engine.requests[-1].prompt_token_ids) == (
-        "<|start|>user<|message|>hi<|end|><|start|>assistant<|channel|>analysis<|message|>Let me see.<|end|>"
+        "<|start|>system<|message|>Reasoning: medium<|end|><|start|>user<|message|>hi<|end|><|start|>assistant<|channel|>analysis<|message|>Let me see.<|end|>"
         "<|start|>assistant<|channel|>final<|message|>Hello!<|end|><|start|>user<|message|>again<|end|>"
         "<|start|>assistant")
+
+
+async def test_reasoning_effort_reaches_the_template(harmony: httpx.AsyncClient) -> None:
+    # OpenAI's field, as gpt-oss's template reads it (chat_template_kwargs' own value wins)
+    engine = harmony._transport.app.state.kvserve.engine
+
+    def system_line() -> str:
+        return engine.tokenizer.decode(engine.requests[-1].prompt_token_ids).split("<|end|>")[0]
+
+    chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1}
+    await harmony.post("/v1/chat/completions", json={**chat, "reasoning_effort": "low"})
+    assert system_line() == "<|start|>system<|message|>Reasoning: low"
+    await harmony.post("/v1/chat/completions", json={**chat, "reasoning_effort": "low",
+                                                     "chat_template_kwargs": {"reasoning_effort": "high"}})
+    assert system_line() == "<|start|>system<|message|>Reasoning: high"
+    await harmony.post("/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 1,
+                                              "reasoning": {"effort": "high"}})
+    assert system_line() == "<|start|>system<|message|>Reasoning: high"
+    r = await harmony.post("/v1/chat/completions", json={**chat, "reasoning_effort": "extreme"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+    r = await harmony.post("/v1/responses", json={"model": MODEL, "input": "hi", "reasoning": {"effort": "x"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning.effort"
 
 
 async def test_a_completion_and_another_parser_keep_the_requests_own_choice(harmony: httpx.AsyncClient,
