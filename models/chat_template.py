@@ -189,7 +189,8 @@ def template_tool_syntax(template: str | None) -> str | None:
     templates), ``"llama3_json"`` (one ``{"name", "parameters"}`` object, results in
     ``ipython`` turns: Llama 3.1/3.2), ``"mistral"`` (``[TOOL_CALLS]`` and a JSON array of
     calls), ``"mistral_v11"`` (``[TOOL_CALLS]name[ARGS]{...}`` per call: Mistral's
-    templates from tokenizer version 11 on), ``"unknown"`` for a syntax kvserve does
+    templates from tokenizer version 11 on), ``"openai"`` (gpt-oss's harmony messages to
+    ``functions.NAME``), ``"unknown"`` for a syntax kvserve does
     not read, None when the template knows nothing of tools.
 
     Raises:
@@ -205,6 +206,9 @@ def template_tool_syntax(template: str | None) -> str | None:
         return None
     if "<tool_call>" in template:
         return "hermes"
+    # gpt-oss: harmony's channels, a call a message to functions.NAME on the commentary one.
+    if "<|channel|>" in template:
+        return "openai"
     # Mistral (7B v0.3, Nemo, Mixtral 8x22B): [TOOL_CALLS] [{"name", "arguments"}, ...];
     # from tokenizer version 11 (Small 3.1+, Devstral, Magistral) [TOOL_CALLS]name[ARGS]{...}.
     if "[TOOL_CALLS]" in template:

@@ -7,17 +7,26 @@ alone::
     <|channel|>analysis<|message|>Let me see.<|end|><|start|>assistant<|channel|>final<|message|>Hello!
 
 The analysis channel is the model's reasoning (``reasoning_content``); the final channel,
-and the commentary channel (a preamble to the user; a tool call's arguments, which are
-not read as calls here), are content. The tags are the tokenizer's special tokens, so an
-answer read this way is decoded with them (``ReasoningFormat.keeps_special_tokens``).
-Text with no header (a model that ignores the format) is content, as it came.
+and the commentary channel's preambles to the user, are content. A message to a function
+(a header with ``to=functions.NAME``, before or after its channel) is a tool call: it goes
+on as content in the ``hermes`` call syntax (``<tool_call>``, a newline, ``{"name": NAME,
+"arguments": ARGS}``, a newline, ``</tool_call>``), which the ``openai`` tool format reads
+(``server.tools.hermes``). The tags are
+the tokenizer's special tokens, so an answer read this way is decoded with them
+(``ReasoningFormat.keeps_special_tokens``). Text with no header (a model that ignores the
+format) is content, as it came.
 """
 
 from __future__ import annotations
 
+import json
+import re
+
 MESSAGE = "<|message|>"
 CHANNEL = "<|channel|>"
-HEADER_STARTS = ("<|start|>", CHANNEL)
+# A header opens a message (after the prompt's <|start|>assistant: its channel, or its recipient).
+HEADER_STARTS = ("<|start|>", CHANNEL, " to=")
+_FUNCTION = re.compile(r"to=functions\.([^\s<]+)")
 # A body ends at the end of its message, of the answer, or at a tool call.
 BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 # A header longer than this with no <|message|> is not one: it goes out as content.
@@ -30,6 +39,16 @@ def _partial_tag(text: str, tags: tuple[str, ...]) -> int:
         if any(tag.startswith(text[-k:]) for tag in tags):
             return k
     return 0
+
+
+def _call_opening(header: str) -> str | None:
+    """A call's opening in the hermes syntax where the header sends the message to a
+    function, else None."""
+    to = _FUNCTION.search(header)
+    return None if to is None else '<tool_call>\n{"name": ' + json.dumps(to[1]) + ', "arguments": '
+
+
+CALL_CLOSING = "}\n</tool_call>"
 
 
 def _channel(header: str) -> str:
@@ -50,6 +69,7 @@ class HarmonyStream:
         self.reasoned = False  # an analysis message has begun
         self._header: str | None = ""  # a header being read (None: inside a body)
         self._to_reasoning = False  # the body's channel is analysis
+        self._in_call = False  # the body is a call's arguments
         self._held = ""
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -62,10 +82,12 @@ class HarmonyStream:
                 buf = ""
                 at = header.find(MESSAGE)
                 if at >= 0:
-                    channel = _channel(header[:at])
-                    self._to_reasoning = channel == "analysis"
+                    opening = _call_opening(header[:at])
+                    self._in_call = opening is not None
+                    self._to_reasoning = not self._in_call and _channel(header[:at]) == "analysis"
                     self.reasoned = self.reasoned or self._to_reasoning
                     self._header, buf = None, header[at + len(MESSAGE):]
+                    content += opening or ""
                 elif self._could_be_header(header):
                     self._header = header
                 else:  # not a header: content, read as a body's
@@ -76,13 +98,18 @@ class HarmonyStream:
             if end < 0:
                 keep = _partial_tag(body, BODY_ENDS)
                 self._held, body, buf = body[len(body) - keep:], body[:len(body) - keep], ""
-            else:
-                buf, self._header = buf[end + len(tag):], ""
             if self._to_reasoning:
                 reasoning += body
             else:
                 content += body
+            if end >= 0:
+                buf, self._header = buf[end + len(tag):], ""
+                content += self._close_call()
         return reasoning, content
+
+    def _close_call(self) -> str:
+        closing, self._in_call = (CALL_CLOSING if self._in_call else ""), False
+        return closing
 
     def finish(self) -> tuple[str, str]:
         """What is still held back, at the end of the answer: a body's last characters (a
@@ -91,7 +118,9 @@ class HarmonyStream:
         if self._header is not None:
             header, self._header = self._header, ""
             return "", ("" if self._could_be_header(header) else header)
-        return (held, "") if self._to_reasoning else ("", held)
+        if self._to_reasoning:
+            return held, ""
+        return "", held + self._close_call()  # (a call ends at <|call|>, a stop token: not in the text)
 
     @staticmethod
     def _could_be_header(text: str) -> bool:

@@ -17,6 +17,10 @@ A ``ToolFormat`` is one way of writing calls; the server picks one per model
   vocabulary: the grammar names it as that token, and the answer keeps it.
   Mistral's newer templates and tokenizers (version 11 on: Mistral Small 3.1+,
   Devstral, Magistral) write each call as ``[TOOL_CALLS]name[ARGS]{...}``.
+* ``openai`` where the template writes gpt-oss's harmony channels: calls are messages to
+  ``functions.NAME`` on the commentary channel, read by the harmony reasoning reader
+  (``server.harmony``, which hands them on in the hermes syntax); no grammar, so
+  ``tool_choice`` ``auto`` or ``none`` only.
 * ``generic``, kvserve's own, for every other template (the default model's
   knows nothing of tools): the tools are listed in the system message
   (``tools_block``), and a call is the answer's whole text, one JSON object
@@ -50,7 +54,7 @@ from collections.abc import Callable
 
 from server.tools.base import MAX_PARALLEL_CALLS, FunctionSpec, ParsedCall, ToolFormat, max_calls, new_call_id
 from server.tools.generic import PARALLEL_NOTE, TOOLS_PREAMBLE, GenericFormat, calls_schema, tools_block
-from server.tools.hermes import HERMES_CLOSE, HERMES_OPEN, HermesFormat
+from server.tools.hermes import HERMES_CLOSE, HERMES_OPEN, HermesFormat, OpenAIHarmonyFormat
 from server.tools.history import history_content, template_tool_calls
 from server.tools.llama3_json import Llama3JsonFormat
 from server.tools.mistral import MISTRAL_ARGS, MISTRAL_CALLS, MistralArgsFormat, MistralFormat
@@ -59,14 +63,15 @@ from server.tools.stream import CallStream
 __all__ = [
     "FORMATS", "HERMES_CLOSE", "HERMES_OPEN", "MAX_PARALLEL_CALLS", "MISTRAL_ARGS", "MISTRAL_CALLS", "PARALLEL_NOTE",
     "TOOLS_PREAMBLE", "TOOL_PARSERS", "CallStream", "FunctionSpec", "GenericFormat", "HermesFormat",
-    "Llama3JsonFormat", "MistralArgsFormat", "MistralFormat", "ParsedCall", "ToolFormat", "calls_schema",
+    "Llama3JsonFormat", "MistralArgsFormat", "MistralFormat", "OpenAIHarmonyFormat", "ParsedCall", "ToolFormat",
+    "calls_schema",
     "history_content", "max_calls", "new_call_id", "template_tool_calls", "tool_format_for", "tools_block",
 ]
 
 # One instance per format, by the name --tool-call-parser takes: the formats keep no per-request
 # state, so every request shares them (the Mistral ones tool_format_for makes aside).
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in (GenericFormat(), HermesFormat(), Llama3JsonFormat(),
-                                                      MistralFormat())}
+                                                      MistralFormat(), OpenAIHarmonyFormat())}
 TOOL_PARSERS = ("auto", *FORMATS)
 
 

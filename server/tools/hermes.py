@@ -65,3 +65,20 @@ class HermesFormat(ToolFormat):
         if not calls or done != len(body) or not all(c.complete for c in calls):
             return None
         return calls if arguments_parse(calls) else None
+
+
+class OpenAIHarmonyFormat(HermesFormat):
+    """gpt-oss's calls (vLLM's ``openai`` parser): harmony messages to ``functions.NAME`` on the
+    commentary channel, which the harmony reader (``server.harmony``) passes on in the hermes
+    syntax; the chat template renders the tools and earlier calls. No grammar holds them: its
+    calls open with harmony's special tokens after a free analysis message, so ``auto`` is the
+    model's own choice, and ``required`` or a named function is refused."""
+
+    name = "openai"
+    keeps_special_tokens = True
+
+    def grammar(self, tools: list[FunctionSpec], choice: str, parallel: bool) -> StructuredOutput | None:
+        if choice not in ("auto", "none"):
+            raise ValueError(f"tool_choice {choice!r} needs a grammar over harmony's special tokens, which "
+                             "kvserve does not write for this model yet: use auto")
+        return None

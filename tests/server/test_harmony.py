@@ -31,8 +31,14 @@ CASES = [
     # a preamble on the commentary channel is content, before the final answer
     ("<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>commentary<|message|>Checking."
      "<|end|><|start|>assistant<|channel|>final<|message|>Done.", "x", "Checking.Done."),
-    # a tool call's header (a recipient, a constraint) is markup; its arguments are content
-    ('<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": 1}<|call|>', None, '{"a": 1}'),
+    # a message to a function is a call: content in the hermes syntax the openai tool format reads,
+    # its recipient after the channel or (right after the prompt's <|start|>assistant) before it
+    ('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary '
+     'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}', "Need the weather.",
+     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
+    (' to=functions.f<|channel|>commentary json<|message|>{"a": 1}<|call|>', None,
+     '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'),
+    (" to be, or not", None, " to be, or not"),  # (not a recipient)
     ("<|channel|>analysis<|message|>cut mid-thought <|en", "cut mid-thought <|en", ""),  # never a whole tag
     ("<|channel|>analysis<|message|>done<|end|><|start|>assist", "done", ""),  # cut inside a header
     ("<|channel|>analysis<|message|><|end|><|start|>assistant<|channel|>final<|message|>", "", ""),
@@ -49,7 +55,7 @@ def test_every_split_of_a_harmony_answer_gives_its_parts(answer: str, reasoning:
             r, c = stream.feed(answer[i:i + size])
             for piece, whole in ((r, reasoning or ""), (c, content)):
                 # no tag goes out, in whole or in part (but text that was never one)
-                assert not any(t in piece for t in ("<|message|>", "<|channel|>", "<|end|>", "<|start|>"))
+                assert not any(t in piece for t in ("<|message|>", "<|channel|>", "<|end|>", "<|start|>", "to="))
                 assert "<|" not in piece or "<|" in whole
             got[0] += r
             got[1] += c
@@ -58,6 +64,8 @@ def test_every_split_of_a_harmony_answer_gives_its_parts(answer: str, reasoning:
 
 
 def test_auto_takes_harmony_where_the_template_writes_its_channels() -> None:
+    from models.chat_template import template_tool_syntax
+    assert template_tool_syntax(HARMONY_TEMPLATE) == "openai"
     assert reasoning_format("auto", "{{ '<|start|>assistant<|channel|>final<|message|>' }}") is HARMONY
     assert reasoning_format("auto", PLAIN_TEMPLATE) is None
     assert reasoning_format("auto", None) is None
@@ -68,6 +76,8 @@ def test_auto_takes_harmony_where_the_template_writes_its_channels() -> None:
 # gpt-oss's template, cut to its shape: each turn a harmony message; the answer opens at
 # <|start|>assistant, where the model writes its channel.
 HARMONY_TEMPLATE = ("<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
+                    "{% if tools %}<|start|>developer<|message|>namespace functions:"
+                    "{% for t in tools %} type {{ t.function.name }};{% endfor %}<|end|>{% endif %}"
                     "{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}{% if m.thinking %}"
                     "<|channel|>analysis<|message|>{{ m.thinking }}<|end|><|start|>assistant{% endif %}"
                     "<|channel|>final{% endif %}<|message|>{{ m.content }}<|end|>{% endfor %}"
@@ -140,6 +150,42 @@ async def test_reasoning_effort_reaches_the_template(harmony: httpx.AsyncClient)
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
     r = await harmony.post("/v1/responses", json={"model": MODEL, "input": "hi", "reasoning": {"effort": "x"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning.effort"
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}')
+
+
+async def test_a_message_to_a_function_is_a_tool_call(harmony: httpx.AsyncClient) -> None:
+    state = harmony._transport.app.state.kvserve
+    engine: ServedEngine = state.engine
+    assert state.tool_format.name == "openai" and state.tool_format.native  # (the template's syntax)
+    engine.script = CALL
+    chat = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS}
+    body = (await harmony.post("/v1/chat/completions", json=chat)).json()
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert message["reasoning_content"] == "Need the weather." and message["content"] is None
+    [call] = message["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    prompt = engine.tokenizer.decode(engine.requests[-1].prompt_token_ids)
+    assert "namespace functions: type get_weather;" in prompt  # the template rendered the tools
+    assert engine.requests[-1].params.structured is None  # (the script's own choice: no grammar of ours)
+    r = await harmony.post("/v1/chat/completions", json={**chat, "stream": True})
+    chunks = [e["choices"][0] for e in sse_events(r.text)[:-1] if e["choices"]]
+    calls = [c for ch in chunks for c in ch["delta"].get("tool_calls") or []]
+    assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    assert "".join(c["function"].get("arguments") or "" for c in calls) == '{"city": "Paris"}'
+    assert "".join(ch["delta"].get("reasoning_content") or "" for ch in chunks) == "Need the weather."
+    assert not any(ch["delta"].get("content") for ch in chunks)
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+    # no grammar holds harmony's calls: only the model's own choice
+    r = await harmony.post("/v1/chat/completions", json={**chat, "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert "use auto" in r.json()["error"]["message"]
 
 
 async def test_a_completion_and_another_parser_keep_the_requests_own_choice(harmony: httpx.AsyncClient,
