@@ -1,4 +1,4 @@
-"""gpt-oss's harmony response format: an answer's analysis channel apart from its final one.
+"""gpt-oss's harmony response format: an answer's analysis channel, final channel and calls.
 
 A harmony answer is a run of messages, each a header, ``<|message|>``, a body and an
 end tag; the prompt ends at ``<|start|>assistant``, so the first header is the channel
@@ -11,10 +11,9 @@ and the commentary channel's preambles to the user, are content. A message to a 
 (a header with ``to=functions.NAME``, before or after its channel) is a tool call: it goes
 on as content in the ``hermes`` call syntax (``<tool_call>``, a newline, ``{"name": NAME,
 "arguments": ARGS}``, a newline, ``</tool_call>``), which the ``openai`` tool format reads
-(``server.tools.hermes``). The tags are
-the tokenizer's special tokens, so an answer read this way is decoded with them
-(``ReasoningFormat.keeps_special_tokens``). Text with no header (a model that ignores the
-format) is content, as it came.
+(``server.tools.hermes``). The tags are the tokenizer's special tokens, so an answer read
+this way is decoded with them (``ReasoningFormat.keeps_special_tokens``). Text with no
+header (a model that ignores the format) is content, as it came.
 """
 
 from __future__ import annotations
