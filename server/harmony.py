@@ -32,8 +32,9 @@ BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 _MAX_HEADER = 256
 
 
-def _partial_tag(text: str, tags: tuple[str, ...]) -> int:
-    """How many characters at the end of ``text`` could start one of ``tags``."""
+def partial_tag(text: str, tags: tuple[str, ...]) -> int:
+    """How many characters at the end of ``text`` could start one of ``tags`` (the text a
+    reader holds back: here and in ``server.reasoning``'s ``<think>`` reader)."""
     for k in range(min(max(map(len, tags)) - 1, len(text)), 0, -1):
         if any(tag.startswith(text[-k:]) for tag in tags):
             return k
@@ -95,7 +96,7 @@ class HarmonyStream:
             end, tag = min(((buf.find(t), t) for t in BODY_ENDS if t in buf), default=(-1, ""))
             body = buf if end < 0 else buf[:end]
             if end < 0:
-                keep = _partial_tag(body, BODY_ENDS)
+                keep = partial_tag(body, BODY_ENDS)
                 self._held, body, buf = body[len(body) - keep:], body[:len(body) - keep], ""
             if self._to_reasoning:
                 reasoning += body

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.sampling_params import ThinkTokens
-from server.harmony import CHANNEL, HarmonyStream
+from server.harmony import CHANNEL, HarmonyStream, partial_tag
 
 START, END = "<think>", "</think>"
 
@@ -102,14 +102,6 @@ def reasoning_format(name: str, chat_template: str | None = None) -> ReasoningFo
         raise ValueError(f"unknown reasoning parser {name!r}; expected one of {', '.join(REASONING_PARSERS)}") from None
 
 
-def _held_prefix(text: str, tag: str) -> int:
-    """How many characters at the end of ``text`` could start ``tag``."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
-
-
 class ReasoningStream:
     """One answer's text, fed piece by piece, split into reasoning and content pieces.
 
@@ -145,7 +137,7 @@ class ReasoningStream:
         if self.state == "reasoning":
             end = buf.find(END)
             if end < 0:
-                keep = _held_prefix(buf, END)
+                keep = partial_tag(buf, (END,))
                 self._held = buf[len(buf) - keep:] if keep else ""
                 return buf[:len(buf) - keep], ""
             reasoning, buf, self.state = buf[:end], buf[end + len(END):], "content"
