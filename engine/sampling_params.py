@@ -84,11 +84,24 @@ class ThinkTokens:
     it (DeepSeek-R1); otherwise the output may open it with ``start`` as its first
     token (Qwen3), or answer at once under the grammar. While the block is open
     every token but an end of text is allowed; blanks right after ``end`` are too.
+    ``end_after``: tokens that must come, in a row, before ``end`` closes the block
+    (gpt-oss's harmony: ``<|channel|>`` then ``final``, and its ``<|message|>`` is
+    ``end``); their first occurs only there, and it starts them over wherever it comes.
     """
 
     start: int
     end: int
     opens_in_prompt: bool = False
+    end_after: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.end_after and self.end_after[0] in (*self.end_after[1:], self.end):
+            raise ValueError("the first of end_after must occur only there")
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token the block names (what validation checks against the vocabulary)."""
+        return [self.start, *self.end_after, self.end]
 
 
 @dataclass(frozen=True)

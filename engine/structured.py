@@ -31,7 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -112,6 +112,15 @@ class GrammarError(RuntimeError):
 OPENING, THINKING, CLOSING, ANSWER = "opening", "thinking", "closing", "answer"
 
 
+class Phase(NamedTuple):
+    """A sample's place with respect to its reasoning block: ``name`` (OPENING, THINKING,
+    CLOSING or ANSWER) and, inside the block, how many of the tokens that close it
+    (``ThinkTokens.end_after``) have come so far."""
+
+    name: str
+    matched: int = 0
+
+
 class Grammar:
     """One sample's matcher: which tokens may come next, fed each sampled token.
 
@@ -129,23 +138,38 @@ class Grammar:
         self.think = think
         self.blanks = blanks
         self.blank_mask = blank_mask  # ``blanks`` as a mask row
-        self.phase = ANSWER if think is None else (THINKING if think.opens_in_prompt else OPENING)
+        self.phase = Phase(ANSWER if think is None else (THINKING if think.opens_in_prompt else OPENING))
         # Why computing this grammar's mask failed (``BitmaskFiller``), if it did: the
         # sample ends at its next token, with this error.
         self.fault: str | None = None
 
-    def after(self, phase: str, token_id: int) -> tuple[str, bool]:
+    def after(self, phase: Phase, token_id: int) -> tuple[Phase, bool]:
         """The phase after ``token_id`` in ``phase``, and whether the matcher consumes it."""
         think = self.think
-        if phase == OPENING:
+        if phase.name == OPENING:
             assert think is not None
-            return (THINKING, False) if token_id == think.start else (ANSWER, True)
-        if phase == THINKING:
+            return (Phase(THINKING), False) if token_id == think.start else (Phase(ANSWER), True)
+        if phase.name == THINKING:
             assert think is not None
-            return (CLOSING, False) if token_id == think.end else (THINKING, False)
-        if phase == CLOSING:
-            return (CLOSING, False) if token_id in self.blanks else (ANSWER, True)
-        return ANSWER, True
+            return self._thinking(phase.matched, token_id, think), False
+        if phase.name == CLOSING:
+            return (phase, False) if token_id in self.blanks else (Phase(ANSWER), True)
+        return phase, True
+
+    @staticmethod
+    def _thinking(matched: int, token_id: int, think: ThinkTokens) -> Phase:
+        """Inside the block, after ``matched`` of ``think.end_after`` came: its first token
+        starts them over (it occurs only there), the next one goes on, and once they have all
+        come ``end`` closes the block whatever came between (harmony's header may hold more
+        before its ``<|message|>``)."""
+        after = think.end_after
+        if matched == len(after) and token_id == think.end:
+            return Phase(CLOSING)
+        if after and token_id == after[0]:
+            return Phase(THINKING, 1)
+        if matched < len(after):
+            return Phase(THINKING, matched + 1 if token_id == after[matched] else 0)
+        return Phase(THINKING, matched)
 
     def advance(self, token_id: int) -> None:
         """Consume the sampled token (which the mask allowed); ``GrammarError`` if the
@@ -167,9 +191,9 @@ class Grammar:
         ``}`` then EOS broke its request's grammar and, with it, the engine loop). Nothing
         after an end of text could be kept anyway; the next step samples it."""
         phase, i = self.phase, 0
-        while phase != ANSWER and i < len(token_ids):
+        while phase.name != ANSWER and i < len(token_ids):
             token = token_ids[i]
-            if token in self.eos_token_ids and phase in (THINKING, CLOSING):
+            if token in self.eos_token_ids and phase.name in (THINKING, CLOSING):
                 return i  # no end of text inside a reasoning block (nor right after it)
             after, consumes = self.after(phase, token)
             if consumes:
@@ -183,25 +207,25 @@ class Grammar:
     def forced(self) -> bool:
         """The grammar forces the next bytes (a key, a separator, a literal). Its mask then
         allows only the forced text's canonical tokens, not every token that fits."""
-        return self.phase != THINKING and bool(self.matcher.compute_ff_bytes())
+        return self.phase.name != THINKING and bool(self.matcher.compute_ff_bytes())
 
     def allows(self, token_id: int) -> bool:
         """Whether the mask would allow ``token_id`` next, without computing the mask;
         only where the next bytes are not ``forced`` (there the two agree: checked on
         every token of the vocabulary in tests/engine/test_structured.py)."""
         assert not self.forced, "a forced grammar's mask is narrower than validate_tokens"
-        if self.phase == THINKING:
+        if self.phase.name == THINKING:
             return token_id not in self.eos_token_ids
-        if self.phase == OPENING and token_id == self.think.start:
+        if self.phase.name == OPENING and token_id == self.think.start:
             return True
-        if self.phase == CLOSING and token_id in self.blanks:
+        if self.phase.name == CLOSING and token_id in self.blanks:
             return True
         return self.matcher.validate_tokens([token_id]) == 1
 
     @property
     def finished(self) -> bool:
         """The grammar accepts no more text: the output is complete."""
-        return self.phase == ANSWER and self.matcher.is_stopped()
+        return self.phase.name == ANSWER and self.matcher.is_stopped()
 
 
 class GrammarCompiler:
@@ -387,19 +411,19 @@ class BitmaskFiller:
             if consumed:
                 matcher.rollback(consumed)
 
-    def _fill_row(self, grammar: Grammar, phase: str, row: int) -> None:
+    def _fill_row(self, grammar: Grammar, phase: Phase, row: int) -> None:
         """The mask of ``grammar`` in ``phase`` (its matcher's state as it is now) into ``row``."""
-        if phase == THINKING:  # anything but an end of text
+        if phase.name == THINKING:  # anything but an end of text
             self._mask[row] = -1
             for t in grammar.eos_token_ids:
                 self._mask[row, t // 32] &= ~_bit(t)
             return
         row_bytes = self.words * 4
         grammar.matcher.unsafe_compute_mask_ptr(self._mask.data_ptr() + row * row_bytes, row_bytes)
-        if phase == OPENING:
+        if phase.name == OPENING:
             t = grammar.think.start
             self._mask[row, t // 32] |= _bit(t)
-        elif phase == CLOSING and grammar.blank_mask is not None:
+        elif phase.name == CLOSING and grammar.blank_mask is not None:
             self._mask[row] |= grammar.blank_mask
 
     def result(self) -> torch.Tensor:

@@ -60,7 +60,7 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
         raise InvalidRequestError("priority is only honoured by a server started with --scheduling-policy "
                                   "priority; leave it out or send 0.", "priority")
     if params.think is not None:
-        check_token_ids([params.think.start, params.think.end], limits.vocab_size, "think")
+        check_token_ids(params.think.token_ids, limits.vocab_size, "think")
     if params.pooling is not None:
         # An embedding generates nothing: its prompt may fill the whole context.
         dims = params.pooling.dimensions

@@ -81,11 +81,11 @@ def plan_answer(state: ServerState, params: SamplingParams, tool_format: ToolFor
     block where its markers are single tokens (then the blanks after it are trimmed),
     and holds from the first token where they are not (then nothing is split off).
     ``tool_format``: the request can call tools in it."""
-    if state.reasoning is None or params.structured is None:
-        if state.reasoning is not None and state.reasoning.keeps_special_tokens:
-            params = dataclasses.replace(params, skip_special_tokens=False)  # (harmony's tags)
+    if state.reasoning is None or (params.structured is not None and state.think_tokens is None):
+        return params, AnswerReader(None, False, tool_format)  # (constrained: the grammar holds from the start)
+    if state.reasoning.keeps_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)  # (harmony's tags)
+    if params.structured is None:
         return params, AnswerReader(state.reasoning, False, tool_format)
-    if state.think_tokens is None:
-        return params, AnswerReader(None, False, tool_format)
     return (dataclasses.replace(params, think=state.think_tokens),
             AnswerReader(state.reasoning, True, tool_format))

@@ -109,8 +109,8 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, max_queue: in
     if state.reasoning is not None:
         state.think_tokens = state.reasoning.tokens(engine.tokenizer)
         if state.think_tokens is None and state.reasoning.keeps_special_tokens:
-            logger.warning("harmony channels are not read in constrained answers (tools, structured outputs): "
-                           "their grammar holds from the start")
+            logger.warning("the tokenizer has no single token for <|channel|> and <|message|>: constrained "
+                           "answers (structured outputs) cannot reason first; their grammar holds from the start")
         elif state.think_tokens is None:
             logger.warning("the tokenizer has no single token for <think> and </think>: constrained answers "
                            "(tools, structured outputs) cannot think first; their grammar holds from the start")

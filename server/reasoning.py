@@ -15,7 +15,9 @@ trimmed), so a streamed answer's pieces join into the whole answer's.
 A constrained answer (tools, a structured output) thinks first too where the
 tokenizer has ``<think>`` and ``</think>`` as single tokens (Qwen3's and
 DeepSeek-R1's do): the engine's grammar then waits out the block
-(``ThinkTokens``), and holds for the answer after it.
+(``ThinkTokens``), and holds for the answer after it. A harmony answer's grammar
+waits for the final channel (``<|channel|>final`` ... ``<|message|>``) and holds
+for its body.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.sampling_params import ThinkTokens
-from server.harmony import CHANNEL, HarmonyStream, partial_tag
+from server.harmony import CHANNEL, MESSAGE, HarmonyStream, partial_tag
 
 START, END = "<think>", "</think>"
 
@@ -58,14 +60,19 @@ class ReasoningFormat:
         """``<think>`` and ``</think>`` as the engine's ``ThinkTokens`` (so that a
         constrained answer's grammar waits out the block), or None where ``tokenizer``
         has no single token for each."""
-        ids = []
-        for tag in (START, END):
-            encoded = tokenizer.encode(tag, add_special_tokens=False)
-            # (a tokenizer may map an unknown word to one "unknown" token: not the tag)
-            if len(encoded) != 1 or tokenizer.decode(encoded, skip_special_tokens=False) != tag:
-                return None
-            ids.append(encoded[0])
-        return ThinkTokens(ids[0], ids[1], self.opens_in_prompt)
+        start, end = single_token(tokenizer, START), single_token(tokenizer, END)
+        if start is None or end is None:
+            return None
+        return ThinkTokens(start, end, self.opens_in_prompt)
+
+
+def single_token(tokenizer: Any, tag: str) -> int | None:
+    """``tag``'s one token in ``tokenizer``, or None where it is not one token."""
+    encoded = tokenizer.encode(tag, add_special_tokens=False)
+    # (a tokenizer may map an unknown word to one "unknown" token: not the tag)
+    if len(encoded) != 1 or tokenizer.decode(encoded, skip_special_tokens=False) != tag:
+        return None
+    return encoded[0]
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,15 @@ class HarmonyFormat(ReasoningFormat):
         return HarmonyStream()
 
     def tokens(self, tokenizer: Any) -> ThinkTokens | None:
-        return None  # (no block of two tags for a constrained answer's grammar to wait out)
+        """The final channel's ``<|channel|>final`` ... ``<|message|>`` as the block's close:
+        a constrained answer's grammar holds for the final message's body (vLLM's gate too),
+        the analysis and commentary messages before it free. None where the two tags are not
+        single tokens."""
+        channel, message = single_token(tokenizer, CHANNEL), single_token(tokenizer, MESSAGE)
+        if channel is None or message is None:
+            return None
+        final = tokenizer.encode("final", add_special_tokens=False)
+        return ThinkTokens(channel, message, opens_in_prompt=True, end_after=(channel, *final))
 
 
 REASONING_FORMATS = {

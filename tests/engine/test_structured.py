@@ -442,4 +442,40 @@ def test_proposals_and_masks_follow_the_block(engine):
     assert allowed(1, NEWLINE) and allowed(1, one) and not allowed(1, 7)  # closed: blanks or the answer
     assert allowed(3, two) and not allowed(3, NEWLINE)  # answering: the grammar alone
     # The fill left the grammar as it was: still inside the block, its matcher at the start.
-    assert grammar.phase == "thinking" and grammar.matcher.validate_tokens([one, two, one, two]) == 3
+    assert grammar.phase.name == "thinking" and grammar.matcher.validate_tokens([one, two, one, two]) == 3
+
+
+def test_a_block_closed_by_a_run_of_tokens_waits_for_the_whole_run(engine):
+    # gpt-oss's harmony: the grammar holds from the final channel's body, after
+    # <|channel|> final <|message|> (stand-ins here), whatever header tokens come between;
+    # the same tokens in another order, or the run broken off, leave the block open.
+    channel, final, message, other = START, 2362, END, 7
+    think = ThinkTokens(channel, message, opens_in_prompt=True, end_after=(channel, final))
+    assert think.token_ids == [channel, channel, final, message]
+    with pytest.raises(ValueError, match="first of end_after"):
+        ThinkTokens(channel, message, end_after=(channel, final, channel))
+    one = engine.tokenizer.encode("1", add_special_tokens=False)[0]
+    compiled = engine.grammars.compile(DIGITS)
+
+    def phases(tokens: list[int]) -> list[tuple[str, int]]:
+        grammar, seen = engine.grammars.grammar(compiled, think), []
+        for t in tokens:
+            grammar.advance(t)
+            seen.append(tuple(grammar.phase))
+        return seen
+
+    assert phases([message, channel, other, final, message, channel, final, other, message, one]) == [
+        ("thinking", 0), ("thinking", 1), ("thinking", 0), ("thinking", 0), ("thinking", 0),
+        ("thinking", 1), ("thinking", 2), ("thinking", 2), ("closing", 0), ("answer", 0)]
+    assert phases([channel, channel, final, message]) == [  # the run's first token starts it over
+        ("thinking", 1), ("thinking", 1), ("thinking", 2), ("closing", 0)]
+    grammar = engine.grammars.grammar(compiled, think)
+    assert grammar.valid_prefix([channel, final, message, one, 7]) == 4
+    assert grammar.valid_prefix([channel, final, one]) == 3  # still inside: anything goes
+    filler = BitmaskFiller(engine.vocab_size)
+    filler.start([grammar], [[channel, final, message]])
+    masks = filler.result()
+    allowed = [bool((int(masks[row, one // 32]) >> (one % 32)) & 1) for row in range(4)]
+    bad = [bool((int(masks[row, other // 32]) >> (other % 32)) & 1) for row in range(4)]
+    assert allowed == [True] * 4 and bad == [True, True, True, False]  # the grammar from the body on
+    assert grammar.phase == ("thinking", 0)

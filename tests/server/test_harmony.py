@@ -12,6 +12,7 @@ import pytest
 
 from api_helpers import MODEL, sse_events
 from real_engine import PLAIN_TEMPLATE, ServedEngine
+from engine.sampling_params import ThinkTokens
 from server.app import build_app
 from server.harmony import HarmonyStream
 from server.reasoning import REASONING_FORMATS, reasoning_format
@@ -70,7 +71,6 @@ def test_auto_takes_harmony_where_the_template_writes_its_channels() -> None:
     assert reasoning_format("auto", PLAIN_TEMPLATE) is None
     assert reasoning_format("auto", None) is None
     assert reasoning_format("openai_gptoss") is HARMONY and HARMONY.keeps_special_tokens
-    assert HARMONY.tokens(None) is None  # no <think> pair for a constrained answer to wait out
 
 
 # gpt-oss's template, cut to its shape: each turn a harmony message; the answer opens at
@@ -186,6 +186,38 @@ async def test_a_message_to_a_function_is_a_tool_call(harmony: httpx.AsyncClient
     r = await harmony.post("/v1/chat/completions", json={**chat, "tool_choice": "required"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
     assert "use auto" in r.json()["error"]["message"]
+
+
+async def test_a_structured_output_holds_for_the_final_channel(harmony: httpx.AsyncClient,
+                                                               make_think_engine) -> None:
+    # vLLM's gate: the grammar waits for <|channel|>final ... <|message|> and holds for that
+    # body; the analysis (and commentary) messages before it are free.
+    state = harmony._transport.app.state.kvserve
+    assert state.think_tokens is None  # SmolLM2's tokenizer: several tokens for each tag
+    engine = make_think_engine(chat_template=HARMONY_TEMPLATE)
+    app = build_app(engine)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            state = app.state.kvserve
+            tok = engine.tokenizer
+            [channel], [message] = (tok.encode(t, add_special_tokens=False) for t in ("<|channel|>", "<|message|>"))
+            final = tuple(tok.encode("final", add_special_tokens=False))
+            tags = ThinkTokens(channel, message, opens_in_prompt=True, end_after=(channel, *final))
+            assert state.think_tokens == tags
+            # (the script over the request's own grammar: no random model writes harmony on cue)
+            engine.script, engine.script_over_constraints = ANSWER, True
+            engine.script_grammar = ('start: <|channel|> "analysis" <|message|> "Let me see.<|end|><|start|>'
+                                     'assistant" <|channel|> "final" <|message|> "{\\"a\\": 1}"')
+            chat = {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_object"}}
+            body = (await c.post("/v1/chat/completions", json=chat)).json()
+            params = engine.requests[-1].params
+            assert params.think == tags and params.skip_special_tokens is False
+            assert body["choices"][0]["message"] == {"role": "assistant", "content": '{"a": 1}',
+                                                     "reasoning_content": "Let me see."}
+            r = await c.post("/v1/chat/completions", json={**chat, "stream": True})
+            deltas = [e["choices"][0]["delta"] for e in sse_events(r.text)[:-1] if e["choices"]]
+            assert "".join(d.get("content") or "" for d in deltas) == '{"a": 1}'
+            assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Let me see."
 
 
 async def test_a_completion_and_another_parser_keep_the_requests_own_choice(harmony: httpx.AsyncClient,
