@@ -79,13 +79,17 @@ def plan_answer(state: ServerState, params: SamplingParams, tool_format: ToolFor
     """How one request's answer is read, and its params to match: with
     ``--reasoning-parser`` a constrained answer's grammar waits out the reasoning
     block where its markers are single tokens (then the blanks after it are trimmed),
-    and holds from the first token where they are not (then nothing is split off).
-    ``tool_format``: the request can call tools in it."""
-    if state.reasoning is None or (params.structured is not None and state.think_tokens is None):
-        return params, AnswerReader(None, False, tool_format)  # (constrained: the grammar holds from the start)
-    if state.reasoning.keeps_special_tokens:
+    and holds from the first token where they are not (then nothing is split off); a
+    tool format whose calls' grammar holds the reasoning too (``grammar_reasons``) is read
+    as a free answer is. ``tool_format``: the request can call tools in it."""
+    reasoning = state.reasoning
+    if reasoning is None:
+        return params, AnswerReader(None, False, tool_format)
+    gated = params.structured is not None and not (tool_format is not None and tool_format.grammar_reasons)
+    if gated and state.think_tokens is None:
+        return params, AnswerReader(None, False, tool_format)  # (the grammar holds from the first token)
+    if reasoning.keeps_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)  # (harmony's tags)
-    if params.structured is None:
-        return params, AnswerReader(state.reasoning, False, tool_format)
-    return (dataclasses.replace(params, think=state.think_tokens),
-            AnswerReader(state.reasoning, True, tool_format))
+    if not gated:
+        return params, AnswerReader(reasoning, False, tool_format)
+    return dataclasses.replace(params, think=state.think_tokens), AnswerReader(reasoning, True, tool_format)

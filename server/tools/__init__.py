@@ -19,8 +19,9 @@ A ``ToolFormat`` is one way of writing calls; the server picks one per model
   Devstral, Magistral) write each call as ``[TOOL_CALLS]name[ARGS]{...}``.
 * ``openai`` where the template writes gpt-oss's harmony channels: calls are messages to
   ``functions.NAME`` on the commentary channel, read by the harmony reasoning reader
-  (``server.harmony``, which hands them on in the hermes syntax); no grammar, so
-  ``tool_choice`` ``auto`` or ``none`` only.
+  (``server.harmony``, which hands them on in the hermes syntax); ``auto`` is the model's
+  own choice, and ``required`` or a named tool a grammar of the whole harmony answer
+  (free analysis messages, then the call), harmony's tags as their tokens.
 * ``generic``, kvserve's own, for every other template (the default model's
   knows nothing of tools): the tools are listed in the system message
   (``tools_block``), and a call is the answer's whole text, one JSON object
@@ -86,6 +87,10 @@ def tool_format_for(parser: str, template_syntax: str | None,
         raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got {parser!r}")
     syntax = "mistral" if template_syntax == "mistral_v11" else template_syntax
     name = parser if parser != "auto" else syntax if syntax in FORMATS else "generic"
+    if name == "openai":
+        tags = {tag: ids[0] for tag in OpenAIHarmonyFormat.TAGS
+                if len(ids := (encode(tag) if encode is not None else [])) == 1}
+        return OpenAIHarmonyFormat(tags)
     if name != "mistral":
         return FORMATS[name]
     marker, args = (encode(MISTRAL_CALLS), encode(MISTRAL_ARGS)) if encode is not None else ([], [])

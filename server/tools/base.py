@@ -60,6 +60,9 @@ class ToolFormat:
     native: bool  # the chat template renders the tools and earlier calls itself
     # The answer's text keeps special tokens (its calls open with one).
     keeps_special_tokens = False
+    # The calls' grammar holds the whole answer, the reasoning before the calls too, so a
+    # reasoning parser's gate does not wait it out (gpt-oss's harmony: server.answers).
+    grammar_reasons = False
 
     def describe(self) -> str:
         """The format as the start-up log names it."""

@@ -8,6 +8,7 @@ another; the template gets ``tools`` and the messages' own ``tool_calls`` and
 
 from __future__ import annotations
 
+import json
 import re
 
 from engine.sampling_params import StructuredOutput
@@ -70,15 +71,36 @@ class HermesFormat(ToolFormat):
 class OpenAIHarmonyFormat(HermesFormat):
     """gpt-oss's calls (vLLM's ``openai`` parser): harmony messages to ``functions.NAME`` on the
     commentary channel, which the harmony reader (``server.harmony``) passes on in the hermes
-    syntax; the chat template renders the tools and earlier calls. No grammar holds them: its
-    calls open with harmony's special tokens after a free analysis message, so ``auto`` is the
-    model's own choice, and ``required`` or a named function is refused."""
+    syntax; the chat template renders the tools and earlier calls. ``auto`` is the model's own
+    choice (no grammar); ``required`` or a named function is a grammar of the whole answer,
+    harmony's tags as their tokens (``tags``: the ids of those that are one token): analysis
+    messages, free, then one call as gpt-oss writes it, ``<|channel|>commentary
+    to=functions.NAME <|constrain|>json<|message|>`` and the arguments (its ``<|call|>`` ends the
+    answer, as the grammar's end does). Where ``<|end|>`` or ``<|start|>`` is not one token an
+    analysis message could not end, and the call opens the answer."""
 
     name = "openai"
     keeps_special_tokens = True
+    # The grammar holds the whole answer, its reasoning too (no gate before it: server.answers).
+    grammar_reasons = True
+    TAGS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|constrain|>")
+
+    def __init__(self, tags: dict[str, int] | None = None) -> None:
+        self.tags = tags or {}
+
+    def _tag(self, tag: str) -> str:
+        """``tag`` in the grammar: its token where it is one, else its text."""
+        return f"<[{self.tags[tag]}]>" if tag in self.tags else json.dumps(tag)
 
     def grammar(self, tools: list[FunctionSpec], choice: str, parallel: bool) -> StructuredOutput | None:
-        if choice not in ("auto", "none"):
-            raise ValueError(f"tool_choice {choice!r} needs a grammar over harmony's special tokens, which "
-                             "kvserve does not write for this model yet: use auto")
-        return None
+        if choice in ("auto", "none"):
+            return None
+        t = self._tag
+        bodies = " | ".join(f'{json.dumps(f.name + " ")} {t("<|constrain|>")} "json" {t("<|message|>")} '
+                            f"%json {lark_json(f.parameters)}" for f in chosen_tools(tools, choice))
+        rules = f'call: {t("<|channel|>")} "commentary to=functions." ({bodies})\n'
+        if all(tag in self.tags for tag in ("<|end|>", "<|start|>")):
+            return StructuredOutput("grammar", "start: analysis* call\n" + rules +
+                                    f'analysis: {t("<|channel|>")} "analysis" {t("<|message|>")} TEXT '
+                                    f'{t("<|end|>")} {t("<|start|>")} "assistant"\nTEXT: /(?s:.*)/\n')
+        return StructuredOutput("grammar", "start: call\n" + rules)

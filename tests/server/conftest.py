@@ -15,6 +15,7 @@ import pytest
 
 from real_engine import ServedEngine, build_engine, start_loop, write_tiny_checkpoint
 from server.app import build_app
+from server.tools import OpenAIHarmonyFormat
 
 
 @pytest.fixture
@@ -62,10 +63,9 @@ def make_engine(tiny_loaded, tiny_checkpoint: Path) -> Iterator[Callable[..., Se
 @pytest.fixture(scope="session")
 def think_checkpoint(tmp_path_factory: pytest.TempPathFactory, gguf_tokenizer) -> Path:
     """The tiny checkpoint's twin whose tokenizer has ``<think>`` and ``</think>`` as single
-    tokens (as Qwen3's has), and harmony's ``<|channel|>`` and ``<|message|>`` (as gpt-oss's
-    has), made once."""
+    tokens (as Qwen3's has), and harmony's tags (as gpt-oss's has), made once."""
     return write_tiny_checkpoint(tmp_path_factory.mktemp("server-think"), gguf_tokenizer,
-                                 added=("<think>", "</think>", "<|channel|>", "<|message|>"))
+                                 added=("<think>", "</think>", *OpenAIHarmonyFormat.TAGS))
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import json
+
 import httpx
 import pytest
 
@@ -15,6 +17,7 @@ from real_engine import PLAIN_TEMPLATE, ServedEngine
 from engine.sampling_params import ThinkTokens
 from server.app import build_app
 from server.harmony import HarmonyStream
+from server.tools import OpenAIHarmonyFormat
 from server.reasoning import REASONING_FORMATS, reasoning_format
 
 pytestmark = pytest.mark.anyio
@@ -182,10 +185,63 @@ async def test_a_message_to_a_function_is_a_tool_call(harmony: httpx.AsyncClient
     assert "".join(ch["delta"].get("reasoning_content") or "" for ch in chunks) == "Need the weather."
     assert not any(ch["delta"].get("content") for ch in chunks)
     assert chunks[-1]["finish_reason"] == "tool_calls"
-    # no grammar holds harmony's calls: only the model's own choice
-    r = await harmony.post("/v1/chat/completions", json={**chat, "tool_choice": "required"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
-    assert "use auto" in r.json()["error"]["message"]
+
+
+
+# A tool whose arguments the grammar spells out whole: a random model's call is then one of two.
+UNIT = [{"type": "function", "function": {"name": "set_unit", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
+    "additionalProperties": False}}}, *TOOLS]
+
+
+async def _required_call(client: httpx.AsyncClient, stream: bool = False, **extra) -> dict:
+    chat = {"model": MODEL, "messages": MESSAGES, "tools": UNIT, "max_tokens": 120, "stream": stream,
+            "tool_choice": {"type": "function", "function": {"name": "set_unit"}}, **extra}
+    r = await client.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200, r.text
+    return r.json() if not stream else sse_events(r.text)
+
+
+async def test_a_required_call_is_written_under_a_grammar_of_harmony(harmony: httpx.AsyncClient,
+                                                                    make_think_engine) -> None:
+    # The random model itself, held by the grammar (no script), calls the named tool: where
+    # harmony's tags are tokens the grammar lets analysis messages come first, and where they
+    # are not (SmolLM2's tokenizer) the call opens the answer, its tags as text.
+    engine = make_think_engine(chat_template=HARMONY_TEMPLATE)
+    app = build_app(engine)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as tagged:
+            tok = engine.tokenizer
+            tags = {tag: tok.encode(tag, add_special_tokens=False)[0] for tag in OpenAIHarmonyFormat.TAGS}
+            assert app.state.kvserve.tool_format.tags == tags
+            for client, analysis in ((harmony, False), (tagged, True)):
+                served = client._transport.app.state.kvserve.engine
+                choice = (await _required_call(client))["choices"][0]
+                params = served.requests[-1].params
+                assert params.structured.value.startswith("start: analysis* call" if analysis else "start: call")
+                assert params.think is None and params.skip_special_tokens is False
+                assert choice["finish_reason"] == "tool_calls"
+                [call] = choice["message"]["tool_calls"]
+                assert call["function"]["name"] == "set_unit"
+                assert json.loads(call["function"]["arguments"]) in ({"unit": "c"}, {"unit": "f"})
+                events = await _required_call(client, stream=True)
+                deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+                calls = [c for d in deltas for c in d.get("tool_calls") or []]
+                assert "".join(c["function"].get("arguments") or "" for c in calls) == call["function"]["arguments"]
+                assert not any(d.get("content") for d in deltas)
+            # The tagged grammar takes analysis messages of any text before the call, and
+            # nothing else: no final answer, no call of another tool.
+            grammars = engine.engine.grammars
+            compiled = grammars.compile(params.structured)
+
+            def accepts(text: str) -> bool:
+                ids = tok.encode(text, add_special_tokens=False)
+                return grammars.grammar(compiled).matcher.validate_tokens(ids) == len(ids)
+
+            call_text = '<|channel|>commentary to=functions.set_unit <|constrain|>json<|message|>{"unit": "f"}'
+            assert accepts("<|channel|>analysis<|message|>Let me see <b>.<|end|><|start|>assistant" * 2 + call_text)
+            assert not accepts("<|channel|>final<|message|>Hi")
+            assert not accepts(call_text.replace("set_unit", "get_weather"))
 
 
 async def test_a_structured_output_holds_for_the_final_channel(harmony: httpx.AsyncClient,
@@ -206,8 +262,8 @@ async def test_a_structured_output_holds_for_the_final_channel(harmony: httpx.As
             assert state.think_tokens == tags
             # (the script over the request's own grammar: no random model writes harmony on cue)
             engine.script, engine.script_over_constraints = ANSWER, True
-            engine.script_grammar = ('start: <|channel|> "analysis" <|message|> "Let me see.<|end|><|start|>'
-                                     'assistant" <|channel|> "final" <|message|> "{\\"a\\": 1}"')
+            engine.script_grammar = ('start: <|channel|> "analysis" <|message|> "Let me see." <|end|> <|start|> '
+                                     '"assistant" <|channel|> "final" <|message|> "{\\"a\\": 1}"')
             chat = {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_object"}}
             body = (await c.post("/v1/chat/completions", json=chat)).json()
             params = engine.requests[-1].params
