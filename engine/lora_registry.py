@@ -49,6 +49,8 @@ class LoRARegistry:
         """Read and check an adapter's weights for the model (``models.lora.load_adapter``:
         ``ValueError`` naming what is wrong, a rank above ``max_lora_rank`` too)."""
         loaded = self._loaded
+        if not loaded.model.runs_lora:
+            raise ValueError(f"LoRA adapter {name!r}: {loaded.config.architecture} runs no LoRA adapters yet")
         adapter = load_adapter(name, path, loaded.config, loaded.dtype, loaded.device, tp=loaded.tp)
         if self._max_rank is not None and adapter.rank > self._max_rank:
             raise ValueError(f"LoRA adapter {name!r} has rank {adapter.rank}, above --max-lora-rank {self._max_rank}")

@@ -18,13 +18,14 @@ What Gemma changes (``ModelConfig`` carries each, from its config.json or GGUF):
   transformers returns them.
 
 Its layers run op by op (the one-call layer kernel is Llama's), with the same GEMMs
-and paged-attention kernels; not yet with LoRA adapters or tensor parallel. Gemma 4
-(models/gemma4.py) builds on these classes.
+and paged-attention kernels, LoRA adapters' rows too (``models.lora``); not yet with
+tensor parallel. Gemma 4 (models/gemma4.py) builds on these classes.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,9 @@ from models.attention import AttentionMetadata
 from models.config import ModelConfig
 from models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
 from models.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from models.lora import LayerLoRA
 
 
 class GemmaMLP(MLP):
@@ -61,10 +65,10 @@ class GemmaDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(size, eps)
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), rope, positions, meta, kv_cache)
+                kv_cache: tuple[torch.Tensor, torch.Tensor], lora: LayerLoRA | None = None) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(x), rope, positions, meta, kv_cache, lora)
         x = x + self.post_attention_layernorm(h)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), lora))
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
@@ -91,16 +95,16 @@ class GemmaForCausalLM(LlamaForCausalLM):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 logits_indices: torch.Tensor | None = None, lora: object | None = None,
                 hidden_indices: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """As ``LlamaForCausalLM.forward`` (no LoRA rows, no tensor parallel)."""
+        """As ``LlamaForCausalLM.forward`` (no tensor parallel)."""
         assert self.rope is not None and self.local_rope is not None, "call init_rope() before forward()"
-        if lora is not None or self.tp is not None:
-            raise ValueError("Gemma runs without LoRA adapters and tensor parallel here")
+        if self.tp is not None:
+            raise ValueError("Gemma runs without tensor parallel here")
         x = self.model.embed_tokens(input_ids)
         # sqrt(hidden_size) made float32, then the activations' dtype, as transformers' Gemma does
         x = x * torch.tensor(self.config.hidden_size ** 0.5).to(x.dtype)
         for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
             rope = self.local_rope if layer.self_attn.window else self.rope
-            x = layer(x, rope, positions, meta.for_layer(i), kv)
+            x = layer(x, rope, positions, meta.for_layer(i), kv, lora.layer(i) if lora is not None else None)
         return self.head(x, logits_indices, hidden_indices)
 
     def head(self, x: torch.Tensor, logits_indices: torch.Tensor | None,

@@ -166,6 +166,8 @@ class Gemma4DecoderLayer(GemmaDecoderLayer):
 class Gemma4ForCausalLM(GemmaForCausalLM):
     """Gemma 4's text decoder on Gemma's modules, with its own loader (``load_weights``)."""
 
+    runs_lora = False  # (its layers' head sizes differ, and K/V-sharing layers have no k/v)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         settings = config.gemma4
@@ -207,7 +209,7 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
         layer reads its source layer's cache (its own stays unused)."""
         assert self.rope is not None and self.local_rope is not None, "call init_rope() before forward()"
         if lora is not None or self.tp is not None:
-            raise ValueError("Gemma runs without LoRA adapters and tensor parallel here")
+            raise ValueError("Gemma 4 runs without LoRA adapters and tensor parallel here")
         sources = self.settings.kv_source
         x = self.model.embed_tokens(input_ids)
         x = x * torch.tensor(self.config.hidden_size ** 0.5).to(x.dtype)

@@ -196,6 +196,10 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Decoder-only LM; ``forward`` runs one flat batch and returns logits for chosen rows."""
 
+    # Whether ``forward`` runs LoRA adapters' rows (``models.lora``); a family whose layers
+    # do not says so here, and the engine refuses its adapters when they load.
+    runs_lora = True
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config

@@ -51,6 +51,9 @@ _TARGETS = {**FUSED_PARTS, "o_proj": ("o_proj", 0), "down_proj": ("down_proj", 0
 _FUSED_ORDER = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _NO_UPDATE = torch.empty(0)
 _TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# An MoE's experts, shared experts and routers (Mixtral's are under block_sparse_moe).
+_EXPERT = re.compile(r"(?:^|\.)layers\.\d+\.(?:mlp|block_sparse_moe)\.(?:experts|shared_expert\w*|gate|router)\.")
+_MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
 
 # PEFT options that change what the adapter computes, with the value that means
 # "plain LoRA". An adapter that sets any other value is refused, not run wrong.
@@ -118,9 +121,6 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
     ...), a tensor that updates something other than a decoder projection
     (the embedding, the LM head), or a shape that does not fit the model.
     """
-    if config.moe is not None:
-        raise ValueError(f"LoRA adapter {name!r}: {config.architecture} (a mixture of experts) runs no "
-                         "LoRA adapters yet")
     path = Path(path)
     if path.suffix == ".gguf" and path.is_file():
         where, tensors, alpha, rslora = _read_gguf_adapter(name, path, config)
@@ -130,6 +130,11 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors:
         m = _TENSOR.search(key)
+        if config.moe is not None and (_EXPERT.search(key) or (
+                m is not None and m.group(2) in _MLP_PARTS and int(m.group(1)) < config.num_hidden_layers
+                and config.moe.is_sparse(int(m.group(1))))):
+            raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} updates an expert; on a mixture of "
+                             "experts kvserve runs LoRA on the attention and the dense MLP layers only")
         if m is None or m.group(2) not in _TARGETS:
             raise _not_a_projection(name, key)
         layer = int(m.group(1))

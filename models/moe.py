@@ -33,8 +33,9 @@ the paged attention kernels), its output projection's bias and its alternating w
 layers (``ModelConfig.layer_windows``).
 
 Tensor parallel splits every expert's features across ranks (``models.parallel``). Layers
-run op by op (the one-call layer kernel is Llama's dense layer). Not yet: LoRA adapters
-(refused with a ``ValueError``).
+run op by op (the one-call layer kernel is Llama's dense layer). LoRA adapters update the
+attention's projections and a dense layer's MLP (``models.lora``); not yet an expert's
+(the loader refuses such an adapter, naming the tensor).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -57,6 +59,9 @@ from models.moe_config import MoESettings
 from models.parallel import TensorParallel, embed
 from models.quant import AmxBf16Linear, QuantizedLinear
 from models.rope import RotaryEmbedding, interleave_rotary_rows
+
+if TYPE_CHECKING:
+    from models.lora import LayerLoRA, LoRABatch
 
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _ROUTERS = ("gate", "shared_expert_gate")
@@ -189,17 +194,18 @@ class MoEDecoderLayer(nn.Module):
         self.residual_multiplier = config.moe.residual_multiplier
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RotaryEmbedding,
-                positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(mlp_out, residual)``, as ``models.llama.DecoderLayer``."""
+                positions: torch.Tensor, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                lora: LayerLoRA | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp_out, residual)``, as ``models.llama.DecoderLayer``; ``lora`` updates the
+        attention's projections and a dense layer's MLP (the loader refuses experts')."""
         m = self.residual_multiplier
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, rope, positions, meta, kv_cache)
+        h = self.self_attn(h, rope, positions, meta, kv_cache, lora)
         h, residual = self.post_attention_layernorm(h * m if m != 1 else h, residual)
-        out = self.mlp(h)
+        out = self.mlp(h) if isinstance(self.mlp, SparseMoeBlock) else self.mlp(h, lora)
         return (out * m if m != 1 else out), residual
 
 
@@ -232,19 +238,18 @@ class MoEForCausalLM(LlamaForCausalLM):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                logits_indices: torch.Tensor | None = None, lora: object | None = None,
+                logits_indices: torch.Tensor | None = None, lora: LoRABatch | None = None,
                 hidden_indices: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """As ``LlamaForCausalLM.forward`` (no LoRA rows)."""
+        """As ``LlamaForCausalLM.forward``."""
         assert self.rope is not None, "call init_rope() before forward()"
-        if lora is not None:
-            raise ValueError(f"{self.config.architecture} runs without LoRA adapters here")
         moe, tp = self.config.moe, self.tp
         x = self.model.embed_tokens(input_ids) if tp is None else embed(self.model.embed_tokens, input_ids, tp)
         if moe.embedding_multiplier != 1:
             x = x * moe.embedding_multiplier
         residual = None
         for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
-            x, residual = layer(x, residual, self.rope, positions, meta.for_layer(i), kv)
+            x, residual = layer(x, residual, self.rope, positions, meta.for_layer(i), kv,
+                                lora.layer(i) if lora is not None else None)
         x, hidden = self.final_norm(x, residual, logits_indices, hidden_indices)
         logits = self.lm_head(x)
         if moe.logits_scaling != 1:

@@ -36,6 +36,22 @@ def peft_adapter(hf_model, path, **lora):
     return model
 
 
+def peft_logits(hf_model, path, ids, **lora) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(base, adapted)``: ``hf_model``'s logits for ``ids`` before and after ``peft_adapter``
+    wraps it (saved to ``path``), checking that the adapter matters."""
+    with torch.no_grad():
+        base = hf_model(torch.tensor([ids])).logits[0]
+        adapted = peft_adapter(hf_model, path, **lora)(torch.tensor([ids])).logits[0]
+    assert (adapted - base).abs().max() > 0.1  # the adapter matters
+    return base, adapted
+
+
+def alone(make_runner, model, ids, adapter=None) -> torch.Tensor:
+    """The logits of ``ids`` prefilled alone (under ``adapter``, if any)."""
+    runner = make_runner(model)
+    return runner.step([(runner.new_seq(len(ids)), ids)], [adapter])[0]
+
+
 def load(path, quantization="none"):
     return load_model(str(path), dtype="float32", device="cpu", quantization=quantization).model
 
@@ -53,21 +69,40 @@ def adapter_for(model, path, name="a"):
 ], ids=["every-projection", "some-rslora-rank-pattern"])
 def test_logits_equal_peft(tiny_checkpoint, tiny_prompt, make_runner, tmp_path, lora):
     path, hf = tiny_checkpoint()
-    with torch.no_grad():
-        base_ref = hf(torch.tensor([tiny_prompt])).logits[0]
-    reference = peft_adapter(hf, tmp_path / "adapter", **lora)
-    with torch.no_grad():
-        expected = reference(torch.tensor([tiny_prompt])).logits[0]
-    assert (expected - base_ref).abs().max() > 0.1  # the adapter matters
+    base_ref, expected = peft_logits(hf, tmp_path / "adapter", tiny_prompt, **lora)
 
     model = load(path)
     adapter = adapter_for(model, tmp_path / "adapter")
-    runner = make_runner(model)
-    got = runner.step([(runner.new_seq(len(tiny_prompt)), tiny_prompt)], [adapter])[0]
+    torch.testing.assert_close(alone(make_runner, model, tiny_prompt, adapter), expected, **TOL)
+    torch.testing.assert_close(alone(make_runner, model, tiny_prompt), base_ref, **TOL)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_adapters_equal_peft(tiny_checkpoint, tiny_prompt, make_runner, tmp_path, arch):
+    # Gemma's layer (four norms, GELU, soft-capping, Gemma 3's q/k norms and windows) runs
+    # the updates where Llama's does; its rows beside the base model's are what each gives alone.
+    path, hf = tiny_checkpoint(arch)
+    _, expected = peft_logits(hf, tmp_path / "adapter", tiny_prompt, r=4, lora_alpha=8, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    model = load(path)
+    adapter = adapter_for(model, tmp_path / "adapter")
+    got = alone(make_runner, model, tiny_prompt, adapter)
     torch.testing.assert_close(got, expected, **TOL)
-    runner = make_runner(model)
-    base = runner.step([(runner.new_seq(len(tiny_prompt)), tiny_prompt)])[0]
-    torch.testing.assert_close(base, base_ref, **TOL)
+    base = alone(make_runner, model, tiny_prompt[::-1])
+    runner = make_runner(model, seed=1)
+    seq, mate = runner.new_seq(len(tiny_prompt)), runner.new_seq(len(tiny_prompt))
+    together = runner.step([(seq, tiny_prompt), (mate, tiny_prompt[::-1])], [adapter, None])
+    assert torch.equal(together[0], got) and torch.equal(together[1], base)
+
+
+def test_an_adapter_for_gemma4_is_refused_when_it_loads(tiny_checkpoint, make_lora, tmp_path):
+    from engine.lora_registry import LoRARegistry
+
+    path, _ = tiny_checkpoint("gemma4")
+    loaded = load_model(str(path), dtype="float32", device="cpu", quantization="none")
+    registry = LoRARegistry(loaded, "m", None, {})
+    with pytest.raises(ValueError, match="Gemma4ForCausalLM runs no LoRA adapters yet"):
+        registry.read("a", str(make_lora(tmp_path / "a", loaded.config)))
 
 
 @pytest.mark.parametrize("quantization", ["none", "w4a8", "int4"])
@@ -81,13 +116,9 @@ def test_rows_of_other_adapters_and_chunks_change_nothing(tiny_checkpoint, tiny_
     b = adapter_for(model, make_lora(tmp_path / "b", model.config, rank=2, seed=2), "b")
     other = tiny_prompt[::-1]
 
-    def alone(adapter, ids):
-        runner = make_runner(model)
-        return runner.step([(runner.new_seq(len(ids)), ids)], [adapter])[0]
-
-    want = {name: alone(adapter, ids) for name, adapter, ids in
+    want = {name: alone(make_runner, model, ids, adapter) for name, adapter, ids in
             [("base", None, tiny_prompt), ("a", a, tiny_prompt), ("b", b, other)]}
-    assert not torch.equal(want["a"], alone(None, tiny_prompt))
+    assert not torch.equal(want["a"], alone(make_runner, model, tiny_prompt))
 
     runner = make_runner(model, seed=1)
     seq_a, seq_base, seq_b = (runner.new_seq(len(tiny_prompt)) for _ in range(3))

@@ -10,6 +10,8 @@ low enough that its clamps cut.
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +22,7 @@ from models import ops
 from models.loader import load_model
 from models.moe import SparseMoeBlock, route
 from tests.models.conftest import TINY_CONFIG, save_tiny_tokenizer
+from tests.models.test_lora import TOL, alone, peft_logits
 from tests.models.test_llama import chunked_beside_another, max_diff, prefill, reference_greedy, reference_logits
 
 FAMILIES = {
@@ -118,8 +121,54 @@ def test_moe_refuses_lora_adapters_and_splits_that_cut_an_expert(moe_checkpoint,
     with pytest.raises(ValueError, match="splits the 32 expert features down inputs into slices of 16"):
         check_split(config, 2, quantized=True)
     check_split(config, 2, quantized=False)
-    with pytest.raises(ValueError, match="runs no LoRA adapters yet"):
-        load_adapter("a", tmp_path, config, torch.float32, torch.device("cpu"))
+    # An adapter of an expert, a shared expert or a router, or of a sparse layer's MLP, names it
+    for key in ("layers.0.mlp.shared_expert.gate_proj", "layers.0.mlp.experts.3.down_proj",
+                "layers.0.block_sparse_moe.experts.1.w1", "layers.0.mlp.gate", "layers.0.mlp.up_proj"):
+        tensors = {f"base_model.model.model.{key}.lora_A.weight": torch.zeros(2, 64),
+                   f"base_model.model.model.{key}.lora_B.weight": torch.zeros(64, 2)}
+        _write_adapter(tmp_path / key, tensors)
+        with pytest.raises(ValueError, match=f"tensor '.*{re.escape(key)}.*' updates an expert"):
+            load_adapter("a", tmp_path / key, config, torch.float32, torch.device("cpu"))
+
+
+def _write_adapter(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    import json
+
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4}))
+
+
+# The attention's projections everywhere, and Qwen2-MoE's dense layer's MLP (layer 1).
+MOE_LORA_TARGETS = r".*(self_attn\.(q|k|v|o)_proj|layers\.1\.mlp\.(gate|up|down)_proj)"
+
+
+@pytest.mark.parametrize("arch", ["qwen2moe", "olmoe", "gptoss"])
+def test_moe_lora_adapters_equal_peft_and_change_no_other_row(moe_checkpoint, tiny_prompt, make_runner,
+                                                             tmp_path, arch):
+    # OLMoE's norms over the whole q and k projections, gpt-oss's sinks, output bias and
+    # windows: an adapter's update goes in where PEFT's does. Its rows beside the base
+    # model's, in chunks, are what each gives alone.
+    from models.lora import load_adapter
+
+    path, hf = moe_checkpoint(arch)
+    _, expected = peft_logits(hf, tmp_path / "adapter", tiny_prompt, r=4, lora_alpha=8,
+                              target_modules=MOE_LORA_TARGETS)
+    model = load_model(str(path), dtype="float32", device="cpu").model
+    adapter = load_adapter("a", tmp_path / "adapter", model.config, torch.float32, torch.device("cpu"))
+    assert ("gate_up_proj" in adapter.layers[1]) == (arch == "qwen2moe")
+
+    got = alone(make_runner, model, tiny_prompt, adapter)
+    torch.testing.assert_close(got, expected, **TOL)
+    base = alone(make_runner, model, tiny_prompt[::-1])
+    runner = make_runner(model, seed=1)
+    seq, mate = runner.new_seq(len(tiny_prompt)), runner.new_seq(len(tiny_prompt))
+    first = runner.step([(seq, tiny_prompt[:9]), (mate, tiny_prompt[::-1][:12])], [adapter, None])
+    rest = runner.step([(seq, tiny_prompt[9:]), (mate, tiny_prompt[::-1][12:])], [adapter, None])
+    assert torch.equal(torch.cat([first[0], rest[0]]), got)
+    assert torch.equal(torch.cat([first[1], rest[1]]), base)
 
 
 # Qwen2-MoE: its shared expert and its dense layer split too; gpt-oss: its sinks split by head,
