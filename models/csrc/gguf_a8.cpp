@@ -25,8 +25,9 @@
 //   K:   y += d * (dx_1 (s_1 - c qs_1) + dx_0 (s_0 - c qs_0)) + (c d + m) * sum(x)   (c: 8, 16)
 //   S16: y += d_0 * (dx_0 (s_0 - 32 qs_0)) + d_1 * (dx_1 (s_1 - 32 qs_1))
 //   L4:  y += d * (dx_1 (s_1 - 128 qs_1) + dx_0 (s_0 - 128 qs_0))
-// s_h - c qs_h = sum((u - c) qx) is an integer below 2^24, exact in float; so the rounding of
-// x meets the centred codes, as in grouped_gemm.cpp. A row's result does not depend on the
+// s_h - c qs_h = sum((u - c) qx) is an integer below 2^24, exact in float (the vector code
+// subtracts in integers, the plain C++ in floats: the same value); so the rounding of x
+// meets the centred codes, as in grouped_gemm.cpp. A row's result does not depend on the
 // rows beside it, and the plain C++ gives the vector code's bits (the same operations in order).
 #include <ATen/core/Tensor.h>
 
@@ -98,7 +99,9 @@ KVSERVE_ALWAYS_INLINE void tile_rows_k(float* y, int64_t ys, const QuantizedRows
                                        const uint8_t* codes, const float* scales, int64_t valid) {
   constexpr int64_t kGroupBytes = kTile * kGroup * kBits / 8;
   constexpr int64_t kRecord = kSym ? 80 : 96;
-  constexpr float kCentre = centre<kSym, kBits>();
+  // The centre term c qs in integers (exact, as the float one is): no scalar float product
+  // and broadcast per row, which took a multiply pipe from the dots.
+  constexpr int32_t kCentreInt = static_cast<int32_t>(centre<kSym, kBits>());
   V16 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = v16_zero();
   V16 big_d = v16_zero(), big_m = v16_zero();
@@ -120,7 +123,7 @@ KVSERVE_ALWAYS_INLINE void tile_rows_k(float* y, int64_t ys, const QuantizedRows
       d1 = big_d * v16_load_int8(sub + 32 * j + 16);
     } else {
       d0 = big_d * v16_load_int8(sub + 16 * j);
-      off = v16_fmadd(v16_set1(kCentre), d0, big_m * v16_load_int8(sub + 128 + 16 * j));
+      off = v16_fmadd(v16_set1(static_cast<float>(kCentreInt)), d0, big_m * v16_load_int8(sub + 128 + 16 * j));
     }
     const int64_t first = g * xq.rows + r0;
     const int8_t* qx = xq.q.data() + first * kGroup;
@@ -131,8 +134,8 @@ KVSERVE_ALWAYS_INLINE void tile_rows_k(float* y, int64_t ys, const QuantizedRows
     for (int r = 0; r < R; ++r) {
       V16i s0, s1;
       group_dots<(kBits == 4 ? 4 : 8), (R >= kVnniRows)>(s0, s1, w, qx + r * kGroup);  // (6 bits: as bytes)
-      const V16 c0 = v16_from_int(s0) - v16_set1(kCentre * static_cast<float>(qs[2 * r]));
-      const V16 c1 = v16_from_int(s1) - v16_set1(kCentre * static_cast<float>(qs[2 * r + 1]));
+      const V16 c0 = v16_from_int(v16i_sub(s0, v16i_set1(kCentreInt * qs[2 * r])));
+      const V16 c1 = v16_from_int(v16i_sub(s1, v16i_set1(kCentreInt * qs[2 * r + 1])));
       if constexpr (kSym) {
         acc[r] = v16_fmadd(d0, c0 * v16_set1(dx[2 * r]), acc[r]);
         acc[r] = v16_fmadd(d1, c1 * v16_set1(dx[2 * r + 1]), acc[r]);
@@ -225,8 +228,8 @@ KVSERVE_ALWAYS_INLINE void tile_rows_l4(float* y, int64_t ys, const QuantizedRow
     for (int r = 0; r < R; ++r) {
       V16i s0, s1;
       group_dots<8, (R >= kVnniRows)>(s0, s1, w, qx + r * kGroup);
-      const V16 c0 = v16_from_int(s0) - v16_set1(128.0f * static_cast<float>(qs[2 * r]));
-      const V16 c1 = v16_from_int(s1) - v16_set1(128.0f * static_cast<float>(qs[2 * r + 1]));
+      const V16 c0 = v16_from_int(v16i_sub(s0, v16i_set1(128 * qs[2 * r])));
+      const V16 c1 = v16_from_int(v16i_sub(s1, v16i_set1(128 * qs[2 * r + 1])));
       const V16 t = v16_fmadd(c1, v16_set1(dx[2 * r + 1]), c0 * v16_set1(dx[2 * r]));
       acc[r] = v16_fmadd(d, t, acc[r]);
     }

@@ -105,6 +105,7 @@ inline V16i operator&(V16i a, V16i b) { return {_mm512_and_si512(a.v, b.v)}; }
 inline V16i v16i_srli32(V16i a, int n) { return {_mm512_srli_epi32(a.v, n)}; }
 inline V16i v16i_srli16(V16i a, int n) { return {_mm512_srli_epi16(a.v, n)}; }
 inline V16i v16i_add(V16i a, V16i b) { return {_mm512_add_epi32(a.v, b.v)}; }
+inline V16i v16i_sub(V16i a, V16i b) { return {_mm512_sub_epi32(a.v, b.v)}; }
 inline V16i v16i_slli32(V16i a, int n) { return {_mm512_slli_epi32(a.v, n)}; }
 inline V16i v16i_zero() { return {_mm512_setzero_si512()}; }
 // The 4 bytes at p in every 32-bit lane.
@@ -236,6 +237,7 @@ inline V16i operator&(V16i a, V16i b) { return {_mm256_and_si256(a.lo, b.lo), _m
 inline V16i v16i_srli32(V16i a, int n) { return {_mm256_srli_epi32(a.lo, n), _mm256_srli_epi32(a.hi, n)}; }
 inline V16i v16i_srli16(V16i a, int n) { return {_mm256_srli_epi16(a.lo, n), _mm256_srli_epi16(a.hi, n)}; }
 inline V16i v16i_add(V16i a, V16i b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
+inline V16i v16i_sub(V16i a, V16i b) { return {_mm256_sub_epi32(a.lo, b.lo), _mm256_sub_epi32(a.hi, b.hi)}; }
 inline V16i v16i_slli32(V16i a, int n) { return {_mm256_slli_epi32(a.lo, n), _mm256_slli_epi32(a.hi, n)}; }
 inline V16i v16i_zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 inline V16i v16i_bcast4(const int8_t* p) {
