@@ -54,6 +54,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_a8_experts", &kvserve::gguf_a8_experts,
         "each expert's rows of x @ its W^T (x rounded to int8), every expert's tiles in one call",
         py::call_guard<py::gil_scoped_release>());
+  m.def("mix_expert_rows", &kvserve::mix_expert_rows,
+        "each token's expert rows scaled by its router weights and added in slot order",
+        py::call_guard<py::gil_scoped_release>());
   m.def("repack_gguf_a8", &kvserve::repack_gguf_a8,
         "a GGUF tensor's blocks as gguf_a8_linear's codes and scales of a format (false: not exact)",
         py::call_guard<py::gil_scoped_release>());

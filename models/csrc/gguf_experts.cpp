@@ -98,4 +98,59 @@ void gguf_a8_experts(at::Tensor& out, const at::Tensor& x, const A8Experts& w, c
   });
 }
 
+namespace {
+
+// Row r of mix_expert_rows. NOTE: without contraction: the build's default would fuse a
+// product into the add after it (one rounding where torch has two).
+__attribute__((optimize("fp-contract=off"))) void mix_row(float* y, const float* o, const int64_t* idx,
+                                                         const float* w, int64_t k, int64_t h) {
+  const float* o0 = o + idx[0] * h;
+  const float w0 = w[0];
+  if (k == 1) {
+    for (int64_t i = 0; i < h; ++i) y[i] = o0[i] * w0;
+    return;
+  }
+  const float* o1 = o + idx[1] * h;
+  const float w1 = w[1];
+  for (int64_t i = 0; i < h; ++i) {
+    const float p0 = o0[i] * w0, p1 = o1[i] * w1;
+    y[i] = p0 + p1;
+  }
+  for (int64_t j = 2; j < k; ++j) {
+    const float* oj = o + idx[j] * h;
+    const float wj = w[j];
+    for (int64_t i = 0; i < h; ++i) {
+      const float p = oj[i] * wj;
+      y[i] = y[i] + p;
+    }
+  }
+}
+
+}  // namespace
+
+// y[t] = the sum over j of out[index[t k + j]] * weights[t, j]: each product rounded to float,
+// the first two added, then each next in j's order, as torch's (out * w).unbind(1) and adds
+// give them, so the same bits (no multiply-add: the products are rounded first). A slot's row
+// is read where its expert's rows left it, with no un-permuting copy of every slot.
+void mix_expert_rows(at::Tensor& y, const at::Tensor& out, const at::Tensor& index, const at::Tensor& weights) {
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous() && y.dim() == 2, "y must be float32 [T, H]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(1) == y.size(1),
+              "out must be float32 [S, H]");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.dim() == 2 &&
+                  weights.size(0) == y.size(0) && weights.size(1) >= 1, "weights must be float32 [T, k]");
+  const int64_t t = y.size(0), h = y.size(1), k = weights.size(1);
+  TORCH_CHECK(index.scalar_type() == at::kLong && index.is_contiguous() && index.numel() == t * k,
+              "index must be int64 [T * k]");
+  const int64_t* idx = index.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t * k; ++i) {
+    TORCH_CHECK(idx[i] >= 0 && idx[i] < out.size(0), "slot ", i, "'s row out of range");
+  }
+  const float* o = out.data_ptr<float>();
+  const float* w = weights.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  parallel_chunks(t, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) mix_row(yp + r * h, o, idx + r * k, w + r * k, k, h);
+  });
+}
+
 }  // namespace kvserve

@@ -114,6 +114,9 @@ struct A8Experts {
 // against its expert's weight; a row's result is its expert's gguf_a8_linear's, bit for bit.
 void gguf_a8_experts(at::Tensor& out, const at::Tensor& x, const A8Experts& w, const std::vector<int64_t>& ids,
                      const std::vector<int64_t>& counts, bool plain);
+// y [T, H] = each token's k slots' rows of out [S, H] (index [T * k]: slot -> row) scaled by
+// weights [T, k] and added in slot order, float32 (torch's products and adds, the same bits).
+void mix_expert_rows(at::Tensor& y, const at::Tensor& out, const at::Tensor& index, const at::Tensor& weights);
 
 // gguf_repack.cpp: a GGUF tensor's blocks as gguf_a8_linear's `format` (A8Format), row r of
 // the weight from raw row source[r] (-1: zeros). False where the type's values do not fit

@@ -42,8 +42,8 @@ from models.ops.isa import amx_mode, requested_isa
 from models.ops.layer import (GEMM_A8_QUANT, GEMM_AMX_BF16, GEMM_AMX_QUANT, GEMM_AMX_W4A16, GEMM_GROUPED, GEMM_GROUPED_INT8,
                               FusedStep, FusedWeights, fused_layer)
 from models.ops.linear import (amx_bf16_linear, amx_quant_linear, amx_w4a16_linear, amx_w8a16_linear, dense_linear,
-                               a8_experts, gguf_a8_experts, gguf_a8_linear, grouped_linear, repack_gguf,
-                               repack_gguf_a8)
+                               a8_experts, gguf_a8_experts, gguf_a8_linear, grouped_linear, mix_expert_rows,
+                               repack_gguf, repack_gguf_a8)
 from models.ops.rowwise import (add_rms_norm, apply_rotary, apply_token_bitmask, argmax, rms_norm, rotary_and_cache,
                                 silu_and_mul, write_kv)
 
@@ -66,4 +66,5 @@ __all__ = [
     # linear
     "grouped_linear", "dense_linear", "amx_bf16_linear", "amx_w4a16_linear", "amx_w8a16_linear",
     "amx_quant_linear", "repack_gguf", "gguf_a8_linear", "repack_gguf_a8", "a8_experts", "gguf_a8_experts",
+    "mix_expert_rows",
 ]

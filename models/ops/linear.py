@@ -128,6 +128,21 @@ def gguf_a8_experts(x: torch.Tensor, weights: object, ids: list[int], counts: li
     return out
 
 
+def mix_expert_rows(out: torch.Tensor, rows: torch.Tensor | None, weights: torch.Tensor) -> torch.Tensor:
+    """``y [T, H]``: each token's k slots' rows of ``out [S, H]`` (slot ``t * k + j`` at row
+    ``rows[t * k + j]``; None: at row ``t * k + j``) times ``weights [T, k]``, added in slot
+    order; float32, the bits of ``(out[rows].view(T, k, H) * weights[..., None]).unbind(1)``
+    added first two, then one by one."""
+    ext = load_extension()
+    if ext is None:
+        raise RuntimeError("mix_expert_rows needs the fused CPU kernels")
+    t, k = weights.shape
+    rows = torch.arange(t * k) if rows is None else rows.contiguous()
+    y = torch.empty(t, out.shape[1], dtype=torch.float32)
+    ext.mix_expert_rows(y, out.contiguous(), rows, weights.contiguous())
+    return y
+
+
 def repack_gguf_a8(codes: torch.Tensor, scales: torch.Tensor, raw: torch.Tensor, type_id: int, fmt: int,
                    source: torch.Tensor) -> bool:
     """``repack_gguf`` for ``gguf_a8_linear``'s format ``fmt``: False where a scale made from

@@ -59,9 +59,10 @@ def test_experts_in_one_call_are_each_experts_own_call(kind: type, dtype: torch.
         x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).to(dtype)
         weights, chosen = routing(tokens, tokens)
         ordered = chosen.sort(dim=1).values
-        out, counts = fused(x, ordered)
+        out, counts, rows = fused(x, ordered)
         want, want_counts = _grouped(experts, x, ordered)
-        assert out.dtype == dtype and torch.equal(out, want) and counts == want_counts
+        in_slot_order = out if rows is None else out.index_select(0, rows)
+        assert out.dtype == dtype and torch.equal(in_slot_order, want) and counts == want_counts
         mixed, _ = mix_experts(experts, x, weights, chosen, fused)
         assert torch.equal(mixed, mix_experts(experts, x, weights, chosen)[0])
         # a token alone is its row of the step
@@ -76,3 +77,22 @@ def test_experts_it_cannot_hold_as_one_weight_run_one_call_each() -> None:
     kinds = experts_of(MLP)
     kinds[0] = experts_of(GemmaMLP)[0]
     assert FusedExperts.of(kinds) is None
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 8])
+def test_mixing_the_slots_rows_in_place_gives_torchs_products_and_sums(k: int) -> None:
+    gen = torch.Generator().manual_seed(k)
+    tokens, hidden = 37, 70  # (a row length no vector width divides)
+    out = torch.randn(tokens * k, hidden, generator=gen) * 3
+    weights = torch.rand(tokens, k, generator=gen)
+    rows = torch.randperm(tokens * k, generator=gen)
+    parts = (out.index_select(0, rows).view(tokens, k, -1) * weights.unsqueeze(-1)).unbind(1)
+    want = parts[0]
+    if k > 1:
+        want = parts[0] + parts[1]
+        for part in parts[2:]:
+            want += part
+    assert torch.equal(ops.mix_expert_rows(out, rows, weights), want)
+    in_order = out.index_select(0, rows)
+    assert torch.equal(ops.mix_expert_rows(in_order, None, weights), want)
+
