@@ -37,7 +37,7 @@ from models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
 from models.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from models.lora import LayerLoRA
+    from models.lora import LayerLoRA, LoRABatch
 
 
 class GemmaMLP(MLP):
@@ -93,7 +93,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                logits_indices: torch.Tensor | None = None, lora: object | None = None,
+                logits_indices: torch.Tensor | None = None, lora: LoRABatch | None = None,
                 hidden_indices: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """As ``LlamaForCausalLM.forward`` (no tensor parallel)."""
         assert self.rope is not None and self.local_rope is not None, "call init_rope() before forward()"

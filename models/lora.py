@@ -130,9 +130,7 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors:
         m = _TENSOR.search(key)
-        if config.moe is not None and (_EXPERT.search(key) or (
-                m is not None and m.group(2) in _MLP_PARTS and int(m.group(1)) < config.num_hidden_layers
-                and config.moe.is_sparse(int(m.group(1))))):
+        if _updates_an_expert(key, m, config):
             raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} updates an expert; on a mixture of "
                              "experts kvserve runs LoRA on the attention and the dense MLP layers only")
         if m is None or m.group(2) not in _TARGETS:
@@ -173,6 +171,19 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
     layers = [{fused: _stack(fused, parts, fused_part_sizes(fused, config), part, dtype, device)
                for fused, parts in layer.items()} for layer in updates]
     return LoRAAdapter(name, str(path), max_rank, layers)
+
+
+def _updates_an_expert(key: str, m: re.Match[str] | None, config: ModelConfig) -> bool:
+    """Whether tensor ``key`` (``m``: its ``_TENSOR`` match) updates an MoE's expert, shared
+    expert or router, or the MLP of a sparse layer (whose MLP is its experts)."""
+    if config.moe is None:
+        return False
+    if _EXPERT.search(key):
+        return True
+    if m is None or m.group(2) not in _MLP_PARTS:
+        return False
+    layer = int(m.group(1))
+    return layer < config.num_hidden_layers and config.moe.is_sparse(layer)
 
 
 def _not_a_projection(name: str, tensor: str) -> ValueError:

@@ -87,16 +87,18 @@ def tool_format_for(parser: str, template_syntax: str | None,
         raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got {parser!r}")
     syntax = "mistral" if template_syntax == "mistral_v11" else template_syntax
     name = parser if parser != "auto" else syntax if syntax in FORMATS else "generic"
+    def one_token(text: str) -> int | None:
+        ids = encode(text) if encode is not None else []
+        return ids[0] if len(ids) == 1 else None
+
     if name == "openai":
-        tags = {tag: ids[0] for tag in OpenAIHarmonyFormat.TAGS
-                if len(ids := (encode(tag) if encode is not None else [])) == 1}
-        return OpenAIHarmonyFormat(tags)
+        tags = {tag: one_token(tag) for tag in OpenAIHarmonyFormat.TAGS}
+        return OpenAIHarmonyFormat({tag: token for tag, token in tags.items() if token is not None})
     if name != "mistral":
         return FORMATS[name]
-    marker, args = (encode(MISTRAL_CALLS), encode(MISTRAL_ARGS)) if encode is not None else ([], [])
-    marker_token = marker[0] if len(marker) == 1 else None
+    marker_token, args_token = one_token(MISTRAL_CALLS), one_token(MISTRAL_ARGS)
     # The newer syntax where the template writes it, or the vocabulary has [ARGS] as one
     # token (Mistral's tokenizers from version 11 on, which vLLM reads it by).
-    if template_syntax == "mistral_v11" or len(args) == 1:
-        return MistralArgsFormat(marker_token, args[0] if len(args) == 1 else None)
+    if template_syntax == "mistral_v11" or args_token is not None:
+        return MistralArgsFormat(marker_token, args_token)
     return MistralFormat(marker_token)

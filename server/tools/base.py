@@ -115,6 +115,12 @@ def max_calls(tools: list[FunctionSpec], parallel: bool) -> int:
     return min(MAX_PARALLEL_CALLS, len(tools)) if parallel else 1
 
 
+def grammar_tag(text: str, token: int | None) -> str:
+    """A tag in a Lark grammar (llguidance's dialect): its token where the vocabulary has it
+    as one (``token``), else its text."""
+    return f"<[{token}]>" if token is not None else json.dumps(text)
+
+
 def lark_json(schema: dict[str, Any]) -> str:
     """``schema`` as the argument of ``%json`` in a Lark grammar."""
     # %json inside a Lark grammar takes no defaults: the schema carries them (one

@@ -13,7 +13,7 @@ import re
 
 from engine.sampling_params import StructuredOutput
 from server.tools.base import (FunctionSpec, ParsedCall, ToolFormat, arguments_parse, call_schema, calls_grammar,
-                               chosen_tools, lark_json, max_calls, opens_with, scan_call)
+                               chosen_tools, grammar_tag, lark_json, max_calls, opens_with, scan_call)
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_END = re.compile(r"\s*" + re.escape(HERMES_CLOSE))
@@ -90,7 +90,7 @@ class OpenAIHarmonyFormat(HermesFormat):
 
     def _tag(self, tag: str) -> str:
         """``tag`` in the grammar: its token where it is one, else its text."""
-        return f"<[{self.tags[tag]}]>" if tag in self.tags else json.dumps(tag)
+        return grammar_tag(tag, self.tags.get(tag))
 
     def grammar(self, tools: list[FunctionSpec], choice: str, parallel: bool) -> StructuredOutput | None:
         if choice in ("auto", "none"):

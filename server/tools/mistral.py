@@ -17,7 +17,7 @@ import string
 
 from engine.sampling_params import StructuredOutput
 from server.tools.base import (FunctionSpec, ParsedCall, ToolFormat, arguments_parse, call_schema, calls_grammar,
-                               chosen_tools, lark_json, max_calls, opens_with, value_end)
+                               chosen_tools, grammar_tag, lark_json, max_calls, opens_with, value_end)
 from server.tools.generic import GenericFormat
 
 MISTRAL_CALLS = "[TOOL_CALLS]"
@@ -52,7 +52,7 @@ class MistralFormat(ToolFormat):
 
     def _marker(self) -> str:
         """``[TOOL_CALLS]`` in the grammar: its token where it is one, else its text."""
-        return f"<[{self.marker_token}]>" if self.marker_token is not None else json.dumps(MISTRAL_CALLS)
+        return grammar_tag(MISTRAL_CALLS, self.marker_token)
 
     def grammar(self, tools: list[FunctionSpec], choice: str, parallel: bool) -> StructuredOutput | None:
         chosen = chosen_tools(tools, choice)
@@ -98,7 +98,7 @@ class MistralArgsFormat(MistralFormat):
         chosen = chosen_tools(tools, choice)
         if chosen is None:
             return None
-        args = f"<[{self.args_token}]>" if self.args_token is not None else json.dumps(MISTRAL_ARGS)
+        args = grammar_tag(MISTRAL_ARGS, self.args_token)
         more = max_calls(chosen, parallel) - 1
         rules = ("calls: call" + (f" call{{0,{more}}}" if more else "") + "\n"
                  f"call: {self._marker()} (" + " | ".join(f"fn{i}" for i in range(len(chosen))) + ")\n")

@@ -45,3 +45,17 @@ def assert_error(response: httpx.Response, status: int, param: str | None = "__a
     if contains is not None:
         assert contains in err["message"], err["message"]
     return err
+
+
+# A chat whose earlier assistant turn carries its reasoning.
+AFTER_REASONING = [{"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": "Hello!", "reasoning_content": "Let me see."},
+                   {"role": "user", "content": "again"}]
+
+
+async def prompt_after_reasoning(client: httpx.AsyncClient) -> str:
+    """The prompt the served engine got for ``AFTER_REASONING`` (a one-token chat), as text."""
+    r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": AFTER_REASONING, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    engine = client._transport.app.state.kvserve.engine
+    return engine.tokenizer.decode(engine.requests[-1].prompt_token_ids)

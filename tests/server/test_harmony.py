@@ -12,7 +12,7 @@ import json
 import httpx
 import pytest
 
-from api_helpers import MODEL, sse_events
+from api_helpers import MODEL, prompt_after_reasoning, sse_events
 from real_engine import PLAIN_TEMPLATE, ServedEngine
 from engine.sampling_params import ThinkTokens
 from server.app import build_app
@@ -122,12 +122,7 @@ async def test_chat_answers_carry_the_analysis_channel_as_reasoning(harmony: htt
 
 async def test_an_earlier_turns_reasoning_goes_back_as_thinking(harmony: httpx.AsyncClient) -> None:
     # gpt-oss's template reads an assistant turn's reasoning as `thinking`
-    engine = harmony._transport.app.state.kvserve.engine
-    history = MESSAGES + [{"role": "assistant", "content": "Hello!", "reasoning_content": "Let me see."},
-                          {"role": "user", "content": "again"}]
-    r = await harmony.post("/v1/chat/completions", json={"model": MODEL, "messages": history, "max_tokens": 1})
-    assert r.status_code == 200, r.text
-    assert engine.tokenizer.decode(engine.requests[-1].prompt_token_ids) == (
+    assert await prompt_after_reasoning(harmony) == (
         "<|start|>system<|message|>Reasoning: medium<|end|><|start|>user<|message|>hi<|end|><|start|>assistant<|channel|>analysis<|message|>Let me see.<|end|>"
         "<|start|>assistant<|channel|>final<|message|>Hello!<|end|><|start|>user<|message|>again<|end|>"
         "<|start|>assistant")

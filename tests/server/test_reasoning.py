@@ -12,7 +12,7 @@ import pydantic
 import pytest
 from openai.types.responses import ResponseStreamEvent
 
-from api_helpers import MODEL, sse_events
+from api_helpers import MODEL, prompt_after_reasoning, sse_events
 from real_engine import PLAIN_TEMPLATE, ServedEngine
 from server.app import build_app
 from engine.sampling_params import ThinkTokens
@@ -140,12 +140,8 @@ async def test_chat_answers_carry_reasoning_content(thinking: httpx.AsyncClient)
 async def test_an_earlier_turns_reasoning_goes_back_to_the_template(thinking: httpx.AsyncClient) -> None:
     # Qwen3's template renders an assistant turn's reasoning_content (PLAIN_TEMPLATE's as <think>...</think>).
     engine = thinking._transport.app.state.kvserve.engine
-    history = MESSAGES + [{"role": "assistant", "content": "Hello!", "reasoning_content": "Let me see."},
-                          {"role": "user", "content": "again"}]
-    r = await thinking.post("/v1/chat/completions", json={"model": MODEL, "messages": history, "max_tokens": 1})
-    assert r.status_code == 200, r.text
     expected = "<|user|>hi\n<|assistant|><think>Let me see.</think>Hello!\n<|user|>again\n<|assistant|>"
-    assert engine.tokenizer.decode(engine.requests[-1].prompt_token_ids) == expected
+    assert await prompt_after_reasoning(thinking) == expected
     # The Responses API's reasoning item, sent back, is the next assistant turn's reasoning.
     items = [{"role": "user", "content": "hi"},
              {"type": "reasoning", "id": "rs_1", "summary": [],
