@@ -112,6 +112,11 @@ def mix_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor, 
     # Python time on the OLMoE shape).
     chosen, by_id = chosen.sort(dim=1)
     weights = weights.gather(1, by_id)
+    if fused is not None and fused.activate is MLP.activate and x.dtype == torch.float32 \
+            and ops.kernels_enabled(x.device):
+        # (the calls below in one: the same bits, a tenth of an OLMoE step's Python less)
+        y, routed = ops.moe_experts(x, fused.gate_up, fused.down, weights, chosen)
+        return y, routed.tolist()
     out, counts, rows = fused(x, chosen) if fused is not None else (*_grouped(experts, x, chosen), None)
     if out.dtype == torch.float32 and ops.kernels_enabled(out.device):
         # (one kernel: the same products and adds as below, each slot's row read in place)

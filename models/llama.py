@@ -147,30 +147,17 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         fused = all(isinstance(p, (QuantizedLinear, AmxBf16Linear, NativeLinear)) and p.fused for p in projections)
-        # NOTE: the fused layer kernel has no per-head q/k norm, no sliding window and no
-        # soft-capping: Qwen3's layers, windowed and soft-capped ones run op by op.
-        return (fused and attn.q_norm is None and not attn.window and not attn.softcap
+        # NOTE: the fused layer kernel has no sliding window and no soft-capping: windowed
+        # and soft-capped layers run op by op.
+        return (fused and not attn.window and not attn.softcap and norms_fusable(self)
                 and {p.kind for p in projections} in ({"int4"}, {"amx-bf16"}, {"w4a16"}, {"native"}, {"native-a8"})
                 and all(p.bias is None for p in projections[1:]))
 
     def fused_weights(self) -> ops.FusedWeights:
-        """This layer's ``ops.fused_layer`` arguments that do not change between steps,
-        built once and rebuilt when a projection or norm is replaced (quantised, packed,
-        sharded). Gathering them through ``nn.Module`` attributes every step cost about
-        28 us a layer, a tenth of a single stream's decode step."""
-        attn, mlp = self.self_attn, self.mlp
-        norms = (self.input_layernorm, self.post_attention_layernorm)
-        key = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, *norms)
-        cached = self.__dict__.get("_fused_weights")
-        if cached is None or any(a is not b for a, b in zip(cached[0], key)):
-            projections = [p.fused_args for p in key[:4]]
-            weights = ops.FusedWeights(
-                norms[0].weight, norms[1].weight, norms[0].eps, projections[0], attn.qkv_proj.bias,
-                projections[1], projections[2], projections[3], attn.num_heads, attn.num_kv_heads, attn.scale,
-                attn.qkv_proj.fused_gemm)
-            # A plain attribute (nn.Module.__setattr__ would not register a tuple anyway).
-            self.__dict__["_fused_weights"] = cached = (key, weights)
-        return cached[1]
+        """This layer's ``ops.fused_layer`` arguments that do not change between steps
+        (``fused_weights``)."""
+        mlp = self.mlp
+        return fused_weights(self, (mlp.gate_up_proj, mlp.down_proj))
 
     def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, step: ops.FusedStep,
                       kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -179,6 +166,54 @@ class DecoderLayer(nn.Module):
         describes; ``lora``: the adapters' updates (``LoRABatch.fusable`` ones)."""
         return ops.fused_layer(x, residual, self.fused_weights(), step, kv_cache[0], kv_cache[1],
                                lora=lora.fused_args() if lora is not None else None)
+
+
+def norms_fusable(layer: nn.Module) -> bool:
+    """Whether the fused layer kernels run ``layer``'s q/k norms (none, or with its norms' eps)."""
+    q_norm = layer.self_attn.q_norm
+    return q_norm is None or q_norm.eps == layer.input_layernorm.eps
+
+
+def fused_weights(layer: nn.Module, mlp: tuple[nn.Module, ...]) -> ops.FusedWeights:
+    """A decoder layer's ``ops.FusedWeights`` (its attention and norms, and ``mlp``'s
+    ``gate_up`` and ``down`` projections, or none), built once and rebuilt when a projection or
+    norm is replaced (quantised, packed, sharded). Gathering them through ``nn.Module``
+    attributes every step cost about 28 us a layer, a tenth of a single stream's decode step."""
+    attn = layer.self_attn
+    norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
+    key = (attn.qkv_proj, attn.o_proj, *mlp, *norms)
+    cached = layer.__dict__.get("_fused_weights")
+    if cached is None or any(a is not b for a, b in zip(cached[0], key)):
+        projections = [p.fused_args for p in key[:2 + len(mlp)]]
+        gate_up, down = projections[2:] if mlp else ([], [])
+        q_norm, k_norm = (None, None) if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
+        weights = ops.FusedWeights(
+            norms[0].weight, norms[1].weight, norms[0].eps, projections[0], attn.qkv_proj.bias, projections[1],
+            gate_up, down, attn.num_heads, attn.num_kv_heads, attn.scale, attn.qkv_proj.fused_gemm, q_norm, k_norm)
+        # A plain attribute (nn.Module.__setattr__ would not register a tuple anyway).
+        layer.__dict__["_fused_weights"] = cached = (key, weights)
+    return cached[1]
+
+
+class FusedSteps:
+    """The ``ops.FusedStep`` of each layer of one step, made on first use: one per group of a
+    hybrid cache's layers (their attention metadata)."""
+
+    def __init__(self, rope: RotaryEmbedding, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+        d = meta.num_decodes
+        self._starts = meta.query_start_loc[d:] - meta.query_start_loc[d] if d < meta.num_seqs else None
+        self._rope, self._positions, self._meta = rope, positions, meta
+        self._steps: dict[int, ops.FusedStep] = {}
+
+    def layer(self, i: int) -> ops.FusedStep:
+        """Layer ``i``'s step."""
+        m = self._meta.for_layer(i)
+        step = self._steps.get(id(m))
+        if step is None:
+            step = self._steps[id(m)] = ops.FusedStep(self._rope.rotations, self._positions, m.slot_mapping,
+                                                      m.block_tables, m.context_lens, self._meta.num_decodes,
+                                                      self._starts)
+        return step
 
 
 class LlamaModel(nn.Module):
@@ -241,20 +276,14 @@ class LlamaForCausalLM(nn.Module):
         fused = (tp is None and (lora is None or lora.fusable) and x.dtype == torch.float32
                  and ops.kernels_enabled(x.device) and first.packed_int4())
         if fused:
-            d = meta.num_decodes
-            starts = meta.query_start_loc[d:] - meta.query_start_loc[d] if d < meta.num_seqs else None
-            steps: dict[int, ops.FusedStep] = {}  # one per group of a hybrid cache's layers
+            steps = FusedSteps(self.rope, positions, meta)
             for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
-                m = meta.for_layer(i)
                 if layer.self_attn.window:  # the fused kernel has no window (Qwen2's later layers)
-                    x, residual = layer(x, residual, self.rope, positions, m, kv,
+                    x, residual = layer(x, residual, self.rope, positions, meta.for_layer(i), kv,
                                         lora.layer(i) if lora is not None else None)
                     continue
-                step = steps.get(id(m))
-                if step is None:
-                    step = steps[id(m)] = ops.FusedStep(self.rope.rotations, positions, m.slot_mapping,
-                                                        m.block_tables, m.context_lens, d, starts)
-                x, residual = layer.forward_fused(x, residual, step, kv, lora.layer(i) if lora is not None else None)
+                x, residual = layer.forward_fused(x, residual, steps.layer(i), kv,
+                                                  lora.layer(i) if lora is not None else None)
         else:
             for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
                 x, residual = layer(x, residual, self.rope, positions, meta.for_layer(i), kv,

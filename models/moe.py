@@ -32,8 +32,10 @@ decoder_sparse_step), gpt-oss's attention sinks (a logit per head in each softma
 the paged attention kernels), its output projection's bias and its alternating windowed
 layers (``ModelConfig.layer_windows``).
 
-Tensor parallel splits every expert's features across ranks (``models.parallel``). Layers
-run op by op (the one-call layer kernel is Llama's dense layer). LoRA adapters update the
+Tensor parallel splits every expert's features across ranks (``models.parallel``). Where
+the kernels run it, a sparse layer of SiLU experts on a GGUF file's codes (``w4a8``) runs in
+one call (``ops.fused_moe_layer``: attention, router, experts; Mixtral, Qwen3-MoE, OLMoE);
+other layers, split ones and LoRA steps run op by op, the same bits. LoRA adapters update the
 attention's projections and a dense layer's MLP (``models.lora``); not yet an expert's
 (the loader refuses such an adapter, naming the tensor).
 """
@@ -54,7 +56,7 @@ from models.config import ModelConfig
 from models.dense import DTYPES, PackedLinear
 from models.fused import FUSED_PARTS, fused_part_sizes
 from models.experts import FusedExperts, mix_experts
-from models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
+from models.llama import MLP, Attention, FusedSteps, LlamaForCausalLM, RMSNorm, norms_fusable, fused_weights
 from models.moe_config import MoESettings
 from models.parallel import TensorParallel, embed
 from models.quant import AmxBf16Linear, QuantizedLinear
@@ -68,7 +70,11 @@ _ROUTERS = ("gate", "shared_expert_gate")
 
 
 def route(logits: torch.Tensor, moe: MoESettings) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits ``[T, E]`` (float32) -> ``(weights [T, k] float32, experts [T, k])``."""
+    """Router logits ``[T, E]`` (float32) -> ``(weights [T, k] float32, experts [T, k])``;
+    where the kernels run, theirs (``ops.route_experts``: each row's pairs in ascending
+    expert id, the arithmetic of the fused MoE layer's router)."""
+    if ops.kernels_enabled(logits.device):
+        return ops.route_experts(logits, moe.experts_per_token, router_kind(moe))
     if moe.router == "topk-softmax":
         top, experts = logits.topk(moe.experts_per_token, dim=-1)
         return torch.softmax(top, dim=-1), experts
@@ -76,6 +82,13 @@ def route(logits: torch.Tensor, moe: MoESettings) -> tuple[torch.Tensor, torch.T
     if moe.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts
+
+
+def router_kind(moe: MoESettings) -> int:
+    """``moe``'s router as the kernels name it (``ops.ROUTER_*``)."""
+    if moe.router == "topk-softmax":
+        return ops.ROUTER_TOPK_SOFTMAX
+    return ops.ROUTER_SOFTMAX_TOPK_NORM if moe.norm_topk_prob else ops.ROUTER_SOFTMAX_TOPK
 
 
 class SparseMoeBlock(nn.Module):
@@ -208,6 +221,44 @@ class MoEDecoderLayer(nn.Module):
         out = self.mlp(h) if isinstance(self.mlp, SparseMoeBlock) else self.mlp(h, lora)
         return (out * m if m != 1 else out), residual
 
+    def fused_moe_weights(self) -> tuple[ops.FusedWeights, ops.FusedExpertsWeights] | None:
+        """This layer's ``ops.fused_moe_layer`` arguments, or None where that kernel cannot run
+        it: it runs a sparse layer of SiLU-gated experts held as one weight a projection
+        (``FusedExperts``) with no shared expert, router bias or residual multiplier, whose
+        attention the fused layer kernel runs (both projections on one of its GEMMs, no window,
+        sinks or output bias). Checked once, and again when a module is replaced."""
+        attn, mlp = self.self_attn, self.mlp
+        fused = mlp.fused if isinstance(mlp, SparseMoeBlock) else None
+        key = (attn.qkv_proj, attn.o_proj, mlp, fused, getattr(mlp, "gate", None), getattr(mlp, "tp", None))
+        cached = self.__dict__.get("_fused_moe")
+        if cached is None or any(a is not b for a, b in zip(cached[0], key)):
+            experts = None
+            if fused is not None and self._fused_moe_runs(mlp):
+                experts = ops.FusedExpertsWeights(mlp.gate.packed, router_kind(mlp.moe), mlp.moe.experts_per_token,
+                                                  fused.gate_up, fused.down)
+            self.__dict__["_fused_moe"] = cached = (key, experts)  # (a plain attribute, as fused_weights')
+        return None if cached[1] is None else (fused_weights(self, ()), cached[1])
+
+    def _fused_moe_runs(self, mlp: SparseMoeBlock) -> bool:
+        attn, qkv, o = self.self_attn, self.self_attn.qkv_proj, self.self_attn.o_proj
+        router = mlp.gate
+        return (mlp.fused.activate is MLP.activate and mlp.shared_expert is None and mlp.tp is None
+                and self.residual_multiplier == 1 and isinstance(router, PackedLinear) and router.bias is None
+                and router.packed.dtype == torch.float32
+                and all(getattr(p, "fused", False) for p in (qkv, o)) and qkv.fused_gemm == o.fused_gemm
+                and o.bias is None and not attn.window and not attn.softcap and attn.sinks is None
+                and attn.tp is None and norms_fusable(self))
+
+    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, step: ops.FusedStep,
+                      kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` in one kernel call (``ops.fused_moe_layer``; see ``fused_moe_weights``)
+        for the step ``step`` describes, counting the routed tokens where asked."""
+        weights, experts = self.fused_moe_weights()
+        out, residual, routed = ops.fused_moe_layer(x, residual, weights, experts, step, kv_cache[0], kv_cache[1])
+        if self.mlp.routed is not None:
+            self.mlp.routed = [a + b for a, b in zip(self.mlp.routed, routed.tolist())]
+        return out, residual
+
 
 class MoEForCausalLM(LlamaForCausalLM):
     """A mixture-of-experts decoder on Llama's modules (see the module docstring)."""
@@ -247,7 +298,16 @@ class MoEForCausalLM(LlamaForCausalLM):
         if moe.embedding_multiplier != 1:
             x = x * moe.embedding_multiplier
         residual = None
+        # Where the kernels run a layer in one call (MoEDecoderLayer.fused_moe_weights), it
+        # does: the same bits as op by op (tests/models/test_moe_fused.py), without the per-op
+        # dispatch (a fifth of an OLMoE decode step at one stream).
+        steps = (FusedSteps(self.rope, positions, meta)
+                 if tp is None and lora is None and x.dtype == torch.float32 and ops.kernels_enabled(x.device)
+                 else None)
         for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
+            if steps is not None and layer.fused_moe_weights() is not None:
+                x, residual = layer.forward_fused(x, residual, steps.layer(i), kv)
+                continue
             x, residual = layer(x, residual, self.rope, positions, meta.for_layer(i), kv,
                                 lora.layer(i) if lora is not None else None)
         x, hidden = self.final_norm(x, residual, logits_indices, hidden_indices)

@@ -57,6 +57,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mix_expert_rows", &kvserve::mix_expert_rows,
         "each token's expert rows scaled by its router weights and added in slot order",
         py::call_guard<py::gil_scoped_release>());
+  m.def("route_experts", &kvserve::route_experts,
+        "each row's experts and weights from its router logits, in ascending expert id",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("moe_experts", &kvserve::moe_experts,
+        "each row through its chosen SiLU-gated experts, mixed by its weights; and the tokens per expert",
+        py::call_guard<py::gil_scoped_release>());
   m.def("repack_gguf_a8", &kvserve::repack_gguf_a8,
         "a GGUF tensor's blocks as gguf_a8_linear's codes and scales of a format (false: not exact)",
         py::call_guard<py::gil_scoped_release>());
@@ -67,6 +73,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_emulated_products", &kvserve::amx_emulated_products, "tile products the software tiles computed");
   m.def("fused_layer", &kvserve::fused_layer,
         "one decoder layer for a step's decodes and prompt chunks, packed projections",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("fused_moe_layer", &kvserve::fused_moe_layer,
+        "one mixture-of-experts decoder layer for a step's decodes and prompt chunks",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &kvserve::rms_norm, "out = rms_norm(x) * weight");
   m.def("add_rms_norm", &kvserve::add_rms_norm, "residual += x; out = rms_norm(residual) * weight");

@@ -1,11 +1,14 @@
 // One whole decoder layer in one call, from the kernels of the other files.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include "grouped_gemm.h"
 #include "kernels.h"
 
 #include <cstdint>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace kvserve {
@@ -59,6 +62,109 @@ void project(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& 
   }
 }
 
+// A layer's query and key heads RMS-normalised in qkv [T, width] before RoPE, as the
+// op-by-op layers do (each normalised row through rms_norm): q_norm and k_norm of head_dim
+// values normalise each head (Qwen3), of the whole projection's width the whole projection
+// (OLMoE). Undefined tensors: no norm.
+void norm_heads(at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm, int64_t q_size,
+                int64_t kv_size, double eps) {
+  if (!q_norm.defined()) return;
+  const int64_t rows = qkv.size(0);
+  for (const auto& [weight, start, size] : {std::make_tuple(q_norm, int64_t{0}, q_size),
+                                            std::make_tuple(k_norm, q_size, kv_size)}) {
+    TORCH_CHECK(size % weight.numel() == 0, "a q/k norm of ", weight.numel(), " values for ", size, " features");
+    at::Tensor part = qkv.narrow(1, start, size).contiguous().view({-1, weight.numel()});
+    at::Tensor normed = at::empty_like(part);
+    rms_norm(normed, part, weight, eps);
+    qkv.narrow(1, start, size).copy_(normed.view({rows, size}));
+  }
+}
+
+// A layer's arguments before its MLP: norms, attention projections and heads.
+struct AttentionWeights {
+  const at::Tensor& input_norm;
+  const at::Tensor& post_norm;
+  double eps;
+  const std::vector<at::Tensor>& qkv;
+  const c10::optional<at::Tensor>& qkv_bias;
+  const at::Tensor q_norm, k_norm;  // undefined: none
+  const std::vector<at::Tensor>& o_proj;
+  int64_t num_heads, num_kv_heads;
+  double scale;
+  int64_t gemm;
+};
+
+// What a step's layers share: RoPE, the caches and the batch's shape.
+struct LayerStep {
+  const at::Tensor& rotations;
+  const at::Tensor& positions;
+  at::Tensor& k_cache;
+  at::Tensor& v_cache;
+  const at::Tensor& slot_mapping;
+  const at::Tensor& block_tables;
+  const at::Tensor& context_lens;
+  int64_t num_decodes;
+  const c10::optional<at::Tensor>& prefill_query_start;
+};
+
+// The layer up to its MLP: (h, residual), h the post-attention norm's output for the MLP.
+std::pair<at::Tensor, at::Tensor> attention_half(const at::Tensor& x, const c10::optional<at::Tensor>& residual_in,
+                                                 const AttentionWeights& w, const LayerStep& step,
+                                                 const std::vector<at::Tensor>& lora,
+                                                 const std::vector<int64_t>& lora_rows) {
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  const int64_t head_dim = step.rotations.size(1) * 2;
+  const int64_t q_size = w.num_heads * head_dim, kv_size = w.num_kv_heads * head_dim;
+  const auto opts = x.options();
+  at::Tensor h = at::empty({rows, hidden}, opts);
+  at::Tensor residual;
+  if (residual_in.has_value()) {
+    residual = *residual_in;
+    add_rms_norm(h, residual, x, w.input_norm, w.eps);
+  } else {
+    residual = x;
+    rms_norm(h, x, w.input_norm, w.eps);
+  }
+  at::Tensor qkv_out = at::empty({rows, q_size + 2 * kv_size}, opts);
+  project(qkv_out, h, w.qkv, w.gemm);
+  if (w.qkv_bias.has_value()) qkv_out.add_(*w.qkv_bias);
+  add_lora(qkv_out, h, lora, lora_rows, 0);
+  norm_heads(qkv_out, w.q_norm, w.k_norm, q_size, kv_size, w.eps);
+  rotary_and_cache(qkv_out, step.rotations, step.positions, step.k_cache, step.v_cache, step.slot_mapping,
+                   w.num_heads, w.num_kv_heads);
+  const at::Tensor q = qkv_out.narrow(1, 0, q_size).view({rows, w.num_heads, head_dim});
+  at::Tensor attn = at::empty({rows, w.num_heads, head_dim}, opts);
+  if (!step.prefill_query_start.has_value()) {
+    paged_decode_attention(attn, q, step.k_cache, step.v_cache, step.block_tables, step.context_lens, w.scale);
+  } else {
+    const int64_t seqs = step.context_lens.numel(), d = step.num_decodes;
+    TORCH_CHECK(d >= 0 && d < seqs && d < rows, "num_decodes ", d, " out of range");
+    if (d > 0) {
+      at::Tensor head = attn.narrow(0, 0, d);
+      paged_decode_attention(head, q.narrow(0, 0, d), step.k_cache, step.v_cache, step.block_tables.narrow(0, 0, d),
+                             step.context_lens.narrow(0, 0, d), w.scale);
+    }
+    at::Tensor tail = attn.narrow(0, d, rows - d);
+    paged_prefill_attention(tail, q.narrow(0, d, rows - d), step.k_cache, step.v_cache,
+                            step.block_tables.narrow(0, d, seqs - d), step.context_lens.narrow(0, d, seqs - d),
+                            *step.prefill_query_start, w.scale);
+  }
+  at::Tensor o = at::empty({rows, hidden}, opts);
+  const at::Tensor attn_rows = attn.view({rows, q_size});
+  project(o, attn_rows, w.o_proj, w.gemm);
+  add_lora(o, attn_rows, lora, lora_rows, 1);
+  add_rms_norm(h, residual, o, w.post_norm, w.eps);
+  return {h, residual};
+}
+
+void check_segments(const std::vector<const std::vector<at::Tensor>*>& projections, int64_t gemm) {
+  const bool segments = gemm == kGemmAmxQuant || gemm == kGemmA8Quant;
+  for (const auto* p : projections)
+    TORCH_CHECK(segments ? p->size() % 2 == 1 : p->size() == 2,
+                "each projection is (codes, scales), or for kGemmAmxQuant and kGemmA8Quant its segments' and the "
+                "formats");
+}
+
 }  // namespace
 
 // One decoder layer for a step's batch, float32 activations, every projection
@@ -67,64 +173,30 @@ void project(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& 
 // dispatch. The batch is num_decodes decodes (one token per sequence), then,
 // when prefill_query_start is given, prompt chunks (rows num_decodes + its
 // offsets, the sequences after the decodes in block_tables and context_lens).
-// Rows that run a LoRA adapter get its updates (add_lora). Returns (mlp_out,
+// Rows that run a LoRA adapter get its updates (add_lora). q_norm, k_norm: per-head or
+// whole-projection norms of the queries and keys (norm_heads). Returns (mlp_out,
 // residual); ``residual`` is None on the first layer, where x is the embedding
 // output and becomes the residual stream.
 std::vector<at::Tensor> fused_layer(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& input_norm,
     const at::Tensor& post_norm, double eps, const std::vector<at::Tensor>& qkv,
-    const c10::optional<at::Tensor>& qkv_bias, const std::vector<at::Tensor>& o_proj,
+    const c10::optional<at::Tensor>& qkv_bias, const c10::optional<at::Tensor>& q_norm,
+    const c10::optional<at::Tensor>& k_norm, const std::vector<at::Tensor>& o_proj,
     const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, const at::Tensor& rotations,
     const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
     double scale, int64_t gemm, int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start,
     const std::vector<at::Tensor>& lora, const std::vector<int64_t>& lora_rows) {
-  const bool segments = gemm == kGemmAmxQuant || gemm == kGemmA8Quant;
-  for (const auto* p : {&qkv, &o_proj, &gate_up, &down})
-    TORCH_CHECK(segments ? p->size() % 2 == 1 : p->size() == 2,
-                "each projection is (codes, scales), or for kGemmAmxQuant and kGemmA8Quant its segments' and the "
-                "formats");
+  check_segments({&qkv, &o_proj, &gate_up, &down}, gemm);
   TORCH_CHECK(lora_rows.size() % 2 == 0 && lora.size() == 4 * lora_rows.size(),
               "lora: (A, B) of 4 projections per (start, stop) row range");
+  const AttentionWeights w{input_norm, post_norm, eps, qkv, qkv_bias, q_norm.value_or(at::Tensor()),
+                           k_norm.value_or(at::Tensor()), o_proj, num_heads, num_kv_heads, scale, gemm};
+  const LayerStep step{rotations, positions, k_cache, v_cache, slot_mapping, block_tables, context_lens,
+                       num_decodes, prefill_query_start};
+  auto [h, residual] = attention_half(x, residual_in, w, step, lora, lora_rows);
   const int64_t rows = x.size(0), hidden = x.size(1);
-  const int64_t head_dim = rotations.size(1) * 2;
-  const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * head_dim;
   const auto opts = x.options();
-  at::Tensor h = at::empty({rows, hidden}, opts);
-  at::Tensor residual;
-  if (residual_in.has_value()) {
-    residual = *residual_in;
-    add_rms_norm(h, residual, x, input_norm, eps);
-  } else {
-    residual = x;
-    rms_norm(h, x, input_norm, eps);
-  }
-  at::Tensor qkv_out = at::empty({rows, qkv_width}, opts);
-  project(qkv_out, h, qkv, gemm);
-  if (qkv_bias.has_value()) qkv_out.add_(*qkv_bias);
-  add_lora(qkv_out, h, lora, lora_rows, 0);
-  rotary_and_cache(qkv_out, rotations, positions, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads);
-  const at::Tensor q = qkv_out.narrow(1, 0, num_heads * head_dim).view({rows, num_heads, head_dim});
-  at::Tensor attn = at::empty({rows, num_heads, head_dim}, opts);
-  if (!prefill_query_start.has_value()) {
-    paged_decode_attention(attn, q, k_cache, v_cache, block_tables, context_lens, scale);
-  } else {
-    const int64_t seqs = context_lens.numel(), d = num_decodes;
-    TORCH_CHECK(d >= 0 && d < seqs && d < rows, "num_decodes ", d, " out of range");
-    if (d > 0) {
-      at::Tensor head = attn.narrow(0, 0, d);
-      paged_decode_attention(head, q.narrow(0, 0, d), k_cache, v_cache, block_tables.narrow(0, 0, d),
-                             context_lens.narrow(0, 0, d), scale);
-    }
-    at::Tensor tail = attn.narrow(0, d, rows - d);
-    paged_prefill_attention(tail, q.narrow(0, d, rows - d), k_cache, v_cache, block_tables.narrow(0, d, seqs - d),
-                            context_lens.narrow(0, d, seqs - d), *prefill_query_start, scale);
-  }
-  at::Tensor o = at::empty({rows, hidden}, opts);
-  const at::Tensor attn_rows = attn.view({rows, num_heads * head_dim});
-  project(o, attn_rows, o_proj, gemm);
-  add_lora(o, attn_rows, lora, lora_rows, 1);
-  add_rms_norm(h, residual, o, post_norm, eps);
   // down's input width = the intermediate size (its 32-input groups or blocks)
   const int64_t inter = down[0].size(1) * 32;
   at::Tensor gu = at::empty({rows, 2 * inter}, opts);
@@ -136,6 +208,35 @@ std::vector<at::Tensor> fused_layer(
   project(out, act, down, gemm);
   add_lora(out, act, lora, lora_rows, 3);
   return {out, residual};
+}
+
+// fused_layer's attention half, then a mixture's SiLU-gated experts (moe_experts) chosen by
+// the router (router: dense_linear's packing, float32 logits; route_experts with
+// experts_per_token and router_kind): the calls the op-by-op MoE layer makes, in one call.
+// No LoRA rows. Returns (mlp_out, residual, tokens routed to each expert).
+std::vector<at::Tensor> fused_moe_layer(
+    const at::Tensor& x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& input_norm,
+    const at::Tensor& post_norm, double eps, const std::vector<at::Tensor>& qkv,
+    const c10::optional<at::Tensor>& qkv_bias, const c10::optional<at::Tensor>& q_norm,
+    const c10::optional<at::Tensor>& k_norm, const std::vector<at::Tensor>& o_proj, const at::Tensor& router,
+    const A8Experts& gate_up, const A8Experts& down, int64_t experts_per_token, int64_t router_kind,
+    const at::Tensor& rotations, const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& context_lens,
+    int64_t num_heads, int64_t num_kv_heads, double scale, int64_t gemm, int64_t num_decodes,
+    const c10::optional<at::Tensor>& prefill_query_start) {
+  check_segments({&qkv, &o_proj}, gemm);
+  TORCH_CHECK(router.dim() == 3 && router.size(0) * router.size(2) >= gate_up.experts,
+              "router: dense_linear's packing of [experts, hidden]");
+  const AttentionWeights w{input_norm, post_norm, eps, qkv, qkv_bias, q_norm.value_or(at::Tensor()),
+                           k_norm.value_or(at::Tensor()), o_proj, num_heads, num_kv_heads, scale, gemm};
+  const LayerStep step{rotations, positions, k_cache, v_cache, slot_mapping, block_tables, context_lens,
+                       num_decodes, prefill_query_start};
+  auto [h, residual] = attention_half(x, residual_in, w, step, {}, {});
+  at::Tensor logits = at::empty({x.size(0), gate_up.experts}, x.options());
+  dense_linear(logits, h, router);
+  const std::vector<at::Tensor> routed = route_experts(logits, experts_per_token, router_kind);
+  std::vector<at::Tensor> mixed = moe_experts(h, gate_up, down, routed[0], routed[1]);
+  return {mixed[0], residual, mixed[1]};
 }
 
 }  // namespace kvserve

@@ -11,6 +11,8 @@
 // rounds it and meets the same tile products (gguf_a8_tiles.h), so its result is what its
 // expert's own gguf_a8_linear call gives, bit for bit, whatever else the step holds.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include "gguf_a8_tiles.h"
 #include "grouped_rows.h"
@@ -18,6 +20,7 @@
 #include "parallel.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -151,6 +154,122 @@ void mix_expert_rows(at::Tensor& y, const at::Tensor& out, const at::Tensor& ind
   parallel_chunks(t, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) mix_row(yp + r * h, o, idx + r * k, w + r * k, k, h);
   });
+}
+
+namespace {
+
+// The k largest of v[0, n) (ties: the lower index first), largest first, into top.
+void top_k(const float* v, int64_t n, int64_t k, int64_t* top) {
+  for (int64_t j = 0; j < k; ++j) {
+    int64_t best = -1;
+    for (int64_t i = 0; i < n; ++i) {
+      if (std::find(top, top + j, i) != top + j) continue;
+      // (a NaN never wins a comparison: the first index not taken stands)
+      if (best < 0 || v[i] > v[best]) best = i;
+    }
+    top[j] = best;
+  }
+}
+
+}  // namespace
+
+// Each row of logits [T, E] (float32) -> its k experts and their weights, by the router `kind`
+// (RouterKind), the pairs in ascending expert id (the order mix_expert_rows adds them in).
+// One pass of plain float arithmetic a row (expf, sums in a fixed order), so a row's choice
+// and weights do not depend on the other rows or the build.
+std::vector<at::Tensor> route_experts(const at::Tensor& logits, int64_t k, int64_t kind) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.is_contiguous(),
+              "logits must be float32 [T, E], contiguous");
+  const int64_t t = logits.size(0), e = logits.size(1);
+  TORCH_CHECK(k >= 1 && k <= e, "experts per token ", k, " not in [1, ", e, "]");
+  TORCH_CHECK(kind >= kSoftmaxTopK && kind <= kTopKSoftmax, "unknown router kind ", kind);
+  at::Tensor weights = at::empty({t, k}, logits.options());
+  at::Tensor chosen = at::empty({t, k}, logits.options().dtype(at::kLong));
+  const float* lp = logits.data_ptr<float>();
+  float* wp = weights.data_ptr<float>();
+  int64_t* cp = chosen.data_ptr<int64_t>();
+  std::vector<float> p(static_cast<size_t>(e));
+  std::vector<int64_t> top(static_cast<size_t>(k));
+  std::vector<float> w(static_cast<size_t>(k));
+  for (int64_t r = 0; r < t; ++r) {
+    const float* l = lp + r * e;
+    if (kind == kTopKSoftmax) {
+      top_k(l, e, k, top.data());
+      float sum = 0.0f;
+      for (int64_t j = 0; j < k; ++j) sum += w[j] = std::exp(l[top[j]] - l[top[0]]);
+      for (int64_t j = 0; j < k; ++j) w[j] /= sum;
+    } else {
+      const float m = *std::max_element(l, l + e);
+      float sum = 0.0f;
+      for (int64_t i = 0; i < e; ++i) sum += p[i] = std::exp(l[i] - m);
+      for (int64_t i = 0; i < e; ++i) p[i] /= sum;
+      top_k(p.data(), e, k, top.data());
+      float chosen_sum = 0.0f;
+      for (int64_t j = 0; j < k; ++j) chosen_sum += w[j] = p[top[j]];
+      if (kind == kSoftmaxTopKNorm) {
+        for (int64_t j = 0; j < k; ++j) w[j] /= chosen_sum;
+      }
+    }
+    std::vector<int64_t> by_id(static_cast<size_t>(k));
+    for (int64_t j = 0; j < k; ++j) by_id[j] = j;
+    std::sort(by_id.begin(), by_id.end(), [&](int64_t a, int64_t b) { return top[a] < top[b]; });
+    for (int64_t j = 0; j < k; ++j) {
+      cp[r * k + j] = top[by_id[j]];
+      wp[r * k + j] = w[by_id[j]];
+    }
+  }
+  return {weights, chosen};
+}
+
+// y [T, H] = each token's chosen experts (chosen [T, k], each row ascending) on its row of
+// x [T, H], their outputs scaled by weights [T, k] and added (mix_expert_rows), SiLU-gated
+// experts (gate_up, then silu(gate) * up, then down). The slots are grouped by expert with
+// a stable counting sort (torch's stable argsort of the flat choices, the same order), each
+// slot's input row is its token's row, and both projections run every expert's rows in one
+// call. Also returns the tokens routed to each expert (int64 [E]).
+std::vector<at::Tensor> moe_experts(const at::Tensor& x, const A8Experts& gate_up, const A8Experts& down,
+                                    const at::Tensor& weights, const at::Tensor& chosen) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 && x.size(1) == gate_up.in_features,
+              "x must be float32 [T, in_features]");
+  TORCH_CHECK(chosen.scalar_type() == at::kLong && chosen.is_contiguous() && chosen.dim() == 2 &&
+                  chosen.size(0) == x.size(0), "chosen must be int64 [T, k]");
+  TORCH_CHECK(gate_up.experts == down.experts && down.in_features * 2 == gate_up.out_features &&
+                  down.out_features == x.size(1), "gate_up and down must be one layer's experts");
+  const int64_t t = x.size(0), k = chosen.size(1), slots = t * k, experts = gate_up.experts, h = x.size(1);
+  const int64_t* cp = chosen.data_ptr<int64_t>();
+  at::Tensor routed = at::zeros({experts}, chosen.options());
+  int64_t* counts = routed.data_ptr<int64_t>();
+  for (int64_t s = 0; s < slots; ++s) {
+    TORCH_CHECK(cp[s] >= 0 && cp[s] < experts, "expert ", cp[s], " out of range");
+    counts[cp[s]] += 1;
+  }
+  std::vector<int64_t> ids, rows_of, next(static_cast<size_t>(experts));
+  for (int64_t e = 0, start = 0; e < experts; start += counts[e], ++e) {
+    next[e] = start;
+    if (counts[e] > 0) {
+      ids.push_back(e);
+      rows_of.push_back(counts[e]);
+    }
+  }
+  // Slot s's rows are at index[s] in expert order; each row is its token's input.
+  at::Tensor index = at::empty({slots}, chosen.options());
+  int64_t* ip = index.data_ptr<int64_t>();
+  at::Tensor rows = at::empty({slots, h}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* rp = rows.data_ptr<float>();
+  for (int64_t s = 0; s < slots; ++s) {
+    const int64_t at_row = ip[s] = next[cp[s]]++;
+    std::copy(xp + (s / k) * x.stride(0), xp + (s / k) * x.stride(0) + h, rp + at_row * h);
+  }
+  at::Tensor both = at::empty({slots, gate_up.out_features}, x.options());
+  gguf_a8_experts(both, rows, gate_up, ids, rows_of, false);
+  at::Tensor act = at::empty({slots, down.in_features}, x.options());
+  silu_and_mul(act, both);
+  at::Tensor out = at::empty({slots, h}, x.options());
+  gguf_a8_experts(out, act, down, ids, rows_of, false);
+  at::Tensor y = at::empty({t, h}, x.options());
+  mix_expert_rows(y, out, index, weights.contiguous());
+  return {y, routed};
 }
 
 }  // namespace kvserve

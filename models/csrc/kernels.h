@@ -118,6 +118,17 @@ void gguf_a8_experts(at::Tensor& out, const at::Tensor& x, const A8Experts& w, c
 // weights [T, k] and added in slot order, float32 (torch's products and adds, the same bits).
 void mix_expert_rows(at::Tensor& y, const at::Tensor& out, const at::Tensor& index, const at::Tensor& weights);
 
+// A mixture's routers (models/moe_config.py ROUTERS): a softmax over every expert then the k
+// largest probabilities, renormalised to sum to 1 or not; or a softmax over the k largest logits.
+enum RouterKind : int64_t { kSoftmaxTopK = 0, kSoftmaxTopKNorm = 1, kTopKSoftmax = 2 };
+// (weights [T, k] float32, chosen [T, k] int64) of each row of router logits [T, E], the pairs
+// in ascending expert id.
+std::vector<at::Tensor> route_experts(const at::Tensor& logits, int64_t k, int64_t kind);
+// (y [T, H], tokens routed to each expert [E]): each row of x through its chosen SiLU-gated
+// experts (chosen ascending a row) and their outputs mixed by weights, mix_expert_rows's sum.
+std::vector<at::Tensor> moe_experts(const at::Tensor& x, const A8Experts& gate_up, const A8Experts& down,
+                                    const at::Tensor& weights, const at::Tensor& chosen);
+
 // gguf_repack.cpp: a GGUF tensor's blocks as gguf_a8_linear's `format` (A8Format), row r of
 // the weight from raw row source[r] (-1: zeros). False where the type's values do not fit
 // the format exactly (the caller says so).
@@ -144,11 +155,24 @@ enum ProjectionGemm : int64_t {
 std::vector<at::Tensor> fused_layer(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& input_norm,
     const at::Tensor& post_norm, double eps, const std::vector<at::Tensor>& qkv,
-    const c10::optional<at::Tensor>& qkv_bias, const std::vector<at::Tensor>& o_proj,
+    const c10::optional<at::Tensor>& qkv_bias, const c10::optional<at::Tensor>& q_norm,
+    const c10::optional<at::Tensor>& k_norm, const std::vector<at::Tensor>& o_proj,
     const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, const at::Tensor& rotations,
     const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
     double scale, int64_t gemm, int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start,
     const std::vector<at::Tensor>& lora, const std::vector<int64_t>& lora_rows);
+// The same layer with a mixture of SiLU-gated experts for its MLP: the router (dense_linear's
+// packing), route_experts, moe_experts. Returns (mlp_out, residual, tokens routed to each expert).
+std::vector<at::Tensor> fused_moe_layer(
+    const at::Tensor& x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& input_norm,
+    const at::Tensor& post_norm, double eps, const std::vector<at::Tensor>& qkv,
+    const c10::optional<at::Tensor>& qkv_bias, const c10::optional<at::Tensor>& q_norm,
+    const c10::optional<at::Tensor>& k_norm, const std::vector<at::Tensor>& o_proj, const at::Tensor& router,
+    const A8Experts& gate_up, const A8Experts& down, int64_t experts_per_token, int64_t router_kind,
+    const at::Tensor& rotations, const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& context_lens,
+    int64_t num_heads, int64_t num_kv_heads, double scale, int64_t gemm, int64_t num_decodes,
+    const c10::optional<at::Tensor>& prefill_query_start);
 
 }  // namespace kvserve

@@ -5,7 +5,7 @@ dozens of tiny eager ops per layer than computing them. The C++ kernels in
 ``csrc/`` fuse each chain into one call: ``rowwise.cpp`` (residual add +
 RMSNorm, SiLU * up, RoPE + KV-cache write), ``paged_attention.cpp`` (decode
 and prompt attention read in place, one arithmetic for both), ``argmax.cpp``,
-``fused_layer.cpp`` (a whole decoder layer) and ``grouped_gemm.cpp`` (the
+``fused_layer.cpp`` (a whole decoder layer, dense or a mixture's) and ``grouped_gemm.cpp`` (the
 grouped 4-/8-bit GEMMs); ``bindings.cpp`` exports them and ``kernels.h``
 declares them. The module is compiled on first use with torch's C++
 extension builder (g++ and the Python headers; under a minute, cached under
@@ -40,10 +40,11 @@ from models.ops.build import (amx_bf16_usable, amx_emulated_products, amx_enable
                               set_amx_emulated, set_amx_enabled, set_kernels_enabled, sources_digest, vector_isa)
 from models.ops.isa import amx_mode, requested_isa
 from models.ops.layer import (GEMM_A8_QUANT, GEMM_AMX_BF16, GEMM_AMX_QUANT, GEMM_AMX_W4A16, GEMM_GROUPED, GEMM_GROUPED_INT8,
-                              FusedStep, FusedWeights, fused_layer)
+                              ROUTER_SOFTMAX_TOPK, ROUTER_SOFTMAX_TOPK_NORM, ROUTER_TOPK_SOFTMAX, FusedExpertsWeights,
+                              FusedStep, FusedWeights, fused_layer, fused_moe_layer)
 from models.ops.linear import (amx_bf16_linear, amx_quant_linear, amx_w4a16_linear, amx_w8a16_linear, dense_linear,
                                a8_experts, gguf_a8_experts, gguf_a8_linear, grouped_linear, mix_expert_rows,
-                               repack_gguf, repack_gguf_a8)
+                               moe_experts, repack_gguf, repack_gguf_a8, route_experts)
 from models.ops.rowwise import (add_rms_norm, apply_rotary, apply_token_bitmask, argmax, rms_norm, rotary_and_cache,
                                 silu_and_mul, write_kv)
 
@@ -61,10 +62,10 @@ __all__ = [
     "decode_attention", "prefill_attention",
     # layer
     "GEMM_GROUPED", "GEMM_GROUPED_INT8", "GEMM_AMX_BF16", "GEMM_AMX_W4A16", "GEMM_AMX_QUANT", "GEMM_A8_QUANT",
-    "FusedWeights",
-    "FusedStep", "fused_layer",
+    "ROUTER_SOFTMAX_TOPK", "ROUTER_SOFTMAX_TOPK_NORM", "ROUTER_TOPK_SOFTMAX", "FusedWeights", "FusedExpertsWeights",
+    "FusedStep", "fused_layer", "fused_moe_layer",
     # linear
     "grouped_linear", "dense_linear", "amx_bf16_linear", "amx_w4a16_linear", "amx_w8a16_linear",
     "amx_quant_linear", "repack_gguf", "gguf_a8_linear", "repack_gguf_a8", "a8_experts", "gguf_a8_experts",
-    "mix_expert_rows",
+    "mix_expert_rows", "route_experts", "moe_experts",
 ]

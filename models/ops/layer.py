@@ -1,6 +1,7 @@
 """A whole decoder layer in one kernel call (``csrc/fused_layer.cpp``): its arguments
-that stay the same from step to step (``FusedWeights``), those a step's layers share
-(``FusedStep``), and the GEMM each projection runs on (``GEMM_*``).
+that stay the same from step to step (``FusedWeights``; a mixture's router and experts:
+``FusedExpertsWeights``), those a step's layers share (``FusedStep``), and the GEMM each
+projection runs on (``GEMM_*``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,30 @@ class FusedWeights:
     num_kv_heads: int
     scale: float
     gemm: int
+    # RMSNorm weights of the query and key heads before RoPE: ``head_dim`` values (each head:
+    # Qwen3) or the whole projection's (OLMoE); None: no such norms.
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+# The routers of ``route_experts`` and ``fused_moe_layer`` (csrc/kernels.h RouterKind): a
+# softmax over every expert then the k largest probabilities (renormalised: ``_NORM``), or a
+# softmax over the k largest logits.
+ROUTER_SOFTMAX_TOPK, ROUTER_SOFTMAX_TOPK_NORM, ROUTER_TOPK_SOFTMAX = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class FusedExpertsWeights:
+    """A mixture-of-experts layer's arguments to ``fused_moe_layer`` beyond ``FusedWeights``'
+    attention half: the router (``dense_linear``'s packing, float32), its kind
+    (``ROUTER_*``) and experts a token, and the SiLU-gated experts' projections (each
+    ``ops.a8_experts``)."""
+
+    router: torch.Tensor
+    router_kind: int
+    experts_per_token: int
+    gate_up: object
+    down: object
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,9 +100,28 @@ def fused_layer(x: torch.Tensor, residual: torch.Tensor | None, weights: FusedWe
     ext = load_extension()
     assert ext is not None, "fused_layer needs the fused CPU kernels"
     w = weights
-    out, res = ext.fused_layer(x, residual, w.input_norm, w.post_norm, w.eps, w.qkv, w.qkv_bias, w.o_proj,
-                                w.gate_up, w.down, step.rotations, step.positions, k_cache, v_cache,
+    out, res = ext.fused_layer(x, residual, w.input_norm, w.post_norm, w.eps, w.qkv, w.qkv_bias, w.q_norm,
+                                w.k_norm, w.o_proj, w.gate_up, w.down, step.rotations, step.positions, k_cache, v_cache,
                                 step.slot_mapping, step.block_tables, step.context_lens, w.num_heads,
                                 w.num_kv_heads, w.scale, w.gemm, step.num_decodes, step.prefill_query_start,
                                 *(lora or ([], [])))
     return out, res
+
+
+def fused_moe_layer(x: torch.Tensor, residual: torch.Tensor | None, weights: FusedWeights,
+                    experts: FusedExpertsWeights, step: FusedStep, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A whole mixture-of-experts decoder layer for a step in one kernel call: ``fused_layer``'s
+    attention half (``weights``; its ``gate_up`` and ``down`` unused), then the router,
+    ``route_experts`` and ``moe_experts``. ``(mlp_out, residual, tokens routed to each
+    expert)``; float32 activations on CPU, no LoRA rows. The same arithmetic as the op-by-op
+    layer (``models.moe``)."""
+    ext = load_extension()
+    assert ext is not None, "fused_moe_layer needs the fused CPU kernels"
+    w, e = weights, experts
+    out, res, routed = ext.fused_moe_layer(
+        x, residual, w.input_norm, w.post_norm, w.eps, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, w.o_proj,
+        e.router, e.gate_up, e.down, e.experts_per_token, e.router_kind, step.rotations, step.positions,
+        k_cache, v_cache, step.slot_mapping, step.block_tables, step.context_lens, w.num_heads, w.num_kv_heads,
+        w.scale, w.gemm, step.num_decodes, step.prefill_query_start)
+    return out, res, routed

@@ -143,6 +143,32 @@ def mix_expert_rows(out: torch.Tensor, rows: torch.Tensor | None, weights: torch
     return y
 
 
+def route_experts(logits: torch.Tensor, experts_per_token: int, kind: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights [T, k] float32, chosen [T, k] int64)`` of router logits ``[T, E]`` (float32)
+    by the router ``kind`` (``ops.ROUTER_*``), each row's pairs in ascending expert id; plain
+    float arithmetic a row in a fixed order, so a row's choice does not depend on its batch."""
+    ext = load_extension()
+    if ext is None:
+        raise RuntimeError("route_experts needs the fused CPU kernels")
+    weights, chosen = ext.route_experts(logits.contiguous(), experts_per_token, kind)
+    return weights, chosen
+
+
+def moe_experts(x: torch.Tensor, gate_up: object, down: object, weights: torch.Tensor, chosen: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y [T, H], tokens routed to each expert [E] int64)``: each row of ``x`` (float32)
+    through its chosen SiLU-gated experts (``chosen [T, k]``, each row ascending; ``gate_up``
+    and ``down`` as ``a8_experts`` holds them), their outputs scaled by ``weights [T, k]`` and
+    added: the bits of ``gguf_a8_experts``, ``silu_and_mul``, ``gguf_a8_experts`` and
+    ``mix_expert_rows`` called one by one, in one call."""
+    ext = load_extension()
+    if ext is None:
+        raise RuntimeError("moe_experts needs the fused CPU kernels")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    y, routed = ext.moe_experts(x, gate_up, down, weights.contiguous(), chosen.contiguous())
+    return y, routed
+
+
 def repack_gguf_a8(codes: torch.Tensor, scales: torch.Tensor, raw: torch.Tensor, type_id: int, fmt: int,
                    source: torch.Tensor) -> bool:
     """``repack_gguf`` for ``gguf_a8_linear``'s format ``fmt``: False where a scale made from

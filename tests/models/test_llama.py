@@ -223,7 +223,7 @@ FAMILIES = {"qwen3": dict(arch="qwen3"), "phi3-longrope": VARIANTS["phi3-longrop
 @pytest.mark.parametrize("family", FAMILIES, ids=FAMILIES.keys())
 @pytest.mark.parametrize("quantization", ["none", "w4a8", "int4"])
 def test_logits_do_not_depend_on_chunks_or_batch(tiny_checkpoint, tiny_prompt, make_runner, quantization, family):
-    # Qwen3's per-head q/k norms run op by op (no fused layer kernel); Phi-3 loads from
+    # Qwen3's per-head q/k norms run in the fused layer kernel; Phi-3 loads from
     # fused checkpoint tensors; YaRN and LongRoPE scale the rotation table: a row's result
     # must still be the same, bit for bit, in one prefill, in chunks, and beside others.
     path, _ = tiny_checkpoint(**FAMILIES[family])

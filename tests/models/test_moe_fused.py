@@ -1,0 +1,124 @@
+"""A whole mixture-of-experts layer in one kernel call (``ops.fused_moe_layer``) gives the
+op-by-op layer's bits: logits, KV caches and routed-token counts, for OLMoE's norms over the
+whole q/k projections, Qwen3-MoE's per-head norms and Mixtral's plain attention, in one
+prefill, in chunks beside another sequence and in decode steps. The kernels' router
+(``ops.route_experts``) picks what torch's softmax and top-k pick, and its rows do not
+depend on the batch. The fused dense layer runs Qwen3's per-head norms too, the same bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import ops
+from models.llama import DecoderLayer
+from models.loader import load_model
+from models.moe import MoEDecoderLayer
+from models.moe_config import MoESettings
+from tests.models.test_llama import chunked_beside_another, max_diff, prefill, reference_logits
+from tests.models.test_moe import tiny_moe, write_moe_gguf
+
+pytestmark = pytest.mark.skipif(not (ops.kernels_available() and ops.has_int8_dots()),
+                                reason="the fused layers are C++ kernels; w4a8 needs integer dots")
+
+# Widths of whole Q4_K super-blocks (256), 16 experts, top 4.
+SHAPES = {"hidden_size": 256, "head_dim": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+FAMILIES = {
+    "olmoe": dict(SHAPES, intermediate_size=256, num_experts=16, num_experts_per_tok=4),
+    "qwen3moe": dict(SHAPES, moe_intermediate_size=256, num_experts=16, num_experts_per_tok=4),
+    "mixtral": dict(SHAPES, intermediate_size=256, num_local_experts=16, num_experts_per_tok=4),
+}
+
+
+def runs(model, make_runner, prompt: list[int]) -> tuple[torch.Tensor, list, list[int], dict]:
+    """Logits of a prefill, the same prompt in chunks beside another, and 4 decode steps;
+    the decode runner's caches, its greedy tokens and the tokens routed per expert."""
+    model.count_routed_tokens()
+    whole = prefill(make_runner(model), prompt)
+    chunked = chunked_beside_another(make_runner(model, seed=1), prompt)
+    runner = make_runner(model, seed=2)
+    seqs = [runner.new_seq(len(prompt) + 5), runner.new_seq(len(prompt) + 5)]
+    logits = runner.step([(seqs[0], prompt), (seqs[1], prompt[::-1])])
+    steps, tokens = [], []
+    for _ in range(4):
+        last = [int(lg[-1].argmax()) for lg in logits]
+        tokens.append(last)
+        logits = runner.step([(s, [t]) for s, t in zip(seqs, last)])
+        steps.append(torch.stack([lg[-1] for lg in logits]))
+    return torch.cat([whole, chunked, *steps]), runner.kv_caches, tokens, model.take_routed_tokens()
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_fused_moe_layers_equal_the_op_by_op_layers(tiny_prompt, make_runner, tmp_path, monkeypatch, arch):
+    reference = tiny_moe(arch, **FAMILIES[arch])
+    path = write_moe_gguf(tmp_path / f"{arch}.gguf", reference, arch, "Q4_K", every_projection=True)
+    model = load_model(str(path), dtype="float32", device="cpu", quantization="w4a8").model
+    assert all(layer.fused_moe_weights() is not None for layer in model.model.layers)
+    calls = []
+    fused_moe_layer = ops.fused_moe_layer
+    monkeypatch.setattr(ops, "fused_moe_layer", lambda *a, **kw: calls.append(1) or fused_moe_layer(*a, **kw))
+    fused, fused_caches, fused_tokens, fused_routed = runs(model, make_runner, tiny_prompt)
+    assert calls, "the fused MoE layer must run"
+
+    monkeypatch.setattr(MoEDecoderLayer, "fused_moe_weights", lambda self: None)
+    plain, plain_caches, plain_tokens, plain_routed = runs(model, make_runner, tiny_prompt)
+
+    assert torch.equal(fused, plain)
+    assert all(torch.equal(a, b) for pair in zip(fused_caches, plain_caches) for a, b in zip(*pair))
+    assert fused_tokens == plain_tokens and fused_routed == plain_routed
+    assert sum(fused_routed[0]) > 0
+    # (x rounded to int8 per 16 inputs at every projection: near transformers, not equal)
+    want = reference_logits(reference, tiny_prompt)
+    assert max_diff(fused[:len(tiny_prompt)], want) < 0.05 * want.abs().max()
+
+
+@pytest.mark.parametrize("arch, extra", [
+    ("qwen2moe", dict(moe_intermediate_size=256, shared_expert_intermediate_size=256, intermediate_size=256)),
+    ("granitemoe", dict(intermediate_size=256))])
+def test_layers_the_fused_moe_kernel_cannot_run_run_op_by_op(tmp_path, arch, extra):
+    # Qwen2-MoE's shared expert (and its dense layer) and Granite's multipliers stay op by op,
+    # their experts held as one weight all the same.
+    reference = tiny_moe(arch, **SHAPES, **extra)
+    path = write_moe_gguf(tmp_path / f"{arch}.gguf", reference, arch, "Q4_K", every_projection=True)
+    model = load_model(str(path), dtype="float32", device="cpu", quantization="w4a8").model
+    assert model.model.layers[0].mlp.fused is not None
+    assert all(layer.fused_moe_weights() is None for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("router, norm", [("softmax-topk", True), ("softmax-topk", False), ("topk-softmax", True)])
+def test_the_kernels_router_picks_torchs_experts_and_a_row_alone_is_its_row(router, norm):
+    from models.moe import route
+
+    moe = MoESettings(num_experts=64, experts_per_token=8, expert_size=32, norm_topk_prob=norm, router=router)
+    logits = torch.randn(50, 64, generator=torch.Generator().manual_seed(0)) * 3
+    weights, chosen = route(logits, moe)
+    ops.set_kernels_enabled(False)
+    try:
+        want_weights, want_chosen = route(logits, moe)
+    finally:
+        ops.set_kernels_enabled(True)
+    want_chosen, by_id = want_chosen.sort(dim=1)
+    assert torch.equal(chosen, want_chosen)  # each row's experts in ascending id
+    torch.testing.assert_close(weights, want_weights.gather(1, by_id), rtol=1e-6, atol=1e-7)
+    for i in (0, 17, 49):
+        alone = route(logits[i:i + 1], moe)
+        assert torch.equal(alone[0][0], weights[i]) and torch.equal(alone[1][0], chosen[i])
+    # ties go to the lower expert id
+    tied = ops.route_experts(torch.zeros(1, 8), 3, ops.ROUTER_SOFTMAX_TOPK_NORM)
+    assert tied[1].tolist() == [[0, 1, 2]] and torch.equal(tied[0], torch.full((1, 3), 1 / 3))
+
+
+def test_fused_dense_layers_run_qwen3s_per_head_norms_op_by_ops_bits(tiny_checkpoint, tiny_prompt, make_runner,
+                                                                       monkeypatch):
+    path, _ = tiny_checkpoint(arch="qwen3")
+    model = load_model(str(path), dtype="float32", device="cpu", quantization="w4a8").model
+    assert all(layer.packed_int4() for layer in model.model.layers)
+
+    def logits() -> torch.Tensor:
+        whole = prefill(make_runner(model), tiny_prompt)
+        return torch.cat([whole, chunked_beside_another(make_runner(model), tiny_prompt)])
+
+    fused = logits()
+    monkeypatch.setattr(DecoderLayer, "packed_int4", lambda self: False)
+    assert torch.equal(fused, logits())
