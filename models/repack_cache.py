@@ -8,7 +8,7 @@ start. The first start writes what it made to a safetensors file beside the fetc
 later start of the same file maps it instead (no copy: the tensors are views of the
 mapping). An entry is used only if it was made from this file (path, size, modification
 time) by these formats (the kernels' sources, the packing code, the path); any other is
-rebuilt and replaced. Entries whose file is gone are deleted when another is written.
+rebuilt and replaced (deleted first, so that its room counts for the new one). Entries whose file is gone are deleted when another is written.
 Files under ``MIN_FILE_BYTES`` (128 MiB) are not cached: they repack in a fraction of a second.
 """
 
@@ -110,6 +110,11 @@ class RepackCache:
         root = self.file.parent
         root.mkdir(parents=True, exist_ok=True)
         _prune(root)
+        if not self.stored:
+            # NOTE: an entry of this file left by other formats or damaged is never read again,
+            # and its room is the replacement's: on a full disk, keeping it until the new one
+            # was written left a stale 9.5 GB entry and every later start repacking.
+            self.file.unlink(missing_ok=True)
         if shutil.disk_usage(root).free < 2 * size:
             logger.info("repack cache: %.1f GB would not leave room on %s; not written", size / 1e9, root)
             return

@@ -67,6 +67,32 @@ def test_a_second_start_maps_what_the_first_repacked(cache_dir, tmp_path, make_r
     assert torch.equal(again, built)
 
 
+def test_a_stale_entry_makes_room_for_its_replacement(cache_dir, tmp_path, make_runner, monkeypatch, caplog):
+    path = tmp_path / "qwen2.gguf"
+    write_mixed_gguf(path, arch="qwen2", types=TYPES)
+    _load(path, make_runner)
+    (entry,) = cache_dir.glob("*.safetensors")
+    size = entry.stat().st_size
+    data = size - 8 - int.from_bytes(entry.read_bytes()[:8], "little")  # (the tensors' bytes)
+    os.utime(path, ns=(1, 1))  # (the entry is stale now)
+    # The disk has room for the new entry (twice its tensors' bytes) only once the stale one is gone.
+    free = {"bytes": 2 * data - 1}
+    real_unlink = Path.unlink
+
+    def unlink(self, missing_ok=False):
+        if self == entry and self.exists():
+            free["bytes"] += size
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    monkeypatch.setattr(repack_cache.shutil, "disk_usage", lambda root: type("U", (), {"free": free["bytes"]}))
+    with caplog.at_level(logging.INFO):
+        _load(path, make_runner)
+    assert "repack cache: wrote" in caplog.text
+    with repack_cache.safe_open(str(entry), framework="pt") as f:
+        assert '"mtime_ns": "1"' in f.metadata()["key"]
+
+
 def test_entries_of_files_that_are_gone_are_deleted(cache_dir, tmp_path, make_runner):
     old, new = tmp_path / "old.gguf", tmp_path / "new.gguf"
     write_mixed_gguf(old, arch="qwen2", types=TYPES)
