@@ -250,10 +250,12 @@ class MoEDecoderLayer(nn.Module):
                 and attn.tp is None and norms_fusable(self))
 
     def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, step: ops.FusedStep,
-                      kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward`` in one kernel call (``ops.fused_moe_layer``; see ``fused_moe_weights``)
-        for the step ``step`` describes, counting the routed tokens where asked."""
-        weights, experts = self.fused_moe_weights()
+                      kv_cache: tuple[torch.Tensor, torch.Tensor],
+                      fused: tuple[ops.FusedWeights, ops.FusedExpertsWeights]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` in one kernel call (``ops.fused_moe_layer``) with ``fused``, this layer's
+        ``fused_moe_weights()``, for the step ``step`` describes, counting the routed tokens
+        where asked."""
+        weights, experts = fused
         out, residual, routed = ops.fused_moe_layer(x, residual, weights, experts, step, kv_cache[0], kv_cache[1])
         if self.mlp.routed is not None:
             self.mlp.routed = [a + b for a, b in zip(self.mlp.routed, routed.tolist())]
@@ -305,8 +307,9 @@ class MoEForCausalLM(LlamaForCausalLM):
                  if tp is None and lora is None and x.dtype == torch.float32 and ops.kernels_enabled(x.device)
                  else None)
         for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
-            if steps is not None and layer.fused_moe_weights() is not None:
-                x, residual = layer.forward_fused(x, residual, steps.layer(i), kv)
+            fused = layer.fused_moe_weights() if steps is not None else None
+            if fused is not None:
+                x, residual = layer.forward_fused(x, residual, steps.layer(i), kv, fused)
                 continue
             x, residual = layer(x, residual, self.rope, positions, meta.for_layer(i), kv,
                                 lora.layer(i) if lora is not None else None)
