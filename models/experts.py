@@ -4,7 +4,8 @@ their outputs scaled by its router weights and added (``mix_experts``).
 Two ways to run them, the same bits for every row:
 
 * ``FusedExperts``: where a layer's experts are plain MLPs (SiLU: ``models.llama.MLP``; Gemma's
-  GELU-tanh: ``models.gemma.GemmaMLP``) whose projections keep a GGUF file's codes on the
+  GELU-tanh: ``models.gemma.GemmaMLP``; gpt-oss's clamped SwiGLU with biases: a class with
+  ``plain_form``) whose projections keep a GGUF file's codes on the
   int8-activation GEMMs (``w4a8`` on an MoE file), the kernels
   hold each projection's experts as one weight (``ops.a8_experts``) and a step's gate_up
   and down projections are one call each over every chosen expert's rows (llama.cpp's
@@ -38,13 +39,16 @@ class FusedExperts:
     final (``models.moe_loader.build_native_moe``, ``models.gguf_native.build_model``)."""
 
     def __init__(self, experts: nn.ModuleList) -> None:
-        self.activate = type(experts[0]).activate
+        # (a bound method where the activation has settings: gpt-oss's clamped SwiGLU)
+        self.activate = experts[0].activate
         gate_ups = [e.gate_up_proj for e in experts]
         downs = [e.down_proj for e in experts]
         self.experts = len(experts)
         self.gate_up_features, self.down_features = gate_ups[0].out_features, downs[0].out_features
         self.gate_up = _weights(gate_ups)
         self.down = _weights(downs)
+        # Each expert's biases, a row an expert (gpt-oss), or None.
+        self.gate_up_bias, self.down_bias = (_biases(projections) for projections in (gate_ups, downs))
 
     @classmethod
     def of(cls, experts: nn.ModuleList) -> FusedExperts | None:
@@ -54,7 +58,8 @@ class FusedExperts:
             return None
         for kind in ("gate_up_proj", "down_proj"):
             first = getattr(experts[0], kind)
-            if any(getattr(e, kind).formats != first.formats for e in experts):
+            if any(getattr(e, kind).formats != first.formats or (getattr(e, kind).bias is None) != (first.bias is None)
+                   for e in experts):
                 return None
         return cls(experts)
 
@@ -74,10 +79,13 @@ class FusedExperts:
             ids = [e for e, n in enumerate(routed) if n]
             counts = [routed[e] for e in ids]
             rows = x.float().index_select(0, order // k)
-        # (the dtype conversions of MLP.forward over NativeA8Linear's float32 products)
-        both = ops.gguf_a8_experts(rows, self.gate_up, ids, counts, self.gate_up_features).to(x.dtype)
+        # (NativeA8Linear.forward's bias add and dtype conversion over its float32 products)
+        row_experts = None if self.gate_up_bias is None else torch.tensor(ids).repeat_interleave(torch.tensor(counts))
+        both = _add_bias(ops.gguf_a8_experts(rows, self.gate_up, ids, counts, self.gate_up_features),
+                         self.gate_up_bias, row_experts).to(x.dtype)
         h = self.activate(both)
-        out = ops.gguf_a8_experts(h.float(), self.down, ids, counts, self.down_features).to(x.dtype)
+        out = _add_bias(ops.gguf_a8_experts(h.float(), self.down, ids, counts, self.down_features),
+                        self.down_bias, row_experts).to(x.dtype)
         if order is None:
             return out, routed, None
         # (slot order[i] is row i; an un-permuting index_copy_ of every row took 3-9 ms a
@@ -87,10 +95,20 @@ class FusedExperts:
 
 
 def _fusable(expert: nn.Module) -> bool:
-    return (type(expert) in _PLAIN_MLPS and expert.tp is None
-            and all(isinstance(p, NativeA8Linear) and p.bias is None
+    plain = type(expert) in _PLAIN_MLPS or getattr(type(expert), "plain_form", False)
+    return (plain and expert.tp is None
+            and all(isinstance(p, NativeA8Linear) and (p.bias is None or getattr(type(expert), "plain_form", False))
                 and not {A8_G4, A8_G8} & set(p.formats)  # (grouped_gemm.cpp's formats: one call each)
                     for p in (expert.gate_up_proj, expert.down_proj)))
+
+
+def _biases(projections: list[NativeA8Linear]) -> torch.Tensor | None:
+    return None if projections[0].bias is None else torch.stack([p.bias.detach() for p in projections])
+
+
+def _add_bias(y: torch.Tensor, biases: torch.Tensor | None, row_experts: torch.Tensor | None) -> torch.Tensor:
+    """``y`` plus each row's expert's bias (the same adds as ``y + bias`` an expert at a time)."""
+    return y if biases is None else y + biases.index_select(0, row_experts)
 
 
 def _weights(projections: list[NativeA8Linear]) -> object:
@@ -112,8 +130,8 @@ def mix_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor, 
     # Python time on the OLMoE shape).
     chosen, by_id = chosen.sort(dim=1)
     weights = weights.gather(1, by_id)
-    if fused is not None and fused.activate is MLP.activate and x.dtype == torch.float32 \
-            and ops.kernels_enabled(x.device):
+    if fused is not None and fused.activate is MLP.activate and fused.gate_up_bias is None \
+            and x.dtype == torch.float32 and ops.kernels_enabled(x.device):
         # (the calls below in one: the same bits, a tenth of an OLMoE step's Python less)
         y, routed = ops.moe_experts(x, fused.gate_up, fused.down, weights, chosen)
         return y, routed.tolist()

@@ -146,15 +146,22 @@ class ClampedSwiGLUExpert(MLP):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=True)
         self.limit, self.alpha = moe.swiglu_limit, moe.swiglu_alpha
 
+    # Its forward is down(activate(gate_up(x))), its projections with biases: the fused
+    # experts may hold it (models.experts.FusedExperts).
+    plain_form = True
+
     def forward(self, x: torch.Tensor, lora: object | None = None) -> torch.Tensor:
         assert lora is None, "experts run no LoRA adapters"
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=1)
+        return self.down_proj(self.activate(self.gate_up_proj(x)))
+
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The clamped SwiGLU of the gate_up projection's output ``[T, 2I]``."""
+        gate, up = gate_up.split(self.intermediate_size, dim=1)
         gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
         # g * sigmoid(a g) = silu(a g) / a, through the row kernel of every SiLU MLP: each
         # value's result depends on it alone, never on its place in the batch (torch's own
         # sigmoid rounds its vector body and scalar tail differently; see _sigmoid).
-        h = ops.silu_and_mul(torch.cat([gate * self.alpha, up + 1], dim=1)) / self.alpha
-        return self.down_proj(h)
+        return ops.silu_and_mul(torch.cat([gate * self.alpha, up + 1], dim=1)) / self.alpha
 
 
 def _sigmoid(g: torch.Tensor) -> torch.Tensor:
