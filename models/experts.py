@@ -50,6 +50,12 @@ class FusedExperts:
         # Each expert's biases, a row an expert (gpt-oss), or None.
         self.gate_up_bias, self.down_bias = (_biases(projections) for projections in (gate_ups, downs))
 
+    @property
+    def silu(self) -> bool:
+        """Whether these are SiLU experts without biases: ``ops.moe_experts`` (and the fused
+        MoE layer) runs them whole."""
+        return self.activate is MLP.activate and self.gate_up_bias is None and self.down_bias is None
+
     @classmethod
     def of(cls, experts: nn.ModuleList) -> FusedExperts | None:
         """The experts held as one weight a projection, or None where one cannot be (not all
@@ -95,9 +101,10 @@ class FusedExperts:
 
 
 def _fusable(expert: nn.Module) -> bool:
-    plain = type(expert) in _PLAIN_MLPS or getattr(type(expert), "plain_form", False)
-    return (plain and expert.tp is None
-            and all(isinstance(p, NativeA8Linear) and (p.bias is None or getattr(type(expert), "plain_form", False))
+    # (a class with plain_form declares that form with biases; the plain MLPs have none)
+    plain_form = getattr(type(expert), "plain_form", False)
+    return ((type(expert) in _PLAIN_MLPS or plain_form) and expert.tp is None
+            and all(isinstance(p, NativeA8Linear) and (p.bias is None or plain_form)
                 and not {A8_G4, A8_G8} & set(p.formats)  # (grouped_gemm.cpp's formats: one call each)
                     for p in (expert.gate_up_proj, expert.down_proj)))
 
@@ -130,8 +137,7 @@ def mix_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor, 
     # Python time on the OLMoE shape).
     chosen, by_id = chosen.sort(dim=1)
     weights = weights.gather(1, by_id)
-    if fused is not None and fused.activate is MLP.activate and fused.gate_up_bias is None \
-            and x.dtype == torch.float32 and ops.kernels_enabled(x.device):
+    if fused is not None and fused.silu and x.dtype == torch.float32 and ops.kernels_enabled(x.device):
         # (the calls below in one: the same bits, a tenth of an OLMoE step's Python less)
         y, routed = ops.moe_experts(x, fused.gate_up, fused.down, weights, chosen)
         return y, routed.tolist()

@@ -249,7 +249,7 @@ class MoEDecoderLayer(nn.Module):
     def _fused_moe_runs(self, mlp: SparseMoeBlock) -> bool:
         attn, qkv, o = self.self_attn, self.self_attn.qkv_proj, self.self_attn.o_proj
         router = mlp.gate
-        return (mlp.fused.activate is MLP.activate and mlp.shared_expert is None and mlp.tp is None
+        return (mlp.fused.silu and mlp.shared_expert is None and mlp.tp is None
                 and self.residual_multiplier == 1 and isinstance(router, PackedLinear) and router.bias is None
                 and router.packed.dtype == torch.float32
                 and all(getattr(p, "fused", False) for p in (qkv, o)) and qkv.fused_gemm == o.fused_gemm

@@ -8,7 +8,8 @@ start. The first start writes what it made to a safetensors file beside the fetc
 later start of the same file maps it instead (no copy: the tensors are views of the
 mapping). An entry is used only if it was made from this file (path, size, modification
 time) by these formats (the kernels' sources, the packing code, the path); any other is
-rebuilt and replaced (deleted first, so that its room counts for the new one). Entries whose file is gone are deleted when another is written.
+rebuilt and replaced (deleted first, so that its room counts for the new one). Entries
+whose file is gone are deleted when another is written.
 Files under ``MIN_FILE_BYTES`` (128 MiB) are not cached: they repack in a fraction of a second.
 """
 

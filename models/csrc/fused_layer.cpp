@@ -224,9 +224,7 @@ std::vector<at::Tensor> fused_moe_layer(
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& context_lens,
     int64_t num_heads, int64_t num_kv_heads, double scale, int64_t gemm, int64_t num_decodes,
     const c10::optional<at::Tensor>& prefill_query_start) {
-  check_segments({&qkv, &o_proj}, gemm);
-  TORCH_CHECK(router.dim() == 3 && router.size(0) * router.size(2) >= gate_up.experts,
-              "router: dense_linear's packing of [experts, hidden]");
+  check_segments({&qkv, &o_proj}, gemm);  // (dense_linear checks the router against the experts' count)
   const AttentionWeights w{input_norm, post_norm, eps, qkv, qkv_bias, q_norm.value_or(at::Tensor()),
                            k_norm.value_or(at::Tensor()), o_proj, num_heads, num_kv_heads, scale, gemm};
   const LayerStep step{rotations, positions, k_cache, v_cache, slot_mapping, block_tables, context_lens,
