@@ -147,11 +147,10 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         fused = all(isinstance(p, (QuantizedLinear, AmxBf16Linear, NativeLinear)) and p.fused for p in projections)
-        # NOTE: the fused layer kernel has no sliding window and no soft-capping: windowed
-        # and soft-capped layers run op by op.
-        return (fused and not attn.window and not attn.softcap and norms_fusable(self)
+        # (the kernel runs the attention's window, soft-capping and sinks, and o_proj's bias)
+        return (fused and norms_fusable(self)
                 and {p.kind for p in projections} in ({"int4"}, {"amx-bf16"}, {"w4a16"}, {"native"}, {"native-a8"})
-                and all(p.bias is None for p in projections[1:]))
+                and all(p.bias is None for p in projections[2:]) and float32_bias(attn.o_proj))
 
     def fused_weights(self) -> ops.FusedWeights:
         """This layer's ``ops.fused_layer`` arguments that do not change between steps
@@ -166,6 +165,12 @@ class DecoderLayer(nn.Module):
         describes; ``lora``: the adapters' updates (``LoRABatch.fusable`` ones)."""
         return ops.fused_layer(x, residual, self.fused_weights(), step, kv_cache[0], kv_cache[1],
                                lora=lora.fused_args() if lora is not None else None)
+
+
+def float32_bias(projection: nn.Module) -> bool:
+    """Whether the fused layer kernels add ``projection``'s bias as its forward does: none, or
+    float32 (added to the float32 product)."""
+    return projection.bias is None or projection.bias.dtype == torch.float32
 
 
 def norms_fusable(layer: nn.Module) -> bool:
@@ -187,9 +192,11 @@ def fused_weights(layer: nn.Module, mlp: tuple[nn.Module, ...]) -> ops.FusedWeig
         projections = [p.fused_args for p in key[:2 + len(mlp)]]
         gate_up, down = projections[2:] if mlp else ([], [])
         q_norm, k_norm = (None, None) if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
+        sinks = None if attn.sinks is None else attn.sinks.detach().float().contiguous()
         weights = ops.FusedWeights(
             norms[0].weight, norms[1].weight, norms[0].eps, projections[0], attn.qkv_proj.bias, projections[1],
-            gate_up, down, attn.num_heads, attn.num_kv_heads, attn.scale, attn.qkv_proj.fused_gemm, q_norm, k_norm)
+            gate_up, down, attn.num_heads, attn.num_kv_heads, attn.scale, attn.qkv_proj.fused_gemm, q_norm, k_norm,
+            attn.o_proj.bias, attn.window, attn.softcap, sinks)
         # A plain attribute (nn.Module.__setattr__ would not register a tuple anyway).
         layer.__dict__["_fused_weights"] = cached = (key, weights)
     return cached[1]
@@ -278,10 +285,6 @@ class LlamaForCausalLM(nn.Module):
         if fused:
             steps = FusedSteps(self.rope, positions, meta)
             for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
-                if layer.self_attn.window:  # the fused kernel has no window (Qwen2's later layers)
-                    x, residual = layer(x, residual, self.rope, positions, meta.for_layer(i), kv,
-                                        lora.layer(i) if lora is not None else None)
-                    continue
                 x, residual = layer.forward_fused(x, residual, steps.layer(i), kv,
                                                   lora.layer(i) if lora is not None else None)
         else:

@@ -56,7 +56,8 @@ from models.config import ModelConfig
 from models.dense import DTYPES, PackedLinear
 from models.fused import FUSED_PARTS, fused_part_sizes
 from models.experts import FusedExperts, mix_experts
-from models.llama import MLP, Attention, FusedSteps, LlamaForCausalLM, RMSNorm, norms_fusable, fused_weights
+from models.llama import (MLP, Attention, FusedSteps, LlamaForCausalLM, RMSNorm, float32_bias, fused_weights,
+                          norms_fusable)
 from models.moe_config import MoESettings
 from models.parallel import TensorParallel, embed
 from models.quant import AmxBf16Linear, QuantizedLinear
@@ -232,8 +233,8 @@ class MoEDecoderLayer(nn.Module):
         """This layer's ``ops.fused_moe_layer`` arguments, or None where that kernel cannot run
         it: it runs a sparse layer of SiLU-gated experts held as one weight a projection
         (``FusedExperts``) with no shared expert, router bias or residual multiplier, whose
-        attention the fused layer kernel runs (both projections on one of its GEMMs, no window,
-        sinks or output bias). Checked once, and again when a module is replaced."""
+        attention the fused layer kernel runs (both projections on one of its GEMMs). Checked
+        once, and again when a module is replaced."""
         attn, mlp = self.self_attn, self.mlp
         fused = mlp.fused if isinstance(mlp, SparseMoeBlock) else None
         key = (attn.qkv_proj, attn.o_proj, mlp, fused, getattr(mlp, "gate", None), getattr(mlp, "tp", None))
@@ -253,8 +254,7 @@ class MoEDecoderLayer(nn.Module):
                 and self.residual_multiplier == 1 and isinstance(router, PackedLinear) and router.bias is None
                 and router.packed.dtype == torch.float32
                 and all(getattr(p, "fused", False) for p in (qkv, o)) and qkv.fused_gemm == o.fused_gemm
-                and o.bias is None and not attn.window and not attn.softcap and attn.sinks is None
-                and attn.tp is None and norms_fusable(self))
+                and float32_bias(o) and attn.tp is None and norms_fusable(self))
 
     def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, step: ops.FusedStep,
                       kv_cache: tuple[torch.Tensor, torch.Tensor],

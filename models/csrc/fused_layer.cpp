@@ -89,8 +89,12 @@ struct AttentionWeights {
   const c10::optional<at::Tensor>& qkv_bias;
   const at::Tensor q_norm, k_norm;  // undefined: none
   const std::vector<at::Tensor>& o_proj;
+  const c10::optional<at::Tensor>& o_bias;
   int64_t num_heads, num_kv_heads;
   double scale;
+  int64_t window;   // a sliding window's positions per query (0: the whole context)
+  double softcap;   // scores soft-capped to it (0: none)
+  const c10::optional<at::Tensor>& sinks;  // a sink logit per query head (gpt-oss), float32
   int64_t gemm;
 };
 
@@ -135,23 +139,25 @@ std::pair<at::Tensor, at::Tensor> attention_half(const at::Tensor& x, const c10:
   const at::Tensor q = qkv_out.narrow(1, 0, q_size).view({rows, w.num_heads, head_dim});
   at::Tensor attn = at::empty({rows, w.num_heads, head_dim}, opts);
   if (!step.prefill_query_start.has_value()) {
-    paged_decode_attention(attn, q, step.k_cache, step.v_cache, step.block_tables, step.context_lens, w.scale);
+    paged_decode_attention(attn, q, step.k_cache, step.v_cache, step.block_tables, step.context_lens, w.scale,
+                           w.window, w.softcap, w.sinks);
   } else {
     const int64_t seqs = step.context_lens.numel(), d = step.num_decodes;
     TORCH_CHECK(d >= 0 && d < seqs && d < rows, "num_decodes ", d, " out of range");
     if (d > 0) {
       at::Tensor head = attn.narrow(0, 0, d);
       paged_decode_attention(head, q.narrow(0, 0, d), step.k_cache, step.v_cache, step.block_tables.narrow(0, 0, d),
-                             step.context_lens.narrow(0, 0, d), w.scale);
+                             step.context_lens.narrow(0, 0, d), w.scale, w.window, w.softcap, w.sinks);
     }
     at::Tensor tail = attn.narrow(0, d, rows - d);
     paged_prefill_attention(tail, q.narrow(0, d, rows - d), step.k_cache, step.v_cache,
                             step.block_tables.narrow(0, d, seqs - d), step.context_lens.narrow(0, d, seqs - d),
-                            *step.prefill_query_start, w.scale);
+                            *step.prefill_query_start, w.scale, w.window, w.softcap, w.sinks);
   }
   at::Tensor o = at::empty({rows, hidden}, opts);
   const at::Tensor attn_rows = attn.view({rows, q_size});
   project(o, attn_rows, w.o_proj, w.gemm);
+  if (w.o_bias.has_value()) o.add_(*w.o_bias);  // (before LoRA's update, as the op-by-op layer adds them)
   add_lora(o, attn_rows, lora, lora_rows, 1);
   add_rms_norm(h, residual, o, w.post_norm, w.eps);
   return {h, residual};
@@ -174,7 +180,8 @@ void check_segments(const std::vector<const std::vector<at::Tensor>*>& projectio
 // when prefill_query_start is given, prompt chunks (rows num_decodes + its
 // offsets, the sequences after the decodes in block_tables and context_lens).
 // Rows that run a LoRA adapter get its updates (add_lora). q_norm, k_norm: per-head or
-// whole-projection norms of the queries and keys (norm_heads). Returns (mlp_out,
+// whole-projection norms of the queries and keys (norm_heads); o_bias: the output
+// projection's bias; window, softcap, sinks: the attention kernels' (kernels.h). Returns (mlp_out,
 // residual); ``residual`` is None on the first layer, where x is the embedding
 // output and becomes the residual stream.
 std::vector<at::Tensor> fused_layer(
@@ -182,16 +189,19 @@ std::vector<at::Tensor> fused_layer(
     const at::Tensor& post_norm, double eps, const std::vector<at::Tensor>& qkv,
     const c10::optional<at::Tensor>& qkv_bias, const c10::optional<at::Tensor>& q_norm,
     const c10::optional<at::Tensor>& k_norm, const std::vector<at::Tensor>& o_proj,
-    const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, const at::Tensor& rotations,
-    const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
-    const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
-    double scale, int64_t gemm, int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start,
-    const std::vector<at::Tensor>& lora, const std::vector<int64_t>& lora_rows) {
+    const c10::optional<at::Tensor>& o_bias, const std::vector<at::Tensor>& gate_up,
+    const std::vector<at::Tensor>& down, const at::Tensor& rotations, const at::Tensor& positions,
+    at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double scale, int64_t window,
+    double softcap, const c10::optional<at::Tensor>& sinks, int64_t gemm, int64_t num_decodes,
+    const c10::optional<at::Tensor>& prefill_query_start, const std::vector<at::Tensor>& lora,
+    const std::vector<int64_t>& lora_rows) {
   check_segments({&qkv, &o_proj, &gate_up, &down}, gemm);
   TORCH_CHECK(lora_rows.size() % 2 == 0 && lora.size() == 4 * lora_rows.size(),
               "lora: (A, B) of 4 projections per (start, stop) row range");
   const AttentionWeights w{input_norm, post_norm, eps, qkv, qkv_bias, q_norm.value_or(at::Tensor()),
-                           k_norm.value_or(at::Tensor()), o_proj, num_heads, num_kv_heads, scale, gemm};
+                           k_norm.value_or(at::Tensor()), o_proj, o_bias, num_heads, num_kv_heads, scale, window,
+                           softcap, sinks, gemm};
   const LayerStep step{rotations, positions, k_cache, v_cache, slot_mapping, block_tables, context_lens,
                        num_decodes, prefill_query_start};
   auto [h, residual] = attention_half(x, residual_in, w, step, lora, lora_rows);
@@ -218,15 +228,17 @@ std::vector<at::Tensor> fused_moe_layer(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& input_norm,
     const at::Tensor& post_norm, double eps, const std::vector<at::Tensor>& qkv,
     const c10::optional<at::Tensor>& qkv_bias, const c10::optional<at::Tensor>& q_norm,
-    const c10::optional<at::Tensor>& k_norm, const std::vector<at::Tensor>& o_proj, const at::Tensor& router,
-    const A8Experts& gate_up, const A8Experts& down, int64_t experts_per_token, int64_t router_kind,
-    const at::Tensor& rotations, const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache,
-    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& context_lens,
-    int64_t num_heads, int64_t num_kv_heads, double scale, int64_t gemm, int64_t num_decodes,
-    const c10::optional<at::Tensor>& prefill_query_start) {
+    const c10::optional<at::Tensor>& k_norm, const std::vector<at::Tensor>& o_proj,
+    const c10::optional<at::Tensor>& o_bias, const at::Tensor& router, const A8Experts& gate_up,
+    const A8Experts& down, int64_t experts_per_token, int64_t router_kind, const at::Tensor& rotations,
+    const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
+    double scale, int64_t window, double softcap, const c10::optional<at::Tensor>& sinks, int64_t gemm,
+    int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start) {
   check_segments({&qkv, &o_proj}, gemm);  // (dense_linear checks the router against the experts' count)
   const AttentionWeights w{input_norm, post_norm, eps, qkv, qkv_bias, q_norm.value_or(at::Tensor()),
-                           k_norm.value_or(at::Tensor()), o_proj, num_heads, num_kv_heads, scale, gemm};
+                           k_norm.value_or(at::Tensor()), o_proj, o_bias, num_heads, num_kv_heads, scale, window,
+                           softcap, sinks, gemm};
   const LayerStep step{rotations, positions, k_cache, v_cache, slot_mapping, block_tables, context_lens,
                        num_decodes, prefill_query_start};
   auto [h, residual] = attention_half(x, residual_in, w, step, {}, {});

@@ -157,22 +157,25 @@ std::vector<at::Tensor> fused_layer(
     const at::Tensor& post_norm, double eps, const std::vector<at::Tensor>& qkv,
     const c10::optional<at::Tensor>& qkv_bias, const c10::optional<at::Tensor>& q_norm,
     const c10::optional<at::Tensor>& k_norm, const std::vector<at::Tensor>& o_proj,
-    const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, const at::Tensor& rotations,
-    const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
-    const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
-    double scale, int64_t gemm, int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start,
-    const std::vector<at::Tensor>& lora, const std::vector<int64_t>& lora_rows);
+    const c10::optional<at::Tensor>& o_bias, const std::vector<at::Tensor>& gate_up,
+    const std::vector<at::Tensor>& down, const at::Tensor& rotations, const at::Tensor& positions,
+    at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double scale, int64_t window,
+    double softcap, const c10::optional<at::Tensor>& sinks, int64_t gemm, int64_t num_decodes,
+    const c10::optional<at::Tensor>& prefill_query_start, const std::vector<at::Tensor>& lora,
+    const std::vector<int64_t>& lora_rows);
 // The same layer with a mixture of SiLU-gated experts for its MLP: the router (dense_linear's
 // packing), route_experts, moe_experts. Returns (mlp_out, residual, tokens routed to each expert).
 std::vector<at::Tensor> fused_moe_layer(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& input_norm,
     const at::Tensor& post_norm, double eps, const std::vector<at::Tensor>& qkv,
     const c10::optional<at::Tensor>& qkv_bias, const c10::optional<at::Tensor>& q_norm,
-    const c10::optional<at::Tensor>& k_norm, const std::vector<at::Tensor>& o_proj, const at::Tensor& router,
-    const A8Experts& gate_up, const A8Experts& down, int64_t experts_per_token, int64_t router_kind,
-    const at::Tensor& rotations, const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache,
-    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& context_lens,
-    int64_t num_heads, int64_t num_kv_heads, double scale, int64_t gemm, int64_t num_decodes,
-    const c10::optional<at::Tensor>& prefill_query_start);
+    const c10::optional<at::Tensor>& k_norm, const std::vector<at::Tensor>& o_proj,
+    const c10::optional<at::Tensor>& o_bias, const at::Tensor& router, const A8Experts& gate_up,
+    const A8Experts& down, int64_t experts_per_token, int64_t router_kind, const at::Tensor& rotations,
+    const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
+    double scale, int64_t window, double softcap, const c10::optional<at::Tensor>& sinks, int64_t gemm,
+    int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start);
 
 }  // namespace kvserve

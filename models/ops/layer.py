@@ -42,6 +42,13 @@ class FusedWeights:
     # Qwen3) or the whole projection's (OLMoE); None: no such norms.
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    # The output projection's bias; the attention's sliding window (0: none), soft-capping of
+    # its scores (0: none) and sink logits, float32 a query head (gpt-oss), as the paged
+    # attention kernels take them.
+    o_bias: torch.Tensor | None = None
+    window: int = 0
+    softcap: float = 0.0
+    sinks: torch.Tensor | None = None
 
 
 # The routers of ``route_experts`` and ``fused_moe_layer`` (csrc/kernels.h RouterKind): a
@@ -101,10 +108,10 @@ def fused_layer(x: torch.Tensor, residual: torch.Tensor | None, weights: FusedWe
     assert ext is not None, "fused_layer needs the fused CPU kernels"
     w = weights
     out, res = ext.fused_layer(x, residual, w.input_norm, w.post_norm, w.eps, w.qkv, w.qkv_bias, w.q_norm,
-                                w.k_norm, w.o_proj, w.gate_up, w.down, step.rotations, step.positions, k_cache, v_cache,
-                                step.slot_mapping, step.block_tables, step.context_lens, w.num_heads,
-                                w.num_kv_heads, w.scale, w.gemm, step.num_decodes, step.prefill_query_start,
-                                *(lora or ([], [])))
+                                w.k_norm, w.o_proj, w.o_bias, w.gate_up, w.down, step.rotations, step.positions,
+                                k_cache, v_cache, step.slot_mapping, step.block_tables, step.context_lens,
+                                w.num_heads, w.num_kv_heads, w.scale, w.window, w.softcap, w.sinks, w.gemm,
+                                step.num_decodes, step.prefill_query_start, *(lora or ([], [])))
     return out, res
 
 
@@ -121,7 +128,7 @@ def fused_moe_layer(x: torch.Tensor, residual: torch.Tensor | None, weights: Fus
     w, e = weights, experts
     out, res, routed = ext.fused_moe_layer(
         x, residual, w.input_norm, w.post_norm, w.eps, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, w.o_proj,
-        e.router, e.gate_up, e.down, e.experts_per_token, e.router_kind, step.rotations, step.positions,
+        w.o_bias, e.router, e.gate_up, e.down, e.experts_per_token, e.router_kind, step.rotations, step.positions,
         k_cache, v_cache, step.slot_mapping, step.block_tables, step.context_lens, w.num_heads, w.num_kv_heads,
-        w.scale, w.gemm, step.num_decodes, step.prefill_query_start)
+        w.scale, w.window, w.softcap, w.sinks, w.gemm, step.num_decodes, step.prefill_query_start)
     return out, res, routed
