@@ -45,16 +45,14 @@ class FusedExperts:
         downs = [e.down_proj for e in experts]
         self.experts = len(experts)
         self.gate_up_features, self.down_features = gate_ups[0].out_features, downs[0].out_features
+        # (with each expert's biases, gpt-oss's: the kernel adds a row's expert's after its product)
         self.gate_up = _weights(gate_ups)
         self.down = _weights(downs)
-        # Each expert's biases, a row an expert (gpt-oss), or None.
-        self.gate_up_bias, self.down_bias = (_biases(projections) for projections in (gate_ups, downs))
-
-    @property
-    def silu(self) -> bool:
-        """Whether these are SiLU experts without biases: ``ops.moe_experts`` (and the fused
-        MoE layer) runs them whole."""
-        return self.activate is MLP.activate and self.gate_up_bias is None and self.down_bias is None
+        # The activation as ``ops.moe_experts`` runs it (then it, and the fused MoE layer, runs
+        # the experts whole), or None: SiLU's, gpt-oss's clamped SwiGLU (``kernel_activation``).
+        silu = type(experts[0]).activate is MLP.activate
+        self.activation = (ops.ExpertActivation(ops.ExpertActivation.SILU_GLU) if silu
+                           else getattr(experts[0], "kernel_activation", lambda: None)())
 
     @classmethod
     def of(cls, experts: nn.ModuleList) -> FusedExperts | None:
@@ -85,13 +83,10 @@ class FusedExperts:
             ids = [e for e, n in enumerate(routed) if n]
             counts = [routed[e] for e in ids]
             rows = x.float().index_select(0, order // k)
-        # (NativeA8Linear.forward's bias add and dtype conversion over its float32 products)
-        row_experts = None if self.gate_up_bias is None else torch.tensor(ids).repeat_interleave(torch.tensor(counts))
-        both = _add_bias(ops.gguf_a8_experts(rows, self.gate_up, ids, counts, self.gate_up_features),
-                         self.gate_up_bias, row_experts).to(x.dtype)
+        # (NativeA8Linear.forward's bias add, in the kernel, and dtype conversion over its float32 products)
+        both = ops.gguf_a8_experts(rows, self.gate_up, ids, counts, self.gate_up_features).to(x.dtype)
         h = self.activate(both)
-        out = _add_bias(ops.gguf_a8_experts(h.float(), self.down, ids, counts, self.down_features),
-                        self.down_bias, row_experts).to(x.dtype)
+        out = ops.gguf_a8_experts(h.float(), self.down, ids, counts, self.down_features).to(x.dtype)
         if order is None:
             return out, routed, None
         # (slot order[i] is row i; an un-permuting index_copy_ of every row took 3-9 ms a
@@ -109,19 +104,12 @@ def _fusable(expert: nn.Module) -> bool:
                     for p in (expert.gate_up_proj, expert.down_proj)))
 
 
-def _biases(projections: list[NativeA8Linear]) -> torch.Tensor | None:
-    return None if projections[0].bias is None else torch.stack([p.bias.detach() for p in projections])
-
-
-def _add_bias(y: torch.Tensor, biases: torch.Tensor | None, row_experts: torch.Tensor | None) -> torch.Tensor:
-    """``y`` plus each row's expert's bias (the same adds as ``y + bias`` an expert at a time)."""
-    return y if biases is None else y + biases.index_select(0, row_experts)
-
-
 def _weights(projections: list[NativeA8Linear]) -> object:
     parts = [t for p in projections for t in p.fused_args[:-1]]
     first = projections[0]
-    return ops.a8_experts(parts, first.formats, len(projections), first.in_features, first.out_features)
+    # (each expert's bias a row, gpt-oss's; the kernel adds a row's as ``y + bias`` adds it)
+    biases = None if first.bias is None else torch.stack([p.bias.detach() for p in projections])
+    return ops.a8_experts(parts, first.formats, len(projections), first.in_features, first.out_features, biases)
 
 
 def mix_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
@@ -137,9 +125,10 @@ def mix_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor, 
     # Python time on the OLMoE shape).
     chosen, by_id = chosen.sort(dim=1)
     weights = weights.gather(1, by_id)
-    if fused is not None and fused.silu and x.dtype == torch.float32 and ops.kernels_enabled(x.device):
+    whole = fused is not None and fused.activation is not None
+    if whole and x.dtype == torch.float32 and ops.kernels_enabled(x.device):
         # (the calls below in one: the same bits, a tenth of an OLMoE step's Python less)
-        y, routed = ops.moe_experts(x, fused.gate_up, fused.down, weights, chosen)
+        y, routed = ops.moe_experts(x, fused.gate_up, fused.down, weights, chosen, fused.activation)
         return y, routed.tolist()
     out, counts, rows = fused(x, chosen) if fused is not None else (*_grouped(experts, x, chosen), None)
     if out.dtype == torch.float32 and ops.kernels_enabled(out.device):

@@ -162,7 +162,12 @@ class ClampedSwiGLUExpert(MLP):
         # g * sigmoid(a g) = silu(a g) / a, through the row kernel of every SiLU MLP: each
         # value's result depends on it alone, never on its place in the batch (torch's own
         # sigmoid rounds its vector body and scalar tail differently; see _sigmoid).
+        # NOTE: ops.moe_experts runs these torch ops in this order (kernel_activation).
         return ops.silu_and_mul(torch.cat([gate * self.alpha, up + 1], dim=1)) / self.alpha
+
+    def kernel_activation(self) -> ops.ExpertActivation:
+        """``activate`` as ``ops.moe_experts`` runs it."""
+        return ops.ExpertActivation(ops.ExpertActivation.CLAMPED_SWIGLU, self.limit, self.alpha)
 
 
 def _sigmoid(g: torch.Tensor) -> torch.Tensor:
@@ -231,10 +236,11 @@ class MoEDecoderLayer(nn.Module):
 
     def fused_moe_weights(self) -> tuple[ops.FusedWeights, ops.FusedExpertsWeights] | None:
         """This layer's ``ops.fused_moe_layer`` arguments, or None where that kernel cannot run
-        it: it runs a sparse layer of SiLU-gated experts held as one weight a projection
-        (``FusedExperts``) with no shared expert, router bias or residual multiplier, whose
-        attention the fused layer kernel runs (both projections on one of its GEMMs). Checked
-        once, and again when a module is replaced."""
+        it: it runs a sparse layer of experts held as one weight a projection whose activation
+        the kernel runs (``FusedExperts.activation``: SiLU's, gpt-oss's clamped SwiGLU, with
+        their biases), with no shared expert or residual multiplier, whose attention the fused
+        layer kernel runs (both projections on one of its GEMMs). Checked once, and again when
+        a module is replaced."""
         attn, mlp = self.self_attn, self.mlp
         fused = mlp.fused if isinstance(mlp, SparseMoeBlock) else None
         key = (attn.qkv_proj, attn.o_proj, mlp, fused, getattr(mlp, "gate", None), getattr(mlp, "tp", None))
@@ -243,15 +249,15 @@ class MoEDecoderLayer(nn.Module):
             experts = None
             if fused is not None and self._fused_moe_runs(mlp):
                 experts = ops.FusedExpertsWeights(mlp.gate.packed, router_kind(mlp.moe), mlp.moe.experts_per_token,
-                                                  fused.gate_up, fused.down)
+                                                  fused.gate_up, fused.down, mlp.gate.bias, fused.activation)
             self.__dict__["_fused_moe"] = cached = (key, experts)  # (a plain attribute, as fused_weights')
         return None if cached[1] is None else (fused_weights(self, ()), cached[1])
 
     def _fused_moe_runs(self, mlp: SparseMoeBlock) -> bool:
         attn, qkv, o = self.self_attn, self.self_attn.qkv_proj, self.self_attn.o_proj
         router = mlp.gate
-        return (mlp.fused.silu and mlp.shared_expert is None and mlp.tp is None
-                and self.residual_multiplier == 1 and isinstance(router, PackedLinear) and router.bias is None
+        return (mlp.fused.activation is not None and mlp.shared_expert is None and mlp.tp is None
+                and self.residual_multiplier == 1 and isinstance(router, PackedLinear) and float32_bias(router)
                 and router.packed.dtype == torch.float32
                 and all(getattr(p, "fused", False) for p in (qkv, o)) and qkv.fused_gemm == o.fused_gemm
                 and float32_bias(o) and attn.tp is None and norms_fusable(self))

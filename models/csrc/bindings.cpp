@@ -50,7 +50,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   py::class_<kvserve::A8Experts, std::shared_ptr<kvserve::A8Experts>>(
       m, "A8Experts", "a layer's experts' weights for one projection, as gguf_a8_experts takes them")
-      .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t>());
+      .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t,
+                    const c10::optional<at::Tensor>&>());
   m.def("gguf_a8_experts", &kvserve::gguf_a8_experts,
         "each expert's rows of x @ its W^T (x rounded to int8), every expert's tiles in one call",
         py::call_guard<py::gil_scoped_release>());
@@ -61,7 +62,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "each row's experts and weights from its router logits, in ascending expert id",
         py::call_guard<py::gil_scoped_release>());
   m.def("moe_experts", &kvserve::moe_experts,
-        "each row through its chosen SiLU-gated experts, mixed by its weights; and the tokens per expert",
+        "each row through its chosen experts, mixed by its weights; and the tokens per expert",
         py::call_guard<py::gil_scoped_release>());
   m.def("repack_gguf_a8", &kvserve::repack_gguf_a8,
         "a GGUF tensor's blocks as gguf_a8_linear's codes and scales of a format (false: not exact)",

@@ -220,17 +220,19 @@ std::vector<at::Tensor> fused_layer(
   return {out, residual};
 }
 
-// fused_layer's attention half, then a mixture's SiLU-gated experts (moe_experts) chosen by
-// the router (router: dense_linear's packing, float32 logits; route_experts with
-// experts_per_token and router_kind): the calls the op-by-op MoE layer makes, in one call.
+// fused_layer's attention half, then a mixture's experts (moe_experts, with `activation`)
+// chosen by the router (router: dense_linear's packing, float32 logits, router_bias added;
+// route_experts with experts_per_token and router_kind): the calls the op-by-op MoE layer
+// makes, in one call.
 // No LoRA rows. Returns (mlp_out, residual, tokens routed to each expert).
 std::vector<at::Tensor> fused_moe_layer(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& input_norm,
     const at::Tensor& post_norm, double eps, const std::vector<at::Tensor>& qkv,
     const c10::optional<at::Tensor>& qkv_bias, const c10::optional<at::Tensor>& q_norm,
     const c10::optional<at::Tensor>& k_norm, const std::vector<at::Tensor>& o_proj,
-    const c10::optional<at::Tensor>& o_bias, const at::Tensor& router, const A8Experts& gate_up,
-    const A8Experts& down, int64_t experts_per_token, int64_t router_kind, const at::Tensor& rotations,
+    const c10::optional<at::Tensor>& o_bias, const at::Tensor& router, const c10::optional<at::Tensor>& router_bias,
+    const A8Experts& gate_up, const A8Experts& down, int64_t experts_per_token, int64_t router_kind,
+    int64_t activation, double limit, double alpha, const at::Tensor& rotations,
     const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
     double scale, int64_t window, double softcap, const c10::optional<at::Tensor>& sinks, int64_t gemm,
@@ -244,8 +246,10 @@ std::vector<at::Tensor> fused_moe_layer(
   auto [h, residual] = attention_half(x, residual_in, w, step, {}, {});
   at::Tensor logits = at::empty({x.size(0), gate_up.experts}, x.options());
   dense_linear(logits, h, router);
+  if (router_bias.has_value()) logits.add_(*router_bias);
   const std::vector<at::Tensor> routed = route_experts(logits, experts_per_token, router_kind);
-  std::vector<at::Tensor> mixed = moe_experts(h, gate_up, down, routed[0], routed[1]);
+  std::vector<at::Tensor> mixed =
+      moe_experts(h, gate_up, down, routed[0], routed[1], activation, limit, alpha);
   return {mixed[0], residual, mixed[1]};
 }
 

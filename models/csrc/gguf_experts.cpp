@@ -11,6 +11,7 @@
 // rounds it and meets the same tile products (gguf_a8_tiles.h), so its result is what its
 // expert's own gguf_a8_linear call gives, bit for bit, whatever else the step holds.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
@@ -30,9 +31,12 @@ using grouped::kRowsInt8;
 using grouped::kTile;
 
 A8Experts::A8Experts(std::vector<at::Tensor> parts_, std::vector<int64_t> formats_, int64_t experts_,
-                     int64_t in_features_, int64_t out_features_)
-    : parts(std::move(parts_)), formats(std::move(formats_)), experts(experts_), in_features(in_features_),
-      out_features(out_features_) {
+                     int64_t in_features_, int64_t out_features_, const c10::optional<at::Tensor>& bias_)
+    : parts(std::move(parts_)), bias(bias_.value_or(at::Tensor())), formats(std::move(formats_)), experts(experts_),
+      in_features(in_features_), out_features(out_features_) {
+  TORCH_CHECK(!bias.defined() || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.dim() == 2 &&
+                                  bias.size(0) == experts_ && bias.size(1) == out_features_),
+              "bias must be float32 [experts, out_features], contiguous");
   const int64_t segments = static_cast<int64_t>(formats.size());
   TORCH_CHECK(experts > 0 && segments > 0 && static_cast<int64_t>(parts.size()) == 2 * segments * experts,
               "one (codes, scales) pair per segment and expert");
@@ -83,6 +87,7 @@ void gguf_a8_experts(at::Tensor& out, const at::Tensor& x, const A8Experts& w, c
       grouped::quantize_rows(x.data_ptr<float>(), x.size(0), x.stride(0), groups, 0.0f, x.size(0));
   float* yp = out.data_ptr<float>();
   const int64_t ys = out.stride(0);
+  const float* bias = w.bias.defined() ? w.bias.data_ptr<float>() : nullptr;
   // Items expert-major: a thread's share is whole experts' weights, front to back.
   parallel_chunks(static_cast<int64_t>(ids.size()) * per_expert, grouped::kTileGrain, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
@@ -96,6 +101,12 @@ void gguf_a8_experts(at::Tensor& out, const at::Tensor& x, const A8Experts& w, c
       for (int64_t r = starts[i]; r < starts[i + 1]; r += kRowsInt8) {
         const int rows = static_cast<int>(std::min<int64_t>(kRowsInt8, starts[i + 1] - r));
         a8_tile(seg, t, yp + r * ys + column, ys, xq, r, rows, groups, valid, plain);
+      }
+      if (bias) {  // (each product rounded first, then one add: torch's y + bias)
+        const float* b = bias + e * w.out_features + column;
+        for (int64_t r = starts[i]; r < starts[i + 1]; ++r) {
+          for (int64_t c = 0; c < valid; ++c) yp[r * ys + column + c] += b[c];
+        }
       }
     }
   });
@@ -222,13 +233,16 @@ std::vector<at::Tensor> route_experts(const at::Tensor& logits, int64_t k, int64
 }
 
 // y [T, H] = each token's chosen experts (chosen [T, k], each row ascending) on its row of
-// x [T, H], their outputs scaled by weights [T, k] and added (mix_expert_rows), SiLU-gated
-// experts (gate_up, then silu(gate) * up, then down). The slots are grouped by expert with
+// x [T, H], their outputs scaled by weights [T, k] and added (mix_expert_rows): gate_up (its
+// biases added, where it has them), `activation`, then down (likewise). The slots are grouped by expert with
 // a stable counting sort (torch's stable argsort of the flat choices, the same order), each
 // slot's input row is its token's row, and both projections run every expert's rows in one
 // call. Also returns the tokens routed to each expert (int64 [E]).
 std::vector<at::Tensor> moe_experts(const at::Tensor& x, const A8Experts& gate_up, const A8Experts& down,
-                                    const at::Tensor& weights, const at::Tensor& chosen) {
+                                    const at::Tensor& weights, const at::Tensor& chosen, int64_t activation,
+                                    double limit, double alpha) {
+  TORCH_CHECK(activation == kSiluGlu || (activation == kClampedSwiGlu && alpha != 0.0), "unknown activation ",
+              activation, " (alpha ", alpha, ")");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 && x.size(1) == gate_up.in_features,
               "x must be float32 [T, in_features]");
   TORCH_CHECK(chosen.scalar_type() == at::kLong && chosen.is_contiguous() && chosen.dim() == 2 &&
@@ -264,7 +278,15 @@ std::vector<at::Tensor> moe_experts(const at::Tensor& x, const A8Experts& gate_u
   at::Tensor both = at::empty({slots, gate_up.out_features}, x.options());
   gguf_a8_experts(both, rows, gate_up, ids, rows_of, false);
   at::Tensor act = at::empty({slots, down.in_features}, x.options());
-  silu_and_mul(act, both);
+  if (activation == kClampedSwiGlu) {
+    // models/moe.py ClampedSwiGLUExpert.activate's torch ops, in its order: the same bits.
+    const int64_t inter = down.in_features;
+    const at::Tensor gate = both.narrow(1, 0, inter).clamp(c10::nullopt, limit), up = both.narrow(1, inter, inter);
+    silu_and_mul(act, at::cat({gate.mul(alpha), up.clamp(-limit, limit).add(1)}, 1));
+    act.div_(alpha);
+  } else {
+    silu_and_mul(act, both);
+  }
   at::Tensor out = at::empty({slots, h}, x.options());
   gguf_a8_experts(out, act, down, ids, rows_of, false);
   at::Tensor y = at::empty({t, h}, x.options());

@@ -98,11 +98,13 @@ void gguf_a8_linear(at::Tensor& out, const at::Tensor& x, const std::vector<at::
 
 // gguf_experts.cpp: a layer's experts' weights for one projection, each as gguf_a8_linear's
 // parts in K, S16 or table formats (expert-major: expert 0's codes0, scales0, codes1, ...;
-// every expert of the same formats and shapes), checked when made. Holds the tensors.
+// every expert of the same formats and shapes), checked when made; bias: each expert's bias,
+// float32 [experts, out_features] (gpt-oss), or none. Holds the tensors.
 struct A8Experts {
   A8Experts(std::vector<at::Tensor> parts, std::vector<int64_t> formats, int64_t experts, int64_t in_features,
-            int64_t out_features);
+            int64_t out_features, const c10::optional<at::Tensor>& bias);
   std::vector<at::Tensor> parts;
+  at::Tensor bias;  // undefined: none
   std::vector<int64_t> formats;
   int64_t experts, in_features, out_features;
   std::vector<A8Segment> first;                 // expert 0's segments (each expert's shapes)
@@ -111,7 +113,8 @@ struct A8Experts {
   std::vector<const float*> scales_of;
 };
 // out [R, N] = each group of x's rows [R, K] (counts[i] rows for expert ids[i], in order)
-// against its expert's weight; a row's result is its expert's gguf_a8_linear's, bit for bit.
+// against its expert's weight, plus its bias where w has biases (one float add, as torch's
+// y + bias); a row's result is its expert's gguf_a8_linear's (and add), bit for bit.
 void gguf_a8_experts(at::Tensor& out, const at::Tensor& x, const A8Experts& w, const std::vector<int64_t>& ids,
                      const std::vector<int64_t>& counts, bool plain);
 // y [T, H] = each token's k slots' rows of out [S, H] (index [T * k]: slot -> row) scaled by
@@ -124,10 +127,15 @@ enum RouterKind : int64_t { kSoftmaxTopK = 0, kSoftmaxTopKNorm = 1, kTopKSoftmax
 // (weights [T, k] float32, chosen [T, k] int64) of each row of router logits [T, E], the pairs
 // in ascending expert id.
 std::vector<at::Tensor> route_experts(const at::Tensor& logits, int64_t k, int64_t kind);
-// (y [T, H], tokens routed to each expert [E]): each row of x through its chosen SiLU-gated
-// experts (chosen ascending a row) and their outputs mixed by weights, mix_expert_rows's sum.
+// The activation between an expert's gate_up and down projections: silu(gate) * up, or
+// gpt-oss's clamped SwiGLU, (clamp(up, -limit, limit) + 1) * silu(alpha min(gate, limit)) / alpha.
+enum ExpertActivation : int64_t { kSiluGlu = 0, kClampedSwiGlu = 1 };
+// (y [T, H], tokens routed to each expert [E]): each row of x through its chosen experts
+// (chosen ascending a row; `activation` with limit and alpha between their projections) and
+// their outputs mixed by weights, mix_expert_rows's sum.
 std::vector<at::Tensor> moe_experts(const at::Tensor& x, const A8Experts& gate_up, const A8Experts& down,
-                                    const at::Tensor& weights, const at::Tensor& chosen);
+                                    const at::Tensor& weights, const at::Tensor& chosen, int64_t activation,
+                                    double limit, double alpha);
 
 // gguf_repack.cpp: a GGUF tensor's blocks as gguf_a8_linear's `format` (A8Format), row r of
 // the weight from raw row source[r] (-1: zeros). False where the type's values do not fit
@@ -164,15 +172,17 @@ std::vector<at::Tensor> fused_layer(
     double softcap, const c10::optional<at::Tensor>& sinks, int64_t gemm, int64_t num_decodes,
     const c10::optional<at::Tensor>& prefill_query_start, const std::vector<at::Tensor>& lora,
     const std::vector<int64_t>& lora_rows);
-// The same layer with a mixture of SiLU-gated experts for its MLP: the router (dense_linear's
-// packing), route_experts, moe_experts. Returns (mlp_out, residual, tokens routed to each expert).
+// The same layer with a mixture of experts for its MLP: the router (dense_linear's packing, and
+// its bias where it has one), route_experts, moe_experts. Returns (mlp_out, residual, tokens
+// routed to each expert).
 std::vector<at::Tensor> fused_moe_layer(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& input_norm,
     const at::Tensor& post_norm, double eps, const std::vector<at::Tensor>& qkv,
     const c10::optional<at::Tensor>& qkv_bias, const c10::optional<at::Tensor>& q_norm,
     const c10::optional<at::Tensor>& k_norm, const std::vector<at::Tensor>& o_proj,
-    const c10::optional<at::Tensor>& o_bias, const at::Tensor& router, const A8Experts& gate_up,
-    const A8Experts& down, int64_t experts_per_token, int64_t router_kind, const at::Tensor& rotations,
+    const c10::optional<at::Tensor>& o_bias, const at::Tensor& router, const c10::optional<at::Tensor>& router_bias,
+    const A8Experts& gate_up, const A8Experts& down, int64_t experts_per_token, int64_t router_kind,
+    int64_t activation, double limit, double alpha, const at::Tensor& rotations,
     const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
     double scale, int64_t window, double softcap, const c10::optional<at::Tensor>& sinks, int64_t gemm,

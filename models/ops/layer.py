@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from models.ops.build import load_extension
+from models.ops.linear import SILU_GLU, ExpertActivation
 
 
 # The fused layer's GEMM for a layer's projections (csrc/kernels.h ProjectionGemm): the
@@ -60,15 +61,17 @@ ROUTER_SOFTMAX_TOPK, ROUTER_SOFTMAX_TOPK_NORM, ROUTER_TOPK_SOFTMAX = 0, 1, 2
 @dataclass(frozen=True, slots=True)
 class FusedExpertsWeights:
     """A mixture-of-experts layer's arguments to ``fused_moe_layer`` beyond ``FusedWeights``'
-    attention half: the router (``dense_linear``'s packing, float32), its kind
-    (``ROUTER_*``) and experts a token, and the SiLU-gated experts' projections (each
-    ``ops.a8_experts``)."""
+    attention half: the router (``dense_linear``'s packing, float32; its float32 bias or
+    None), its kind (``ROUTER_*``) and experts a token, and the experts' projections (each
+    ``ops.a8_experts``, with their biases) and activation."""
 
     router: torch.Tensor
     router_kind: int
     experts_per_token: int
     gate_up: object
     down: object
+    router_bias: torch.Tensor | None = None
+    activation: ExpertActivation = SILU_GLU
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,10 +128,11 @@ def fused_moe_layer(x: torch.Tensor, residual: torch.Tensor | None, weights: Fus
     layer (``models.moe``)."""
     ext = load_extension()
     assert ext is not None, "fused_moe_layer needs the fused CPU kernels"
-    w, e = weights, experts
+    w, e, a = weights, experts, experts.activation
     out, res, routed = ext.fused_moe_layer(
         x, residual, w.input_norm, w.post_norm, w.eps, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, w.o_proj,
-        w.o_bias, e.router, e.gate_up, e.down, e.experts_per_token, e.router_kind, step.rotations, step.positions,
+        w.o_bias, e.router, e.router_bias, e.gate_up, e.down, e.experts_per_token, e.router_kind, a.kind, a.limit,
+        a.alpha, step.rotations, step.positions,
         k_cache, v_cache, step.slot_mapping, step.block_tables, step.context_lens, w.num_heads, w.num_kv_heads,
         w.scale, w.window, w.softcap, w.sinks, w.gemm, step.num_decodes, step.prefill_query_start)
     return out, res, routed

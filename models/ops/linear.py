@@ -6,6 +6,8 @@ They have no torch twin: a caller checks ``kernels_available`` (or an AMX query)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from models.ops.build import load_extension
@@ -102,23 +104,25 @@ def gguf_a8_linear(x: torch.Tensor, parts: list[torch.Tensor], formats: list[int
 
 
 def a8_experts(parts: list[torch.Tensor], formats: list[int], experts: int, in_features: int,
-               out_features: int) -> object:
+               out_features: int, bias: torch.Tensor | None = None) -> object:
     """A layer's experts' weights for one projection, as ``gguf_a8_experts`` takes them:
     ``parts`` each expert's ``gguf_a8_linear`` parts in turn, every expert in the same
-    ``formats`` (K, S16 or table formats only) and shapes, checked here once. It holds the
-    tensors."""
+    ``formats`` (K, S16 or table formats only) and shapes, checked here once; ``bias``: each
+    expert's bias, float32 ``[experts, out_features]``, or None. It holds the tensors."""
     ext = load_extension()
     if ext is None:
         raise RuntimeError("a8_experts needs the fused CPU kernels")
-    return ext.A8Experts(parts, formats, experts, in_features, out_features)
+    return ext.A8Experts(parts, formats, experts, in_features, out_features,
+                         None if bias is None else bias.float().contiguous())
 
 
 def gguf_a8_experts(x: torch.Tensor, weights: object, ids: list[int], counts: list[int], out_features: int,
                     plain: bool = False) -> torch.Tensor:
     """Each expert's rows of ``x [R, K]`` (``counts[i]`` rows for expert ``ids[i]``, in
     order) times its weight of ``weights`` (``a8_experts``), all in one call (llama.cpp's
-    ``mul_mat_id``): float32 ``[R, out_features]``, each row what its expert's own
-    ``gguf_a8_linear`` gives, bit for bit."""
+    ``mul_mat_id``), plus its expert's bias where they have biases: float32
+    ``[R, out_features]``, each row what its expert's own ``gguf_a8_linear`` (and ``+ bias``)
+    gives, bit for bit."""
     ext = load_extension()
     if ext is None:
         raise RuntimeError("gguf_a8_experts needs the fused CPU kernels")
@@ -154,18 +158,38 @@ def route_experts(logits: torch.Tensor, experts_per_token: int, kind: int) -> tu
     return weights, chosen
 
 
-def moe_experts(x: torch.Tensor, gate_up: object, down: object, weights: torch.Tensor, chosen: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True, slots=True)
+class ExpertActivation:
+    """What ``moe_experts`` runs between an expert's gate_up and down projections
+    (csrc/kernels.h ExpertActivation): ``silu(gate) * up`` (``kind`` ``SILU_GLU``), or gpt-oss's
+    clamped SwiGLU, ``(clamp(up, -limit, limit) + 1) * silu(alpha min(gate, limit)) / alpha``
+    (``CLAMPED_SWIGLU``), as ``models.moe.ClampedSwiGLUExpert.activate`` computes it."""
+
+    kind: int
+    limit: float = 0.0
+    alpha: float = 1.0
+
+    SILU_GLU = 0
+    CLAMPED_SWIGLU = 1
+
+
+SILU_GLU = ExpertActivation(ExpertActivation.SILU_GLU)
+
+
+def moe_experts(x: torch.Tensor, gate_up: object, down: object, weights: torch.Tensor, chosen: torch.Tensor,
+                activation: ExpertActivation = SILU_GLU) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y [T, H], tokens routed to each expert [E] int64)``: each row of ``x`` (float32)
-    through its chosen SiLU-gated experts (``chosen [T, k]``, each row ascending; ``gate_up``
-    and ``down`` as ``a8_experts`` holds them), their outputs scaled by ``weights [T, k]`` and
-    added: the bits of ``gguf_a8_experts``, ``silu_and_mul``, ``gguf_a8_experts`` and
-    ``mix_expert_rows`` called one by one, in one call."""
+    through its chosen experts (``chosen [T, k]``, each row ascending; ``gate_up`` and
+    ``down`` as ``a8_experts`` holds them, with their biases; ``activation`` between them),
+    their outputs scaled by ``weights [T, k]`` and added: the bits of ``gguf_a8_experts``, the
+    activation's torch ops (``silu_and_mul``), ``gguf_a8_experts`` and ``mix_expert_rows``
+    called one by one, in one call."""
     ext = load_extension()
     if ext is None:
         raise RuntimeError("moe_experts needs the fused CPU kernels")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    y, routed = ext.moe_experts(x, gate_up, down, weights.contiguous(), chosen.contiguous())
+    a = activation
+    y, routed = ext.moe_experts(x, gate_up, down, weights.contiguous(), chosen.contiguous(), a.kind, a.limit, a.alpha)
     return y, routed
 
 

@@ -345,10 +345,15 @@ def test_moe_gguf_runs_its_own_codes_on_w4a8(tiny_prompt, make_runner, tmp_path,
         from models.experts import _grouped
 
         x = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
-        _, chosen = route(block.gate(x).float(), block.moe)
+        weights, chosen = route(block.gate(x).float(), block.moe)
         fused, counts, rows = block.fused(x, chosen)
         grouped, grouped_counts = _grouped(block.experts, x, chosen)
         assert torch.equal(fused.index_select(0, rows), grouped) and counts == grouped_counts
+        # ... and the kernel's whole experts call (biases, clamped SwiGLU) gives their mix's bits
+        assert block.fused.activation.kind == ops.ExpertActivation.CLAMPED_SWIGLU
+        whole, routed = ops.moe_experts(x, block.fused.gate_up, block.fused.down, weights, chosen,
+                                        block.fused.activation)
+        assert torch.equal(whole, ops.mix_expert_rows(fused, rows, weights)) and routed.tolist() == counts
     x = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
     batch = block(x)
     assert all(torch.equal(block(x[i:i + 1])[0], batch[i]) for i in range(9))

@@ -1,7 +1,8 @@
 """A whole mixture-of-experts layer in one kernel call (``ops.fused_moe_layer``) gives the
 op-by-op layer's bits: logits, KV caches and routed-token counts, for OLMoE's norms over the
 whole q/k projections, Qwen3-MoE's per-head norms and Mixtral's plain attention, in one
-prefill, in chunks beside another sequence and in decode steps. The kernels' router
+prefill, in chunks beside another sequence and in decode steps; and gpt-oss's (sinks, windows,
+biases, its clamped SwiGLU). The kernels' router
 (``ops.route_experts``) picks what torch's softmax and top-k pick, and its rows do not
 depend on the batch. The fused dense layer runs Qwen3's per-head norms too, the same bits.
 """
@@ -52,6 +53,24 @@ def runs(model, make_runner, prompt: list[int]) -> tuple[torch.Tensor, list, lis
     return torch.cat([whole, chunked, *steps]), runner.kv_caches, tokens, model.take_routed_tokens()
 
 
+def fused_equals_op_by_op(model, make_runner, prompt: list[int], monkeypatch) -> torch.Tensor:
+    """``runs`` with the fused MoE layer (asserting it ran) and op by op: the same logits,
+    caches, tokens and routed counts, bit for bit. Returns the logits."""
+    calls = []
+    fused_moe_layer = ops.fused_moe_layer
+    monkeypatch.setattr(ops, "fused_moe_layer", lambda *a, **kw: calls.append(1) or fused_moe_layer(*a, **kw))
+    fused, fused_caches, fused_tokens, fused_routed = runs(model, make_runner, prompt)
+    assert calls, "the fused MoE layer must run"
+
+    monkeypatch.setattr(MoEDecoderLayer, "fused_moe_weights", lambda self: None)
+    plain, plain_caches, plain_tokens, plain_routed = runs(model, make_runner, prompt)
+    assert torch.equal(fused, plain)
+    assert all(torch.equal(a, b) for pair in zip(fused_caches, plain_caches) for a, b in zip(*pair))
+    assert fused_tokens == plain_tokens and fused_routed == plain_routed
+    assert sum(fused_routed[1]) > 0
+    return fused
+
+
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_fused_moe_layers_equal_the_op_by_op_layers(tiny_prompt, make_runner, tmp_path, monkeypatch, arch):
     family = arch.split("-")[0]
@@ -60,22 +79,25 @@ def test_fused_moe_layers_equal_the_op_by_op_layers(tiny_prompt, make_runner, tm
     model = load_model(str(path), dtype="float32", device="cpu", quantization="w4a8").model
     fused_layers = [layer.fused_moe_weights() is not None for layer in model.model.layers]
     assert fused_layers == ([False, True] if arch == "qwen3moe-dense-first" else [True, True])
-    calls = []
-    fused_moe_layer = ops.fused_moe_layer
-    monkeypatch.setattr(ops, "fused_moe_layer", lambda *a, **kw: calls.append(1) or fused_moe_layer(*a, **kw))
-    fused, fused_caches, fused_tokens, fused_routed = runs(model, make_runner, tiny_prompt)
-    assert calls, "the fused MoE layer must run"
-
-    monkeypatch.setattr(MoEDecoderLayer, "fused_moe_weights", lambda self: None)
-    plain, plain_caches, plain_tokens, plain_routed = runs(model, make_runner, tiny_prompt)
-
-    assert torch.equal(fused, plain)
-    assert all(torch.equal(a, b) for pair in zip(fused_caches, plain_caches) for a, b in zip(*pair))
-    assert fused_tokens == plain_tokens and fused_routed == plain_routed
-    assert sum(fused_routed[1]) > 0
+    fused = fused_equals_op_by_op(model, make_runner, tiny_prompt, monkeypatch)
     # (x rounded to int8 per 16 inputs at every projection: near transformers, not equal)
     want = reference_logits(reference, tiny_prompt)
     assert max_diff(fused[:len(tiny_prompt)], want) < 0.05 * want.abs().max()
+
+
+def test_gpt_oss_layers_run_fused_with_the_op_by_op_bits(tiny_prompt, make_runner, tmp_path, monkeypatch):
+    # gpt-oss: sinks, a window on every other layer, biases on o_proj, the router and the
+    # experts, the router's softmax over its top k, the clamped SwiGLU; MXFP4 experts.
+    reference = tiny_moe("gptoss", swiglu_limit=7.0)
+    path = write_moe_gguf(tmp_path / "gptoss.gguf", reference, "gptoss", "MXFP4", every_projection=True)
+    model = load_model(str(path), dtype="float32", device="cpu", quantization="w4a8").model
+    layers = model.model.layers
+    assert all(layer.fused_moe_weights() is not None for layer in layers)
+    assert [bool(layer.self_attn.window) for layer in layers] == [True, False]
+    assert all(layer.self_attn.sinks is not None and layer.mlp.gate.bias is not None for layer in layers)
+    fused = fused_equals_op_by_op(model, make_runner, tiny_prompt, monkeypatch)
+    # (x rounded to int8 per 16 inputs at every projection: near transformers, not equal)
+    assert max_diff(fused[:len(tiny_prompt)], reference_logits(reference, tiny_prompt)) < 0.1
 
 
 @pytest.mark.parametrize("arch, extra", [
