@@ -238,26 +238,40 @@ class MoEDecoderLayer(nn.Module):
         """This layer's ``ops.fused_moe_layer`` arguments, or None where that kernel cannot run
         it: it runs a sparse layer of experts held as one weight a projection whose activation
         the kernel runs (``FusedExperts.activation``: SiLU's, gpt-oss's clamped SwiGLU, with
-        their biases), with no shared expert or residual multiplier, whose attention the fused
-        layer kernel runs (both projections on one of its GEMMs). Checked once, and again when
-        a module is replaced."""
+        their biases), whose attention (and shared expert, where it has one) the fused layer
+        kernel runs (their projections on one of its GEMMs). Checked once, and again when a
+        module is replaced."""
         attn, mlp = self.self_attn, self.mlp
         fused = mlp.fused if isinstance(mlp, SparseMoeBlock) else None
-        key = (attn.qkv_proj, attn.o_proj, mlp, fused, getattr(mlp, "gate", None), getattr(mlp, "tp", None))
+        shared = getattr(mlp, "shared_expert", None)
+        shared_parts = () if shared is None else (shared.gate_up_proj, shared.down_proj, mlp.shared_expert_gate)
+        key = (attn.qkv_proj, attn.o_proj, mlp, fused, getattr(mlp, "gate", None), getattr(mlp, "tp", None), shared,
+               *shared_parts)
         cached = self.__dict__.get("_fused_moe")
         if cached is None or any(a is not b for a, b in zip(cached[0], key)):
             experts = None
             if fused is not None and self._fused_moe_runs(mlp):
+                shared_args = {} if shared is None else dict(
+                    shared_gate_up=shared.gate_up_proj.fused_args, shared_down=shared.down_proj.fused_args,
+                    shared_gate=mlp.shared_expert_gate.packed)
                 experts = ops.FusedExpertsWeights(mlp.gate.packed, router_kind(mlp.moe), mlp.moe.experts_per_token,
-                                                  fused.gate_up, fused.down, mlp.gate.bias, fused.activation)
+                                                  fused.gate_up, fused.down, mlp.gate.bias, fused.activation,
+                                                  **shared_args, residual_multiplier=self.residual_multiplier)
             self.__dict__["_fused_moe"] = cached = (key, experts)  # (a plain attribute, as fused_weights')
         return None if cached[1] is None else (fused_weights(self, ()), cached[1])
 
     def _fused_moe_runs(self, mlp: SparseMoeBlock) -> bool:
         attn, qkv, o = self.self_attn, self.self_attn.qkv_proj, self.self_attn.o_proj
         router = mlp.gate
-        return (mlp.fused.activation is not None and mlp.shared_expert is None and mlp.tp is None
-                and self.residual_multiplier == 1 and isinstance(router, PackedLinear) and float32_bias(router)
+        shared = mlp.shared_expert
+        # (a shared expert: a plain SiLU MLP on the attention's GEMM, its gate a packed row)
+        shared_runs = shared is None or (
+            type(shared) is MLP and shared.tp is None and isinstance(mlp.shared_expert_gate, PackedLinear)
+            and mlp.shared_expert_gate.bias is None and mlp.shared_expert_gate.packed.dtype == torch.float32
+            and all(getattr(p, "fused", False) and p.bias is None and p.fused_gemm == qkv.fused_gemm
+                    for p in (shared.gate_up_proj, shared.down_proj)))
+        return (mlp.fused.activation is not None and shared_runs and mlp.tp is None
+                and isinstance(router, PackedLinear) and float32_bias(router)
                 and router.packed.dtype == torch.float32
                 and all(getattr(p, "fused", False) for p in (qkv, o)) and qkv.fused_gemm == o.fused_gemm
                 and float32_bias(o) and attn.tp is None and norms_fusable(self))

@@ -2,6 +2,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/sigmoid.h>
 
 #include "grouped_gemm.h"
 #include "kernels.h"
@@ -96,6 +97,7 @@ struct AttentionWeights {
   double softcap;   // scores soft-capped to it (0: none)
   const c10::optional<at::Tensor>& sinks;  // a sink logit per query head (gpt-oss), float32
   int64_t gemm;
+  double residual_multiplier = 1.0;  // the attention's output scaled by it (Granite; 1: not)
 };
 
 // What a step's layers share: RoPE, the caches and the batch's shape.
@@ -159,8 +161,28 @@ std::pair<at::Tensor, at::Tensor> attention_half(const at::Tensor& x, const c10:
   project(o, attn_rows, w.o_proj, w.gemm);
   if (w.o_bias.has_value()) o.add_(*w.o_bias);  // (before LoRA's update, as the op-by-op layer adds them)
   add_lora(o, attn_rows, lora, lora_rows, 1);
+  if (w.residual_multiplier != 1.0) o.mul_(w.residual_multiplier);
   add_rms_norm(h, residual, o, w.post_norm, w.eps);
   return {h, residual};
+}
+
+// A SiLU-gated MLP's output for h: gate_up, silu(gate) * up, down, each projection with its
+// LoRA updates (add_lora: p 2 and 3).
+at::Tensor mlp(const at::Tensor& h, const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down,
+               int64_t gemm, const std::vector<at::Tensor>& lora, const std::vector<int64_t>& lora_rows) {
+  const int64_t rows = h.size(0), hidden = h.size(1);
+  const auto opts = h.options();
+  // down's input width = the intermediate size (its 32-input groups or blocks)
+  const int64_t inter = down[0].size(1) * 32;
+  at::Tensor gu = at::empty({rows, 2 * inter}, opts);
+  project(gu, h, gate_up, gemm);
+  add_lora(gu, h, lora, lora_rows, 2);
+  at::Tensor act = at::empty({rows, inter}, opts);
+  silu_and_mul(act, gu);
+  at::Tensor out = at::empty({rows, hidden}, opts);
+  project(out, act, down, gemm);
+  add_lora(out, act, lora, lora_rows, 3);
+  return out;
 }
 
 void check_segments(const std::vector<const std::vector<at::Tensor>*>& projections, int64_t gemm) {
@@ -205,25 +227,14 @@ std::vector<at::Tensor> fused_layer(
   const LayerStep step{rotations, positions, k_cache, v_cache, slot_mapping, block_tables, context_lens,
                        num_decodes, prefill_query_start};
   auto [h, residual] = attention_half(x, residual_in, w, step, lora, lora_rows);
-  const int64_t rows = x.size(0), hidden = x.size(1);
-  const auto opts = x.options();
-  // down's input width = the intermediate size (its 32-input groups or blocks)
-  const int64_t inter = down[0].size(1) * 32;
-  at::Tensor gu = at::empty({rows, 2 * inter}, opts);
-  project(gu, h, gate_up, gemm);
-  add_lora(gu, h, lora, lora_rows, 2);
-  at::Tensor act = at::empty({rows, inter}, opts);
-  silu_and_mul(act, gu);
-  at::Tensor out = at::empty({rows, hidden}, opts);
-  project(out, act, down, gemm);
-  add_lora(out, act, lora, lora_rows, 3);
-  return {out, residual};
+  return {mlp(h, gate_up, down, gemm, lora, lora_rows), residual};
 }
 
 // fused_layer's attention half, then a mixture's experts (moe_experts, with `activation`)
 // chosen by the router (router: dense_linear's packing, float32 logits, router_bias added;
-// route_experts with experts_per_token and router_kind): the calls the op-by-op MoE layer
-// makes, in one call.
+// route_experts with experts_per_token and router_kind), a gated shared expert where
+// shared_gate is given, both branches scaled by residual_multiplier (Granite): the calls the
+// op-by-op MoE layer makes, in one call.
 // No LoRA rows. Returns (mlp_out, residual, tokens routed to each expert).
 std::vector<at::Tensor> fused_moe_layer(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& input_norm,
@@ -232,15 +243,18 @@ std::vector<at::Tensor> fused_moe_layer(
     const c10::optional<at::Tensor>& k_norm, const std::vector<at::Tensor>& o_proj,
     const c10::optional<at::Tensor>& o_bias, const at::Tensor& router, const c10::optional<at::Tensor>& router_bias,
     const A8Experts& gate_up, const A8Experts& down, int64_t experts_per_token, int64_t router_kind,
-    int64_t activation, double limit, double alpha, const at::Tensor& rotations,
+    int64_t activation, double limit, double alpha, const std::vector<at::Tensor>& shared_gate_up,
+    const std::vector<at::Tensor>& shared_down, const c10::optional<at::Tensor>& shared_gate,
+    double residual_multiplier, const at::Tensor& rotations,
     const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
     double scale, int64_t window, double softcap, const c10::optional<at::Tensor>& sinks, int64_t gemm,
     int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start) {
   check_segments({&qkv, &o_proj}, gemm);  // (dense_linear checks the router against the experts' count)
+  if (shared_gate.has_value()) check_segments({&shared_gate_up, &shared_down}, gemm);
   const AttentionWeights w{input_norm, post_norm, eps, qkv, qkv_bias, q_norm.value_or(at::Tensor()),
                            k_norm.value_or(at::Tensor()), o_proj, o_bias, num_heads, num_kv_heads, scale, window,
-                           softcap, sinks, gemm};
+                           softcap, sinks, gemm, residual_multiplier};
   const LayerStep step{rotations, positions, k_cache, v_cache, slot_mapping, block_tables, context_lens,
                        num_decodes, prefill_query_start};
   auto [h, residual] = attention_half(x, residual_in, w, step, {}, {});
@@ -250,7 +264,18 @@ std::vector<at::Tensor> fused_moe_layer(
   const std::vector<at::Tensor> routed = route_experts(logits, experts_per_token, router_kind);
   std::vector<at::Tensor> mixed =
       moe_experts(h, gate_up, down, routed[0], routed[1], activation, limit, alpha);
-  return {mixed[0], residual, mixed[1]};
+  at::Tensor out = mixed[0];
+  if (shared_gate.has_value()) {
+    // models/moe.py SparseMoeBlock.forward's y + _sigmoid(shared_expert_gate(h)) * shared_expert(h), the
+    // same calls: the gate's sigmoid on a strided view (torch's scalar loop, whatever the row's place).
+    const int64_t rows = x.size(0);
+    at::Tensor g = at::empty({rows, 1}, x.options());
+    dense_linear(g, h, *shared_gate);
+    const at::Tensor s = at::sigmoid(g.expand({rows, 2}).contiguous().select(1, 0)).unsqueeze(1);
+    out = out.add(s.mul(mlp(h, shared_gate_up, shared_down, gemm, {}, {})));
+  }
+  if (residual_multiplier != 1.0) out.mul_(residual_multiplier);
+  return {out, residual, mixed[1]};
 }
 
 }  // namespace kvserve

@@ -173,8 +173,9 @@ std::vector<at::Tensor> fused_layer(
     const c10::optional<at::Tensor>& prefill_query_start, const std::vector<at::Tensor>& lora,
     const std::vector<int64_t>& lora_rows);
 // The same layer with a mixture of experts for its MLP: the router (dense_linear's packing, and
-// its bias where it has one), route_experts, moe_experts. Returns (mlp_out, residual, tokens
-// routed to each expert).
+// its bias where it has one), route_experts, moe_experts; and a gated shared expert where
+// shared_gate is given (Qwen2-MoE); both branches scaled by residual_multiplier (Granite).
+// Returns (mlp_out, residual, tokens routed to each expert).
 std::vector<at::Tensor> fused_moe_layer(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& input_norm,
     const at::Tensor& post_norm, double eps, const std::vector<at::Tensor>& qkv,
@@ -182,7 +183,9 @@ std::vector<at::Tensor> fused_moe_layer(
     const c10::optional<at::Tensor>& k_norm, const std::vector<at::Tensor>& o_proj,
     const c10::optional<at::Tensor>& o_bias, const at::Tensor& router, const c10::optional<at::Tensor>& router_bias,
     const A8Experts& gate_up, const A8Experts& down, int64_t experts_per_token, int64_t router_kind,
-    int64_t activation, double limit, double alpha, const at::Tensor& rotations,
+    int64_t activation, double limit, double alpha, const std::vector<at::Tensor>& shared_gate_up,
+    const std::vector<at::Tensor>& shared_down, const c10::optional<at::Tensor>& shared_gate,
+    double residual_multiplier, const at::Tensor& rotations,
     const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
     double scale, int64_t window, double softcap, const c10::optional<at::Tensor>& sinks, int64_t gemm,

@@ -6,6 +6,7 @@ projection runs on (``GEMM_*``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,9 @@ class FusedExpertsWeights:
     """A mixture-of-experts layer's arguments to ``fused_moe_layer`` beyond ``FusedWeights``'
     attention half: the router (``dense_linear``'s packing, float32; its float32 bias or
     None), its kind (``ROUTER_*``) and experts a token, and the experts' projections (each
-    ``ops.a8_experts``, with their biases) and activation."""
+    ``ops.a8_experts``, with their biases) and activation; a gated shared expert's
+    projections (``fused_args``, on the attention's GEMM) and its gate (``dense_linear``'s
+    packing of one output), or none (Qwen2-MoE has one)."""
 
     router: torch.Tensor
     router_kind: int
@@ -72,6 +75,11 @@ class FusedExpertsWeights:
     down: object
     router_bias: torch.Tensor | None = None
     activation: ExpertActivation = SILU_GLU
+    shared_gate_up: Sequence[torch.Tensor] = ()
+    shared_down: Sequence[torch.Tensor] = ()
+    shared_gate: torch.Tensor | None = None
+    # Granite's: the attention's and the MLP's outputs scaled by it (1: not)
+    residual_multiplier: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +140,8 @@ def fused_moe_layer(x: torch.Tensor, residual: torch.Tensor | None, weights: Fus
     out, res, routed = ext.fused_moe_layer(
         x, residual, w.input_norm, w.post_norm, w.eps, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, w.o_proj,
         w.o_bias, e.router, e.router_bias, e.gate_up, e.down, e.experts_per_token, e.router_kind, a.kind, a.limit,
-        a.alpha, step.rotations, step.positions,
+        a.alpha, e.shared_gate_up, e.shared_down, e.shared_gate, e.residual_multiplier, step.rotations,
+        step.positions,
         k_cache, v_cache, step.slot_mapping, step.block_tables, step.context_lens, w.num_heads, w.num_kv_heads,
         w.scale, w.window, w.softcap, w.sinks, w.gemm, step.num_decodes, step.prefill_query_start)
     return out, res, routed
