@@ -278,12 +278,14 @@ class MoEDecoderLayer(nn.Module):
 
     def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, step: ops.FusedStep,
                       kv_cache: tuple[torch.Tensor, torch.Tensor],
-                      fused: tuple[ops.FusedWeights, ops.FusedExpertsWeights]) -> tuple[torch.Tensor, torch.Tensor]:
+                      fused: tuple[ops.FusedWeights, ops.FusedExpertsWeights],
+                      lora: LayerLoRA | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward`` in one kernel call (``ops.fused_moe_layer``) with ``fused``, this layer's
         ``fused_moe_weights()``, for the step ``step`` describes, counting the routed tokens
-        where asked."""
+        where asked; ``lora``: the adapters' updates of the attention (``LoRABatch.fusable`` ones)."""
         weights, experts = fused
-        out, residual, routed = ops.fused_moe_layer(x, residual, weights, experts, step, kv_cache[0], kv_cache[1])
+        out, residual, routed = ops.fused_moe_layer(x, residual, weights, experts, step, kv_cache[0], kv_cache[1],
+                                                    lora.fused_args() if lora is not None else None)
         if self.mlp.routed is not None:
             self.mlp.routed = [a + b for a, b in zip(self.mlp.routed, routed.tolist())]
         return out, residual
@@ -331,12 +333,13 @@ class MoEForCausalLM(LlamaForCausalLM):
         # does: the same bits as op by op (tests/models/test_moe_fused.py), without the per-op
         # dispatch (a fifth of an OLMoE decode step at one stream).
         steps = (FusedSteps(self.rope, positions, meta)
-                 if tp is None and lora is None and x.dtype == torch.float32 and ops.kernels_enabled(x.device)
-                 else None)
+                 if tp is None and (lora is None or lora.fusable) and x.dtype == torch.float32
+                 and ops.kernels_enabled(x.device) else None)
         for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
             fused = layer.fused_moe_weights() if steps is not None else None
             if fused is not None:
-                x, residual = layer.forward_fused(x, residual, steps.layer(i), kv, fused)
+                x, residual = layer.forward_fused(x, residual, steps.layer(i), kv, fused,
+                                                  lora.layer(i) if lora is not None else None)
                 continue
             x, residual = layer(x, residual, self.rope, positions, meta.for_layer(i), kv,
                                 lora.layer(i) if lora is not None else None)

@@ -233,9 +233,9 @@ std::vector<at::Tensor> fused_layer(
 // fused_layer's attention half, then a mixture's experts (moe_experts, with `activation`)
 // chosen by the router (router: dense_linear's packing, float32 logits, router_bias added;
 // route_experts with experts_per_token and router_kind), a gated shared expert where
-// shared_gate is given, both branches scaled by residual_multiplier (Granite): the calls the
-// op-by-op MoE layer makes, in one call.
-// No LoRA rows. Returns (mlp_out, residual, tokens routed to each expert).
+// shared_gate is given, both branches scaled by residual_multiplier (Granite), the attention's
+// LoRA updates as fused_layer's: the calls the op-by-op MoE layer makes, in one call.
+// Returns (mlp_out, residual, tokens routed to each expert).
 std::vector<at::Tensor> fused_moe_layer(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& input_norm,
     const at::Tensor& post_norm, double eps, const std::vector<at::Tensor>& qkv,
@@ -249,15 +249,21 @@ std::vector<at::Tensor> fused_moe_layer(
     const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
     double scale, int64_t window, double softcap, const c10::optional<at::Tensor>& sinks, int64_t gemm,
-    int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start) {
+    int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start, const std::vector<at::Tensor>& lora,
+    const std::vector<int64_t>& lora_rows) {
   check_segments({&qkv, &o_proj}, gemm);  // (dense_linear checks the router against the experts' count)
+  TORCH_CHECK(lora_rows.size() % 2 == 0 && lora.size() == 4 * lora_rows.size(),
+              "lora: (A, B) of 4 projections per (start, stop) row range");
+  for (size_t i = 0; i < lora_rows.size() / 2; ++i)
+    TORCH_CHECK(lora[8 * i + 4].numel() == 0 && lora[8 * i + 6].numel() == 0,
+                "a sparse layer's experts take no LoRA update");
   if (shared_gate.has_value()) check_segments({&shared_gate_up, &shared_down}, gemm);
   const AttentionWeights w{input_norm, post_norm, eps, qkv, qkv_bias, q_norm.value_or(at::Tensor()),
                            k_norm.value_or(at::Tensor()), o_proj, o_bias, num_heads, num_kv_heads, scale, window,
                            softcap, sinks, gemm, residual_multiplier};
   const LayerStep step{rotations, positions, k_cache, v_cache, slot_mapping, block_tables, context_lens,
                        num_decodes, prefill_query_start};
-  auto [h, residual] = attention_half(x, residual_in, w, step, {}, {});
+  auto [h, residual] = attention_half(x, residual_in, w, step, lora, lora_rows);
   at::Tensor logits = at::empty({x.size(0), gate_up.experts}, x.options());
   dense_linear(logits, h, router);
   if (router_bias.has_value()) logits.add_(*router_bias);

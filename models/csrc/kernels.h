@@ -174,7 +174,8 @@ std::vector<at::Tensor> fused_layer(
     const std::vector<int64_t>& lora_rows);
 // The same layer with a mixture of experts for its MLP: the router (dense_linear's packing, and
 // its bias where it has one), route_experts, moe_experts; and a gated shared expert where
-// shared_gate is given (Qwen2-MoE); both branches scaled by residual_multiplier (Granite).
+// shared_gate is given (Qwen2-MoE); both branches scaled by residual_multiplier (Granite);
+// LoRA updates of the attention's projections as fused_layer's (none of the experts').
 // Returns (mlp_out, residual, tokens routed to each expert).
 std::vector<at::Tensor> fused_moe_layer(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& input_norm,
@@ -189,6 +190,7 @@ std::vector<at::Tensor> fused_moe_layer(
     const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
     double scale, int64_t window, double softcap, const c10::optional<at::Tensor>& sinks, int64_t gemm,
-    int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start);
+    int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start, const std::vector<at::Tensor>& lora,
+    const std::vector<int64_t>& lora_rows);
 
 }  // namespace kvserve

@@ -128,12 +128,13 @@ def fused_layer(x: torch.Tensor, residual: torch.Tensor | None, weights: FusedWe
 
 def fused_moe_layer(x: torch.Tensor, residual: torch.Tensor | None, weights: FusedWeights,
                     experts: FusedExpertsWeights, step: FusedStep, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    v_cache: torch.Tensor, lora: tuple[list[torch.Tensor], list[int]] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A whole mixture-of-experts decoder layer for a step in one kernel call: ``fused_layer``'s
     attention half (``weights``; its ``gate_up`` and ``down`` unused), then the router,
     ``route_experts`` and ``moe_experts``. ``(mlp_out, residual, tokens routed to each
-    expert)``; float32 activations on CPU, no LoRA rows. The same arithmetic as the op-by-op
-    layer (``models.moe``)."""
+    expert)``; float32 activations on CPU; ``lora``: as ``fused_layer``'s, updates of the
+    attention's projections only. The same arithmetic as the op-by-op layer (``models.moe``)."""
     ext = load_extension()
     assert ext is not None, "fused_moe_layer needs the fused CPU kernels"
     w, e, a = weights, experts, experts.activation
@@ -141,7 +142,7 @@ def fused_moe_layer(x: torch.Tensor, residual: torch.Tensor | None, weights: Fus
         x, residual, w.input_norm, w.post_norm, w.eps, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, w.o_proj,
         w.o_bias, e.router, e.router_bias, e.gate_up, e.down, e.experts_per_token, e.router_kind, a.kind, a.limit,
         a.alpha, e.shared_gate_up, e.shared_down, e.shared_gate, e.residual_multiplier, step.rotations,
-        step.positions,
-        k_cache, v_cache, step.slot_mapping, step.block_tables, step.context_lens, w.num_heads, w.num_kv_heads,
-        w.scale, w.window, w.softcap, w.sinks, w.gemm, step.num_decodes, step.prefill_query_start)
+        step.positions, k_cache, v_cache, step.slot_mapping, step.block_tables, step.context_lens, w.num_heads,
+        w.num_kv_heads, w.scale, w.window, w.softcap, w.sinks, w.gemm, step.num_decodes, step.prefill_query_start,
+        *(lora or ([], [])))
     return out, res, routed

@@ -143,3 +143,37 @@ def test_fused_dense_layers_run_qwen3s_per_head_norms_op_by_ops_bits(tiny_checkp
     fused = logits()
     monkeypatch.setattr(DecoderLayer, "packed_int4", lambda self: False)
     assert torch.equal(fused, logits())
+
+
+def test_fused_moe_layers_run_lora_rows_with_the_op_by_op_bits(tiny_prompt, make_runner, tmp_path, monkeypatch):
+    # An adapter on the attention's projections: its rows beside the base model's, in chunks
+    # and then in decode steps, in one call a layer as op by op.
+    from tests.models.test_lora import adapter_for, peft_logits
+
+    reference = tiny_moe("olmoe", **FAMILIES["olmoe"])
+    path = write_moe_gguf(tmp_path / "olmoe.gguf", reference, "olmoe", "Q4_K", every_projection=True)
+    peft_logits(reference, tmp_path / "adapter", tiny_prompt, r=4, lora_alpha=8,
+                target_modules=r".*self_attn\.(q|k|v|o)_proj")
+    model = load_model(str(path), dtype="float32", device="cpu", quantization="w4a8").model
+    adapter = adapter_for(model, tmp_path / "adapter")
+    prompts = [tiny_prompt, tiny_prompt[::-1]]
+
+    def run() -> torch.Tensor:
+        runner = make_runner(model)
+        seqs = [runner.new_seq(len(tiny_prompt) + 4) for _ in prompts]
+        out = runner.step([(s, p[:9]) for s, p in zip(seqs, prompts)], [adapter, None])
+        out = runner.step([(s, p[9:]) for s, p in zip(seqs, prompts)], [adapter, None])
+        rows = [torch.cat(out)]
+        for _ in range(3):
+            out = runner.step([(s, [int(lg[-1].argmax())]) for s, lg in zip(seqs, out)], [adapter, None])
+            rows.append(torch.cat(out))
+        return torch.cat(rows)
+
+    calls = []
+    fused_moe_layer = ops.fused_moe_layer
+    monkeypatch.setattr(ops, "fused_moe_layer", lambda *a, **kw: calls.append(a[7] if len(a) > 7 else kw.get("lora"))
+                        or fused_moe_layer(*a, **kw))
+    fused = run()
+    assert calls and all(lora is not None for lora in calls), "the fused MoE layer must run the LoRA rows"
+    monkeypatch.setattr(MoEDecoderLayer, "fused_moe_weights", lambda self: None)
+    assert torch.equal(fused, run())
