@@ -17,9 +17,11 @@ What Gemma changes (``ModelConfig`` carries each, from its config.json or GGUF):
   (``final_logit_softcap``), so the sampler and logprobs see capped logits, as
   transformers returns them.
 
-Its layers run op by op (the one-call layer kernel is Llama's), with the same GEMMs
-and paged-attention kernels, LoRA adapters' rows too (``models.lora``); not yet with
-tensor parallel. Gemma 4 (models/gemma4.py) builds on these classes.
+Where every projection runs one of the fused layer's GEMMs, each layer is one kernel call
+(``ops.fused_gemma_layer``: the four norms, the attention with its window, soft-capping and
+q/k norms, the gelu_tanh MLP, LoRA rows too), the same bits as op by op; otherwise op by op,
+with the same GEMMs and paged-attention kernels. Not yet with tensor parallel. Gemma 4
+(models/gemma4.py) builds on these classes, op by op.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from torch import nn
 
 from models.attention import AttentionMetadata
 from models.config import ModelConfig
-from models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
+from models import ops
+from models.llama import (MLP, Attention, FusedSteps, LlamaForCausalLM, RMSNorm, float32_bias, fused_weights,
+                          norms_fusable)
 from models.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -70,6 +74,26 @@ class GemmaDecoderLayer(nn.Module):
         x = x + self.post_attention_layernorm(h)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), lora))
 
+    def fusable(self) -> bool:
+        """Whether ``ops.fused_gemma_layer`` runs this layer: its four projections on one of the
+        fused layer's GEMMs (one kind), no MLP biases, one eps for its norms."""
+        attn, mlp = self.self_attn, self.mlp
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        norms = (self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
+                 self.post_feedforward_layernorm)
+        return (type(self) is GemmaDecoderLayer and type(mlp) is GemmaMLP and attn.sinks is None and attn.tp is None
+                and all(getattr(p, "fused", False) for p in projections)
+                and len({p.fused_gemm for p in projections}) == 1 and float32_bias(attn.o_proj)
+                and all(p.bias is None for p in projections[2:])
+                and len({n.eps for n in norms}) == 1 and norms_fusable(self))
+
+    def forward_fused(self, x: torch.Tensor, step: ops.FusedStep, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                      lora: LayerLoRA | None = None) -> torch.Tensor:
+        """``forward`` in one kernel call (``fusable``) for the step ``step`` describes."""
+        weights = fused_weights(self, (self.mlp.gate_up_proj, self.mlp.down_proj))
+        return ops.fused_gemma_layer(x, weights, step, kv_cache[0], kv_cache[1],
+                                     lora.fused_args() if lora is not None else None)
+
 
 class GemmaForCausalLM(LlamaForCausalLM):
     """Gemma 2's and 3's decoder on Llama's modules and loader (``load_weights``)."""
@@ -102,9 +126,18 @@ class GemmaForCausalLM(LlamaForCausalLM):
         x = self.model.embed_tokens(input_ids)
         # sqrt(hidden_size) made float32, then the activations' dtype, as transformers' Gemma does
         x = x * torch.tensor(self.config.hidden_size ** 0.5).to(x.dtype)
+        # Each layer in one kernel call where the kernels run them all: the same bits
+        # (tests/models/test_gemma_fused.py), none of the per-op dispatch.
+        fused = ((lora is None or lora.fusable) and x.dtype == torch.float32 and ops.kernels_enabled(x.device)
+                 and all(layer.fusable() for layer in self.model.layers))
+        steps = {id(r): FusedSteps(r, positions, meta) for r in (self.rope, self.local_rope)} if fused else {}
         for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
             rope = self.local_rope if layer.self_attn.window else self.rope
-            x = layer(x, rope, positions, meta.for_layer(i), kv, lora.layer(i) if lora is not None else None)
+            layer_lora = lora.layer(i) if lora is not None else None
+            if fused:
+                x = layer.forward_fused(x, steps[id(rope)].layer(i), kv, layer_lora)
+            else:
+                x = layer(x, rope, positions, meta.for_layer(i), kv, layer_lora)
         return self.head(x, logits_indices, hidden_indices)
 
     def head(self, x: torch.Tensor, logits_indices: torch.Tensor | None,

@@ -185,7 +185,9 @@ def fused_weights(layer: nn.Module, mlp: tuple[nn.Module, ...]) -> ops.FusedWeig
     norm is replaced (quantised, packed, sharded). Gathering them through ``nn.Module``
     attributes every step cost about 28 us a layer, a tenth of a single stream's decode step."""
     attn = layer.self_attn
-    norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
+    # (Gemma's MLP norms too, where the layer has them)
+    mlp_norms = (getattr(layer, "pre_feedforward_layernorm", None), getattr(layer, "post_feedforward_layernorm", None))
+    norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm, *mlp_norms)
     key = (attn.qkv_proj, attn.o_proj, *mlp, *norms)
     cached = layer.__dict__.get("_fused_weights")
     if cached is None or any(a is not b for a, b in zip(cached[0], key)):
@@ -196,7 +198,7 @@ def fused_weights(layer: nn.Module, mlp: tuple[nn.Module, ...]) -> ops.FusedWeig
         weights = ops.FusedWeights(
             norms[0].weight, norms[1].weight, norms[0].eps, projections[0], attn.qkv_proj.bias, projections[1],
             gate_up, down, attn.num_heads, attn.num_kv_heads, attn.scale, attn.qkv_proj.fused_gemm, q_norm, k_norm,
-            attn.o_proj.bias, attn.window, attn.softcap, sinks)
+            attn.o_proj.bias, attn.window, attn.softcap, sinks, *(None if n is None else n.weight for n in mlp_norms))
         # A plain attribute (nn.Module.__setattr__ would not register a tuple anyway).
         layer.__dict__["_fused_weights"] = cached = (key, weights)
     return cached[1]

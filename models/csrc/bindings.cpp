@@ -75,6 +75,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_layer", &kvserve::fused_layer,
         "one decoder layer for a step's decodes and prompt chunks, packed projections",
         py::call_guard<py::gil_scoped_release>());
+  m.def("fused_gemma_layer", &kvserve::fused_gemma_layer,
+        "one Gemma 2 or 3 decoder layer for a step's decodes and prompt chunks, packed projections",
+        py::call_guard<py::gil_scoped_release>());
   m.def("fused_moe_layer", &kvserve::fused_moe_layer,
         "one mixture-of-experts decoder layer for a step's decodes and prompt chunks",
         py::call_guard<py::gil_scoped_release>());

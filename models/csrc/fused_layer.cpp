@@ -2,6 +2,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/gelu.h>
 #include <ATen/ops/sigmoid.h>
 
 #include "grouped_gemm.h"
@@ -113,24 +114,14 @@ struct LayerStep {
   const c10::optional<at::Tensor>& prefill_query_start;
 };
 
-// The layer up to its MLP: (h, residual), h the post-attention norm's output for the MLP.
-std::pair<at::Tensor, at::Tensor> attention_half(const at::Tensor& x, const c10::optional<at::Tensor>& residual_in,
-                                                 const AttentionWeights& w, const LayerStep& step,
-                                                 const std::vector<at::Tensor>& lora,
-                                                 const std::vector<int64_t>& lora_rows) {
-  const int64_t rows = x.size(0), hidden = x.size(1);
+// The attention's output for h, the input norm's output: qkv (its bias, LoRA), the q/k norms,
+// RoPE and the cache write, attention, o_proj (its bias, LoRA).
+at::Tensor attention(const at::Tensor& h, const AttentionWeights& w, const LayerStep& step,
+                     const std::vector<at::Tensor>& lora, const std::vector<int64_t>& lora_rows) {
+  const int64_t rows = h.size(0), hidden = h.size(1);
   const int64_t head_dim = step.rotations.size(1) * 2;
   const int64_t q_size = w.num_heads * head_dim, kv_size = w.num_kv_heads * head_dim;
-  const auto opts = x.options();
-  at::Tensor h = at::empty({rows, hidden}, opts);
-  at::Tensor residual;
-  if (residual_in.has_value()) {
-    residual = *residual_in;
-    add_rms_norm(h, residual, x, w.input_norm, w.eps);
-  } else {
-    residual = x;
-    rms_norm(h, x, w.input_norm, w.eps);
-  }
+  const auto opts = h.options();
   at::Tensor qkv_out = at::empty({rows, q_size + 2 * kv_size}, opts);
   project(qkv_out, h, w.qkv, w.gemm);
   if (w.qkv_bias.has_value()) qkv_out.add_(*w.qkv_bias);
@@ -161,15 +152,41 @@ std::pair<at::Tensor, at::Tensor> attention_half(const at::Tensor& x, const c10:
   project(o, attn_rows, w.o_proj, w.gemm);
   if (w.o_bias.has_value()) o.add_(*w.o_bias);  // (before LoRA's update, as the op-by-op layer adds them)
   add_lora(o, attn_rows, lora, lora_rows, 1);
+  return o;
+}
+
+// The layer up to its MLP: (h, residual), h the post-attention norm's output for the MLP.
+std::pair<at::Tensor, at::Tensor> attention_half(const at::Tensor& x, const c10::optional<at::Tensor>& residual_in,
+                                                 const AttentionWeights& w, const LayerStep& step,
+                                                 const std::vector<at::Tensor>& lora,
+                                                 const std::vector<int64_t>& lora_rows) {
+  at::Tensor h = at::empty_like(x);
+  at::Tensor residual;
+  if (residual_in.has_value()) {
+    residual = *residual_in;
+    add_rms_norm(h, residual, x, w.input_norm, w.eps);
+  } else {
+    residual = x;
+    rms_norm(h, x, w.input_norm, w.eps);
+  }
+  at::Tensor o = attention(h, w, step, lora, lora_rows);
   if (w.residual_multiplier != 1.0) o.mul_(w.residual_multiplier);
   add_rms_norm(h, residual, o, w.post_norm, w.eps);
   return {h, residual};
 }
 
-// A SiLU-gated MLP's output for h: gate_up, silu(gate) * up, down, each projection with its
-// LoRA updates (add_lora: p 2 and 3).
+// rms_norm(x) into a new tensor.
+at::Tensor normed(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor out = at::empty_like(x);
+  rms_norm(out, x, weight, eps);
+  return out;
+}
+
+// A gated MLP's output for h: gate_up, silu(gate) * up (gelu_tanh: Gemma's gelu(gate, tanh) *
+// up, its torch ops), down, each projection with its LoRA updates (add_lora: p 2 and 3).
 at::Tensor mlp(const at::Tensor& h, const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down,
-               int64_t gemm, const std::vector<at::Tensor>& lora, const std::vector<int64_t>& lora_rows) {
+               int64_t gemm, const std::vector<at::Tensor>& lora, const std::vector<int64_t>& lora_rows,
+               bool gelu_tanh = false) {
   const int64_t rows = h.size(0), hidden = h.size(1);
   const auto opts = h.options();
   // down's input width = the intermediate size (its 32-input groups or blocks)
@@ -177,8 +194,13 @@ at::Tensor mlp(const at::Tensor& h, const std::vector<at::Tensor>& gate_up, cons
   at::Tensor gu = at::empty({rows, 2 * inter}, opts);
   project(gu, h, gate_up, gemm);
   add_lora(gu, h, lora, lora_rows, 2);
-  at::Tensor act = at::empty({rows, inter}, opts);
-  silu_and_mul(act, gu);
+  at::Tensor act;
+  if (gelu_tanh) {  // (models/gemma.py GemmaMLP.activate: chunk, F.gelu(gate, approximate="tanh") * up)
+    act = at::gelu(gu.narrow(1, 0, inter), "tanh").mul(gu.narrow(1, inter, inter));
+  } else {
+    act = at::empty({rows, inter}, opts);
+    silu_and_mul(act, gu);
+  }
   at::Tensor out = at::empty({rows, hidden}, opts);
   project(out, act, down, gemm);
   add_lora(out, act, lora, lora_rows, 3);
@@ -282,6 +304,37 @@ std::vector<at::Tensor> fused_moe_layer(
   }
   if (residual_multiplier != 1.0) out.mul_(residual_multiplier);
   return {out, residual, mixed[1]};
+}
+
+
+// Gemma 2's and 3's layer (models/gemma.py GemmaDecoderLayer), its calls in one: x + norm(attention(
+// norm(x))), then that + norm(mlp(norm(that))), the MLP gated by gelu_tanh; the attention as
+// fused_layer's (q/k norms, window, soft-capping, LoRA). Returns the layer's output.
+at::Tensor fused_gemma_layer(
+    const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_attention_norm,
+    const at::Tensor& pre_feedforward_norm, const at::Tensor& post_feedforward_norm, double eps,
+    const std::vector<at::Tensor>& qkv, const c10::optional<at::Tensor>& qkv_bias,
+    const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+    const std::vector<at::Tensor>& o_proj, const c10::optional<at::Tensor>& o_bias,
+    const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, const at::Tensor& rotations,
+    const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
+    double scale, int64_t window, double softcap, int64_t gemm, int64_t num_decodes,
+    const c10::optional<at::Tensor>& prefill_query_start, const std::vector<at::Tensor>& lora,
+    const std::vector<int64_t>& lora_rows) {
+  check_segments({&qkv, &o_proj, &gate_up, &down}, gemm);
+  TORCH_CHECK(lora_rows.size() % 2 == 0 && lora.size() == 4 * lora_rows.size(),
+              "lora: (A, B) of 4 projections per (start, stop) row range");
+  const c10::optional<at::Tensor> no_sinks;
+  const AttentionWeights w{input_norm, post_attention_norm, eps, qkv, qkv_bias, q_norm.value_or(at::Tensor()),
+                           k_norm.value_or(at::Tensor()), o_proj, o_bias, num_heads, num_kv_heads, scale, window,
+                           softcap, no_sinks, gemm};
+  const LayerStep step{rotations, positions, k_cache, v_cache, slot_mapping, block_tables, context_lens,
+                       num_decodes, prefill_query_start};
+  const at::Tensor o = attention(normed(x, input_norm, eps), w, step, lora, lora_rows);
+  const at::Tensor mid = x.add(normed(o, post_attention_norm, eps));
+  const at::Tensor out = mlp(normed(mid, pre_feedforward_norm, eps), gate_up, down, gemm, lora, lora_rows, true);
+  return mid.add(normed(out, post_feedforward_norm, eps));
 }
 
 }  // namespace kvserve

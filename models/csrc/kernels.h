@@ -192,5 +192,19 @@ std::vector<at::Tensor> fused_moe_layer(
     double scale, int64_t window, double softcap, const c10::optional<at::Tensor>& sinks, int64_t gemm,
     int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start, const std::vector<at::Tensor>& lora,
     const std::vector<int64_t>& lora_rows);
+// Gemma 2's and 3's decoder layer: x + norm(attention(norm(x))), then that + norm(mlp(norm(that)))
+// with a gelu_tanh-gated MLP (models/gemma.py GemmaDecoderLayer's calls, in one). Returns its output.
+at::Tensor fused_gemma_layer(
+    const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_attention_norm,
+    const at::Tensor& pre_feedforward_norm, const at::Tensor& post_feedforward_norm, double eps,
+    const std::vector<at::Tensor>& qkv, const c10::optional<at::Tensor>& qkv_bias,
+    const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+    const std::vector<at::Tensor>& o_proj, const c10::optional<at::Tensor>& o_bias,
+    const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, const at::Tensor& rotations,
+    const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
+    double scale, int64_t window, double softcap, int64_t gemm, int64_t num_decodes,
+    const c10::optional<at::Tensor>& prefill_query_start, const std::vector<at::Tensor>& lora,
+    const std::vector<int64_t>& lora_rows);
 
 }  // namespace kvserve

@@ -41,7 +41,7 @@ from models.ops.build import (amx_bf16_usable, amx_emulated_products, amx_enable
 from models.ops.isa import amx_mode, requested_isa
 from models.ops.layer import (GEMM_A8_QUANT, GEMM_AMX_BF16, GEMM_AMX_QUANT, GEMM_AMX_W4A16, GEMM_GROUPED, GEMM_GROUPED_INT8,
                               ROUTER_SOFTMAX_TOPK, ROUTER_SOFTMAX_TOPK_NORM, ROUTER_TOPK_SOFTMAX, FusedExpertsWeights,
-                              FusedStep, FusedWeights, fused_layer, fused_moe_layer)
+                              FusedStep, FusedWeights, fused_gemma_layer, fused_layer, fused_moe_layer)
 from models.ops.linear import (amx_bf16_linear, amx_quant_linear, amx_w4a16_linear, amx_w8a16_linear, dense_linear,
                                a8_experts, gguf_a8_experts, gguf_a8_linear, grouped_linear, mix_expert_rows,
                                moe_experts, repack_gguf, repack_gguf_a8, route_experts, ExpertActivation)
@@ -63,7 +63,7 @@ __all__ = [
     # layer
     "GEMM_GROUPED", "GEMM_GROUPED_INT8", "GEMM_AMX_BF16", "GEMM_AMX_W4A16", "GEMM_AMX_QUANT", "GEMM_A8_QUANT",
     "ROUTER_SOFTMAX_TOPK", "ROUTER_SOFTMAX_TOPK_NORM", "ROUTER_TOPK_SOFTMAX", "FusedWeights", "FusedExpertsWeights",
-    "FusedStep", "fused_layer", "fused_moe_layer",
+    "FusedStep", "fused_layer", "fused_moe_layer", "fused_gemma_layer",
     # linear
     "grouped_linear", "dense_linear", "amx_bf16_linear", "amx_w4a16_linear", "amx_w8a16_linear",
     "amx_quant_linear", "repack_gguf", "gguf_a8_linear", "repack_gguf_a8", "a8_experts", "gguf_a8_experts",

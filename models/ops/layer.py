@@ -51,6 +51,9 @@ class FusedWeights:
     window: int = 0
     softcap: float = 0.0
     sinks: torch.Tensor | None = None
+    # Gemma's norms before and after its MLP (``fused_gemma_layer``); None in other layers.
+    pre_ff_norm: torch.Tensor | None = None
+    post_ff_norm: torch.Tensor | None = None
 
 
 # The routers of ``route_experts`` and ``fused_moe_layer`` (csrc/kernels.h RouterKind): a
@@ -124,6 +127,25 @@ def fused_layer(x: torch.Tensor, residual: torch.Tensor | None, weights: FusedWe
                                 w.num_heads, w.num_kv_heads, w.scale, w.window, w.softcap, w.sinks, w.gemm,
                                 step.num_decodes, step.prefill_query_start, *(lora or ([], [])))
     return out, res
+
+
+def fused_gemma_layer(x: torch.Tensor, weights: FusedWeights, step: FusedStep, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, lora: tuple[list[torch.Tensor], list[int]] | None = None
+                      ) -> torch.Tensor:
+    """A whole Gemma 2 or 3 decoder layer for a step in one kernel call: ``x + norm(attention(
+    norm(x)))``, then that ``+ norm(mlp(norm(that)))`` with Gemma's gelu_tanh-gated MLP
+    (``weights.post_norm`` the post-attention norm, ``pre_ff_norm`` and ``post_ff_norm`` the
+    MLP's). Float32 activations on CPU; ``lora`` as ``fused_layer``'s. The same arithmetic as
+    ``models.gemma.GemmaDecoderLayer``."""
+    ext = load_extension()
+    assert ext is not None, "fused_gemma_layer needs the fused CPU kernels"
+    w = weights
+    return ext.fused_gemma_layer(x, w.input_norm, w.post_norm, w.pre_ff_norm, w.post_ff_norm, w.eps, w.qkv,
+                                 w.qkv_bias, w.q_norm, w.k_norm, w.o_proj, w.o_bias, w.gate_up, w.down,
+                                 step.rotations, step.positions, k_cache, v_cache, step.slot_mapping,
+                                 step.block_tables, step.context_lens, w.num_heads, w.num_kv_heads, w.scale,
+                                 w.window, w.softcap, w.gemm, step.num_decodes, step.prefill_query_start,
+                                 *(lora or ([], [])))
 
 
 def fused_moe_layer(x: torch.Tensor, residual: torch.Tensor | None, weights: FusedWeights,
