@@ -37,7 +37,7 @@ from models.attention import AttentionMetadata
 from models.config import ModelConfig
 from models import ops
 from models.llama import (MLP, Attention, FusedSteps, LlamaForCausalLM, RMSNorm, float32_bias, fused_weights,
-                          norms_fusable)
+                          norms_fusable, same_fused_gemm)
 from models.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -86,8 +86,7 @@ class GemmaDecoderLayer(nn.Module):
         norms = (self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
                  self.post_feedforward_layernorm)
         runs = (type(self) is GemmaDecoderLayer and type(mlp) is GemmaMLP and attn.sinks is None and attn.tp is None
-                and all(getattr(p, "fused", False) for p in projections)
-                and len({p.fused_gemm for p in projections}) == 1 and float32_bias(attn.o_proj)
+                and same_fused_gemm(*projections) and float32_bias(attn.o_proj)
                 and all(p.bias is None for p in projections[2:])
                 and len({n.eps for n in norms}) == 1 and norms_fusable(self))
         self.__dict__["_fusable"] = (projections, runs)  # (a plain attribute, as fused_weights')

@@ -167,6 +167,12 @@ class DecoderLayer(nn.Module):
                                lora=lora.fused_args() if lora is not None else None)
 
 
+def same_fused_gemm(*projections: nn.Module) -> bool:
+    """Whether every projection runs one of the fused layer kernels' GEMMs, the same one."""
+    return (all(getattr(p, "fused", False) for p in projections)
+            and len({p.fused_gemm for p in projections}) == 1)
+
+
 def float32_bias(projection: nn.Module) -> bool:
     """Whether the fused layer kernels add ``projection``'s bias as its forward does: none, or
     float32 (added to the float32 product)."""

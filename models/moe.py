@@ -57,7 +57,7 @@ from models.dense import DTYPES, PackedLinear
 from models.fused import FUSED_PARTS, fused_part_sizes
 from models.experts import FusedExperts, mix_experts
 from models.llama import (MLP, Attention, FusedSteps, LlamaForCausalLM, RMSNorm, float32_bias, fused_weights,
-                          norms_fusable)
+                          norms_fusable, same_fused_gemm)
 from models.moe_config import MoESettings
 from models.parallel import TensorParallel, embed
 from models.quant import AmxBf16Linear, QuantizedLinear
@@ -268,13 +268,12 @@ class MoEDecoderLayer(nn.Module):
         shared_runs = shared is None or (
             type(shared) is MLP and shared.tp is None and isinstance(mlp.shared_expert_gate, PackedLinear)
             and mlp.shared_expert_gate.bias is None and mlp.shared_expert_gate.packed.dtype == torch.float32
-            and all(getattr(p, "fused", False) and p.bias is None and p.fused_gemm == qkv.fused_gemm
-                    for p in (shared.gate_up_proj, shared.down_proj)))
+            and same_fused_gemm(qkv, shared.gate_up_proj, shared.down_proj)
+            and shared.gate_up_proj.bias is None and shared.down_proj.bias is None)
         return (mlp.fused.activation is not None and shared_runs and mlp.tp is None
                 and isinstance(router, PackedLinear) and float32_bias(router)
                 and router.packed.dtype == torch.float32
-                and all(getattr(p, "fused", False) for p in (qkv, o)) and qkv.fused_gemm == o.fused_gemm
-                and float32_bias(o) and attn.tp is None and norms_fusable(self))
+                and same_fused_gemm(qkv, o) and float32_bias(o) and attn.tp is None and norms_fusable(self))
 
     def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, step: ops.FusedStep,
                       kv_cache: tuple[torch.Tensor, torch.Tensor],

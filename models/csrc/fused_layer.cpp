@@ -207,6 +207,12 @@ at::Tensor mlp(const at::Tensor& h, const std::vector<at::Tensor>& gate_up, cons
   return out;
 }
 
+// The LoRA arguments add_lora reads: (A, B) of 4 projections per (start, stop) row range.
+void check_lora(const std::vector<at::Tensor>& lora, const std::vector<int64_t>& lora_rows) {
+  TORCH_CHECK(lora_rows.size() % 2 == 0 && lora.size() == 4 * lora_rows.size(),
+              "lora: (A, B) of 4 projections per (start, stop) row range");
+}
+
 void check_segments(const std::vector<const std::vector<at::Tensor>*>& projections, int64_t gemm) {
   const bool segments = gemm == kGemmAmxQuant || gemm == kGemmA8Quant;
   for (const auto* p : projections)
@@ -241,8 +247,7 @@ std::vector<at::Tensor> fused_layer(
     const c10::optional<at::Tensor>& prefill_query_start, const std::vector<at::Tensor>& lora,
     const std::vector<int64_t>& lora_rows) {
   check_segments({&qkv, &o_proj, &gate_up, &down}, gemm);
-  TORCH_CHECK(lora_rows.size() % 2 == 0 && lora.size() == 4 * lora_rows.size(),
-              "lora: (A, B) of 4 projections per (start, stop) row range");
+  check_lora(lora, lora_rows);
   const AttentionWeights w{input_norm, post_norm, eps, qkv, qkv_bias, q_norm.value_or(at::Tensor()),
                            k_norm.value_or(at::Tensor()), o_proj, o_bias, num_heads, num_kv_heads, scale, window,
                            softcap, sinks, gemm};
@@ -274,8 +279,7 @@ std::vector<at::Tensor> fused_moe_layer(
     int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start, const std::vector<at::Tensor>& lora,
     const std::vector<int64_t>& lora_rows) {
   check_segments({&qkv, &o_proj}, gemm);  // (dense_linear checks the router against the experts' count)
-  TORCH_CHECK(lora_rows.size() % 2 == 0 && lora.size() == 4 * lora_rows.size(),
-              "lora: (A, B) of 4 projections per (start, stop) row range");
+  check_lora(lora, lora_rows);
   for (size_t i = 0; i < lora_rows.size() / 2; ++i)
     TORCH_CHECK(lora[8 * i + 4].numel() == 0 && lora[8 * i + 6].numel() == 0,
                 "a sparse layer's experts take no LoRA update");
@@ -306,7 +310,6 @@ std::vector<at::Tensor> fused_moe_layer(
   return {out, residual, mixed[1]};
 }
 
-
 // Gemma 2's and 3's layer (models/gemma.py GemmaDecoderLayer), its calls in one: x + norm(attention(
 // norm(x))), then that + norm(mlp(norm(that))), the MLP gated by gelu_tanh; the attention as
 // fused_layer's (q/k norms, window, soft-capping, LoRA). Returns the layer's output.
@@ -323,8 +326,7 @@ at::Tensor fused_gemma_layer(
     const c10::optional<at::Tensor>& prefill_query_start, const std::vector<at::Tensor>& lora,
     const std::vector<int64_t>& lora_rows) {
   check_segments({&qkv, &o_proj, &gate_up, &down}, gemm);
-  TORCH_CHECK(lora_rows.size() % 2 == 0 && lora.size() == 4 * lora_rows.size(),
-              "lora: (A, B) of 4 projections per (start, stop) row range");
+  check_lora(lora, lora_rows);
   const c10::optional<at::Tensor> no_sinks;
   const AttentionWeights w{input_norm, post_attention_norm, eps, qkv, qkv_bias, q_norm.value_or(at::Tensor()),
                            k_norm.value_or(at::Tensor()), o_proj, o_bias, num_heads, num_kv_heads, scale, window,
