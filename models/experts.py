@@ -26,7 +26,7 @@ from torch import nn
 
 from models import ops
 from models.gemma import GemmaMLP
-from models.gguf_linear import A8_G4, A8_G8, NativeA8Linear
+from models.gguf_linear import NativeA8Linear
 from models.llama import MLP
 
 # The expert modules whose forward is down(activate(gate_up(x))), nothing else.
@@ -100,7 +100,6 @@ def _fusable(expert: nn.Module) -> bool:
     plain_form = getattr(type(expert), "plain_form", False)
     return ((type(expert) in _PLAIN_MLPS or plain_form) and expert.tp is None
             and all(isinstance(p, NativeA8Linear) and (p.bias is None or plain_form)
-                and not {A8_G4, A8_G8} & set(p.formats)  # (grouped_gemm.cpp's formats: one call each)
                     for p in (expert.gate_up_proj, expert.down_proj)))
 
 

@@ -6,7 +6,8 @@
 // Formats (models/gguf_linear.py A8_FORMATS), each a segment's (codes, scales):
 //   G4, G8: grouped_gemm.cpp's own 4- and 8-bit formats, d and m as float32 per 32 inputs
 //           (Q4_0, Q4_1; Q8_0, Q5_0, IQ4_NL as u = q + 128, m = -128 d; Q5_1 as u = q + 112, m - 112 d):
-//           grouped_linear runs them.
+//           grouped_linear runs them here (AMX's tiles at prompt sizes), a8_tile (the experts'
+//           calls) grouped_rows.h's int8 tiles, the same arithmetic as grouped_linear's.
 //   K4, K8: Q4_K's and Q5_K's codes (4-bit as G4's layout, 5-bit as 8-bit bytes) with the
 //           super-block's own scales: per 16-row tile and 256 inputs a record of 96 floats,
 //           D[16], M[16] (= -dmin) then int8 sc[8][16] and mn[8][16]. A group's d = D sc and
@@ -266,14 +267,21 @@ void tile_rows_l4_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq,
 }  // namespace
 
 A8Segment a8_segment(size_t i, const at::Tensor& codes, const at::Tensor& scales, int64_t format, int64_t groups) {
-  const bool l4 = format == kA8MX4 || format == kA8NL4;
-  TORCH_CHECK(l4 || format == kA8K4 || format == kA8K8 || format == kA8S16, "segment ", i, ": format ", format,
-              " is not a K, S16 or table format");
+  const bool l4 = format == kA8MX4 || format == kA8NL4, g = format == kA8G4 || format == kA8G8;
+  TORCH_CHECK(l4 || g || format == kA8K4 || format == kA8K8 || format == kA8S16, "segment ", i, ": format ", format,
+              " is not an A8Format");
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 4 &&
                   codes.size(1) == groups, "segment ", i, ": codes must be uint8 [tiles, K/32, ., 64]");
-  const int64_t bits = l4 || format == kA8K4 ? 4 : format == kA8K8 ? 8 : 6;
+  const int64_t bits = l4 || format == kA8K4 || format == kA8G4 ? 4 : format == kA8S16 ? 6 : 8;
   TORCH_CHECK(codes.size(2) == bits && codes.size(3) == 64, "segment ", i, ": codes of the wrong width");
   const int64_t tiles = codes.size(0);
+  if (g) {
+    TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
+                    scales.numel() == tiles * groups * 2 * kTile,
+                "segment ", i, ": scales must be float32 [tiles, K/32, 2, 16]");
+    return A8Segment{format, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), tiles,
+                     groups * kTile * kGroup * bits / 8, groups * 2 * kTile};
+  }
   if (l4) {
     TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == tiles * groups * kTile,
                 "segment ", i, ": scales must be float32 [tiles, K/32, 16]");
@@ -295,7 +303,18 @@ KVSERVE_ALWAYS_INLINE void tile_as(const A8Segment& seg, int64_t t, float* y, in
                                    int64_t r0, int rows, int64_t groups, int64_t valid, bool plain) {
   const uint8_t* c = seg.codes + t * seg.code_bytes;
   const float* s = seg.scales + t * seg.scale_floats;
-  if constexpr (kFormat == kA8MX4 || kFormat == kA8NL4) {
+  if constexpr (kFormat == kA8G4 || kFormat == kA8G8) {
+    // (x rounded with centre 1: each format's own centre scales the shift, see tile_rows_a8)
+    constexpr int kBits = kFormat == kA8G4 ? 4 : 8;
+#if defined(KVSERVE_V16_INT8)
+    if (!plain) {
+      return with_rows<kRowsInt8>(rows, [&](auto n) {
+        tile_rows_a8<kBits, decltype(n)::value, true>(y, ys, xq, r0, groups, c, s, valid);
+      });
+    }
+#endif
+    tile_rows_a8_plain<kBits>(rows, y, ys, xq, r0, groups, c, s, valid);
+  } else if constexpr (kFormat == kA8MX4 || kFormat == kA8NL4) {
     const Lut16 lut = lut_of(kFormat);
 #if defined(KVSERVE_V16_INT8) && defined(KVSERVE_V16_LUT)
     if (!plain) {
@@ -323,6 +342,8 @@ KVSERVE_ALWAYS_INLINE void tile_as(const A8Segment& seg, int64_t t, float* y, in
 template <typename F>
 void with_format(int64_t format, F&& f) {
   switch (format) {
+    case kA8G4: return f(std::integral_constant<int64_t, kA8G4>{});
+    case kA8G8: return f(std::integral_constant<int64_t, kA8G8>{});
     case kA8K4: return f(std::integral_constant<int64_t, kA8K4>{});
     case kA8K8: return f(std::integral_constant<int64_t, kA8K8>{});
     case kA8S16: return f(std::integral_constant<int64_t, kA8S16>{});
@@ -377,7 +398,8 @@ void gguf_a8_linear(at::Tensor& out, const at::Tensor& x, const std::vector<at::
     } else {
       const A8Segment seg = a8_segment(i, codes, scales, format, groups);
       if (!quantized) {
-        xq = quantize_rows(x.data_ptr<float>(), x.size(0), x.stride(0), groups, 0.0f, x.size(0));
+        // (centre 1, as a8_tile's G tiles take it; the other formats read no shift)
+        xq = quantize_rows(x.data_ptr<float>(), x.size(0), x.stride(0), groups, 1.0f, x.size(0));
         quantized = true;
       }
       run_segment(y, xq, seg, groups, plain);

@@ -1,6 +1,5 @@
 // What gguf_a8.cpp's GEMM and gguf_experts.cpp's experts share: a weight's segment in one of
-// the formats gguf_a8.cpp runs itself (K4, K8, S16, MX4, NL4: not grouped_gemm.cpp's G4, G8),
-// checked once, and the product of rows of int8 x with one of its 16-row tiles.
+// the A8Formats, checked once, and the product of rows of int8 x with one of its 16-row tiles.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -23,9 +22,10 @@ struct A8Segment {
 // in `format`, checked against `groups` = K/32. The tensors must outlive the segment.
 A8Segment a8_segment(size_t i, const at::Tensor& codes, const at::Tensor& scales, int64_t format, int64_t groups);
 
-// Rows [r0, r0 + rows) of xq (rows <= grouped::kRowsInt8) against tile t of seg: row r's
-// outputs to y[(r - r0) * ys + i] for i < valid. A row's result does not depend on `rows`, on
-// the other rows, or on `plain` (the portable C++: the same bits).
+// Rows [r0, r0 + rows) of xq (rows <= grouped::kRowsInt8, rounded with centre 1) against tile
+// t of seg: row r's outputs to y[(r - r0) * ys + i] for i < valid. A row's result does not
+// depend on `rows` or on the other rows; it is grouped_linear's for G4 and G8 (its vector or
+// its plain C++), and for the other formats the same bits with `plain` (the portable C++).
 void a8_tile(const A8Segment& seg, int64_t t, float* y, int64_t ys, const grouped::QuantizedRows& xq, int64_t r0,
              int rows, int64_t groups, int64_t valid, bool plain);
 

@@ -5,7 +5,7 @@
 // thread fork per chosen expert and layer (about 56 of OLMoE's 64 experts a layer).
 //
 // A8Experts holds a layer's experts' weights for one projection (each a GGUF file's codes
-// in gguf_a8.cpp's K, S16 or table formats, row ranges as gguf_a8_linear takes them, every
+// in gguf_a8.cpp's formats, row ranges as gguf_a8_linear takes them, every
 // expert in the same formats and shapes), checked once when it is made; the calls then take
 // the expert ids and row counts only. A slot's row is rounded to int8 as gguf_a8_linear
 // rounds it and meets the same tile products (gguf_a8_tiles.h), so its result is what its
@@ -83,8 +83,9 @@ void gguf_a8_experts(at::Tensor& out, const at::Tensor& x, const A8Experts& w, c
     for (int64_t t = 0; t < w.first[s].tiles; ++t) tiles.emplace_back(s, t);
   }
   const int64_t per_expert = static_cast<int64_t>(tiles.size());
+  // (centre 1: as a8_tile takes the rows)
   const grouped::QuantizedRows xq =
-      grouped::quantize_rows(x.data_ptr<float>(), x.size(0), x.stride(0), groups, 0.0f, x.size(0));
+      grouped::quantize_rows(x.data_ptr<float>(), x.size(0), x.stride(0), groups, 1.0f, x.size(0));
   float* yp = out.data_ptr<float>();
   const int64_t ys = out.stride(0);
   const float* bias = w.bias.defined() ? w.bias.data_ptr<float>() : nullptr;

@@ -247,6 +247,80 @@ constexpr int kVnniRows = 8;
 #endif
 #endif  // KVSERVE_V16_INT8
 
+#if defined(KVSERVE_V16_INT8)
+// Up to R rows of int8 x against one 16-row tile. The codes u are the
+// unsigned operand of the dots, x's codes the signed one; s0 and s1 are the
+// dots of the two halves of the group, each half with its own dx. With
+// centre c and w = d (u - c) + (m + c d), per group:
+//   y += d * (dx0 s0 + dx1 s1 + shift) + m * sum(x),
+//   shift = c (sum(x) - dx0 sum(qx_lo) - dx1 sum(qx_hi)),
+// which is d * sum((u - c) dx qx) + (m + c d) sum(x): the rounding error of x
+// meets the centred codes u - c (about half the size of u for 4 bits, and
+// exactly Q8_0's q for 8 bits, where m + c d = 0). kUnitShift: xq was rounded with centre 1
+// (gguf_experts.cpp, whose K formats share the rows), so shift is c times xq.shift: the same
+// bits as rounding with centre c, c being a power of two.
+template <int kBits, int R, bool kUnitShift = false>
+KVSERVE_ALWAYS_INLINE void tile_rows_a8(float* y, int64_t y_stride, const QuantizedRows& xq, int64_t r0,
+                                        int64_t groups, const uint8_t* codes, const float* scales,
+                                        int64_t valid) {
+  using namespace kvserve;
+  constexpr int64_t kGroupBytes = kTile * kGroup * kBits / 8;  // one group of a 16-row tile
+  constexpr float kShiftScale = kUnitShift ? static_cast<float>(1 << (kBits - 1)) : 1.0f;
+  V16 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = v16_zero();
+  for (int64_t g = 0; g < groups; ++g) {
+    V16i w[8];
+    load_codes<kBits>(codes + g * kGroupBytes, w);
+    const V16 d = v16_load(scales + g * 32);
+    const V16 m = v16_load(scales + g * 32 + 16);
+    const int64_t first = g * xq.rows + r0;  // this chunk's rows of group g
+    const int8_t* qx = xq.q.data() + first * kGroup;
+    const float* dx = xq.d.data() + first * 2;
+    const float* shift = xq.shift.data() + first;
+    const float* sum = xq.sum.data() + first;
+#pragma GCC unroll 16  // keep acc[] in registers (GCC left this loop rolled, acc[] on the stack)
+    for (int r = 0; r < R; ++r) {
+      V16i s0, s1;
+      group_dots<kBits, (R >= kVnniRows)>(s0, s1, w, qx + r * kGroup);
+      const float sh = kUnitShift ? kShiftScale * shift[r] : shift[r];
+      V16 t = v16_fmadd(v16_from_int(s1), v16_set1(dx[2 * r + 1]), v16_set1(sh));
+      t = v16_fmadd(v16_from_int(s0), v16_set1(dx[2 * r]), t);
+      acc[r] = v16_fmadd(d, t, acc[r]);
+      acc[r] = v16_fmadd(m, v16_set1(sum[r]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) v16_store_n(y + r * y_stride, acc[r], static_cast<int>(valid));
+}
+#endif
+
+// The int8 tiles in plain C++ (CPUs without the vector code; the tests), integer dots:
+// y = sum_g (d sum_h dx_h sum_k (u - c) qx + (m + c d) sum_k x). It reads no shift.
+template <int kBits>
+void tile_rows_a8_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, int64_t r0, int64_t groups,
+                        const uint8_t* codes, const float* scales, int64_t valid) {
+  constexpr int64_t kGroupBytes = kTile * kGroup * kBits / 8;  // one group of a 16-row tile
+  constexpr int kCentre = 1 << (kBits - 1);
+  for (int r = 0; r < rows; ++r) {
+    for (int i = 0; i < valid; ++i) {
+      float acc = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t gr = g * xq.rows + r0 + r;
+        float t = 0.0f;
+        for (int h = 0; h < 2; ++h) {
+          int32_t dot = 0;
+          for (int k = 16 * h; k < 16 * h + 16; ++k) {
+            dot += (code_at<kBits>(codes + g * kGroupBytes, i, k) - kCentre) * xq.q[gr * kGroup + k];
+          }
+          t += static_cast<float>(dot) * xq.d[2 * gr + h];
+        }
+        const float d = scales[g * 32 + i], m = scales[g * 32 + 16 + i];
+        acc += d * t + (m + kCentre * d) * xq.sum[gr];
+      }
+      y[r * ys + i] = acc;
+    }
+  }
+}
+
 // Rows of x a thread takes through a run of tiles before the next rows. The
 // rows' int8 codes (48 x K bytes: 27 KB for K = 576) then stay in L1 across
 // tiles instead of streaming from L2 once per tile. Measured on the default

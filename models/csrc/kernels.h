@@ -97,7 +97,7 @@ void gguf_a8_linear(at::Tensor& out, const at::Tensor& x, const std::vector<at::
                     const std::vector<int64_t>& formats, bool plain);
 
 // gguf_experts.cpp: a layer's experts' weights for one projection, each as gguf_a8_linear's
-// parts in K, S16 or table formats (expert-major: expert 0's codes0, scales0, codes1, ...;
+// parts in any A8Format (expert-major: expert 0's codes0, scales0, codes1, ...;
 // every expert of the same formats and shapes), checked when made; bias: each expert's bias,
 // float32 [experts, out_features] (gpt-oss), or none. Holds the tensors.
 struct A8Experts {

@@ -93,7 +93,8 @@ def gguf_a8_linear(x: torch.Tensor, parts: list[torch.Tensor], formats: list[int
     dots, for a weight of row ranges each ``(codes, scales)`` in its format
     (``models.gguf_linear.A8_FORMATS``: a GGUF tensor's own codes and scales; ``parts``:
     codes0, scales0, codes1, ...). A row's result does not depend on the other rows;
-    ``plain`` runs the portable C++, which gives the same bits (the tests)."""
+    ``plain`` runs the portable C++, which gives the same bits (the tests) but for G4 and G8
+    (``grouped_linear``'s plain C++ sums in another order)."""
     ext = load_extension()
     if ext is None:
         raise RuntimeError("gguf_a8_linear needs the fused CPU kernels")
@@ -107,7 +108,7 @@ def a8_experts(parts: list[torch.Tensor], formats: list[int], experts: int, in_f
                out_features: int, bias: torch.Tensor | None = None) -> object:
     """A layer's experts' weights for one projection, as ``gguf_a8_experts`` takes them:
     ``parts`` each expert's ``gguf_a8_linear`` parts in turn, every expert in the same
-    ``formats`` (K, S16 or table formats only) and shapes, checked here once; ``bias``: each
+    ``formats`` and shapes, checked here once; ``bias``: each
     expert's bias, float32 ``[experts, out_features]``, or None. It holds the tensors."""
     ext = load_extension()
     if ext is None:

@@ -111,10 +111,12 @@ def test_a_shape_off_the_tiles_is_refused() -> None:
         a8_projection(None, [tensor_of("Q4_K", (24, 512))], [None])
 
 
-@pytest.mark.parametrize("types", [("Q4_K", "Q5_K"), ("Q6_K",), ("MXFP4", "IQ4_XS"), ("Q3_K",)])
+@pytest.mark.parametrize("types", [("Q4_K", "Q5_K"), ("Q6_K",), ("MXFP4", "IQ4_XS"), ("Q3_K",), ("Q4_0", "Q8_0"),
+                                   ("Q4_K", "Q5_1"), ("Q4_1",)])
 def test_experts_in_one_call_give_each_experts_own_call(types: tuple[str, ...]) -> None:
     # Six experts' projections (segments of one or two formats) as one weight: each expert's
     # rows are what its own projection gives them, bit for bit, on the vector code and the plain.
+    # (G4 and G8, grouped_gemm.cpp's formats, round x with their own centre there: 8 or 128.)
     projections = [a8_projection(None, [tensor_of(t, (32 * (i + 1), 512), 10 * e + i) for i, t in enumerate(types)],
                                  [None] * len(types)) for e in range(6)]
     n = projections[0].out_features
@@ -125,7 +127,10 @@ def test_experts_in_one_call_give_each_experts_own_call(types: tuple[str, ...]) 
     starts = [0, 1, 18, 22, 23]
     for e, a, b in zip(ids, starts, starts[1:]):
         assert torch.equal(y[a:b], projections[e](x[a:b]))
-    assert torch.equal(ops.gguf_a8_experts(x, weights, ids, counts, n, plain=True), y)
+    plain = ops.gguf_a8_experts(x, weights, ids, counts, n, plain=True)
+    for e, a, b in zip(ids, starts, starts[1:]):  # (grouped_linear's plain C++ sums in another order)
+        want = ops.gguf_a8_linear(x[a:b], projections[e].fused_args[:-1], projections[e].formats, n, plain=True)
+        assert torch.equal(plain[a:b], want)
     # one token's row for each of its experts: the row read three times (a stride of 0)
     alone = ops.gguf_a8_experts(x[:1].expand(3, -1), weights, [1, 2, 4], [1, 1, 1], n)
     assert torch.equal(alone, torch.cat([projections[e](x[:1]) for e in (1, 2, 4)]))
@@ -133,8 +138,10 @@ def test_experts_in_one_call_give_each_experts_own_call(types: tuple[str, ...]) 
 
 def test_experts_of_other_formats_shapes_or_counts_are_refused() -> None:
     q8 = a8_projection(None, [tensor_of("Q8_0", (32, 512))], [None])
-    with pytest.raises(RuntimeError, match="not a K, S16 or table format"):
-        ops.a8_experts(q8.fused_args[:-1], q8.formats, 1, 512, 32)
+    with pytest.raises(RuntimeError, match="format 7 is not an A8Format"):
+        ops.a8_experts(q8.fused_args[:-1], [7], 1, 512, 32)
+    with pytest.raises(RuntimeError, match="codes of the wrong width"):  # (Q8_0's 8-bit codes called G4)
+        ops.a8_experts(q8.fused_args[:-1], [A8_G4], 1, 512, 32)
     two = [a8_projection(None, [tensor_of("Q4_K", (rows, 512))], [None]) for rows in (32, 48)]
     with pytest.raises(RuntimeError, match="not the shape of expert 0's"):
         ops.a8_experts([t for p in two for t in p.fused_args[:-1]], two[0].formats, 2, 512, 32)

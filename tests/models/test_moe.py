@@ -336,24 +336,24 @@ def test_moe_gguf_runs_its_own_codes_on_w4a8(tiny_prompt, make_runner, tmp_path,
     # (inputs rounded to int8 per 16 at every projection: near transformers, not equal)
     assert max_diff(whole, reference_logits(reference, tiny_prompt)) < 0.1
     assert torch.equal(chunked_beside_another(make_runner(model, seed=1), tiny_prompt), whole)
-    # One token alone is its row of a batch, bit for bit; grouped_gemm.cpp's formats (Q8_0)
-    # run one call an expert, gpt-oss's MXFP4 experts (biases, clamped SwiGLU) one call a
-    # projection (models.experts.FusedExperts), each slot what its expert's own call gives.
-    block = next(layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock))
-    assert (block.fused is not None) == (arch == "gptoss")
-    if block.fused is not None:
-        from models.experts import _grouped
+    # One token alone is its row of a batch, bit for bit; the experts (Q8_0's grouped_gemm.cpp
+    # format; gpt-oss's MXFP4 with biases and its clamped SwiGLU) one call a projection
+    # (models.experts.FusedExperts), each slot what its expert's own call gives.
+    from models.experts import _grouped
 
-        x = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
-        weights, chosen = route(block.gate(x).float(), block.moe)
-        fused, counts, rows = block.fused(x, chosen)
-        grouped, grouped_counts = _grouped(block.experts, x, chosen)
-        assert torch.equal(fused.index_select(0, rows), grouped) and counts == grouped_counts
-        # ... and the kernel's whole experts call (biases, clamped SwiGLU) gives their mix's bits
-        assert block.fused.activation.kind == ops.ExpertActivation.CLAMPED_SWIGLU
-        whole, routed = ops.moe_experts(x, block.fused.gate_up, block.fused.down, weights, chosen,
-                                        block.fused.activation)
-        assert torch.equal(whole, ops.mix_expert_rows(fused, rows, weights)) and routed.tolist() == counts
+    block = next(layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock))
+    assert block.fused is not None
+    x = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    weights, chosen = route(block.gate(x).float(), block.moe)
+    fused, counts, rows = block.fused(x, chosen)
+    grouped, grouped_counts = _grouped(block.experts, x, chosen)
+    assert torch.equal(fused.index_select(0, rows), grouped) and counts == grouped_counts
+    # ... and the kernel's whole experts call (biases, clamped SwiGLU) gives their mix's bits
+    assert block.fused.activation.kind == (ops.ExpertActivation.CLAMPED_SWIGLU if arch == "gptoss"
+                                           else ops.ExpertActivation.SILU_GLU)
+    whole, routed = ops.moe_experts(x, block.fused.gate_up, block.fused.down, weights, chosen,
+                                    block.fused.activation)
+    assert torch.equal(whole, ops.mix_expert_rows(fused, rows, weights)) and routed.tolist() == counts
     x = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
     batch = block(x)
     assert all(torch.equal(block(x[i:i + 1])[0], batch[i]) for i in range(9))

@@ -2,7 +2,7 @@
 op-by-op layer's bits: logits, KV caches and routed-token counts, for OLMoE's norms over the
 whole q/k projections, Qwen3-MoE's per-head norms and Mixtral's plain attention, in one
 prefill, in chunks beside another sequence and in decode steps; and gpt-oss's (sinks, windows,
-biases, its clamped SwiGLU). The kernels' router
+biases, its clamped SwiGLU), and on Q4_0 and Q8_0 experts. The kernels' router
 (``ops.route_experts``) picks what torch's softmax and top-k pick, and its rows do not
 depend on the batch. The fused dense layer runs Qwen3's per-head norms too, the same bits.
 """
@@ -90,6 +90,21 @@ def test_fused_moe_layers_equal_the_op_by_op_layers(tiny_prompt, make_runner, tm
     # (x rounded to int8 per 16 inputs at every projection: near transformers, not equal)
     want = reference_logits(reference, tiny_prompt)
     assert max_diff(fused[:len(tiny_prompt)], want) < 0.05 * want.abs().max()
+
+
+@pytest.mark.parametrize("arch, kind", [("olmoe", "Q4_0"), ("mixtral", "Q8_0")])
+def test_fused_moe_layers_of_grouped_formats_equal_the_op_by_op_layers(tiny_prompt, make_runner, tmp_path,
+                                                                       monkeypatch, arch, kind):
+    # (Q4_0's and Q8_0's experts, grouped_gemm.cpp's G4 and G8: one call a projection too)
+    reference = tiny_moe(arch, **FAMILIES[arch])
+    path = write_moe_gguf(tmp_path / f"{arch}.gguf", reference, arch, kind, every_projection=True)
+    model = load_model(str(path), dtype="float32", device="cpu", quantization="w4a8").model
+    assert all(layer.fused_moe_weights() is not None for layer in model.model.layers)
+    fused = fused_equals_op_by_op(model, make_runner, tiny_prompt, monkeypatch)
+    # (x rounded to int8 at every projection of the quantiser's own weights, every projection
+    # quantised: 2.8-3.3% of the logits' norm here, where each projection alone is 0.5%)
+    want = reference_logits(reference, tiny_prompt)
+    assert (fused[:len(tiny_prompt)] - want).norm() < 0.05 * want.norm()
 
 
 def test_gpt_oss_layers_run_fused_with_the_op_by_op_bits(tiny_prompt, make_runner, tmp_path, monkeypatch):
