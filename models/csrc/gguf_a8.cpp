@@ -22,15 +22,20 @@
 //           and IQ4_XS's codebook) in G4's layout, and a float32 d per row and 32 inputs
 //           ([tiles, K/32, 16]): 5 bits a weight, against MXFP4's 4.25 and IQ4_NL's 4.5. The
 //           kernel looks the bytes up (vpshufb) as u = value + 128, then as S16 with c = 128.
+//   D4, D8: symmetric codes in G4's (Q4_0: u = q, c = 8) or G8's layout (Q8_0, Q5_0: u = q + 128,
+//           c = 128) and the file's own float16 d per row and 32 inputs ([tiles, K/32, 16]
+//           float16): 4.5 and 8.5 bits a weight, as the file's blocks (G4 and G8 held 6 and 10:
+//           float32 d and a redundant m); the arithmetic of L4 with c = 8 or 128.
 // Per group, with the dots s_h = sum(u qx) of each half h and qs_h = sum(qx) (grouped_rows.h):
 //   K:   y += d * (dx_1 (s_1 - c qs_1) + dx_0 (s_0 - c qs_0)) + (c d + m) * sum(x)   (c: 8, 16)
 //   S16: y += d_0 * (dx_0 (s_0 - 32 qs_0)) + d_1 * (dx_1 (s_1 - 32 qs_1))
-//   L4:  y += d * (dx_1 (s_1 - 128 qs_1) + dx_0 (s_0 - 128 qs_0))
+//   L4, D: y += d * (dx_1 (s_1 - c qs_1) + dx_0 (s_0 - c qs_0))   (c: 128; D4's 8)
 // s_h - c qs_h = sum((u - c) qx) is an integer below 2^24, exact in float (the vector code
 // subtracts in integers, the plain C++ in floats: the same value); so the rounding of x
 // meets the centred codes, as in grouped_gemm.cpp. A row's result does not depend on the
 // rows beside it, and the plain C++ gives the vector code's bits (the same operations in order).
 #include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
 
 #include "gguf_a8_tiles.h"
 #include "gguf_tables.h"
@@ -206,21 +211,37 @@ Lut16 lut_of(int64_t format) {
   return t;
 }
 
+// What a d-per-32 format (L4: table indices; D: symmetric codes) reads: its code width, the
+// centre c of its bytes u, whether they are table indices, whether d is float16.
+template <int64_t kFormat>
+struct DFormat {
+  static constexpr bool kLut = kFormat == kA8MX4 || kFormat == kA8NL4;
+  static constexpr int kBits = kFormat == kA8D8 ? 8 : 4;
+  static constexpr int32_t kCentre = kFormat == kA8D4 ? 8 : 128;
+  static constexpr bool kHalf = kFormat == kA8D4 || kFormat == kA8D8;
+};
+
 #if defined(KVSERVE_V16_INT8) && defined(KVSERVE_V16_LUT)
-// Up to R rows of int8 x against one 16-row tile of an L4 format.
-template <int R>
-KVSERVE_ALWAYS_INLINE void tile_rows_l4(float* y, int64_t ys, const QuantizedRows& xq, int64_t r0, int64_t groups,
-                                        const uint8_t* codes, const float* scales, int64_t valid, const Lut16& lut) {
-  constexpr int64_t kGroupBytes = kTile * kGroup / 2;
-  const V16i table = v16i_bcast16(lut.u);
+// Up to R rows of int8 x against one 16-row tile of an L4 or D format.
+template <int64_t kFormat, int R>
+KVSERVE_ALWAYS_INLINE void tile_rows_d(float* y, int64_t ys, const QuantizedRows& xq, int64_t r0, int64_t groups,
+                                       const uint8_t* codes, const float* scales, int64_t valid, const Lut16& lut) {
+  using F = DFormat<kFormat>;
+  constexpr int64_t kGroupBytes = kTile * kGroup * F::kBits / 8;
+  V16i table = v16i_zero();
+  if constexpr (F::kLut) table = v16i_bcast16(lut.u);
   V16 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = v16_zero();
   for (int64_t g = 0; g < groups; ++g) {
     V16i w[8];
     prefetch_ahead<kGroupBytes>(codes + g * kGroupBytes);
-    load_codes<4>(codes + g * kGroupBytes, w);
-    for (int j = 0; j < 8; ++j) w[j] = v16i_lut16(table, w[j]);
-    const V16 d = v16_load(scales + g * 16);
+    load_codes<F::kBits>(codes + g * kGroupBytes, w);
+    if constexpr (F::kLut) {
+      for (int j = 0; j < 8; ++j) w[j] = v16i_lut16(table, w[j]);
+    }
+    V16 d;
+    if constexpr (F::kHalf) d = v16_load_half(reinterpret_cast<const uint16_t*>(scales) + g * 16);
+    else d = v16_load(scales + g * 16);
     const int64_t first = g * xq.rows + r0;
     const int8_t* qx = xq.q.data() + first * kGroup;
     const float* dx = xq.d.data() + first * 2;
@@ -228,9 +249,9 @@ KVSERVE_ALWAYS_INLINE void tile_rows_l4(float* y, int64_t ys, const QuantizedRow
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       V16i s0, s1;
-      group_dots<8, (R >= kVnniRows)>(s0, s1, w, qx + r * kGroup);
-      const V16 c0 = v16_from_int(v16i_sub(s0, v16i_set1(128 * qs[2 * r])));
-      const V16 c1 = v16_from_int(v16i_sub(s1, v16i_set1(128 * qs[2 * r + 1])));
+      group_dots<(F::kBits == 4 && !F::kLut ? 4 : 8), (R >= kVnniRows)>(s0, s1, w, qx + r * kGroup);
+      const V16 c0 = v16_from_int(v16i_sub(s0, v16i_set1(F::kCentre * qs[2 * r])));
+      const V16 c1 = v16_from_int(v16i_sub(s1, v16i_set1(F::kCentre * qs[2 * r + 1])));
       const V16 t = v16_fmadd(c1, v16_set1(dx[2 * r + 1]), c0 * v16_set1(dx[2 * r]));
       acc[r] = v16_fmadd(d, t, acc[r]);
     }
@@ -240,9 +261,11 @@ KVSERVE_ALWAYS_INLINE void tile_rows_l4(float* y, int64_t ys, const QuantizedRow
 #endif
 
 // The same arithmetic one output at a time.
-void tile_rows_l4_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, int64_t r0, int64_t groups,
-                        const uint8_t* codes, const float* scales, int64_t valid, const Lut16& lut) {
-  constexpr int64_t kGroupBytes = kTile * kGroup / 2;
+template <int64_t kFormat>
+void tile_rows_d_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, int64_t r0, int64_t groups,
+                       const uint8_t* codes, const float* scales, int64_t valid, const Lut16& lut) {
+  using F = DFormat<kFormat>;
+  constexpr int64_t kGroupBytes = kTile * kGroup * F::kBits / 8;
   for (int r = 0; r < rows; ++r) {
     for (int i = 0; i < valid; ++i) {
       float acc = 0.0f;
@@ -251,13 +274,17 @@ void tile_rows_l4_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq,
         float c[2];
         for (int h = 0; h < 2; ++h) {
           int32_t dot = 0;
-          for (int k = 16 * h; k < 16 * h + 16; ++k)
-            dot += lut.u[code_at<4>(codes + g * kGroupBytes, i, k)] * xq.q[gr * kGroup + k];
-          c[h] = static_cast<float>(dot) - 128.0f * static_cast<float>(xq.qs[2 * gr + h]);
+          for (int k = 16 * h; k < 16 * h + 16; ++k) {
+            const int u = code_at<F::kBits>(codes + g * kGroupBytes, i, k);
+            dot += (F::kLut ? lut.u[u] : u) * xq.q[gr * kGroup + k];
+          }
+          c[h] = static_cast<float>(dot) - static_cast<float>(F::kCentre) * static_cast<float>(xq.qs[2 * gr + h]);
         }
+        const float d = F::kHalf ? static_cast<float>(reinterpret_cast<const c10::Half*>(scales)[g * 16 + i])
+                                 : scales[g * 16 + i];
         const float p0 = c[0] * xq.d[2 * gr];
         const float t = std::fma(c[1], xq.d[2 * gr + 1], p0);
-        acc = std::fma(scales[g * 16 + i], t, acc);
+        acc = std::fma(d, t, acc);
       }
       y[r * ys + i] = acc;
     }
@@ -268,11 +295,12 @@ void tile_rows_l4_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq,
 
 A8Segment a8_segment(size_t i, const at::Tensor& codes, const at::Tensor& scales, int64_t format, int64_t groups) {
   const bool l4 = format == kA8MX4 || format == kA8NL4, g = format == kA8G4 || format == kA8G8;
-  TORCH_CHECK(l4 || g || format == kA8K4 || format == kA8K8 || format == kA8S16, "segment ", i, ": format ", format,
-              " is not an A8Format");
+  const bool half = format == kA8D4 || format == kA8D8;
+  TORCH_CHECK(l4 || g || half || format == kA8K4 || format == kA8K8 || format == kA8S16, "segment ", i, ": format ",
+              format, " is not an A8Format");
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 4 &&
                   codes.size(1) == groups, "segment ", i, ": codes must be uint8 [tiles, K/32, ., 64]");
-  const int64_t bits = l4 || format == kA8K4 || format == kA8G4 ? 4 : format == kA8S16 ? 6 : 8;
+  const int64_t bits = l4 || format == kA8K4 || format == kA8G4 || format == kA8D4 ? 4 : format == kA8S16 ? 6 : 8;
   TORCH_CHECK(codes.size(2) == bits && codes.size(3) == 64, "segment ", i, ": codes of the wrong width");
   const int64_t tiles = codes.size(0);
   if (g) {
@@ -281,6 +309,12 @@ A8Segment a8_segment(size_t i, const at::Tensor& codes, const at::Tensor& scales
                 "segment ", i, ": scales must be float32 [tiles, K/32, 2, 16]");
     return A8Segment{format, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), tiles,
                      groups * kTile * kGroup * bits / 8, groups * 2 * kTile};
+  }
+  if (half) {  // (float16 d's: a tile's are groups * 8 floats' bytes from the last's)
+    TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kHalf && scales.numel() == tiles * groups * kTile,
+                "segment ", i, ": scales must be float16 [tiles, K/32, 16]");
+    return A8Segment{format, codes.data_ptr<uint8_t>(), static_cast<const float*>(scales.data_ptr()), tiles,
+                     groups * kTile * kGroup * bits / 8, groups * kTile / 2};
   }
   if (l4) {
     TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == tiles * groups * kTile,
@@ -314,16 +348,17 @@ KVSERVE_ALWAYS_INLINE void tile_as(const A8Segment& seg, int64_t t, float* y, in
     }
 #endif
     tile_rows_a8_plain<kBits>(rows, y, ys, xq, r0, groups, c, s, valid);
-  } else if constexpr (kFormat == kA8MX4 || kFormat == kA8NL4) {
-    const Lut16 lut = lut_of(kFormat);
+  } else if constexpr (kFormat == kA8MX4 || kFormat == kA8NL4 || kFormat == kA8D4 || kFormat == kA8D8) {
+    Lut16 lut{};
+    if constexpr (DFormat<kFormat>::kLut) lut = lut_of(kFormat);
 #if defined(KVSERVE_V16_INT8) && defined(KVSERVE_V16_LUT)
     if (!plain) {
       return with_rows<kRowsInt8>(rows, [&](auto n) {
-        tile_rows_l4<decltype(n)::value>(y, ys, xq, r0, groups, c, s, valid, lut);
+        tile_rows_d<kFormat, decltype(n)::value>(y, ys, xq, r0, groups, c, s, valid, lut);
       });
     }
 #endif
-    tile_rows_l4_plain(rows, y, ys, xq, r0, groups, c, s, valid, lut);
+    tile_rows_d_plain<kFormat>(rows, y, ys, xq, r0, groups, c, s, valid, lut);
   } else {
     constexpr int kBits = kFormat == kA8K4 ? 4 : kFormat == kA8K8 ? 8 : 6;
     constexpr bool kSym = kFormat == kA8S16;
@@ -348,6 +383,8 @@ void with_format(int64_t format, F&& f) {
     case kA8K8: return f(std::integral_constant<int64_t, kA8K8>{});
     case kA8S16: return f(std::integral_constant<int64_t, kA8S16>{});
     case kA8MX4: return f(std::integral_constant<int64_t, kA8MX4>{});
+    case kA8D4: return f(std::integral_constant<int64_t, kA8D4>{});
+    case kA8D8: return f(std::integral_constant<int64_t, kA8D8>{});
     default: return f(std::integral_constant<int64_t, kA8NL4>{});
   }
 }
@@ -387,7 +424,7 @@ void gguf_a8_linear(at::Tensor& out, const at::Tensor& x, const std::vector<at::
     const at::Tensor& codes = parts[2 * i];
     const at::Tensor& scales = parts[2 * i + 1];
     const int64_t format = formats[i];
-    TORCH_CHECK(format >= kA8G4 && format <= kA8NL4, "unknown format ", format);
+    TORCH_CHECK(format >= kA8G4 && format <= kA8D8, "unknown format ", format);
     TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 4 &&
                     codes.size(1) == groups, "segment ", i, ": codes must be uint8 [tiles, K/32, ., 64]");
     const int64_t rows = std::min(codes.size(0) * kTile, n - start);

@@ -315,9 +315,13 @@ struct TileRows {
 // u - 128: Q5_1's codes 0..31 as they are put it 112 codes off their middle, and its mean KLD
 // on a 0.5B model was 120x llama.cpp's). So Q5_1 goes as u = q + 112 with m - 112 d, a float
 // sum that rounds once at load (the other G8 types' m - 128 d, with m = 0, is exact).
+// D4 keeps Q4_0's codes 0..15 (decode_block's m = -8 d: the kernel's centre), D8 Q8_0's and
+// Q5_0's signed codes as u = q + 128.
 bool a8_fits(int64_t type, int64_t format, int& shift) {
-  shift = format == kA8G8 ? (type == kQ5_1 ? 112 : 128) : format == kA8S16 ? 32 : 0;
+  shift = format == kA8G8 || format == kA8D8 ? (type == kQ5_1 ? 112 : 128) : format == kA8S16 ? 32 : 0;
   switch (format) {
+    case kA8D4: return type == kQ4_0;
+    case kA8D8: return type == kQ8_0 || type == kQ5_0;
     case kA8MX4: return type == kMXFP4;  // (the codes are table indices: no shift)
     case kA8NL4: return type == kIQ4_NL || type == kIQ4_XS;
     case kA8G4: return type == kQ4_0 || type == kQ4_1;
@@ -485,11 +489,11 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
   int shift;
   TORCH_CHECK(a8_fits(type, format, shift), "GGUF type ", type, " has no int8-activation format ", format);
   const bool sym = format == kA8S16, compact = format == kA8K4 || format == kA8K8 || sym;
-  const bool lut = format == kA8MX4 || format == kA8NL4;
+  const bool lut = format == kA8MX4 || format == kA8NL4, half = format == kA8D4 || format == kA8D8;
   // (S16: the low plane, then the high bits; L4: table indices)
-  const bool nibbles = format == kA8G4 || format == kA8K4 || sym || lut;
+  const bool nibbles = format == kA8G4 || format == kA8K4 || sym || lut || format == kA8D4;
   const int64_t code_bytes = format == kA8S16 ? 384 : nibbles ? 256 : 512, record = sym ? 80 : 96;
-  const int64_t scale_floats = compact ? tiles * (groups / 8) * record : tiles * groups * (lut ? 16 : 32);
+  const int64_t scale_floats = compact ? tiles * (groups / 8) * record : tiles * groups * (lut || half ? 16 : 32);
   // L4: each table value's index (MXFP4's two zeros: the first)
   int index_of[256];
   std::fill(index_of, index_of + 256, -1);
@@ -499,13 +503,14 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
   }
   TORCH_CHECK(codes.is_contiguous() && codes.numel() == tiles * groups * code_bytes && codes.element_size() == 1,
               "codes must hold ", tiles * groups * code_bytes, " bytes");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == scale_floats,
-              "scales must hold ", scale_floats, " floats");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == (half ? at::kHalf : at::kFloat) &&
+                  scales.numel() == scale_floats, "scales must hold ", scale_floats, half ? " halves" : " floats");
   const int64_t* src = in.src;
   const uint8_t* rp = in.rp;
   const int64_t rs = in.rs;
   auto* cp = reinterpret_cast<uint8_t*>(codes.data_ptr());
-  float* sp = scales.data_ptr<float>();
+  float* sp = half ? nullptr : scales.data_ptr<float>();
+  c10::Half* hp = half ? scales.data_ptr<c10::Half>() : nullptr;
   std::atomic<bool> exact{true};
   parallel_chunks(tiles, 4, [&](int64_t begin, int64_t end) {
     TileRows t(k);
@@ -536,6 +541,17 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
               }
         }
         if (compact) continue;
+        if (half) {  // the file's float16 d per 32 inputs (m: D4's -8 d, D8's 0)
+          c10::Half* s = hp + (tile * groups + g) * 16;
+          for (int o = 0; o < 16; ++o) {
+            const int64_t at = o * (k / 16) + 2 * g;
+            s[o] = c10::Half(t.d[at]);
+            const float m = format == kA8D4 ? -8.0f * t.d[at] : 0.0f;
+            if (static_cast<float>(s[o]) != t.d[at] || t.d[at + 1] != t.d[at] || t.m[at] != m || t.m[at + 1] != m)
+              exact = false;
+          }
+          continue;
+        }
         if (lut) {  // one d per 32 inputs, no m
           float* s = sp + (tile * groups + g) * 16;
           for (int o = 0; o < 16; ++o) {

@@ -2,7 +2,7 @@
 op-by-op layer's bits: logits, KV caches and routed-token counts, for OLMoE's norms over the
 whole q/k projections, Qwen3-MoE's per-head norms and Mixtral's plain attention, in one
 prefill, in chunks beside another sequence and in decode steps; and gpt-oss's (sinks, windows,
-biases, its clamped SwiGLU), and on Q4_0 and Q8_0 experts. The kernels' router
+biases, its clamped SwiGLU), and on Q4_0, Q8_0 and Q4_1 experts. The kernels' router
 (``ops.route_experts``) picks what torch's softmax and top-k pick, and its rows do not
 depend on the batch. The fused dense layer runs Qwen3's per-head norms too, the same bits.
 """
@@ -92,10 +92,10 @@ def test_fused_moe_layers_equal_the_op_by_op_layers(tiny_prompt, make_runner, tm
     assert max_diff(fused[:len(tiny_prompt)], want) < 0.05 * want.abs().max()
 
 
-@pytest.mark.parametrize("arch, kind", [("olmoe", "Q4_0"), ("mixtral", "Q8_0")])
-def test_fused_moe_layers_of_grouped_formats_equal_the_op_by_op_layers(tiny_prompt, make_runner, tmp_path,
-                                                                       monkeypatch, arch, kind):
-    # (Q4_0's and Q8_0's experts, grouped_gemm.cpp's G4 and G8: one call a projection too)
+@pytest.mark.parametrize("arch, kind", [("olmoe", "Q4_0"), ("mixtral", "Q8_0"), ("qwen3moe", "Q4_1")])
+def test_fused_moe_layers_of_q4_0_q8_0_q4_1_equal_the_op_by_op_layers(tiny_prompt, make_runner, tmp_path,
+                                                                      monkeypatch, arch, kind):
+    # (D4, D8 and grouped_gemm.cpp's G4: every format's experts one call a projection)
     reference = tiny_moe(arch, **FAMILIES[arch])
     path = write_moe_gguf(tmp_path / f"{arch}.gguf", reference, arch, kind, every_projection=True)
     model = load_model(str(path), dtype="float32", device="cpu", quantization="w4a8").model
