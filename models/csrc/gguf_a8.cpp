@@ -8,7 +8,9 @@
 //           (Q4_0, Q4_1; Q8_0, Q5_0, IQ4_NL as u = q + 128, m = -128 d; Q5_1 as u = q + 112, m - 112 d):
 //           grouped_linear runs them here (AMX's tiles at prompt sizes), a8_tile (the experts'
 //           calls) grouped_rows.h's int8 tiles, the same arithmetic as grouped_linear's.
-//   K4, K8: Q4_K's and Q5_K's codes (4-bit as G4's layout, 5-bit as 8-bit bytes) with the
+//   K4, K5: Q4_K's and Q5_K's codes (4-bit as G4's layout, 5-bit as G4's layout of their low 4
+//           bits, then 64 bytes of their 5th: byte b of lane i holds, at bit t, that of byte b of
+//           lane i of code vector t, as load_codes<8> gives them) with the
 //           super-block's own scales: per 16-row tile and 256 inputs a record of 96 floats,
 //           D[16], M[16] (= -dmin) then int8 sc[8][16] and mn[8][16]. A group's d = D sc and
 //           m = M mn are llama.cpp's float products, made in the kernel: 0.19 bytes of scales
@@ -22,14 +24,14 @@
 //           and IQ4_XS's codebook) in G4's layout, and a float32 d per row and 32 inputs
 //           ([tiles, K/32, 16]): 5 bits a weight, against MXFP4's 4.25 and IQ4_NL's 4.5. The
 //           kernel looks the bytes up (vpshufb) as u = value + 128, then as S16 with c = 128.
-//   D4, D8: symmetric codes in G4's (Q4_0: u = q, c = 8) or G8's layout (Q8_0, Q5_0: u = q + 128,
-//           c = 128) and the file's own float16 d per row and 32 inputs ([tiles, K/32, 16]
-//           float16): 4.5 and 8.5 bits a weight, as the file's blocks (G4 and G8 held 6 and 10:
-//           float32 d and a redundant m); the arithmetic of L4 with c = 8 or 128.
+//   D4, D5, D8: symmetric codes in G4's (Q4_0: u = q, c = 8), K5's (Q5_0: u = q + 16, c = 16) or
+//           G8's layout (Q8_0: u = q + 128, c = 128) and the file's own float16 d per row and 32
+//           inputs ([tiles, K/32, 16] float16): 4.5, 5.5 and 8.5 bits a weight, as the file's
+//           blocks (G4 and G8 held 6 and 10: float32 d and a redundant m); L4's arithmetic.
 // Per group, with the dots s_h = sum(u qx) of each half h and qs_h = sum(qx) (grouped_rows.h):
-//   K:   y += d * (dx_1 (s_1 - c qs_1) + dx_0 (s_0 - c qs_0)) + (c d + m) * sum(x)   (c: 8, 16)
+//   K:   y += d * (dx_1 (s_1 - c qs_1) + dx_0 (s_0 - c qs_0)) + (c d + m) * sum(x)   (c: 8; K5's 16)
 //   S16: y += d_0 * (dx_0 (s_0 - 32 qs_0)) + d_1 * (dx_1 (s_1 - 32 qs_1))
-//   L4, D: y += d * (dx_1 (s_1 - c qs_1) + dx_0 (s_0 - c qs_0))   (c: 128; D4's 8)
+//   L4, D: y += d * (dx_1 (s_1 - c qs_1) + dx_0 (s_0 - c qs_0))   (c: 128; D4's 8, D5's 16)
 // s_h - c qs_h = sum((u - c) qx) is an integer below 2^24, exact in float (the vector code
 // subtracts in integers, the plain C++ in floats: the same value); so the rounding of x
 // meets the centred codes, as in grouped_gemm.cpp. A row's result does not depend on the
@@ -62,7 +64,7 @@ constexpr int64_t record_floats(int64_t format) { return format == kA8S16 ? 80 :
 
 template <bool kSym, int kBits>
 constexpr float centre() {
-  return kSym ? 32.0f : (kBits == 4 ? 8.0f : 16.0f);
+  return kSym ? 32.0f : (kBits == 4 ? 8.0f : 16.0f);  // (K5's 5-bit codes: 16)
 }
 
 // Code u of row i (in its tile), input k (in its group), of a group of 6-bit codes.
@@ -72,11 +74,26 @@ inline int code_at6(const uint8_t* group, int i, int k) {
   return code_at<4>(group, i, k) | (high << 4);
 }
 
-// A group's codes as bytes (load_codes<8>'s w[8]); 6 bits: the low plane as 4-bit codes,
+// Code u of row i, input k, of a group of 5-bit codes.
+inline int code_at5(const uint8_t* group, int i, int k) {
+  const int j = k < 16 ? k / 4 : 4 + (k - 16) / 4;
+  return code_at<4>(group, i, k) | (((group[256 + i * 4 + k % 4] >> j) & 1) << 4);
+}
+
+// A group's codes as bytes (load_codes<8>'s w[8]); 5 bits: the low plane as 4-bit codes, then
+// vector t's 5th bits (bit t of the high plane's bytes) moved to bit 4 and added in; 6 bits:
+// the low plane as 4-bit codes,
 // then each vector's high bits added in (they do not overlap, so the add is an or).
 template <int kBits>
 KVSERVE_ALWAYS_INLINE void load_group(const uint8_t* group, V16i* w) {
-  if constexpr (kBits == 6) {
+  if constexpr (kBits == 5) {
+    load_codes<4>(group, w);
+    const V16i high = v16i_load(group + 256), bit4 = v16i_set1(0x10101010);
+    for (int t = 0; t < 8; ++t) {
+      const V16i moved = t < 4 ? v16i_slli32(high, 4 - t) : t > 4 ? v16i_srli32(high, t - 4) : high;
+      w[t] = v16i_add(w[t], moved & bit4);
+    }
+  } else if constexpr (kBits == 6) {
     load_codes<4>(group, w);
     const V16i two = v16i_set1(0x03030303);
     for (int v = 0; v < 2; ++v) {
@@ -173,9 +190,12 @@ void tile_rows_k_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, 
         float c[2];
         for (int h = 0; h < 2; ++h) {
           int32_t dot = 0;
-          for (int k = 16 * h; k < 16 * h + 16; ++k)
-            dot += (kBits == 6 ? code_at6(codes + g * kGroupBytes, i, k) : code_at<kBits>(codes + g * kGroupBytes, i, k)) *
-                   xq.q[gr * kGroup + k];
+          for (int k = 16 * h; k < 16 * h + 16; ++k) {
+            const uint8_t* group = codes + g * kGroupBytes;
+            const int u = kBits == 6 ? code_at6(group, i, k) : kBits == 5 ? code_at5(group, i, k)
+                                                                            : code_at<kBits>(group, i, k);
+            dot += u * xq.q[gr * kGroup + k];
+          }
           c[h] = static_cast<float>(dot) - kCentre * static_cast<float>(xq.qs[2 * gr + h]);
         }
         if constexpr (kSym) {
@@ -216,9 +236,9 @@ Lut16 lut_of(int64_t format) {
 template <int64_t kFormat>
 struct DFormat {
   static constexpr bool kLut = kFormat == kA8MX4 || kFormat == kA8NL4;
-  static constexpr int kBits = kFormat == kA8D8 ? 8 : 4;
-  static constexpr int32_t kCentre = kFormat == kA8D4 ? 8 : 128;
-  static constexpr bool kHalf = kFormat == kA8D4 || kFormat == kA8D8;
+  static constexpr int kBits = kFormat == kA8D8 ? 8 : kFormat == kA8D5 ? 5 : 4;
+  static constexpr int32_t kCentre = kFormat == kA8D4 ? 8 : kFormat == kA8D5 ? 16 : 128;
+  static constexpr bool kHalf = kFormat == kA8D4 || kFormat == kA8D5 || kFormat == kA8D8;
 };
 
 #if defined(KVSERVE_V16_INT8) && defined(KVSERVE_V16_LUT)
@@ -235,7 +255,7 @@ KVSERVE_ALWAYS_INLINE void tile_rows_d(float* y, int64_t ys, const QuantizedRows
   for (int64_t g = 0; g < groups; ++g) {
     V16i w[8];
     prefetch_ahead<kGroupBytes>(codes + g * kGroupBytes);
-    load_codes<F::kBits>(codes + g * kGroupBytes, w);
+    load_group<F::kBits>(codes + g * kGroupBytes, w);
     if constexpr (F::kLut) {
       for (int j = 0; j < 8; ++j) w[j] = v16i_lut16(table, w[j]);
     }
@@ -275,7 +295,8 @@ void tile_rows_d_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, 
         for (int h = 0; h < 2; ++h) {
           int32_t dot = 0;
           for (int k = 16 * h; k < 16 * h + 16; ++k) {
-            const int u = code_at<F::kBits>(codes + g * kGroupBytes, i, k);
+            const uint8_t* group = codes + g * kGroupBytes;
+            const int u = F::kBits == 5 ? code_at5(group, i, k) : code_at<F::kBits>(group, i, k);
             dot += (F::kLut ? lut.u[u] : u) * xq.q[gr * kGroup + k];
           }
           c[h] = static_cast<float>(dot) - static_cast<float>(F::kCentre) * static_cast<float>(xq.qs[2 * gr + h]);
@@ -295,12 +316,15 @@ void tile_rows_d_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, 
 
 A8Segment a8_segment(size_t i, const at::Tensor& codes, const at::Tensor& scales, int64_t format, int64_t groups) {
   const bool l4 = format == kA8MX4 || format == kA8NL4, g = format == kA8G4 || format == kA8G8;
-  const bool half = format == kA8D4 || format == kA8D8;
-  TORCH_CHECK(l4 || g || half || format == kA8K4 || format == kA8K8 || format == kA8S16, "segment ", i, ": format ",
+  const bool half = format == kA8D4 || format == kA8D5 || format == kA8D8;
+  TORCH_CHECK(l4 || g || half || format == kA8K4 || format == kA8K5 || format == kA8S16, "segment ", i, ": format ",
               format, " is not an A8Format");
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 4 &&
                   codes.size(1) == groups, "segment ", i, ": codes must be uint8 [tiles, K/32, ., 64]");
-  const int64_t bits = l4 || format == kA8K4 || format == kA8G4 || format == kA8D4 ? 4 : format == kA8S16 ? 6 : 8;
+  const int64_t bits = l4 || format == kA8K4 || format == kA8G4 || format == kA8D4 ? 4
+                       : format == kA8S16                    ? 6
+                       : format == kA8K5 || format == kA8D5  ? 5
+                                                             : 8;
   TORCH_CHECK(codes.size(2) == bits && codes.size(3) == 64, "segment ", i, ": codes of the wrong width");
   const int64_t tiles = codes.size(0);
   if (g) {
@@ -348,7 +372,8 @@ KVSERVE_ALWAYS_INLINE void tile_as(const A8Segment& seg, int64_t t, float* y, in
     }
 #endif
     tile_rows_a8_plain<kBits>(rows, y, ys, xq, r0, groups, c, s, valid);
-  } else if constexpr (kFormat == kA8MX4 || kFormat == kA8NL4 || kFormat == kA8D4 || kFormat == kA8D8) {
+  } else if constexpr (kFormat == kA8MX4 || kFormat == kA8NL4 || kFormat == kA8D4 || kFormat == kA8D5 ||
+                       kFormat == kA8D8) {
     Lut16 lut{};
     if constexpr (DFormat<kFormat>::kLut) lut = lut_of(kFormat);
 #if defined(KVSERVE_V16_INT8) && defined(KVSERVE_V16_LUT)
@@ -360,7 +385,7 @@ KVSERVE_ALWAYS_INLINE void tile_as(const A8Segment& seg, int64_t t, float* y, in
 #endif
     tile_rows_d_plain<kFormat>(rows, y, ys, xq, r0, groups, c, s, valid, lut);
   } else {
-    constexpr int kBits = kFormat == kA8K4 ? 4 : kFormat == kA8K8 ? 8 : 6;
+    constexpr int kBits = kFormat == kA8K4 ? 4 : kFormat == kA8K5 ? 5 : 6;
     constexpr bool kSym = kFormat == kA8S16;
 #if defined(KVSERVE_V16_INT8)
     if (!plain) {
@@ -380,10 +405,11 @@ void with_format(int64_t format, F&& f) {
     case kA8G4: return f(std::integral_constant<int64_t, kA8G4>{});
     case kA8G8: return f(std::integral_constant<int64_t, kA8G8>{});
     case kA8K4: return f(std::integral_constant<int64_t, kA8K4>{});
-    case kA8K8: return f(std::integral_constant<int64_t, kA8K8>{});
+    case kA8K5: return f(std::integral_constant<int64_t, kA8K5>{});
     case kA8S16: return f(std::integral_constant<int64_t, kA8S16>{});
     case kA8MX4: return f(std::integral_constant<int64_t, kA8MX4>{});
     case kA8D4: return f(std::integral_constant<int64_t, kA8D4>{});
+    case kA8D5: return f(std::integral_constant<int64_t, kA8D5>{});
     case kA8D8: return f(std::integral_constant<int64_t, kA8D8>{});
     default: return f(std::integral_constant<int64_t, kA8NL4>{});
   }
@@ -424,7 +450,7 @@ void gguf_a8_linear(at::Tensor& out, const at::Tensor& x, const std::vector<at::
     const at::Tensor& codes = parts[2 * i];
     const at::Tensor& scales = parts[2 * i + 1];
     const int64_t format = formats[i];
-    TORCH_CHECK(format >= kA8G4 && format <= kA8D8, "unknown format ", format);
+    TORCH_CHECK(format >= kA8G4 && format <= kA8D5, "unknown format ", format);
     TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 4 &&
                     codes.size(1) == groups, "segment ", i, ": codes must be uint8 [tiles, K/32, ., 64]");
     const int64_t rows = std::min(codes.size(0) * kTile, n - start);

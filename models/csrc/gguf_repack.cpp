@@ -315,19 +315,23 @@ struct TileRows {
 // u - 128: Q5_1's codes 0..31 as they are put it 112 codes off their middle, and its mean KLD
 // on a 0.5B model was 120x llama.cpp's). So Q5_1 goes as u = q + 112 with m - 112 d, a float
 // sum that rounds once at load (the other G8 types' m - 128 d, with m = 0, is exact).
-// D4 keeps Q4_0's codes 0..15 (decode_block's m = -8 d: the kernel's centre), D8 Q8_0's and
-// Q5_0's signed codes as u = q + 128.
+// D4 keeps Q4_0's codes 0..15 (decode_block's m = -8 d: the kernel's centre), D5 Q5_0's signed
+// codes as u = q + 16, D8 Q8_0's as u = q + 128.
 bool a8_fits(int64_t type, int64_t format, int& shift) {
-  shift = format == kA8G8 || format == kA8D8 ? (type == kQ5_1 ? 112 : 128) : format == kA8S16 ? 32 : 0;
+  shift = format == kA8G8 || format == kA8D8 ? (type == kQ5_1 ? 112 : 128)
+          : format == kA8S16                 ? 32
+          : format == kA8D5                  ? 16
+                                             : 0;
   switch (format) {
     case kA8D4: return type == kQ4_0;
-    case kA8D8: return type == kQ8_0 || type == kQ5_0;
+    case kA8D5: return type == kQ5_0;
+    case kA8D8: return type == kQ8_0;
     case kA8MX4: return type == kMXFP4;  // (the codes are table indices: no shift)
     case kA8NL4: return type == kIQ4_NL || type == kIQ4_XS;
     case kA8G4: return type == kQ4_0 || type == kQ4_1;
     case kA8G8: return type == kQ8_0 || type == kQ5_0 || type == kIQ4_NL || type == kMXFP4 || type == kQ5_1;
     case kA8K4: return type == kQ4_K;
-    case kA8K8: return type == kQ5_K;
+    case kA8K5: return type == kQ5_K;
     case kA8S16: return type == kQ6_K || type == kQ3_K;
     default: return false;
   }
@@ -488,11 +492,12 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
   const int64_t block_bytes = in.block_bytes, per_block = in.per_block, k = in.k, groups = k / 32, tiles = in.tiles;
   int shift;
   TORCH_CHECK(a8_fits(type, format, shift), "GGUF type ", type, " has no int8-activation format ", format);
-  const bool sym = format == kA8S16, compact = format == kA8K4 || format == kA8K8 || sym;
-  const bool lut = format == kA8MX4 || format == kA8NL4, half = format == kA8D4 || format == kA8D8;
-  // (S16: the low plane, then the high bits; L4: table indices)
-  const bool nibbles = format == kA8G4 || format == kA8K4 || sym || lut || format == kA8D4;
-  const int64_t code_bytes = format == kA8S16 ? 384 : nibbles ? 256 : 512, record = sym ? 80 : 96;
+  const bool sym = format == kA8S16, compact = format == kA8K4 || format == kA8K5 || sym;
+  const bool lut = format == kA8MX4 || format == kA8NL4, half = format == kA8D4 || format == kA8D5 || format == kA8D8;
+  const bool five = format == kA8K5 || format == kA8D5;
+  // (S16 and the 5-bit formats: the low plane, then the high bits; L4: table indices)
+  const bool nibbles = format == kA8G4 || format == kA8K4 || sym || lut || format == kA8D4 || five;
+  const int64_t code_bytes = sym ? 384 : five ? 320 : nibbles ? 256 : 512, record = sym ? 80 : 96;
   const int64_t scale_floats = compact ? tiles * (groups / 8) * record : tiles * groups * (lut || half ? 16 : 32);
   // L4: each table value's index (MXFP4's two zeros: the first)
   int index_of[256];
@@ -528,6 +533,14 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
               c[j * 64 + o * 4 + b] = nibbles ? static_cast<uint8_t>((u(o, 4 * j + b) & 0xF) |
                                                                      ((u(o, 16 + 4 * j + b) & 0xF) << 4))
                                               : u(o, 4 * j + b);
+        if (five) {  // the 5th bits: byte b of lane o, bit t, of code vector t
+          for (int o = 0; o < 16; ++o)
+            for (int b = 0; b < 4; ++b) {
+              int high = 0;
+              for (int j = 0; j < 8; ++j) high |= ((u(o, j < 4 ? 4 * j + b : 16 + 4 * (j - 4) + b) >> 4) & 1) << j;
+              c[256 + o * 4 + b] = static_cast<uint8_t>(high);
+            }
+        }
         if (sym) {  // the high 2 bits: byte b of lane o of the v-th vector, bits 2t, of code vector 4v + t
           for (int v = 0; v < 2; ++v)
             for (int o = 0; o < 16; ++o)
@@ -546,7 +559,7 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
           for (int o = 0; o < 16; ++o) {
             const int64_t at = o * (k / 16) + 2 * g;
             s[o] = c10::Half(t.d[at]);
-            const float m = format == kA8D4 ? -8.0f * t.d[at] : 0.0f;
+            const float m = format == kA8D4 ? -8.0f * t.d[at] : 0.0f;  // (D5, D8: signed codes)
             if (static_cast<float>(s[o]) != t.d[at] || t.d[at + 1] != t.d[at] || t.m[at] != m || t.m[at + 1] != m)
               exact = false;
           }

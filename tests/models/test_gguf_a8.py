@@ -19,7 +19,8 @@ from gguf import GGMLQuantizationType
 
 from gguf_files import MIXED_TYPES, write_mixed_gguf
 from models import ops
-from models.gguf_linear import A8_D4, A8_D8, A8_G4, A8_G8, A8_K4, A8_K8, A8_S16, A8_TYPE_FORMATS, NativeA8Linear
+from models.gguf_linear import (A8_D4, A8_D5, A8_D8, A8_G4, A8_G8, A8_K4, A8_K5, A8_S16, A8_TYPE_FORMATS,
+                                NativeA8Linear)
 from models.gguf_native import a8_projection, a8_ready, file_types
 from models.gguf_quants import random_blocks, split
 from models.gguf_reader import GGUFTensor
@@ -97,7 +98,7 @@ def test_parts_of_one_format_share_a_segment_and_others_keep_theirs() -> None:
     parts = [tensor_of("Q4_K", (32, 512)), tensor_of("Q4_K", (16, 512), 2), tensor_of("Q6_K", (16, 512), 3),
              tensor_of("Q8_0", (16, 512), 4), tensor_of("Q4_0", (16, 512), 5), tensor_of("Q5_K", (16, 512), 6)]
     linear = a8_projection(None, parts, [None] * len(parts))
-    assert linear.formats == [A8_K4, A8_S16, A8_D8, A8_D4, A8_K8]
+    assert linear.formats == [A8_K4, A8_S16, A8_D8, A8_D4, A8_K5]
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(7))
     want = torch.cat([integer_dot_reference(p, x) for p in parts], dim=1)
     assert ((linear(x).double() - want).abs().max() / want.abs().max()).item() < 1e-5
@@ -112,7 +113,7 @@ def test_a_shape_off_the_tiles_is_refused() -> None:
 
 
 @pytest.mark.parametrize("types", [("Q4_K", "Q5_K"), ("Q6_K",), ("MXFP4", "IQ4_XS"), ("Q3_K",), ("Q4_0", "Q8_0"),
-                                   ("Q4_K", "Q5_1"), ("Q4_1",)])
+                                   ("Q4_K", "Q5_1"), ("Q4_1",), ("Q5_0",)])
 def test_experts_in_one_call_give_each_experts_own_call(types: tuple[str, ...]) -> None:
     # Six experts' projections (segments of one or two formats) as one weight: each expert's
     # rows are what its own projection gives them, bit for bit, on the vector code and the plain.
@@ -139,8 +140,8 @@ def test_experts_in_one_call_give_each_experts_own_call(types: tuple[str, ...]) 
 
 def test_experts_of_other_formats_shapes_or_counts_are_refused() -> None:
     q8 = a8_projection(None, [tensor_of("Q8_0", (32, 512))], [None])
-    with pytest.raises(RuntimeError, match="format 9 is not an A8Format"):
-        ops.a8_experts(q8.fused_args[:-1], [9], 1, 512, 32)
+    with pytest.raises(RuntimeError, match="format 10 is not an A8Format"):
+        ops.a8_experts(q8.fused_args[:-1], [10], 1, 512, 32)
     with pytest.raises(RuntimeError, match="codes of the wrong width"):  # (Q8_0's 8-bit codes called G4)
         ops.a8_experts(q8.fused_args[:-1], [A8_G4], 1, 512, 32)
     two = [a8_projection(None, [tensor_of("Q4_K", (rows, 512))], [None]) for rows in (32, 48)]
@@ -177,7 +178,8 @@ def test_w4a8_keeps_each_tensor_at_its_type(a8_file, make_runner, monkeypatch: p
     layers = model.model.layers
     assert all(isinstance(p, NativeA8Linear) for layer in layers
                for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
-    assert [layer.self_attn.qkv_proj.formats for layer in layers] == [[A8_K4, A8_S16], [A8_K8, A8_D8], [A8_G8, A8_D8]]
+    assert [layer.self_attn.qkv_proj.formats for layer in layers] == [[A8_K4, A8_S16], [A8_K5, A8_D8, A8_D5],
+                                                                       [A8_G8, A8_D8]]
     assert isinstance(model.lm_head, NativeA8Linear) and model.lm_head.formats == [A8_S16]
     assert all(layer.packed_int4() for layer in layers)  # the fused layer runs them
     runner = make_runner(model)
