@@ -192,8 +192,8 @@ def empty_a8_format(fmt: int, tiles: int, groups: int) -> tuple[torch.Tensor, to
         return codes, torch.empty(tiles, groups // 8, 80 if fmt == A8_S16 else 96)
     if fmt in (A8_D4, A8_D5, A8_D8):  # (the file's float16 d per row and 32 inputs)
         return codes, torch.empty(tiles, groups, 16, dtype=torch.float16)
-    if fmt in (A8_MX4, A8_NL4):  # (a d per row and 32 inputs, no m)
-        return codes, torch.empty(tiles, groups, 16)
+    if fmt in (A8_MX4, A8_NL4):  # (a d per row and 32 inputs, no m: MX4's the file's E8M0 byte)
+        return codes, torch.empty(tiles, groups, 16, dtype=torch.uint8 if fmt == A8_MX4 else torch.float32)
     return codes, torch.empty(tiles, groups, 2, 16)
 
 

@@ -21,9 +21,10 @@
 //           load_codes<8> gives them); a record of 80 floats per tile and 256 inputs, D[16] then
 //           int8 sc[8][2][16]. 6.75 bits a weight, against Q6_K's 6.56.
 //   MX4, NL4: 4-bit indices into a table of 16 int8 values (MXFP4's E2M1 values doubled; IQ4_NL's
-//           and IQ4_XS's codebook) in G4's layout, and a float32 d per row and 32 inputs
-//           ([tiles, K/32, 16]): 5 bits a weight, against MXFP4's 4.25 and IQ4_NL's 4.5. The
-//           kernel looks the bytes up (vpshufb) as u = value + 128, then as S16 with c = 128.
+//           and IQ4_XS's codebook) in G4's layout, and a d per row and 32 inputs ([tiles, K/32,
+//           16]): MX4 the file's E8M0 exponent byte e, d = 2^(e - 128) made in the kernel (4.25
+//           bits a weight, as MXFP4's), NL4 a float32 (5 bits, against IQ4_NL's 4.5). The kernel
+//           looks the bytes up (vpshufb) as u = value + 128, then as S16 with c = 128.
 //   D4, D5, D8: symmetric codes in G4's (Q4_0: u = q, c = 8), K5's (Q5_0: u = q + 16, c = 16) or
 //           G8's layout (Q8_0: u = q + 128, c = 128) and the file's own float16 d per row and 32
 //           inputs ([tiles, K/32, 16] float16): 4.5, 5.5 and 8.5 bits a weight, as the file's
@@ -239,7 +240,11 @@ struct DFormat {
   static constexpr int kBits = kFormat == kA8D8 ? 8 : kFormat == kA8D5 ? 5 : 4;
   static constexpr int32_t kCentre = kFormat == kA8D4 ? 8 : kFormat == kA8D5 ? 16 : 128;
   static constexpr bool kHalf = kFormat == kA8D4 || kFormat == kA8D5 || kFormat == kA8D8;
+  static constexpr bool kE8M0 = kFormat == kA8MX4;
 };
+
+// MX4's d from its E8M0 byte: 2^(e - 128) (v16_load_e8m0_half's; e = 0: 0, see a8_fits).
+inline float e8m0_d(uint8_t e) { return e ? std::ldexp(1.0f, static_cast<int>(e) - 128) : 0.0f; }
 
 #if defined(KVSERVE_V16_INT8) && defined(KVSERVE_V16_LUT)
 // Up to R rows of int8 x against one 16-row tile of an L4 or D format.
@@ -261,6 +266,7 @@ KVSERVE_ALWAYS_INLINE void tile_rows_d(float* y, int64_t ys, const QuantizedRows
     }
     V16 d;
     if constexpr (F::kHalf) d = v16_load_half(reinterpret_cast<const uint16_t*>(scales) + g * 16);
+    else if constexpr (F::kE8M0) d = v16_load_e8m0_half(reinterpret_cast<const uint8_t*>(scales) + g * 16);
     else d = v16_load(scales + g * 16);
     const int64_t first = g * xq.rows + r0;
     const int8_t* qx = xq.q.data() + first * kGroup;
@@ -301,8 +307,9 @@ void tile_rows_d_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, 
           }
           c[h] = static_cast<float>(dot) - static_cast<float>(F::kCentre) * static_cast<float>(xq.qs[2 * gr + h]);
         }
-        const float d = F::kHalf ? static_cast<float>(reinterpret_cast<const c10::Half*>(scales)[g * 16 + i])
-                                 : scales[g * 16 + i];
+        const float d = F::kHalf    ? static_cast<float>(reinterpret_cast<const c10::Half*>(scales)[g * 16 + i])
+                        : F::kE8M0 ? e8m0_d(reinterpret_cast<const uint8_t*>(scales)[g * 16 + i])
+                                   : scales[g * 16 + i];
         const float p0 = c[0] * xq.d[2 * gr];
         const float t = std::fma(c[1], xq.d[2 * gr + 1], p0);
         acc = std::fma(d, t, acc);
@@ -339,6 +346,12 @@ A8Segment a8_segment(size_t i, const at::Tensor& codes, const at::Tensor& scales
                 "segment ", i, ": scales must be float16 [tiles, K/32, 16]");
     return A8Segment{format, codes.data_ptr<uint8_t>(), static_cast<const float*>(scales.data_ptr()), tiles,
                      groups * kTile * kGroup * bits / 8, groups * kTile / 2};
+  }
+  if (format == kA8MX4) {  // (E8M0 bytes: a tile's are groups * 4 floats' bytes from the last's)
+    TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kByte && scales.numel() == tiles * groups * kTile,
+                "segment ", i, ": scales must be uint8 [tiles, K/32, 16]");
+    return A8Segment{format, codes.data_ptr<uint8_t>(), static_cast<const float*>(scales.data_ptr()), tiles,
+                     groups * kTile * kGroup * bits / 8, groups * kTile / 4};
   }
   if (l4) {
     TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == tiles * groups * kTile,

@@ -14,7 +14,7 @@ namespace kvserve {
 struct A8Segment {
   int64_t format;        // A8Format
   const uint8_t* codes;  // tile t's codes from codes + t * code_bytes
-  const float* scales;   // its scales from scales + t * scale_floats (D4, D8: float16 d's, counted in floats' bytes)
+  const float* scales;   // its scales from scales + t * scale_floats (D: float16 d's, MX4: bytes; in floats' bytes)
   int64_t tiles, code_bytes, scale_floats;
 };
 

@@ -508,13 +508,16 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
   }
   TORCH_CHECK(codes.is_contiguous() && codes.numel() == tiles * groups * code_bytes && codes.element_size() == 1,
               "codes must hold ", tiles * groups * code_bytes, " bytes");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == (half ? at::kHalf : at::kFloat) &&
-                  scales.numel() == scale_floats, "scales must hold ", scale_floats, half ? " halves" : " floats");
+  const bool e8m0 = format == kA8MX4;  // (the scales as the file's E8M0 bytes)
+  const at::ScalarType scale_type = half ? at::kHalf : e8m0 ? at::kByte : at::kFloat;
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == scale_type && scales.numel() == scale_floats,
+              "scales must hold ", scale_floats, " of ", scale_type);
   const int64_t* src = in.src;
   const uint8_t* rp = in.rp;
   const int64_t rs = in.rs;
   auto* cp = reinterpret_cast<uint8_t*>(codes.data_ptr());
-  float* sp = half ? nullptr : scales.data_ptr<float>();
+  float* sp = half || e8m0 ? nullptr : scales.data_ptr<float>();
+  uint8_t* ep = e8m0 ? scales.data_ptr<uint8_t>() : nullptr;
   c10::Half* hp = half ? scales.data_ptr<c10::Half>() : nullptr;
   std::atomic<bool> exact{true};
   parallel_chunks(tiles, 4, [&](int64_t begin, int64_t end) {
@@ -562,6 +565,21 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
             const float m = format == kA8D4 ? -8.0f * t.d[at] : 0.0f;  // (D5, D8: signed codes)
             if (static_cast<float>(s[o]) != t.d[at] || t.d[at + 1] != t.d[at] || t.m[at] != m || t.m[at + 1] != m)
               exact = false;
+          }
+          continue;
+        }
+        if (e8m0) {  // the block's exponent byte: d = 2^(e - 128) (e8m0_half)
+          uint8_t* s = ep + (tile * groups + g) * 16;
+          for (int o = 0; o < 16; ++o) {
+            const int64_t at = o * (k / 16) + 2 * g;
+            int x = 0;
+            std::frexp(t.d[at], &x);  // (d = 2^(x - 1); a zero row: 0)
+            s[o] = t.d[at] > 0.0f ? static_cast<uint8_t>(x + 127) : 0;
+            // the kernel's e = 0 is 0, not 2^-128: right only where the block's values are all 0
+            bool zero = true;
+            for (int i = 0; i < 32; ++i) zero = zero && t.q[o * k + 32 * g + i] == 0;
+            const float made = s[o] ? std::ldexp(1.0f, static_cast<int>(s[o]) - 128) : 0.0f;
+            if ((made != t.d[at] && !(s[o] == 0 && zero)) || t.d[at + 1] != t.d[at] || t.m[at] != 0.0f) exact = false;
           }
           continue;
         }

@@ -157,6 +157,12 @@ inline V16 v16_load_bf16(const void* p) {
 inline V16 v16_load_int8(const int8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
 }
+// 16 E8M0 exponents e (MXFP4's scales) as 2^(e - 128): the float of exponent field e, halved
+// (exact, subnormal 2^-127 included); e = 0 gives 0, not 2^-128.
+inline V16 v16_load_e8m0_half(const uint8_t* p) {
+  const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return {_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(e, 23)), _mm512_set1_ps(0.5f))};
+}
 
 // The 128-bit-lane shuffles of reduce16, named by what they do on 16 lanes:
 // per 128-bit lane, as _mm_unpacklo_ps / _mm_unpackhi_ps / _mm_shuffle_ps.
@@ -295,6 +301,14 @@ inline V16 v16_load_bf16(const void* p) {
 inline V16 v16_load_int8(const int8_t* p) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+}
+inline V16 v16_load_e8m0_half(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256 half = _mm256_set1_ps(0.5f);
+  const auto scale = [&](__m128i bytes) {
+    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(bytes), 23)), half);
+  };
+  return {scale(b), scale(_mm_srli_si128(b, 8))};
 }
 
 inline V16 v16_unpacklo(V16 a, V16 b) { return {_mm256_unpacklo_ps(a.lo, b.lo), _mm256_unpacklo_ps(a.hi, b.hi)}; }

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -92,6 +93,22 @@ def test_a_projection_is_the_integer_dot_arithmetic(type_name: str) -> None:
     assert ((plain.double() - want).abs().max() / scale).item() < 1e-5
     for rows in (1, 5, 16, 17, 33):  # a row's result does not depend on the rows beside it
         assert torch.equal(linear(x[:rows]), y[:rows])
+
+
+def test_mxfp4s_smallest_exponents_are_exact_or_refused() -> None:
+    # MX4 keeps the file's E8M0 byte e and makes d = 2^(e - 128) in the kernel: e = 1 gives a
+    # subnormal d exactly; e = 0 (2^-128) is made 0, right for a block of zeros only.
+    raw = random_blocks("MXFP4", (16, 512), 3, one_scale=True)
+    raw[:, 0::17] = np.arange(16, dtype=np.uint8)[:, None] % 3  # (e = 0, 1, 2 by row)
+    codes = np.arange(raw.shape[1]) % 17 != 0
+    raw[0::3][:, codes] = 0  # (e = 0 rows: every code +0)
+    t = GGUFTensor("t", int(GGMLQuantizationType.MXFP4), (512, 16), raw)
+    linear = a8_projection(None, [t], [None])
+    w = weight_of(t).T
+    assert torch.equal(linear(127.0 * torch.eye(512)) / 127.0, w)  # (the values are powers of two)
+    raw[0, 5] = 0x11  # a nonzero code in an e = 0 block: d = 2^-128 would be lost
+    with pytest.raises(ValueError, match="scales do not match their dequantisation"):
+        a8_projection(None, [GGUFTensor("t", int(GGMLQuantizationType.MXFP4), (512, 16), raw)], [None])
 
 
 def test_parts_of_one_format_share_a_segment_and_others_keep_theirs() -> None:
