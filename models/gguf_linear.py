@@ -203,14 +203,15 @@ def pack_amx(codes: Codes, fmt: int) -> tuple[torch.Tensor, torch.Tensor]:
 # them (csrc/gguf_a8.cpp). Q4_K keeps 4.75 bits a weight (its scales per super-block), Q5_K
 # 5.75, Q6_K 6.75, where the AMX formats above take 6 and 10; MXFP4, IQ4_NL and IQ4_XS 5 (4-bit
 # indices into their table of 16 values, looked up in the kernel, and a scale per 32); Q4_0
-# 4.5, Q5_0 5.5 and Q8_0 8.5 (the file's float16 scale per 32). Q4_1 and Q5_1 (an offset per
-# 32) take 6 and 10.
-A8_G4, A8_G8, A8_K4, A8_K5, A8_S16, A8_MX4, A8_NL4, A8_D4, A8_D8, A8_D5 = range(10)
-A8_FORMATS = {A8_G4: "4-bit, d and m per 32", A8_G8: "8-bit, d and m per 32", A8_K4: "4-bit, Q4_K's scales",
+# 4.5, Q5_0 5.5 and Q8_0 8.5 (the file's float16 scale per 32), Q4_1 5 and Q5_1 6 (and its
+# float16 offset).
+A8_A4, A8_A5, A8_K4, A8_K5, A8_S16, A8_MX4, A8_NL4, A8_D4, A8_D8, A8_D5 = range(10)
+A8_FORMATS = {A8_A4: "4-bit, float16 d and m per 32", A8_A5: "5-bit, float16 d and m per 32",
+              A8_K4: "4-bit, Q4_K's scales",
               A8_K5: "5-bit, Q5_K's scales", A8_S16: "6-bit, a scale per 16",
               A8_MX4: "4-bit MXFP4 table, d per 32", A8_NL4: "4-bit IQ4_NL table, d per 32",
               A8_D4: "4-bit, float16 d per 32", A8_D8: "8-bit, float16 d per 32", A8_D5: "5-bit, float16 d per 32"}
-A8_TYPE_FORMATS = {"Q4_0": A8_D4, "Q4_1": A8_G4, "Q8_0": A8_D8, "Q5_0": A8_D5, "Q5_1": A8_G8,
+A8_TYPE_FORMATS = {"Q4_0": A8_D4, "Q4_1": A8_A4, "Q8_0": A8_D8, "Q5_0": A8_D5, "Q5_1": A8_A5,
                    "IQ4_NL": A8_NL4, "IQ4_XS": A8_NL4, "MXFP4": A8_MX4, "Q4_K": A8_K4, "Q5_K": A8_K5,
                    "Q6_K": A8_S16, "Q3_K": A8_S16}
 

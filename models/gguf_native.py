@@ -22,9 +22,9 @@ from torch import nn
 
 from models import ops
 from models.config import ModelConfig
-from models.gguf_linear import (A8_D4, A8_D5, A8_D8, A8_FORMATS, A8_G4, A8_K4, A8_K5, A8_MX4, A8_NL4, A8_S16,
-                                A8_TYPE_FORMATS, AMX_FORMATS, F4, F4K, F8, F8_G16, F8_G16S, FALLBACK, FOLDED, W4, W8_AFFINE,
-                                W8_AFFINE_G16, W8_G16, NativeA8Linear, NativeLinear, QuantizedEmbedding, folding,
+from models.gguf_linear import (A8_A4, A8_A5, A8_D4, A8_D5, A8_D8, A8_FORMATS, A8_K4, A8_K5, A8_MX4, A8_NL4, A8_S16,
+                                A8_TYPE_FORMATS, AMX_FORMATS, F4, F4K, F8, F8_G16, F8_G16S, FALLBACK, FOLDED, W4,
+                                W8_AFFINE, W8_AFFINE_G16, W8_G16, NativeA8Linear, NativeLinear, QuantizedEmbedding, folding,
                                 permuted_rows, plan_segments, type_format)
 from models.gguf_loader import PERMUTED_ARCHITECTURES, dequantize, iter_gguf_weights, permute_back
 from models.gguf_quants import SPLIT_TYPES, Codes, random_blocks, split
@@ -186,7 +186,7 @@ def _raw(tensor: GGUFTensor) -> torch.Tensor:
 
 def empty_a8_format(fmt: int, tiles: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Uninitialised codes and scales of ``ops.gguf_a8_linear``'s format ``fmt``."""
-    bits = {A8_G4: 4, A8_K4: 4, A8_K5: 5, A8_S16: 6, A8_MX4: 4, A8_NL4: 4, A8_D4: 4, A8_D5: 5}.get(fmt, 8)
+    bits = {A8_A4: 4, A8_A5: 5, A8_K4: 4, A8_K5: 5, A8_S16: 6, A8_MX4: 4, A8_NL4: 4, A8_D4: 4, A8_D5: 5}.get(fmt, 8)
     codes = torch.empty(tiles, groups, bits, 64, dtype=torch.uint8)
     if fmt in (A8_K4, A8_K5, A8_S16):
         return codes, torch.empty(tiles, groups // 8, 80 if fmt == A8_S16 else 96)
@@ -194,7 +194,7 @@ def empty_a8_format(fmt: int, tiles: int, groups: int) -> tuple[torch.Tensor, to
         return codes, torch.empty(tiles, groups, 16, dtype=torch.float16)
     if fmt in (A8_MX4, A8_NL4):  # (a d per row and 32 inputs, no m: MX4's the file's E8M0 byte)
         return codes, torch.empty(tiles, groups, 16, dtype=torch.uint8 if fmt == A8_MX4 else torch.float32)
-    return codes, torch.empty(tiles, groups, 2, 16)
+    return codes, torch.empty(tiles, groups, 2, 16, dtype=torch.float16)  # (A4, A5: and its m)
 
 
 def a8_projection(reader: GGUFFile | None, tensors: list[GGUFTensor], orders: list[torch.Tensor | None],

@@ -4,33 +4,32 @@
 // defines them. The weights are the file's values exactly; only x is rounded.
 //
 // Formats (models/gguf_linear.py A8_FORMATS), each a segment's (codes, scales):
-//   G4, G8: grouped_gemm.cpp's own 4- and 8-bit formats, d and m as float32 per 32 inputs
-//           (Q4_0, Q4_1; Q8_0, Q5_0, IQ4_NL as u = q + 128, m = -128 d; Q5_1 as u = q + 112, m - 112 d):
-//           grouped_linear runs them here (AMX's tiles at prompt sizes), a8_tile (the experts'
-//           calls) grouped_rows.h's int8 tiles, the same arithmetic as grouped_linear's.
-//   K4, K5: Q4_K's and Q5_K's codes (4-bit as G4's layout, 5-bit as G4's layout of their low 4
-//           bits, then 64 bytes of their 5th: byte b of lane i holds, at bit t, that of byte b of
+//   K4, K5: Q4_K's and Q5_K's codes (4-bit in grouped_gemm.cpp's layout, 5-bit as that layout
+//           of their low 4 bits, then 64 bytes of their 5th: byte b of lane i holds, at bit t, that of byte b of
 //           lane i of code vector t, as load_codes<8> gives them) with the
 //           super-block's own scales: per 16-row tile and 256 inputs a record of 96 floats,
 //           D[16], M[16] (= -dmin) then int8 sc[8][16] and mn[8][16]. A group's d = D sc and
 //           m = M mn are llama.cpp's float products, made in the kernel: 0.19 bytes of scales
 //           per 32 weights where float32 d and m take 8.
 //   S16:    Q6_K's and Q3_K's codes u = q + 32 in 6 bits, a scale per 16 inputs D sc: per group
-//           G4's layout of their low 4 bits, then 2 x 64 bytes of their high 2 (byte b of lane i
+//           the 4-bit layout of their low 4 bits, then 2 x 64 bytes of their high 2 (byte b of lane i
 //           of the v-th holds, at bits 2t, those of byte b of lane i of code vector 4v + t, as
 //           load_codes<8> gives them); a record of 80 floats per tile and 256 inputs, D[16] then
 //           int8 sc[8][2][16]. 6.75 bits a weight, against Q6_K's 6.56.
 //   MX4, NL4: 4-bit indices into a table of 16 int8 values (MXFP4's E2M1 values doubled; IQ4_NL's
-//           and IQ4_XS's codebook) in G4's layout, and a d per row and 32 inputs ([tiles, K/32,
+//           and IQ4_XS's codebook) in the 4-bit layout, and a d per row and 32 inputs ([tiles, K/32,
 //           16]): MX4 the file's E8M0 exponent byte e, d = 2^(e - 128) made in the kernel (4.25
 //           bits a weight, as MXFP4's), NL4 a float32 (5 bits, against IQ4_NL's 4.5). The kernel
 //           looks the bytes up (vpshufb) as u = value + 128, then as S16 with c = 128.
-//   D4, D5, D8: symmetric codes in G4's (Q4_0: u = q, c = 8), K5's (Q5_0: u = q + 16, c = 16) or
-//           G8's layout (Q8_0: u = q + 128, c = 128) and the file's own float16 d per row and 32
-//           inputs ([tiles, K/32, 16] float16): 4.5, 5.5 and 8.5 bits a weight, as the file's
-//           blocks (G4 and G8 held 6 and 10: float32 d and a redundant m); L4's arithmetic.
+//   D4, D5, D8: symmetric codes in the 4-bit layout (Q4_0: u = q, c = 8), K5's (Q5_0: u = q + 16,
+//           c = 16) or the 8-bit one (Q8_0: u = q + 128, c = 128) and the file's own float16 d per
+//           row and 32 inputs ([tiles, K/32, 16] float16): 4.5, 5.5 and 8.5 bits a weight, as the
+//           file's blocks; L4's arithmetic.
+//   A4, A5: Q4_1's (u = q, c = 8) and Q5_1's codes (u = q, c = 16) as D4's and D5's, and the
+//           file's float16 d and m per row and 32 inputs ([tiles, K/32, 2, 16] float16): 5 and 6
+//           bits a weight, as the file's blocks; K's arithmetic with a d and m per group.
 // Per group, with the dots s_h = sum(u qx) of each half h and qs_h = sum(qx) (grouped_rows.h):
-//   K:   y += d * (dx_1 (s_1 - c qs_1) + dx_0 (s_0 - c qs_0)) + (c d + m) * sum(x)   (c: 8; K5's 16)
+//   K, A: y += d * (dx_1 (s_1 - c qs_1) + dx_0 (s_0 - c qs_0)) + (c d + m) * sum(x)   (c: 8; 5 bits 16)
 //   S16: y += d_0 * (dx_0 (s_0 - 32 qs_0)) + d_1 * (dx_1 (s_1 - 32 qs_1))
 //   L4, D: y += d * (dx_1 (s_1 - c qs_1) + dx_0 (s_0 - c qs_0))   (c: 128; D4's 8, D5's 16)
 // s_h - c qs_h = sum((u - c) qx) is an integer below 2^24, exact in float (the vector code
@@ -42,7 +41,6 @@
 
 #include "gguf_a8_tiles.h"
 #include "gguf_tables.h"
-#include "grouped_gemm.h"
 #include "grouped_rows.h"
 #include "kernels.h"
 #include "parallel.h"
@@ -232,14 +230,15 @@ Lut16 lut_of(int64_t format) {
   return t;
 }
 
-// What a d-per-32 format (L4: table indices; D: symmetric codes) reads: its code width, the
-// centre c of its bytes u, whether they are table indices, whether d is float16.
+// What a d-per-32 format (L4: table indices; D: symmetric codes; A: with an m) reads: its code
+// width, the centre c of its bytes u, whether they are table indices, whether d is float16.
 template <int64_t kFormat>
 struct DFormat {
   static constexpr bool kLut = kFormat == kA8MX4 || kFormat == kA8NL4;
-  static constexpr int kBits = kFormat == kA8D8 ? 8 : kFormat == kA8D5 ? 5 : 4;
-  static constexpr int32_t kCentre = kFormat == kA8D4 ? 8 : kFormat == kA8D5 ? 16 : 128;
-  static constexpr bool kHalf = kFormat == kA8D4 || kFormat == kA8D5 || kFormat == kA8D8;
+  static constexpr bool kAffine = kFormat == kA8A4 || kFormat == kA8A5;  // (an m per group too)
+  static constexpr int kBits = kFormat == kA8D8 ? 8 : kFormat == kA8D5 || kFormat == kA8A5 ? 5 : 4;
+  static constexpr int32_t kCentre = kLut || kFormat == kA8D8 ? 128 : kBits == 5 ? 16 : 8;
+  static constexpr bool kHalf = !kLut;
   static constexpr bool kE8M0 = kFormat == kA8MX4;
 };
 
@@ -247,7 +246,7 @@ struct DFormat {
 inline float e8m0_d(uint8_t e) { return e ? std::ldexp(1.0f, static_cast<int>(e) - 128) : 0.0f; }
 
 #if defined(KVSERVE_V16_INT8) && defined(KVSERVE_V16_LUT)
-// Up to R rows of int8 x against one 16-row tile of an L4 or D format.
+// Up to R rows of int8 x against one 16-row tile of an L4, D or A format.
 template <int64_t kFormat, int R>
 KVSERVE_ALWAYS_INLINE void tile_rows_d(float* y, int64_t ys, const QuantizedRows& xq, int64_t r0, int64_t groups,
                                        const uint8_t* codes, const float* scales, int64_t valid, const Lut16& lut) {
@@ -264,14 +263,17 @@ KVSERVE_ALWAYS_INLINE void tile_rows_d(float* y, int64_t ys, const QuantizedRows
     if constexpr (F::kLut) {
       for (int j = 0; j < 8; ++j) w[j] = v16i_lut16(table, w[j]);
     }
-    V16 d;
-    if constexpr (F::kHalf) d = v16_load_half(reinterpret_cast<const uint16_t*>(scales) + g * 16);
+    V16 d, off = v16_zero();
+    const auto* halves = reinterpret_cast<const uint16_t*>(scales) + g * (F::kAffine ? 32 : 16);
+    if constexpr (F::kHalf) d = v16_load_half(halves);
     else if constexpr (F::kE8M0) d = v16_load_e8m0_half(reinterpret_cast<const uint8_t*>(scales) + g * 16);
     else d = v16_load(scales + g * 16);
+    if constexpr (F::kAffine) off = v16_fmadd(v16_set1(static_cast<float>(F::kCentre)), d, v16_load_half(halves + 16));
     const int64_t first = g * xq.rows + r0;
     const int8_t* qx = xq.q.data() + first * kGroup;
     const float* dx = xq.d.data() + first * 2;
     const int32_t* qs = xq.qs.data() + first * 2;
+    const float* sum = xq.sum.data() + first;
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       V16i s0, s1;
@@ -280,6 +282,7 @@ KVSERVE_ALWAYS_INLINE void tile_rows_d(float* y, int64_t ys, const QuantizedRows
       const V16 c1 = v16_from_int(v16i_sub(s1, v16i_set1(F::kCentre * qs[2 * r + 1])));
       const V16 t = v16_fmadd(c1, v16_set1(dx[2 * r + 1]), c0 * v16_set1(dx[2 * r]));
       acc[r] = v16_fmadd(d, t, acc[r]);
+      if constexpr (F::kAffine) acc[r] = v16_fmadd(off, v16_set1(sum[r]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) v16_store_n(y + r * ys, acc[r], static_cast<int>(valid));
@@ -307,12 +310,17 @@ void tile_rows_d_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, 
           }
           c[h] = static_cast<float>(dot) - static_cast<float>(F::kCentre) * static_cast<float>(xq.qs[2 * gr + h]);
         }
-        const float d = F::kHalf    ? static_cast<float>(reinterpret_cast<const c10::Half*>(scales)[g * 16 + i])
+        const auto* halves = reinterpret_cast<const c10::Half*>(scales) + g * (F::kAffine ? 32 : 16);
+        const float d = F::kHalf    ? static_cast<float>(halves[i])
                         : F::kE8M0 ? e8m0_d(reinterpret_cast<const uint8_t*>(scales)[g * 16 + i])
                                    : scales[g * 16 + i];
         const float p0 = c[0] * xq.d[2 * gr];
         const float t = std::fma(c[1], xq.d[2 * gr + 1], p0);
         acc = std::fma(d, t, acc);
+        if constexpr (F::kAffine) {
+          const float off = std::fma(static_cast<float>(F::kCentre), d, static_cast<float>(halves[16 + i]));
+          acc = std::fma(off, xq.sum[gr], acc);
+        }
       }
       y[r * ys + i] = acc;
     }
@@ -322,30 +330,25 @@ void tile_rows_d_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, 
 }  // namespace
 
 A8Segment a8_segment(size_t i, const at::Tensor& codes, const at::Tensor& scales, int64_t format, int64_t groups) {
-  const bool l4 = format == kA8MX4 || format == kA8NL4, g = format == kA8G4 || format == kA8G8;
-  const bool half = format == kA8D4 || format == kA8D5 || format == kA8D8;
-  TORCH_CHECK(l4 || g || half || format == kA8K4 || format == kA8K5 || format == kA8S16, "segment ", i, ": format ",
+  const bool l4 = format == kA8MX4 || format == kA8NL4, affine = format == kA8A4 || format == kA8A5;
+  const bool half = format == kA8D4 || format == kA8D5 || format == kA8D8 || affine;
+  TORCH_CHECK(l4 || half || format == kA8K4 || format == kA8K5 || format == kA8S16, "segment ", i, ": format ",
               format, " is not an A8Format");
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 4 &&
                   codes.size(1) == groups, "segment ", i, ": codes must be uint8 [tiles, K/32, ., 64]");
-  const int64_t bits = l4 || format == kA8K4 || format == kA8G4 || format == kA8D4 ? 4
-                       : format == kA8S16                    ? 6
-                       : format == kA8K5 || format == kA8D5  ? 5
-                                                             : 8;
+  const int64_t bits = l4 || format == kA8K4 || format == kA8D4 || format == kA8A4 ? 4
+                       : format == kA8S16                                       ? 6
+                       : format == kA8K5 || format == kA8D5 || format == kA8A5  ? 5
+                                                                                : 8;
   TORCH_CHECK(codes.size(2) == bits && codes.size(3) == 64, "segment ", i, ": codes of the wrong width");
   const int64_t tiles = codes.size(0);
-  if (g) {
-    TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
-                    scales.numel() == tiles * groups * 2 * kTile,
-                "segment ", i, ": scales must be float32 [tiles, K/32, 2, 16]");
-    return A8Segment{format, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), tiles,
-                     groups * kTile * kGroup * bits / 8, groups * 2 * kTile};
-  }
-  if (half) {  // (float16 d's: a tile's are groups * 8 floats' bytes from the last's)
-    TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kHalf && scales.numel() == tiles * groups * kTile,
-                "segment ", i, ": scales must be float16 [tiles, K/32, 16]");
+  if (half) {  // (float16 d's, and A's m's: a tile's are groups * 8 or 16 floats' bytes from the last's)
+    const int64_t per_group = (affine ? 2 : 1) * kTile;
+    TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
+                    scales.numel() == tiles * groups * per_group,
+                "segment ", i, ": scales must be float16 [tiles, K/32, ", affine ? "2, 16]" : "16]");
     return A8Segment{format, codes.data_ptr<uint8_t>(), static_cast<const float*>(scales.data_ptr()), tiles,
-                     groups * kTile * kGroup * bits / 8, groups * kTile / 2};
+                     groups * kTile * kGroup * bits / 8, groups * per_group / 2};
   }
   if (format == kA8MX4) {  // (E8M0 bytes: a tile's are groups * 4 floats' bytes from the last's)
     TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kByte && scales.numel() == tiles * groups * kTile,
@@ -374,19 +377,7 @@ KVSERVE_ALWAYS_INLINE void tile_as(const A8Segment& seg, int64_t t, float* y, in
                                    int64_t r0, int rows, int64_t groups, int64_t valid, bool plain) {
   const uint8_t* c = seg.codes + t * seg.code_bytes;
   const float* s = seg.scales + t * seg.scale_floats;
-  if constexpr (kFormat == kA8G4 || kFormat == kA8G8) {
-    // (x rounded with centre 1: each format's own centre scales the shift, see tile_rows_a8)
-    constexpr int kBits = kFormat == kA8G4 ? 4 : 8;
-#if defined(KVSERVE_V16_INT8)
-    if (!plain) {
-      return with_rows<kRowsInt8>(rows, [&](auto n) {
-        tile_rows_a8<kBits, decltype(n)::value, true>(y, ys, xq, r0, groups, c, s, valid);
-      });
-    }
-#endif
-    tile_rows_a8_plain<kBits>(rows, y, ys, xq, r0, groups, c, s, valid);
-  } else if constexpr (kFormat == kA8MX4 || kFormat == kA8NL4 || kFormat == kA8D4 || kFormat == kA8D5 ||
-                       kFormat == kA8D8) {
+  if constexpr (kFormat != kA8K4 && kFormat != kA8K5 && kFormat != kA8S16) {  // (L4, D, A)
     Lut16 lut{};
     if constexpr (DFormat<kFormat>::kLut) lut = lut_of(kFormat);
 #if defined(KVSERVE_V16_INT8) && defined(KVSERVE_V16_LUT)
@@ -415,8 +406,8 @@ KVSERVE_ALWAYS_INLINE void tile_as(const A8Segment& seg, int64_t t, float* y, in
 template <typename F>
 void with_format(int64_t format, F&& f) {
   switch (format) {
-    case kA8G4: return f(std::integral_constant<int64_t, kA8G4>{});
-    case kA8G8: return f(std::integral_constant<int64_t, kA8G8>{});
+    case kA8A4: return f(std::integral_constant<int64_t, kA8A4>{});
+    case kA8A5: return f(std::integral_constant<int64_t, kA8A5>{});
     case kA8K4: return f(std::integral_constant<int64_t, kA8K4>{});
     case kA8K5: return f(std::integral_constant<int64_t, kA8K5>{});
     case kA8S16: return f(std::integral_constant<int64_t, kA8S16>{});
@@ -463,23 +454,18 @@ void gguf_a8_linear(at::Tensor& out, const at::Tensor& x, const std::vector<at::
     const at::Tensor& codes = parts[2 * i];
     const at::Tensor& scales = parts[2 * i + 1];
     const int64_t format = formats[i];
-    TORCH_CHECK(format >= kA8G4 && format <= kA8D5, "unknown format ", format);
+    TORCH_CHECK(format >= kA8A4 && format <= kA8D5, "unknown format ", format);
     TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 4 &&
                     codes.size(1) == groups, "segment ", i, ": codes must be uint8 [tiles, K/32, ., 64]");
     const int64_t rows = std::min(codes.size(0) * kTile, n - start);
     TORCH_CHECK(rows > 0, "segments hold more rows than out");
     at::Tensor y = out.narrow(1, start, rows);
-    if (format == kA8G4 || format == kA8G8) {
-      grouped_linear(y, x, codes, scales, true, plain);
-    } else {
-      const A8Segment seg = a8_segment(i, codes, scales, format, groups);
-      if (!quantized) {
-        // (centre 1, as a8_tile's G tiles take it; the other formats read no shift)
-        xq = quantize_rows(x.data_ptr<float>(), x.size(0), x.stride(0), groups, 1.0f, x.size(0));
-        quantized = true;
-      }
-      run_segment(y, xq, seg, groups, plain);
+    const A8Segment seg = a8_segment(i, codes, scales, format, groups);
+    if (!quantized) {
+      xq = quantize_rows(x.data_ptr<float>(), x.size(0), x.stride(0), groups, 0.0f, x.size(0));
+      quantized = true;
     }
+    run_segment(y, xq, seg, groups, plain);
     start += rows;
   }
   TORCH_CHECK(start == n, "segments hold ", start, " rows, out has ", n);

@@ -14,7 +14,7 @@ namespace kvserve {
 struct A8Segment {
   int64_t format;        // A8Format
   const uint8_t* codes;  // tile t's codes from codes + t * code_bytes
-  const float* scales;   // its scales from scales + t * scale_floats (D: float16 d's, MX4: bytes; in floats' bytes)
+  const float* scales;   // its scales from scales + t * scale_floats (D, A: float16, MX4: bytes; in floats' bytes)
   int64_t tiles, code_bytes, scale_floats;
 };
 
@@ -22,10 +22,9 @@ struct A8Segment {
 // in `format`, checked against `groups` = K/32. The tensors must outlive the segment.
 A8Segment a8_segment(size_t i, const at::Tensor& codes, const at::Tensor& scales, int64_t format, int64_t groups);
 
-// Rows [r0, r0 + rows) of xq (rows <= grouped::kRowsInt8, rounded with centre 1) against tile
-// t of seg: row r's outputs to y[(r - r0) * ys + i] for i < valid. A row's result does not
-// depend on `rows` or on the other rows; it is grouped_linear's for G4 and G8 (its vector or
-// its plain C++), and for the other formats the same bits with `plain` (the portable C++).
+// Rows [r0, r0 + rows) of xq (rows <= grouped::kRowsInt8) against tile t of seg: row r's
+// outputs to y[(r - r0) * ys + i] for i < valid. A row's result does not depend on `rows`, on
+// the other rows, or on `plain` (the portable C++: the same bits).
 void a8_tile(const A8Segment& seg, int64_t t, float* y, int64_t ys, const grouped::QuantizedRows& xq, int64_t r0,
              int rows, int64_t groups, int64_t valid, bool plain);
 

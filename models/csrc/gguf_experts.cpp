@@ -83,9 +83,8 @@ void gguf_a8_experts(at::Tensor& out, const at::Tensor& x, const A8Experts& w, c
     for (int64_t t = 0; t < w.first[s].tiles; ++t) tiles.emplace_back(s, t);
   }
   const int64_t per_expert = static_cast<int64_t>(tiles.size());
-  // (centre 1: as a8_tile takes the rows)
   const grouped::QuantizedRows xq =
-      grouped::quantize_rows(x.data_ptr<float>(), x.size(0), x.stride(0), groups, 1.0f, x.size(0));
+      grouped::quantize_rows(x.data_ptr<float>(), x.size(0), x.stride(0), groups, 0.0f, x.size(0));
   float* yp = out.data_ptr<float>();
   const int64_t ys = out.stride(0);
   const float* bias = w.bias.defined() ? w.bias.data_ptr<float>() : nullptr;

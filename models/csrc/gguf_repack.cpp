@@ -311,25 +311,20 @@ struct TileRows {
 };
 
 // Whether gguf_a8_linear's `format` holds `type`'s values exactly, and its code bytes u = q + shift.
-// G8 centres the codes on u = 128, where the integer dots must meet them (x's rounding meets
-// u - 128: Q5_1's codes 0..31 as they are put it 112 codes off their middle, and its mean KLD
-// on a 0.5B model was 120x llama.cpp's). So Q5_1 goes as u = q + 112 with m - 112 d, a float
-// sum that rounds once at load (the other G8 types' m - 128 d, with m = 0, is exact).
-// D4 keeps Q4_0's codes 0..15 (decode_block's m = -8 d: the kernel's centre), D5 Q5_0's signed
-// codes as u = q + 16, D8 Q8_0's as u = q + 128.
+// The kernels centre the codes on their middle (c = 8, 16, 32 or 128), where the integer dots
+// meet x's rounding. D4 keeps Q4_0's codes 0..15 (decode_block's m = -8 d: the centre), D5
+// Q5_0's signed codes as u = q + 16, D8 Q8_0's as u = q + 128; A4 and A5 Q4_1's and Q5_1's
+// codes 0..15 and 0..31 as they are, with the file's m.
 bool a8_fits(int64_t type, int64_t format, int& shift) {
-  shift = format == kA8G8 || format == kA8D8 ? (type == kQ5_1 ? 112 : 128)
-          : format == kA8S16                 ? 32
-          : format == kA8D5                  ? 16
-                                             : 0;
+  shift = format == kA8D8 ? 128 : format == kA8S16 ? 32 : format == kA8D5 ? 16 : 0;
   switch (format) {
     case kA8D4: return type == kQ4_0;
     case kA8D5: return type == kQ5_0;
     case kA8D8: return type == kQ8_0;
+    case kA8A4: return type == kQ4_1;
+    case kA8A5: return type == kQ5_1;
     case kA8MX4: return type == kMXFP4;  // (the codes are table indices: no shift)
     case kA8NL4: return type == kIQ4_NL || type == kIQ4_XS;
-    case kA8G4: return type == kQ4_0 || type == kQ4_1;
-    case kA8G8: return type == kQ8_0 || type == kQ5_0 || type == kIQ4_NL || type == kMXFP4 || type == kQ5_1;
     case kA8K4: return type == kQ4_K;
     case kA8K5: return type == kQ5_K;
     case kA8S16: return type == kQ6_K || type == kQ3_K;
@@ -493,12 +488,13 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
   int shift;
   TORCH_CHECK(a8_fits(type, format, shift), "GGUF type ", type, " has no int8-activation format ", format);
   const bool sym = format == kA8S16, compact = format == kA8K4 || format == kA8K5 || sym;
-  const bool lut = format == kA8MX4 || format == kA8NL4, half = format == kA8D4 || format == kA8D5 || format == kA8D8;
-  const bool five = format == kA8K5 || format == kA8D5;
+  const bool lut = format == kA8MX4 || format == kA8NL4, affine = format == kA8A4 || format == kA8A5;
+  const bool half = format == kA8D4 || format == kA8D5 || format == kA8D8 || affine;
+  const bool five = format == kA8K5 || format == kA8D5 || format == kA8A5;
   // (S16 and the 5-bit formats: the low plane, then the high bits; L4: table indices)
-  const bool nibbles = format == kA8G4 || format == kA8K4 || sym || lut || format == kA8D4 || five;
+  const bool nibbles = format != kA8D8;
   const int64_t code_bytes = sym ? 384 : five ? 320 : nibbles ? 256 : 512, record = sym ? 80 : 96;
-  const int64_t scale_floats = compact ? tiles * (groups / 8) * record : tiles * groups * (lut || half ? 16 : 32);
+  const int64_t scale_floats = compact ? tiles * (groups / 8) * record : tiles * groups * (affine ? 32 : 16);
   // L4: each table value's index (MXFP4's two zeros: the first)
   int index_of[256];
   std::fill(index_of, index_of + 256, -1);
@@ -557,13 +553,15 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
               }
         }
         if (compact) continue;
-        if (half) {  // the file's float16 d per 32 inputs (m: D4's -8 d, D8's 0)
-          c10::Half* s = hp + (tile * groups + g) * 16;
+        if (half) {  // the file's float16 d per 32 inputs (m: D4's -8 d, D5's and D8's 0; A's the file's)
+          c10::Half* s = hp + (tile * groups + g) * (affine ? 32 : 16);
           for (int o = 0; o < 16; ++o) {
             const int64_t at = o * (k / 16) + 2 * g;
             s[o] = c10::Half(t.d[at]);
-            const float m = format == kA8D4 ? -8.0f * t.d[at] : 0.0f;  // (D5, D8: signed codes)
-            if (static_cast<float>(s[o]) != t.d[at] || t.d[at + 1] != t.d[at] || t.m[at] != m || t.m[at + 1] != m)
+            const float m = affine ? t.m[at] : format == kA8D4 ? -8.0f * t.d[at] : 0.0f;
+            if (affine) s[16 + o] = c10::Half(m);
+            if (static_cast<float>(s[o]) != t.d[at] || t.d[at + 1] != t.d[at] || t.m[at] != m || t.m[at + 1] != m ||
+                (affine && static_cast<float>(s[16 + o]) != m))
               exact = false;
           }
           continue;
@@ -591,13 +589,6 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
             if (t.d[at + 1] != t.d[at] || t.m[at] != 0.0f || t.m[at + 1] != 0.0f) exact = false;
           }
           continue;
-        }
-        float* s = sp + (tile * groups + g) * 32;
-        for (int o = 0; o < 16; ++o) {
-          const float dd = t.d[o * (k / 16) + 2 * g], mm = t.m[o * (k / 16) + 2 * g];
-          s[o] = dd;
-          s[16 + o] = shift ? mm - static_cast<float>(shift) * dd : mm;
-          if (shift && mm != 0.0f && type != kQ5_1) exact = false;
         }
       }
       if (!compact) continue;

@@ -82,6 +82,48 @@ KVSERVE_ALWAYS_INLINE void tile_rows(float* y, int64_t y_stride, const float* x,
 }
 #endif
 
+#if defined(KVSERVE_V16_INT8)
+
+// Up to R rows of int8 x against one 16-row tile. The codes u are the
+// unsigned operand of the dots, x's codes the signed one; s0 and s1 are the
+// dots of the two halves of the group, each half with its own dx. With
+// centre c and w = d (u - c) + (m + c d), per group:
+//   y += d * (dx0 s0 + dx1 s1 + shift) + m * sum(x),
+//   shift = c (sum(x) - dx0 sum(qx_lo) - dx1 sum(qx_hi)),
+// which is d * sum((u - c) dx qx) + (m + c d) sum(x): the rounding error of x
+// meets the centred codes u - c (about half the size of u for 4 bits, and
+// exactly Q8_0's q for 8 bits, where m + c d = 0).
+template <int kBits, int R>
+KVSERVE_ALWAYS_INLINE void tile_rows_a8(float* y, int64_t y_stride, const QuantizedRows& xq, int64_t r0,
+                                        int64_t groups, const uint8_t* codes, const float* scales,
+                                        int64_t valid) {
+  using namespace kvserve;
+  constexpr int64_t kGroupBytes = kTile * kGroup * kBits / 8;  // one group of a 16-row tile
+  V16 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = v16_zero();
+  for (int64_t g = 0; g < groups; ++g) {
+    V16i w[8];
+    load_codes<kBits>(codes + g * kGroupBytes, w);
+    const V16 d = v16_load(scales + g * 32);
+    const V16 m = v16_load(scales + g * 32 + 16);
+    const int64_t first = g * xq.rows + r0;  // this chunk's rows of group g
+    const int8_t* qx = xq.q.data() + first * kGroup;
+    const float* dx = xq.d.data() + first * 2;
+    const float* shift = xq.shift.data() + first;
+    const float* sum = xq.sum.data() + first;
+#pragma GCC unroll 16  // keep acc[] in registers (GCC left this loop rolled, acc[] on the stack)
+    for (int r = 0; r < R; ++r) {
+      V16i s0, s1;
+      group_dots<kBits, (R >= kVnniRows)>(s0, s1, w, qx + r * kGroup);
+      V16 t = v16_fmadd(v16_from_int(s1), v16_set1(dx[2 * r + 1]), v16_set1(shift[r]));
+      t = v16_fmadd(v16_from_int(s0), v16_set1(dx[2 * r]), t);
+      acc[r] = v16_fmadd(d, t, acc[r]);
+      acc[r] = v16_fmadd(m, v16_set1(sum[r]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) v16_store_n(y + r * y_stride, acc[r], static_cast<int>(valid));
+}
+#endif
 
 // Plain C++ for CPUs without AVX2 (or without its integer dots): the same
 // arithmetic, one output at a time. The tests run them on every machine (`plain=true`).
@@ -101,6 +143,33 @@ void tile_rows_plain(int rows, float* y, int64_t ys, const float* x, int64_t xs,
           sum += xv;
         }
         acc += scales[g * 32 + i] * dot + scales[g * 32 + 16 + i] * sum;
+      }
+      y[r * ys + i] = acc;
+    }
+  }
+}
+
+// int8 activations: y = sum_g (d sum_h dx_h sum_k (u - c) qx + (m + c d) sum_k x), integer dots.
+template <int kBits>
+void tile_rows_a8_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, int64_t r0, int64_t groups,
+                        const uint8_t* codes, const float* scales, int64_t valid) {
+  constexpr int64_t kGroupBytes = kTile * kGroup * kBits / 8;  // one group of a 16-row tile
+  constexpr int kCentre = 1 << (kBits - 1);
+  for (int r = 0; r < rows; ++r) {
+    for (int i = 0; i < valid; ++i) {
+      float acc = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t gr = g * xq.rows + r0 + r;
+        float t = 0.0f;
+        for (int h = 0; h < 2; ++h) {
+          int32_t dot = 0;
+          for (int k = 16 * h; k < 16 * h + 16; ++k) {
+            dot += (code_at<kBits>(codes + g * kGroupBytes, i, k) - kCentre) * xq.q[gr * kGroup + k];
+          }
+          t += static_cast<float>(dot) * xq.d[2 * gr + h];
+        }
+        const float d = scales[g * 32 + i], m = scales[g * 32 + 16 + i];
+        acc += d * t + (m + kCentre * d) * xq.sum[gr];
       }
       y[r * ys + i] = acc;
     }

@@ -86,14 +86,14 @@ bool repack_gguf(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, i
                  const at::Tensor& source);
 
 // gguf_a8.cpp: a GGUF file's tensors at their own bits on the int8-activation GEMMs, x's rows
-// rounded to int8 per 16 inputs (models/gguf_linear.py A8_FORMATS): grouped_gemm.cpp's 4- and
-// 8-bit formats (d and m per 32 inputs), Q4_K's and Q5_K's codes with their super-blocks' own
+// rounded to int8 per 16 inputs (models/gguf_linear.py A8_FORMATS): Q4_1's and Q5_1's codes
+// with the file's float16 d and m per 32 inputs (A4, A5), Q4_K's and Q5_K's codes with their super-blocks' own
 // scales, Q6_K's and Q3_K's 6-bit codes with a scale per 16 inputs, and 4-bit indices into
 // a table of 16 values (MX4: MXFP4's, NL4: IQ4_NL's and IQ4_XS's) with a scale per 32, and
 // symmetric 4-, 5- and 8-bit codes with the file's float16 scale per 32 (D4: Q4_0; D5: Q5_0;
 // D8: Q8_0). 5-bit codes (K5: Q5_K; D5) are a plane of their low 4 bits and one of their 5th.
 enum A8Format : int64_t {
-  kA8G4 = 0, kA8G8 = 1, kA8K4 = 2, kA8K5 = 3, kA8S16 = 4, kA8MX4 = 5, kA8NL4 = 6, kA8D4 = 7, kA8D8 = 8, kA8D5 = 9
+  kA8A4 = 0, kA8A5 = 1, kA8K4 = 2, kA8K5 = 3, kA8S16 = 4, kA8MX4 = 5, kA8NL4 = 6, kA8D4 = 7, kA8D8 = 8, kA8D5 = 9
 };
 // out [M, N] = x [M, K] @ W^T for a weight of row ranges, parts = codes0, scales0, codes1, ...
 // in their formats; plain: the portable C++ (the tests), which gives the same bits.

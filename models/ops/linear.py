@@ -93,8 +93,7 @@ def gguf_a8_linear(x: torch.Tensor, parts: list[torch.Tensor], formats: list[int
     dots, for a weight of row ranges each ``(codes, scales)`` in its format
     (``models.gguf_linear.A8_FORMATS``: a GGUF tensor's own codes and scales; ``parts``:
     codes0, scales0, codes1, ...). A row's result does not depend on the other rows;
-    ``plain`` runs the portable C++, which gives the same bits (the tests) but for G4 and G8
-    (``grouped_linear``'s plain C++ sums in another order)."""
+    ``plain`` runs the portable C++, which gives the same bits (the tests)."""
     ext = load_extension()
     if ext is None:
         raise RuntimeError("gguf_a8_linear needs the fused CPU kernels")

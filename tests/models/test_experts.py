@@ -53,7 +53,7 @@ def routing(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("types", [("Q4_K", "Q6_K"), ("Q4_0", "Q8_0"), ("Q5_1", "Q4_1")])
 def test_experts_in_one_call_are_each_experts_own_call(kind: type, dtype: torch.dtype, types: tuple[str, str]) -> None:
-    # (Q4_0, Q4_1, Q8_0 and Q5_1 are grouped_gemm.cpp's formats: their own calls run grouped_linear)
+    # (Q4_0 and Q8_0: D4, D8; Q5_1 and Q4_1: A5, A4, with an offset per 32)
     experts = experts_of(kind, *types)
     fused = FusedExperts.of(experts)
     assert fused is not None and fused.activate is kind.activate

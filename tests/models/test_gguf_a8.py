@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType
 
 from gguf_files import MIXED_TYPES, write_mixed_gguf
 from models import ops
-from models.gguf_linear import (A8_D4, A8_D5, A8_D8, A8_G4, A8_G8, A8_K4, A8_K5, A8_S16, A8_TYPE_FORMATS,
+from models.gguf_linear import (A8_A4, A8_A5, A8_D4, A8_D5, A8_D8, A8_K4, A8_K5, A8_S16, A8_TYPE_FORMATS,
                                 NativeA8Linear)
 from models.gguf_native import a8_projection, a8_ready, file_types
 from models.gguf_quants import random_blocks, split
@@ -72,10 +72,10 @@ def test_the_repacked_codes_are_the_files_weights(type_name: str) -> None:
     assert linear.formats == [A8_TYPE_FORMATS[type_name]]
     k = SHAPE[1]
     # 127 at input j: x rounds to itself (dx = 1), so y / 127 is column j of the weight, up to
-    # the float sums (G8's d (u - 128 + 128) - 128 d cancels to within float32's step of 255 d)
+    # the float sums (an offset's c d + m)
     y = linear(127.0 * torch.eye(k)) / 127.0
     w = weight_of(t).T
-    torch.testing.assert_close(y, w, rtol=1e-6, atol=(1e-5 if linear.formats == [A8_G8] else 1e-7) * w.abs().max())
+    torch.testing.assert_close(y, w, rtol=1e-6, atol=1e-7 * w.abs().max())
 
 
 @pytest.mark.parametrize("type_name", TYPES)
@@ -88,8 +88,7 @@ def test_a_projection_is_the_integer_dot_arithmetic(type_name: str) -> None:
     scale = (x.double().abs() @ weight_of(t).double().abs().T).max()
     assert ((y.double() - want).abs().max() / scale).item() < 1e-5
     plain = ops.gguf_a8_linear(x, linear._parts, linear.formats, linear.out_features, plain=True)
-    if linear.formats[0] not in (A8_G4, A8_G8):  # (grouped_gemm.cpp's plain G4 and G8 sum in another order)
-        assert torch.equal(plain, y)
+    assert torch.equal(plain, y)
     assert ((plain.double() - want).abs().max() / scale).item() < 1e-5
     for rows in (1, 5, 16, 17, 33):  # a row's result does not depend on the rows beside it
         assert torch.equal(linear(x[:rows]), y[:rows])
@@ -134,8 +133,7 @@ def test_a_shape_off_the_tiles_is_refused() -> None:
 def test_experts_in_one_call_give_each_experts_own_call(types: tuple[str, ...]) -> None:
     # Six experts' projections (segments of one or two formats) as one weight: each expert's
     # rows are what its own projection gives them, bit for bit, on the vector code and the plain.
-    # (Q4_0 and Q8_0: D4, D8; Q4_1 and Q5_1: G4 and G8, grouped_gemm.cpp's formats, whose own
-    # calls round x with their centre, 8 or 128)
+    # (Q4_0, Q8_0, Q5_0: D4, D8, D5; Q4_1, Q5_1: A4, A5)
     projections = [a8_projection(None, [tensor_of(t, (32 * (i + 1), 512), 10 * e + i) for i, t in enumerate(types)],
                                  [None] * len(types)) for e in range(6)]
     n = projections[0].out_features
@@ -159,8 +157,8 @@ def test_experts_of_other_formats_shapes_or_counts_are_refused() -> None:
     q8 = a8_projection(None, [tensor_of("Q8_0", (32, 512))], [None])
     with pytest.raises(RuntimeError, match="format 10 is not an A8Format"):
         ops.a8_experts(q8.fused_args[:-1], [10], 1, 512, 32)
-    with pytest.raises(RuntimeError, match="codes of the wrong width"):  # (Q8_0's 8-bit codes called G4)
-        ops.a8_experts(q8.fused_args[:-1], [A8_G4], 1, 512, 32)
+    with pytest.raises(RuntimeError, match="codes of the wrong width"):  # (Q8_0's 8-bit codes called A4)
+        ops.a8_experts(q8.fused_args[:-1], [A8_A4], 1, 512, 32)
     two = [a8_projection(None, [tensor_of("Q4_K", (rows, 512))], [None]) for rows in (32, 48)]
     with pytest.raises(RuntimeError, match="not the shape of expert 0's"):
         ops.a8_experts([t for p in two for t in p.fused_args[:-1]], two[0].formats, 2, 512, 32)
@@ -196,7 +194,7 @@ def test_w4a8_keeps_each_tensor_at_its_type(a8_file, make_runner, monkeypatch: p
     assert all(isinstance(p, NativeA8Linear) for layer in layers
                for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
     assert [layer.self_attn.qkv_proj.formats for layer in layers] == [[A8_K4, A8_S16], [A8_K5, A8_D8, A8_D5],
-                                                                       [A8_G8, A8_D8]]
+                                                                       [A8_A5, A8_D8]]
     assert isinstance(model.lm_head, NativeA8Linear) and model.lm_head.formats == [A8_S16]
     assert all(layer.packed_int4() for layer in layers)  # the fused layer runs them
     runner = make_runner(model)

@@ -336,8 +336,8 @@ def test_moe_gguf_runs_its_own_codes_on_w4a8(tiny_prompt, make_runner, tmp_path,
     # (inputs rounded to int8 per 16 at every projection: near transformers, not equal)
     assert max_diff(whole, reference_logits(reference, tiny_prompt)) < 0.1
     assert torch.equal(chunked_beside_another(make_runner(model, seed=1), tiny_prompt), whole)
-    # One token alone is its row of a batch, bit for bit; the experts (Q8_0's grouped_gemm.cpp
-    # format; gpt-oss's MXFP4 with biases and its clamped SwiGLU) one call a projection
+    # One token alone is its row of a batch, bit for bit; the experts (Q8_0's D8; gpt-oss's
+    # MXFP4 with biases and its clamped SwiGLU) one call a projection
     # (models.experts.FusedExperts), each slot what its expert's own call gives.
     from models.experts import _grouped
 

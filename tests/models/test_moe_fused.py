@@ -95,7 +95,7 @@ def test_fused_moe_layers_equal_the_op_by_op_layers(tiny_prompt, make_runner, tm
 @pytest.mark.parametrize("arch, kind", [("olmoe", "Q4_0"), ("mixtral", "Q8_0"), ("qwen3moe", "Q4_1")])
 def test_fused_moe_layers_of_q4_0_q8_0_q4_1_equal_the_op_by_op_layers(tiny_prompt, make_runner, tmp_path,
                                                                       monkeypatch, arch, kind):
-    # (D4, D8 and grouped_gemm.cpp's G4: every format's experts one call a projection)
+    # (D4, D8 and A4: every format's experts one call a projection)
     reference = tiny_moe(arch, **FAMILIES[arch])
     path = write_moe_gguf(tmp_path / f"{arch}.gguf", reference, arch, kind, every_projection=True)
     model = load_model(str(path), dtype="float32", device="cpu", quantization="w4a8").model
