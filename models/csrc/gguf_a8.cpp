@@ -236,9 +236,9 @@ template <int64_t kFormat>
 struct DFormat {
   static constexpr bool kLut = kFormat == kA8MX4 || kFormat == kA8NL4;
   static constexpr bool kAffine = kFormat == kA8A4 || kFormat == kA8A5;  // (an m per group too)
-  static constexpr int kBits = kFormat == kA8D8 ? 8 : kFormat == kA8D5 || kFormat == kA8A5 ? 5 : 4;
+  static constexpr int kBits = a8_code_bits(kFormat);
   static constexpr int32_t kCentre = kLut || kFormat == kA8D8 ? 128 : kBits == 5 ? 16 : 8;
-  static constexpr bool kHalf = !kLut;
+  static constexpr bool kHalf = a8_float16_scales(kFormat);
   static constexpr bool kE8M0 = kFormat == kA8MX4;
 };
 
@@ -331,15 +331,12 @@ void tile_rows_d_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, 
 
 A8Segment a8_segment(size_t i, const at::Tensor& codes, const at::Tensor& scales, int64_t format, int64_t groups) {
   const bool l4 = format == kA8MX4 || format == kA8NL4, affine = format == kA8A4 || format == kA8A5;
-  const bool half = format == kA8D4 || format == kA8D5 || format == kA8D8 || affine;
+  const bool half = a8_float16_scales(format);
   TORCH_CHECK(l4 || half || format == kA8K4 || format == kA8K5 || format == kA8S16, "segment ", i, ": format ",
               format, " is not an A8Format");
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 4 &&
                   codes.size(1) == groups, "segment ", i, ": codes must be uint8 [tiles, K/32, ., 64]");
-  const int64_t bits = l4 || format == kA8K4 || format == kA8D4 || format == kA8A4 ? 4
-                       : format == kA8S16                                       ? 6
-                       : format == kA8K5 || format == kA8D5 || format == kA8A5  ? 5
-                                                                                : 8;
+  const int64_t bits = a8_code_bits(format);
   TORCH_CHECK(codes.size(2) == bits && codes.size(3) == 64, "segment ", i, ": codes of the wrong width");
   const int64_t tiles = codes.size(0);
   if (half) {  // (float16 d's, and A's m's: a tile's are groups * 8 or 16 floats' bytes from the last's)
@@ -351,7 +348,8 @@ A8Segment a8_segment(size_t i, const at::Tensor& codes, const at::Tensor& scales
                      groups * kTile * kGroup * bits / 8, groups * per_group / 2};
   }
   if (format == kA8MX4) {  // (E8M0 bytes: a tile's are groups * 4 floats' bytes from the last's)
-    TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kByte && scales.numel() == tiles * groups * kTile,
+    TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kByte &&
+                    scales.numel() == tiles * groups * kTile,
                 "segment ", i, ": scales must be uint8 [tiles, K/32, 16]");
     return A8Segment{format, codes.data_ptr<uint8_t>(), static_cast<const float*>(scales.data_ptr()), tiles,
                      groups * kTile * kGroup * bits / 8, groups * kTile / 4};
@@ -389,7 +387,7 @@ KVSERVE_ALWAYS_INLINE void tile_as(const A8Segment& seg, int64_t t, float* y, in
 #endif
     tile_rows_d_plain<kFormat>(rows, y, ys, xq, r0, groups, c, s, valid, lut);
   } else {
-    constexpr int kBits = kFormat == kA8K4 ? 4 : kFormat == kA8K5 ? 5 : 6;
+    constexpr int kBits = a8_code_bits(kFormat);
     constexpr bool kSym = kFormat == kA8S16;
 #if defined(KVSERVE_V16_INT8)
     if (!plain) {
@@ -447,8 +445,7 @@ void gguf_a8_linear(at::Tensor& out, const at::Tensor& x, const std::vector<at::
               "out must be float32 [M, N]");
   TORCH_CHECK(parts.size() == 2 * formats.size() && !formats.empty(), "one (codes, scales) pair per format");
   const int64_t k = x.size(1), groups = k / kGroup, n = out.size(1);
-  QuantizedRows xq;
-  bool quantized = false;
+  const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), x.size(0), x.stride(0), groups, 0.0f, x.size(0));
   int64_t start = 0;
   for (size_t i = 0; i < formats.size(); ++i) {
     const at::Tensor& codes = parts[2 * i];
@@ -460,12 +457,7 @@ void gguf_a8_linear(at::Tensor& out, const at::Tensor& x, const std::vector<at::
     const int64_t rows = std::min(codes.size(0) * kTile, n - start);
     TORCH_CHECK(rows > 0, "segments hold more rows than out");
     at::Tensor y = out.narrow(1, start, rows);
-    const A8Segment seg = a8_segment(i, codes, scales, format, groups);
-    if (!quantized) {
-      xq = quantize_rows(x.data_ptr<float>(), x.size(0), x.stride(0), groups, 0.0f, x.size(0));
-      quantized = true;
-    }
-    run_segment(y, xq, seg, groups, plain);
+    run_segment(y, xq, a8_segment(i, codes, scales, format, groups), groups, plain);
     start += rows;
   }
   TORCH_CHECK(start == n, "segments hold ", start, " rows, out has ", n);

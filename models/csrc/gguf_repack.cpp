@@ -489,11 +489,11 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
   TORCH_CHECK(a8_fits(type, format, shift), "GGUF type ", type, " has no int8-activation format ", format);
   const bool sym = format == kA8S16, compact = format == kA8K4 || format == kA8K5 || sym;
   const bool lut = format == kA8MX4 || format == kA8NL4, affine = format == kA8A4 || format == kA8A5;
-  const bool half = format == kA8D4 || format == kA8D5 || format == kA8D8 || affine;
-  const bool five = format == kA8K5 || format == kA8D5 || format == kA8A5;
-  // (S16 and the 5-bit formats: the low plane, then the high bits; L4: table indices)
-  const bool nibbles = format != kA8D8;
-  const int64_t code_bytes = sym ? 384 : five ? 320 : nibbles ? 256 : 512, record = sym ? 80 : 96;
+  const bool half = a8_float16_scales(format);
+  const int bits = a8_code_bits(format);
+  // (S16 and the 5-bit formats: a plane of the low 4 bits, then the high bits; L4: table indices)
+  const bool five = bits == 5, nibbles = bits < 8;
+  const int64_t code_bytes = bits * 64, record = sym ? 80 : 96;
   const int64_t scale_floats = compact ? tiles * (groups / 8) * record : tiles * groups * (affine ? 32 : 16);
   // L4: each table value's index (MXFP4's two zeros: the first)
   int index_of[256];
@@ -574,10 +574,11 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
             std::frexp(t.d[at], &x);  // (d = 2^(x - 1); a zero row: 0)
             s[o] = t.d[at] > 0.0f ? static_cast<uint8_t>(x + 127) : 0;
             // the kernel's e = 0 is 0, not 2^-128: right only where the block's values are all 0
-            bool zero = true;
-            for (int i = 0; i < 32; ++i) zero = zero && t.q[o * k + 32 * g + i] == 0;
             const float made = s[o] ? std::ldexp(1.0f, static_cast<int>(s[o]) - 128) : 0.0f;
-            if ((made != t.d[at] && !(s[o] == 0 && zero)) || t.d[at + 1] != t.d[at] || t.m[at] != 0.0f) exact = false;
+            const int8_t* q = t.q.data() + o * k + 32 * g;
+            const bool right =
+                made == t.d[at] || (s[o] == 0 && std::all_of(q, q + 32, [](int8_t v) { return v == 0; }));
+            if (!right || t.d[at + 1] != t.d[at] || t.m[at] != 0.0f) exact = false;
           }
           continue;
         }

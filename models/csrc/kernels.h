@@ -95,6 +95,14 @@ bool repack_gguf(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, i
 enum A8Format : int64_t {
   kA8A4 = 0, kA8A5 = 1, kA8K4 = 2, kA8K5 = 3, kA8S16 = 4, kA8MX4 = 5, kA8NL4 = 6, kA8D4 = 7, kA8D8 = 8, kA8D5 = 9
 };
+// Bits a code of `format` takes (its codes are [tiles, K/32, bits, 64] bytes).
+constexpr int a8_code_bits(int64_t format) {
+  return format == kA8D8 ? 8 : format == kA8S16 ? 6 : format == kA8K5 || format == kA8D5 || format == kA8A5 ? 5 : 4;
+}
+// Whether `format`'s scales are the file's float16 d (D) or d and m (A) per row and 32 inputs.
+constexpr bool a8_float16_scales(int64_t format) {
+  return format == kA8D4 || format == kA8D5 || format == kA8D8 || format == kA8A4 || format == kA8A5;
+}
 // out [M, N] = x [M, K] @ W^T for a weight of row ranges, parts = codes0, scales0, codes1, ...
 // in their formats; plain: the portable C++ (the tests), which gives the same bits.
 void gguf_a8_linear(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tensor>& parts,
