@@ -34,8 +34,10 @@ DEFAULT_CACHE = Path("~/.cache/kvserve-bench").expanduser()
 # NOTE: not -DGGML_NATIVE=ON: on a CPU with AMX that turns on ggml's AMX
 # kernels, and llama-server then died with SIGILL on `tilezero` inside
 # tinygemm_kernel_amx at the first prompt (the process never asks the kernel
-# for the tile state). The instruction sets are named instead: AVX-512 with
-# VNNI, and BF16 where the CPU has it (cpu_options), never AMX.
+# for the tile state). The instruction sets are named instead, those this CPU
+# has (cpu_options): AVX2 always, AVX-512 with VNNI and BF16 where it has them,
+# AVX-VNNI likewise, never AMX. (Naming AVX-512 on an AVX2-only EPYC built
+# binaries that died with SIGILL in llama-quantize.)
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=OFF",
@@ -44,8 +46,6 @@ CMAKE_OPTIONS = (
     "-DGGML_FMA=ON",
     "-DGGML_F16C=ON",
     "-DGGML_BMI2=ON",
-    "-DGGML_AVX512=ON",
-    "-DGGML_AVX512_VNNI=ON",
     "-DGGML_AMX_TILE=OFF",
     "-DGGML_AMX_INT8=OFF",
     "-DGGML_AMX_BF16=OFF",
@@ -56,6 +56,9 @@ CMAKE_OPTIONS = (
     "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DBUILD_SHARED_LIBS=OFF",
 )
+# Each option ggml takes for an instruction set, on where /proc/cpuinfo shows its flag.
+FLAG_OPTIONS = (("avx512f", "-DGGML_AVX512=ON"), ("avx512_vnni", "-DGGML_AVX512_VNNI=ON"),
+                ("avx512_bf16", "-DGGML_AVX512_BF16=ON"), ("avx_vnni", "-DGGML_AVX_VNNI=ON"))
 # The peer's serving settings: 16 slots sharing a 16k context (1k tokens each),
 # continuous batching, one thread per core of the 2-core machines here.
 SERVER_SETTINGS = ("-np", "16", "-c", "16384", "-t", "2", "-cb")
@@ -78,16 +81,17 @@ def find_gguf() -> Path:
 
 
 # What the README's table says of the build.
-BUILD_NOTE = "AVX-512 with VNNI (and BF16 where the CPU has it), ggml's AMX kernels off"
+BUILD_NOTE = "the CPU's instruction sets named (AVX2; AVX-512, VNNI and BF16 where it has them), ggml's AMX kernels off"
 
 
-def cpu_options() -> tuple[str, ...]:
-    """CMAKE_OPTIONS plus the instruction sets this CPU adds (BF16)."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        flags = set()
-    return CMAKE_OPTIONS + (("-DGGML_AVX512_BF16=ON",) if "avx512_bf16" in flags else ())
+def cpu_options(flags: set[str] | None = None) -> tuple[str, ...]:
+    """CMAKE_OPTIONS plus the instruction sets this CPU (or ``flags``) has (FLAG_OPTIONS)."""
+    if flags is None:
+        try:
+            flags = set(Path("/proc/cpuinfo").read_text().split())
+        except OSError:
+            flags = set()
+    return CMAKE_OPTIONS + tuple(option for flag, option in FLAG_OPTIONS if flag in flags)
 
 
 def bin_dir(cache: Path) -> Path:

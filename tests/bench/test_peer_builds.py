@@ -9,10 +9,15 @@ from bench import llama_cpp, vllm_cpu
 
 
 def test_llama_cpp_names_its_instruction_sets_and_never_amx() -> None:
-    options = llama_cpp.cpu_options()
-    assert "-DGGML_NATIVE=OFF" in options and "-DGGML_AVX512_VNNI=ON" in options
-    assert not [o for o in options if "AMX" in o and o.endswith("=ON")]
-    assert all(f"-DGGML_AMX_{k}=OFF" in options for k in ("TILE", "INT8", "BF16"))
+    xeon = llama_cpp.cpu_options({"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_tile"})
+    epyc = llama_cpp.cpu_options({"avx2", "fma", "f16c"})  # (an EPYC with AVX2 only)
+    for options in (xeon, epyc):
+        assert "-DGGML_NATIVE=OFF" in options and "-DGGML_AVX2=ON" in options
+        assert not [o for o in options if "AMX" in o and o.endswith("=ON")]
+        assert all(f"-DGGML_AMX_{k}=OFF" in options for k in ("TILE", "INT8", "BF16"))
+    assert {"-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON"} <= set(xeon)
+    # no instruction set the CPU lacks: such a build dies with SIGILL
+    assert not [o for o in epyc if "AVX512" in o or "VNNI" in o]
 
 
 def test_a_build_from_other_options_is_not_reused(tmp_path: Path, monkeypatch) -> None:
