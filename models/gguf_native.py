@@ -22,7 +22,7 @@ from torch import nn
 
 from models import ops
 from models.config import ModelConfig
-from models.gguf_linear import (A8_A4, A8_A5, A8_D4, A8_D5, A8_D8, A8_FORMATS, A8_K4, A8_K5, A8_MX4, A8_NL4, A8_S16,
+from models.gguf_linear import (A8_A5, A8_D4, A8_D5, A8_D8, A8_FORMATS, A8_K4, A8_K5, A8_MX4, A8_NL4, A8_NX4, A8_S16,
                                 A8_TYPE_FORMATS, AMX_FORMATS, F4, F4K, F8, F8_G16, F8_G16S, FALLBACK, FOLDED, W4,
                                 W8_AFFINE, W8_AFFINE_G16, W8_G16, NativeA8Linear, NativeLinear, QuantizedEmbedding, folding,
                                 permuted_rows, plan_segments, type_format)
@@ -186,14 +186,14 @@ def _raw(tensor: GGUFTensor) -> torch.Tensor:
 
 def empty_a8_format(fmt: int, tiles: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Uninitialised codes and scales of ``ops.gguf_a8_linear``'s format ``fmt``."""
-    bits = {A8_A4: 4, A8_A5: 5, A8_K4: 4, A8_K5: 5, A8_S16: 6, A8_MX4: 4, A8_NL4: 4, A8_D4: 4, A8_D5: 5}.get(fmt, 8)
+    bits = {A8_A5: 5, A8_K5: 5, A8_D5: 5, A8_S16: 6, A8_D8: 8}.get(fmt, 4)
     codes = torch.empty(tiles, groups, bits, 64, dtype=torch.uint8)
-    if fmt in (A8_K4, A8_K5, A8_S16):
-        return codes, torch.empty(tiles, groups // 8, 80 if fmt == A8_S16 else 96)
-    if fmt in (A8_D4, A8_D5, A8_D8):  # (the file's float16 d per row and 32 inputs)
+    if fmt in (A8_K4, A8_K5, A8_S16, A8_NX4):  # (a record per tile and 256 inputs)
+        return codes, torch.empty(tiles, groups // 8, {A8_S16: 80, A8_NX4: 48}.get(fmt, 96))
+    if fmt in (A8_D4, A8_D5, A8_D8, A8_NL4):  # (the file's float16 d per row and 32 inputs)
         return codes, torch.empty(tiles, groups, 16, dtype=torch.float16)
-    if fmt in (A8_MX4, A8_NL4):  # (a d per row and 32 inputs, no m: MX4's the file's E8M0 byte)
-        return codes, torch.empty(tiles, groups, 16, dtype=torch.uint8 if fmt == A8_MX4 else torch.float32)
+    if fmt == A8_MX4:  # (the file's E8M0 byte per row and 32 inputs)
+        return codes, torch.empty(tiles, groups, 16, dtype=torch.uint8)
     return codes, torch.empty(tiles, groups, 2, 16, dtype=torch.float16)  # (A4, A5: and its m)
 
 

@@ -15,12 +15,15 @@
 //           the 4-bit layout of their low 4 bits, then 2 x 64 bytes of their high 2 (byte b of lane i
 //           of the v-th holds, at bits 2t, those of byte b of lane i of code vector 4v + t, as
 //           load_codes<8> gives them); a record of 80 floats per tile and 256 inputs, D[16] then
-//           int8 sc[8][2][16]. 6.75 bits a weight, against Q6_K's 6.56.
-//   MX4, NL4: 4-bit indices into a table of 16 int8 values (MXFP4's E2M1 values doubled; IQ4_NL's
-//           and IQ4_XS's codebook) in the 4-bit layout, and a d per row and 32 inputs ([tiles, K/32,
-//           16]): MX4 the file's E8M0 exponent byte e, d = 2^(e - 128) made in the kernel (4.25
-//           bits a weight, as MXFP4's), NL4 a float32 (5 bits, against IQ4_NL's 4.5). The kernel
-//           looks the bytes up (vpshufb) as u = value + 128, then as S16 with c = 128.
+//           int8 sc[8][2][16]. 6.625 bits a weight, against Q6_K's 6.5625.
+//   L4 (MX4, NL4, NX4): 4-bit indices into a table of 16 int8 values (MXFP4's E2M1 values doubled;
+//           IQ4_NL's and IQ4_XS's codebook) in the 4-bit layout, and their d per row and 32 inputs:
+//           MX4 the file's E8M0 exponent byte e ([tiles, K/32, 16]), d = 2^(e - 128) made in the
+//           kernel (4.25 bits a weight, as MXFP4's); NL4 the file's float16 d (4.5 bits, as
+//           IQ4_NL's); NX4 IQ4_XS's super-block scales, per tile and 256 inputs a record of 48
+//           floats, D[16] then int8 sc[8][16] (ls - 32), d = D sc made in the kernel as llama.cpp
+//           makes it (4.375 bits, against IQ4_XS's 4.25). The kernel looks the bytes up (vpshufb)
+//           as u = value + 128, then as S16 with c = 128.
 //   D4, D5, D8: symmetric codes in the 4-bit layout (Q4_0: u = q, c = 8), K5's (Q5_0: u = q + 16,
 //           c = 16) or the 8-bit one (Q8_0: u = q + 128, c = 128) and the file's own float16 d per
 //           row and 32 inputs ([tiles, K/32, 16] float16): 4.5, 5.5 and 8.5 bits a weight, as the
@@ -59,7 +62,7 @@ using namespace grouped;
 
 constexpr int64_t kSuper = 8;  // groups of 32 per super-block (256 inputs)
 
-constexpr int64_t record_floats(int64_t format) { return format == kA8S16 ? 80 : 96; }
+constexpr int64_t record_floats(int64_t format) { return format == kA8S16 ? 80 : format == kA8NX4 ? 48 : 96; }
 
 template <bool kSym, int kBits>
 constexpr float centre() {
@@ -234,7 +237,8 @@ Lut16 lut_of(int64_t format) {
 // width, the centre c of its bytes u, whether they are table indices, whether d is float16.
 template <int64_t kFormat>
 struct DFormat {
-  static constexpr bool kLut = kFormat == kA8MX4 || kFormat == kA8NL4;
+  static constexpr bool kLut = kFormat == kA8MX4 || kFormat == kA8NL4 || kFormat == kA8NX4;
+  static constexpr bool kSuperScales = kFormat == kA8NX4;  // (d = D sc per super-block: record_floats)
   static constexpr bool kAffine = kFormat == kA8A4 || kFormat == kA8A5;  // (an m per group too)
   static constexpr int kBits = a8_code_bits(kFormat);
   static constexpr int32_t kCentre = kLut || kFormat == kA8D8 ? 128 : kBits == 5 ? 16 : 8;
@@ -265,9 +269,15 @@ KVSERVE_ALWAYS_INLINE void tile_rows_d(float* y, int64_t ys, const QuantizedRows
     }
     V16 d, off = v16_zero();
     const auto* halves = reinterpret_cast<const uint16_t*>(scales) + g * (F::kAffine ? 32 : 16);
-    if constexpr (F::kHalf) d = v16_load_half(halves);
-    else if constexpr (F::kE8M0) d = v16_load_e8m0_half(reinterpret_cast<const uint8_t*>(scales) + g * 16);
-    else d = v16_load(scales + g * 16);
+    if constexpr (F::kSuperScales) {
+      const float* rec = scales + (g / kSuper) * record_floats(kFormat);
+      d = v16_load(rec) * v16_load_int8(reinterpret_cast<const int8_t*>(rec + 16) + 16 * (g % kSuper));
+    } else if constexpr (F::kHalf) {
+      d = v16_load_half(halves);
+    } else {
+      static_assert(F::kE8M0, "a d-per-32 format's scales are float16, E8M0 bytes or a super-block's");
+      d = v16_load_e8m0_half(reinterpret_cast<const uint8_t*>(scales) + g * 16);
+    }
     if constexpr (F::kAffine) off = v16_fmadd(v16_set1(static_cast<float>(F::kCentre)), d, v16_load_half(halves + 16));
     const int64_t first = g * xq.rows + r0;
     const int8_t* qx = xq.q.data() + first * kGroup;
@@ -311,9 +321,11 @@ void tile_rows_d_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, 
           c[h] = static_cast<float>(dot) - static_cast<float>(F::kCentre) * static_cast<float>(xq.qs[2 * gr + h]);
         }
         const auto* halves = reinterpret_cast<const c10::Half*>(scales) + g * (F::kAffine ? 32 : 16);
-        const float d = F::kHalf    ? static_cast<float>(halves[i])
-                        : F::kE8M0 ? e8m0_d(reinterpret_cast<const uint8_t*>(scales)[g * 16 + i])
-                                   : scales[g * 16 + i];
+        const float* rec = F::kSuperScales ? scales + (g / kSuper) * record_floats(kFormat) : nullptr;
+        const float d = rec        ? rec[i] * static_cast<float>(reinterpret_cast<const int8_t*>(rec + 16)[
+                                         16 * (g % kSuper) + i])
+                        : F::kHalf ? static_cast<float>(halves[i])
+                                   : e8m0_d(reinterpret_cast<const uint8_t*>(scales)[g * 16 + i]);
         const float p0 = c[0] * xq.d[2 * gr];
         const float t = std::fma(c[1], xq.d[2 * gr + 1], p0);
         acc = std::fma(d, t, acc);
@@ -330,10 +342,9 @@ void tile_rows_d_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, 
 }  // namespace
 
 A8Segment a8_segment(size_t i, const at::Tensor& codes, const at::Tensor& scales, int64_t format, int64_t groups) {
-  const bool l4 = format == kA8MX4 || format == kA8NL4, affine = format == kA8A4 || format == kA8A5;
-  const bool half = a8_float16_scales(format);
-  TORCH_CHECK(l4 || half || format == kA8K4 || format == kA8K5 || format == kA8S16, "segment ", i, ": format ",
-              format, " is not an A8Format");
+  const bool affine = format == kA8A4 || format == kA8A5, half = a8_float16_scales(format);
+  TORCH_CHECK(half || format == kA8MX4 || format == kA8NX4 || format == kA8K4 || format == kA8K5 || format == kA8S16,
+              "segment ", i, ": format ", format, " is not an A8Format");
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 4 &&
                   codes.size(1) == groups, "segment ", i, ": codes must be uint8 [tiles, K/32, ., 64]");
   const int64_t bits = a8_code_bits(format);
@@ -354,17 +365,12 @@ A8Segment a8_segment(size_t i, const at::Tensor& codes, const at::Tensor& scales
     return A8Segment{format, codes.data_ptr<uint8_t>(), static_cast<const float*>(scales.data_ptr()), tiles,
                      groups * kTile * kGroup * bits / 8, groups * kTile / 4};
   }
-  if (l4) {
-    TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == tiles * groups * kTile,
-                "segment ", i, ": scales must be float32 [tiles, K/32, 16]");
-  } else {
-    TORCH_CHECK(groups % kSuper == 0, "K must be whole super-blocks of 256");
-    TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
-                    scales.numel() == tiles * (groups / kSuper) * record_floats(format),
-                "segment ", i, ": scales must be float32 [tiles, K/256, ", record_floats(format), "]");
-  }
+  TORCH_CHECK(groups % kSuper == 0, "K must be whole super-blocks of 256");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
+                  scales.numel() == tiles * (groups / kSuper) * record_floats(format),
+              "segment ", i, ": scales must be float32 [tiles, K/256, ", record_floats(format), "]");
   return A8Segment{format, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), tiles,
-                   groups * kTile * kGroup * bits / 8, l4 ? groups * kTile : (groups / kSuper) * record_floats(format)};
+                   groups * kTile * kGroup * bits / 8, (groups / kSuper) * record_floats(format)};
 }
 
 namespace {
@@ -413,7 +419,8 @@ void with_format(int64_t format, F&& f) {
     case kA8D4: return f(std::integral_constant<int64_t, kA8D4>{});
     case kA8D5: return f(std::integral_constant<int64_t, kA8D5>{});
     case kA8D8: return f(std::integral_constant<int64_t, kA8D8>{});
-    default: return f(std::integral_constant<int64_t, kA8NL4>{});
+    case kA8NL4: return f(std::integral_constant<int64_t, kA8NL4>{});
+    default: return f(std::integral_constant<int64_t, kA8NX4>{});
   }
 }
 
@@ -451,7 +458,7 @@ void gguf_a8_linear(at::Tensor& out, const at::Tensor& x, const std::vector<at::
     const at::Tensor& codes = parts[2 * i];
     const at::Tensor& scales = parts[2 * i + 1];
     const int64_t format = formats[i];
-    TORCH_CHECK(format >= kA8A4 && format <= kA8D5, "unknown format ", format);
+    TORCH_CHECK(format >= kA8A4 && format <= kA8NX4, "unknown format ", format);
     TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 4 &&
                     codes.size(1) == groups, "segment ", i, ": codes must be uint8 [tiles, K/32, ., 64]");
     const int64_t rows = std::min(codes.size(0) * kTile, n - start);

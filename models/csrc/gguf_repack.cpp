@@ -324,7 +324,8 @@ bool a8_fits(int64_t type, int64_t format, int& shift) {
     case kA8A4: return type == kQ4_1;
     case kA8A5: return type == kQ5_1;
     case kA8MX4: return type == kMXFP4;  // (the codes are table indices: no shift)
-    case kA8NL4: return type == kIQ4_NL || type == kIQ4_XS;
+    case kA8NL4: return type == kIQ4_NL;
+    case kA8NX4: return type == kIQ4_XS;
     case kA8K4: return type == kQ4_K;
     case kA8K5: return type == kQ5_K;
     case kA8S16: return type == kQ6_K || type == kQ3_K;
@@ -332,11 +333,16 @@ bool a8_fits(int64_t type, int64_t format, int& shift) {
   }
 }
 
-// A K or S16 block's super-block scale D (and M = -dmin) and its integer scales: K's sc and
-// mn per 32 inputs, S16's sc per 16.
+// A K, S16 or NX4 block's super-block scale D (and M = -dmin) and its integer scales: K's sc
+// and mn per 32 inputs, S16's sc per 16, IQ4_XS's ls - 32 per 32.
 void a8_block_scales(int64_t type, const uint8_t* b, float& big_d, float& big_m, int* sc, int* mn) {
   big_m = 0.0f;
-  if (type == kQ4_K || type == kQ5_K) {
+  if (type == kIQ4_XS) {
+    big_d = f16(b);
+    uint16_t high;
+    std::memcpy(&high, b + 2, 2);
+    for (int j = 0; j < 8; ++j) sc[j] = (((b[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((high >> (2 * j)) & 3) << 4)) - 32;
+  } else if (type == kQ4_K || type == kQ5_K) {
     big_d = f16(b);
     big_m = -f16(b + 2);
     for (int j = 0; j < 8; ++j) k_scale_min(b + 4, j, sc[j], mn[j]);
@@ -487,13 +493,13 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
   const int64_t block_bytes = in.block_bytes, per_block = in.per_block, k = in.k, groups = k / 32, tiles = in.tiles;
   int shift;
   TORCH_CHECK(a8_fits(type, format, shift), "GGUF type ", type, " has no int8-activation format ", format);
-  const bool sym = format == kA8S16, compact = format == kA8K4 || format == kA8K5 || sym;
-  const bool lut = format == kA8MX4 || format == kA8NL4, affine = format == kA8A4 || format == kA8A5;
+  const bool sym = format == kA8S16, xs = format == kA8NX4, compact = format == kA8K4 || format == kA8K5 || sym || xs;
+  const bool lut = format == kA8MX4 || format == kA8NL4 || xs, affine = format == kA8A4 || format == kA8A5;
   const bool half = a8_float16_scales(format);
   const int bits = a8_code_bits(format);
   // (S16 and the 5-bit formats: a plane of the low 4 bits, then the high bits; L4: table indices)
   const bool five = bits == 5, nibbles = bits < 8;
-  const int64_t code_bytes = bits * 64, record = sym ? 80 : 96;
+  const int64_t code_bytes = bits * 64, record = sym ? 80 : xs ? 48 : 96;
   const int64_t scale_floats = compact ? tiles * (groups / 8) * record : tiles * groups * (affine ? 32 : 16);
   // L4: each table value's index (MXFP4's two zeros: the first)
   int index_of[256];
@@ -553,7 +559,7 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
               }
         }
         if (compact) continue;
-        if (half) {  // the file's float16 d per 32 inputs (m: D4's -8 d, D5's and D8's 0; A's the file's)
+        if (half) {  // the file's float16 d per 32 inputs (m: D4's -8 d, D5's, D8's and NL4's 0; A's the file's)
           c10::Half* s = hp + (tile * groups + g) * (affine ? 32 : 16);
           for (int o = 0; o < 16; ++o) {
             const int64_t at = o * (k / 16) + 2 * g;
@@ -582,27 +588,18 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
           }
           continue;
         }
-        if (lut) {  // one d per 32 inputs, no m
-          float* s = sp + (tile * groups + g) * 16;
-          for (int o = 0; o < 16; ++o) {
-            const int64_t at = o * (k / 16) + 2 * g;
-            s[o] = t.d[at];
-            if (t.d[at + 1] != t.d[at] || t.m[at] != 0.0f || t.m[at + 1] != 0.0f) exact = false;
-          }
-          continue;
-        }
       }
       if (!compact) continue;
       for (int64_t sb = 0; sb < groups / 8; ++sb) {
         float* rec = sp + (tile * (groups / 8) + sb) * record;
-        auto* ints = reinterpret_cast<int8_t*>(rec + (sym ? 16 : 32));
+        auto* ints = reinterpret_cast<int8_t*>(rec + (sym || xs ? 16 : 32));
         for (int o = 0; o < 16; ++o) {
           const int64_t row = src[tile * 16 + o];
           float big_d = 0.0f, big_m = 0.0f;
           int sc[16] = {0}, mn[16] = {0};
           if (row >= 0) a8_block_scales(type, rp + row * rs + sb * block_bytes, big_d, big_m, sc, mn);
           rec[o] = big_d;
-          if (!sym) rec[16 + o] = big_m;
+          if (!sym && !xs) rec[16 + o] = big_m;
           for (int h = 0; h < 16; ++h) {  // each 16 inputs' scale, checked against decode_block's
             const int j = sym ? h : h / 2;
             const float dd = big_d * static_cast<float>(sc[j]), mm = big_m * static_cast<float>(mn[j]);
@@ -615,7 +612,7 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
               ints[j * 32 + 16 + o] = static_cast<int8_t>(sc[2 * j + 1]);
             } else {
               ints[j * 16 + o] = static_cast<int8_t>(sc[j]);
-              ints[128 + j * 16 + o] = static_cast<int8_t>(mn[j]);
+              if (!xs) ints[128 + j * 16 + o] = static_cast<int8_t>(mn[j]);
             }
           }
         }

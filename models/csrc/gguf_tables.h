@@ -14,7 +14,7 @@ inline constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -
 // exponent e makes d = 2^(e - 128), the half its value would be.
 inline constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
-// The table a format of 4-bit indices (kA8MX4, kA8NL4) looks them up in.
+// The table a format of 4-bit indices (kA8MX4, kA8NL4, kA8NX4) looks them up in.
 inline const int8_t* a8_table(int64_t format) { return format == kA8MX4 ? kMxfp4Values : kIq4Values; }
 
 }  // namespace kvserve

@@ -89,19 +89,22 @@ bool repack_gguf(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, i
 // rounded to int8 per 16 inputs (models/gguf_linear.py A8_FORMATS): Q4_1's and Q5_1's codes
 // with the file's float16 d and m per 32 inputs (A4, A5), Q4_K's and Q5_K's codes with their super-blocks' own
 // scales, Q6_K's and Q3_K's 6-bit codes with a scale per 16 inputs, and 4-bit indices into
-// a table of 16 values (MX4: MXFP4's, NL4: IQ4_NL's and IQ4_XS's) with a scale per 32, and
+// a table of 16 values (MX4: MXFP4's with its exponent byte per 32; NL4: IQ4_NL's with its float16
+// d per 32; NX4: IQ4_XS's with its super-block's d and 6-bit scales), and
 // symmetric 4-, 5- and 8-bit codes with the file's float16 scale per 32 (D4: Q4_0; D5: Q5_0;
 // D8: Q8_0). 5-bit codes (K5: Q5_K; D5) are a plane of their low 4 bits and one of their 5th.
 enum A8Format : int64_t {
-  kA8A4 = 0, kA8A5 = 1, kA8K4 = 2, kA8K5 = 3, kA8S16 = 4, kA8MX4 = 5, kA8NL4 = 6, kA8D4 = 7, kA8D8 = 8, kA8D5 = 9
+  kA8A4 = 0, kA8A5 = 1, kA8K4 = 2, kA8K5 = 3, kA8S16 = 4, kA8MX4 = 5, kA8NL4 = 6, kA8D4 = 7, kA8D8 = 8, kA8D5 = 9,
+  kA8NX4 = 10
 };
 // Bits a code of `format` takes (its codes are [tiles, K/32, bits, 64] bytes).
 constexpr int a8_code_bits(int64_t format) {
   return format == kA8D8 ? 8 : format == kA8S16 ? 6 : format == kA8K5 || format == kA8D5 || format == kA8A5 ? 5 : 4;
 }
-// Whether `format`'s scales are the file's float16 d (D) or d and m (A) per row and 32 inputs.
+// Whether `format`'s scales are the file's float16 d (D, NL4) or d and m (A) per row and 32 inputs.
 constexpr bool a8_float16_scales(int64_t format) {
-  return format == kA8D4 || format == kA8D5 || format == kA8D8 || format == kA8A4 || format == kA8A5;
+  return format == kA8D4 || format == kA8D5 || format == kA8D8 || format == kA8A4 || format == kA8A5 ||
+         format == kA8NL4;
 }
 // out [M, N] = x [M, K] @ W^T for a weight of row ranges, parts = codes0, scales0, codes1, ...
 // in their formats; plain: the portable C++ (the tests), which gives the same bits.

@@ -38,7 +38,7 @@ def _gemms(gen: torch.Generator) -> dict[str, torch.Tensor]:
     from models.gguf_quants import random_blocks
     from models.gguf_reader import GGUFTensor
     for i, type_name in enumerate(("Q4_K", "Q5_K", "Q6_K", "Q3_K", "MXFP4", "IQ4_XS", "Q4_0", "Q8_0", "Q4_1",
-                                   "Q5_1", "Q5_0")):
+                                   "Q5_1", "Q5_0", "IQ4_NL")):
         raw = random_blocks(type_name, (48, 512), i, one_scale=True)
         linear = a8_projection(None, [GGUFTensor("t", int(GGMLQuantizationType[type_name]), (512, 48), raw)], [None])
         for rows in (1, 7, 37):

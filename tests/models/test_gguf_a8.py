@@ -65,6 +65,19 @@ def rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(x.shape), (amax / 127.0).expand_as(halves).reshape(x.shape)
 
 
+# Bits a weight of codes and scales each type is held at: the file's own (Q6_K's and Q3_K's
+# scales as a float32 per super-block and an int8 per 16; IQ4_XS's 6-bit scales as int8s).
+HELD_BITS = {"Q4_0": 4.5, "Q4_1": 5.0, "Q5_0": 5.5, "Q5_1": 6.0, "Q8_0": 8.5, "Q4_K": 4.75, "Q5_K": 5.75,
+             "Q6_K": 6.625, "Q3_K": 6.625, "MXFP4": 4.25, "IQ4_NL": 4.5, "IQ4_XS": 4.375}
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_each_type_is_held_near_its_files_bits(type_name: str) -> None:
+    linear = a8_projection(None, [tensor_of(type_name)], [None])
+    held = sum(t.numel() * t.element_size() for t in linear.fused_args[:-1])
+    assert held * 8 / (SHAPE[0] * SHAPE[1]) == HELD_BITS[type_name]
+
+
 @pytest.mark.parametrize("type_name", TYPES)
 def test_the_repacked_codes_are_the_files_weights(type_name: str) -> None:
     t = tensor_of(type_name)
@@ -155,8 +168,8 @@ def test_experts_in_one_call_give_each_experts_own_call(types: tuple[str, ...]) 
 
 def test_experts_of_other_formats_shapes_or_counts_are_refused() -> None:
     q8 = a8_projection(None, [tensor_of("Q8_0", (32, 512))], [None])
-    with pytest.raises(RuntimeError, match="format 10 is not an A8Format"):
-        ops.a8_experts(q8.fused_args[:-1], [10], 1, 512, 32)
+    with pytest.raises(RuntimeError, match="format 11 is not an A8Format"):
+        ops.a8_experts(q8.fused_args[:-1], [11], 1, 512, 32)
     with pytest.raises(RuntimeError, match="codes of the wrong width"):  # (Q8_0's 8-bit codes called A4)
         ops.a8_experts(q8.fused_args[:-1], [A8_A4], 1, 512, 32)
     two = [a8_projection(None, [tensor_of("Q4_K", (rows, 512))], [None]) for rows in (32, 48)]
