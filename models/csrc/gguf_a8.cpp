@@ -158,7 +158,7 @@ KVSERVE_ALWAYS_INLINE void tile_rows_k(float* y, int64_t ys, const QuantizedRows
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       V16i s0, s1;
-      group_dots<(kBits == 4 ? 4 : 8), (R >= kVnniRows)>(s0, s1, w, qx + r * kGroup);  // (6 bits: as bytes)
+      group_dots<kBits, (R >= kVnniRows)>(s0, s1, w, qx + r * kGroup);
       const V16 c0 = v16_from_int(v16i_sub(s0, v16i_set1(kCentreInt * qs[2 * r])));
       const V16 c1 = v16_from_int(v16i_sub(s1, v16i_set1(kCentreInt * qs[2 * r + 1])));
       if constexpr (kSym) {
@@ -287,7 +287,7 @@ KVSERVE_ALWAYS_INLINE void tile_rows_d(float* y, int64_t ys, const QuantizedRows
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       V16i s0, s1;
-      group_dots<(F::kBits == 4 && !F::kLut ? 4 : 8), (R >= kVnniRows)>(s0, s1, w, qx + r * kGroup);
+      group_dots<(F::kLut ? 8 : F::kBits), (R >= kVnniRows)>(s0, s1, w, qx + r * kGroup);  // (L4: bytes)
       const V16 c0 = v16_from_int(v16i_sub(s0, v16i_set1(F::kCentre * qs[2 * r])));
       const V16 c1 = v16_from_int(v16i_sub(s1, v16i_set1(F::kCentre * qs[2 * r + 1])));
       const V16 t = v16_fmadd(c1, v16_set1(dx[2 * r + 1]), c0 * v16_set1(dx[2 * r]));

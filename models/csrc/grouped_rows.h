@@ -206,17 +206,24 @@ KVSERVE_ALWAYS_INLINE void group_dots(V16i& s0, V16i& s1, const V16i* w, const i
 #if defined(KVSERVE_V16_VNNI) && defined(KVSERVE_V16_AVX512)
   static_assert(kVnni, "AVX512-VNNI runs the dots at every row count (kVnniRows)");
 #else
-  // Without VNNI: pairs of byte products summed to int16 (vpmaddubsw), four
-  // such sums added in int16 before widening. With codes of at most 15 and
-  // |qx| <= 127 a sum stays within 4 * 2 * 15 * 127 = 15240: nothing saturates,
-  // and the dots are VNNI's exactly. 8-bit codes go as their two nibbles.
+  // Without VNNI: pairs of byte products summed to int16 (vpmaddubsw), then
+  // added in int16 while no sum can pass 32767 before widening (vpmaddwd): a
+  // pair of codes of kBits bits against |qx| <= 127 is at most 2 (2^kBits - 1) 127,
+  // so four such sums stay within range for 4- and 5-bit codes (15240, 31496), two for
+  // 6-bit ones (32004); nothing saturates, and the dots are VNNI's exactly. Codes of
+  // 7 or 8 bits go as their two nibbles.
   // Forced inline as the helpers around it (vec16.h): out of line, GCC passed u through memory.
   const auto dots = [](const V16i* u, const int8_t* x) __attribute__((always_inline)) {
+    if constexpr (kBits == 6) {
+      const V16i p01 = v16i_add16(v16i_maddubs(u[0], v16i_bcast4(x)), v16i_maddubs(u[1], v16i_bcast4(x + 4)));
+      const V16i p23 = v16i_add16(v16i_maddubs(u[2], v16i_bcast4(x + 8)), v16i_maddubs(u[3], v16i_bcast4(x + 12)));
+      return v16i_add(v16i_widen_pairs(p01), v16i_widen_pairs(p23));
+    }
     V16i p = v16i_maddubs(u[0], v16i_bcast4(x));
     for (int j = 1; j < 4; ++j) p = v16i_add16(p, v16i_maddubs(u[j], v16i_bcast4(x + 4 * j)));
     return v16i_widen_pairs(p);
   };
-  if constexpr (kBits == 4) {
+  if constexpr (kBits <= 6) {
     s0 = dots(w, qx);
     s1 = dots(w + 4, qx + 16);
   } else {  // u = lo + 16 hi
