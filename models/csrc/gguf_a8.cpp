@@ -23,7 +23,7 @@
 //           IQ4_NL's); NX4 IQ4_XS's super-block scales, per tile and 256 inputs a record of 48
 //           floats, D[16] then int8 sc[8][16] (ls - 32), d = D sc made in the kernel as llama.cpp
 //           makes it (4.375 bits, against IQ4_XS's 4.25). The kernel looks the bytes up (vpshufb)
-//           as u = value + 128, then as S16 with c = 128.
+//           as u = value + c, then as S16 (c = 128; MXFP4 c = 16: bytes below 32, 5-bit codes).
 //   D4, D5, D8: symmetric codes in the 4-bit layout (Q4_0: u = q, c = 8), K5's (Q5_0: u = q + 16,
 //           c = 16) or the 8-bit one (Q8_0: u = q + 128, c = 128) and the file's own float16 d per
 //           row and 32 inputs ([tiles, K/32, 16] float16): 4.5, 5.5 and 8.5 bits a weight, as the
@@ -34,7 +34,7 @@
 // Per group, with the dots s_h = sum(u qx) of each half h and qs_h = sum(qx) (grouped_rows.h):
 //   K, A: y += d * (dx_1 (s_1 - c qs_1) + dx_0 (s_0 - c qs_0)) + (c d + m) * sum(x)   (c: 8; 5 bits 16)
 //   S16: y += d_0 * (dx_0 (s_0 - 32 qs_0)) + d_1 * (dx_1 (s_1 - 32 qs_1))
-//   L4, D: y += d * (dx_1 (s_1 - c qs_1) + dx_0 (s_0 - c qs_0))   (c: 128; D4's 8, D5's 16)
+//   L4, D: y += d * (dx_1 (s_1 - c qs_1) + dx_0 (s_0 - c qs_0))   (c: 128, MX4 16; D4's 8, D5's 16)
 // s_h - c qs_h = sum((u - c) qx) is an integer below 2^24, exact in float (the vector code
 // subtracts in integers, the plain C++ in floats: the same value); so the rounding of x
 // meets the centred codes, as in grouped_gemm.cpp. A row's result does not depend on the
@@ -221,7 +221,12 @@ void tile_rows_k_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, 
   }
 }
 
-// The 16 table values of an L4 format as bytes u = value + 128.
+// The centre c an L4 format's table values are moved by to bytes u = value + c: MXFP4's doubled
+// values (-12..12) as u < 32, so that the dots without VNNI run them as 5-bit codes (one pass
+// of byte multiply-adds, where 8-bit codes take two); IQ4's (-127..113) by 128.
+constexpr int32_t lut_centre(int64_t format) { return format == kA8MX4 ? 16 : 128; }
+
+// The 16 table values of an L4 format as bytes u = value + lut_centre.
 struct Lut16 {
   alignas(16) uint8_t u[16];
 };
@@ -229,7 +234,7 @@ struct Lut16 {
 Lut16 lut_of(int64_t format) {
   const int8_t* values = a8_table(format);
   Lut16 t;
-  for (int i = 0; i < 16; ++i) t.u[i] = static_cast<uint8_t>(values[i] + 128);
+  for (int i = 0; i < 16; ++i) t.u[i] = static_cast<uint8_t>(values[i] + lut_centre(format));
   return t;
 }
 
@@ -241,7 +246,9 @@ struct DFormat {
   static constexpr bool kSuperScales = kFormat == kA8NX4;  // (d = D sc per super-block: record_floats)
   static constexpr bool kAffine = kFormat == kA8A4 || kFormat == kA8A5;  // (an m per group too)
   static constexpr int kBits = a8_code_bits(kFormat);
-  static constexpr int32_t kCentre = kLut || kFormat == kA8D8 ? 128 : kBits == 5 ? 16 : 8;
+  static constexpr int32_t kCentre = kLut ? lut_centre(kFormat) : kFormat == kA8D8 ? 128 : kBits == 5 ? 16 : 8;
+  // The bits of its bytes u (group_dots' pass): an L4 format's span its centre's
+  static constexpr int kDotBits = kLut ? (kCentre == 16 ? 5 : 8) : kBits;
   static constexpr bool kHalf = a8_float16_scales(kFormat);
   static constexpr bool kE8M0 = kFormat == kA8MX4;
 };
@@ -287,7 +294,7 @@ KVSERVE_ALWAYS_INLINE void tile_rows_d(float* y, int64_t ys, const QuantizedRows
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       V16i s0, s1;
-      group_dots<(F::kLut ? 8 : F::kBits), (R >= kVnniRows)>(s0, s1, w, qx + r * kGroup);  // (L4: bytes)
+      group_dots<F::kDotBits, (R >= kVnniRows)>(s0, s1, w, qx + r * kGroup);
       const V16 c0 = v16_from_int(v16i_sub(s0, v16i_set1(F::kCentre * qs[2 * r])));
       const V16 c1 = v16_from_int(v16i_sub(s1, v16i_set1(F::kCentre * qs[2 * r + 1])));
       const V16 t = v16_fmadd(c1, v16_set1(dx[2 * r + 1]), c0 * v16_set1(dx[2 * r]));
