@@ -59,14 +59,17 @@ def test_w4a16_is_a_candidate_only_where_amx_bf16_runs(monkeypatch: pytest.Monke
     assert all(p.quantization != "w4a16" for p in autotune.candidates("float32", "auto", True))
 
 
-def test_w4a8_keeping_a_files_types_is_a_float32_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_w4a8_keeping_a_files_types_is_the_float32_path_and_no_float_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSERVE_AMX", "auto")
-    monkeypatch.setattr(autotune.ops, "amx_bf16_usable", lambda: False)  # (an AMX CPU adds w4a16)
-    # A Q4_K_M file: not "4-bit" (its Q6_K tensors), but every type has an int8-activation format.
-    assert autotune.candidates("auto", "auto", False, native=True, native_a8=True) == [
-        RunPath("float32", "w4a8"), RunPath("float32", "none")] + (
-        [RunPath("bfloat16", "none")] if autotune.cpu_has_native_bf16() else [])
+    monkeypatch.setattr(autotune.ops, "amx_bf16_usable", lambda: False)
+    # A Q4_K_M file: not "4-bit" (its Q6_K tensors), but every type has an int8-activation format:
+    # it runs at its own bits, never as a float copy of every projection (none), so nothing to time.
+    assert autotune.candidates("auto", "auto", False, native=True, native_a8=True) == [RunPath("float32", "w4a8")]
+    assert autotune.candidates("float32", "none", False, native=True, native_a8=True) == [RunPath("float32", "none")]
     assert autotune.candidates("float32", "auto", False, native=True) == [RunPath("float32", "none")]
+    monkeypatch.setattr(autotune.ops, "amx_bf16_usable", lambda: True)  # (an AMX CPU times w4a16 beside it)
+    assert autotune.candidates("auto", "auto", False, native=True, native_a8=True) == [
+        RunPath("float32", "w4a8"), RunPath("float32", "w4a16")]
 
 
 def test_without_the_kernels_w4a8_is_no_candidate() -> None:
