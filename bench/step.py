@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     loaded = load_model(args.model, dtype="float32", device="cpu", quantization=args.quantization)
     model, cfg = loaded.model, loaded.config
     layer = model.model.layers[0]
+    if not hasattr(layer.mlp, "gate_up_proj"):
+        raise SystemExit(f"{args.model}: a mixture of experts; bench.step times a dense layer's parts "
+                         "(serve it beside llama-server with python -m bench.peers --no-vllm --model FILE)")
     projections = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
     if not all(isinstance(m, (QuantizedLinear, AmxBf16Linear, NativeLinear)) and m.fused
                for m in projections + [model.lm_head]):
