@@ -62,8 +62,6 @@ using namespace grouped;
 
 constexpr int64_t kSuper = 8;  // groups of 32 per super-block (256 inputs)
 
-constexpr int64_t record_floats(int64_t format) { return format == kA8S16 ? 80 : format == kA8NX4 ? 48 : 96; }
-
 template <bool kSym, int kBits>
 constexpr float centre() {
   return kSym ? 32.0f : (kBits == 4 ? 8.0f : 16.0f);  // (K5's 5-bit codes: 16)
@@ -123,7 +121,7 @@ template <int kBits, bool kSym, int R>
 KVSERVE_ALWAYS_INLINE void tile_rows_k(float* y, int64_t ys, const QuantizedRows& xq, int64_t r0, int64_t groups,
                                        const uint8_t* codes, const float* scales, int64_t valid) {
   constexpr int64_t kGroupBytes = kTile * kGroup * kBits / 8;
-  constexpr int64_t kRecord = kSym ? 80 : 96;
+  constexpr int64_t kRecord = a8_record_floats(kSym ? kA8S16 : kA8K4);
   // The centre term c qs in integers (exact, as the float one is): no scalar float product
   // and broadcast per row, which took a multiply pipe from the dots.
   constexpr int32_t kCentreInt = static_cast<int32_t>(centre<kSym, kBits>());
@@ -180,7 +178,7 @@ template <int kBits, bool kSym>
 void tile_rows_k_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, int64_t r0, int64_t groups,
                        const uint8_t* codes, const float* scales, int64_t valid) {
   constexpr int64_t kGroupBytes = kTile * kGroup * kBits / 8;
-  constexpr int64_t kRecord = kSym ? 80 : 96;
+  constexpr int64_t kRecord = a8_record_floats(kSym ? kA8S16 : kA8K4);
   constexpr float kCentre = centre<kSym, kBits>();
   for (int r = 0; r < rows; ++r) {
     for (int i = 0; i < valid; ++i) {
@@ -243,11 +241,11 @@ Lut16 lut_of(int64_t format) {
 template <int64_t kFormat>
 struct DFormat {
   static constexpr bool kLut = kFormat == kA8MX4 || kFormat == kA8NL4 || kFormat == kA8NX4;
-  static constexpr bool kSuperScales = kFormat == kA8NX4;  // (d = D sc per super-block: record_floats)
+  static constexpr bool kSuperScales = kFormat == kA8NX4;  // (d = D sc per super-block: a8_record_floats)
   static constexpr bool kAffine = kFormat == kA8A4 || kFormat == kA8A5;  // (an m per group too)
   static constexpr int kBits = a8_code_bits(kFormat);
   static constexpr int32_t kCentre = kLut ? lut_centre(kFormat) : kFormat == kA8D8 ? 128 : kBits == 5 ? 16 : 8;
-  // The bits of its bytes u (group_dots' pass): an L4 format's span its centre's
+  // The bits of its bytes u (group_dots' pass): an L4 format's lie below twice its centre
   static constexpr int kDotBits = kLut ? (kCentre == 16 ? 5 : 8) : kBits;
   static constexpr bool kHalf = a8_float16_scales(kFormat);
   static constexpr bool kE8M0 = kFormat == kA8MX4;
@@ -277,7 +275,7 @@ KVSERVE_ALWAYS_INLINE void tile_rows_d(float* y, int64_t ys, const QuantizedRows
     V16 d, off = v16_zero();
     const auto* halves = reinterpret_cast<const uint16_t*>(scales) + g * (F::kAffine ? 32 : 16);
     if constexpr (F::kSuperScales) {
-      const float* rec = scales + (g / kSuper) * record_floats(kFormat);
+      const float* rec = scales + (g / kSuper) * a8_record_floats(kFormat);
       d = v16_load(rec) * v16_load_int8(reinterpret_cast<const int8_t*>(rec + 16) + 16 * (g % kSuper));
     } else if constexpr (F::kHalf) {
       d = v16_load_half(halves);
@@ -328,7 +326,7 @@ void tile_rows_d_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, 
           c[h] = static_cast<float>(dot) - static_cast<float>(F::kCentre) * static_cast<float>(xq.qs[2 * gr + h]);
         }
         const auto* halves = reinterpret_cast<const c10::Half*>(scales) + g * (F::kAffine ? 32 : 16);
-        const float* rec = F::kSuperScales ? scales + (g / kSuper) * record_floats(kFormat) : nullptr;
+        const float* rec = F::kSuperScales ? scales + (g / kSuper) * a8_record_floats(kFormat) : nullptr;
         const float d = rec        ? rec[i] * static_cast<float>(reinterpret_cast<const int8_t*>(rec + 16)[
                                          16 * (g % kSuper) + i])
                         : F::kHalf ? static_cast<float>(halves[i])
@@ -374,10 +372,10 @@ A8Segment a8_segment(size_t i, const at::Tensor& codes, const at::Tensor& scales
   }
   TORCH_CHECK(groups % kSuper == 0, "K must be whole super-blocks of 256");
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
-                  scales.numel() == tiles * (groups / kSuper) * record_floats(format),
-              "segment ", i, ": scales must be float32 [tiles, K/256, ", record_floats(format), "]");
+                  scales.numel() == tiles * (groups / kSuper) * a8_record_floats(format),
+              "segment ", i, ": scales must be float32 [tiles, K/256, ", a8_record_floats(format), "]");
   return A8Segment{format, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), tiles,
-                   groups * kTile * kGroup * bits / 8, (groups / kSuper) * record_floats(format)};
+                   groups * kTile * kGroup * bits / 8, (groups / kSuper) * a8_record_floats(format)};
 }
 
 namespace {

@@ -499,7 +499,7 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
   const int bits = a8_code_bits(format);
   // (S16 and the 5-bit formats: a plane of the low 4 bits, then the high bits; L4: table indices)
   const bool five = bits == 5, nibbles = bits < 8;
-  const int64_t code_bytes = bits * 64, record = sym ? 80 : xs ? 48 : 96;
+  const int64_t code_bytes = bits * 64, record = a8_record_floats(format);
   const int64_t scale_floats = compact ? tiles * (groups / 8) * record : tiles * groups * (affine ? 32 : 16);
   // L4: each table value's index (MXFP4's two zeros: the first)
   int index_of[256];
