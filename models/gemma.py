@@ -95,7 +95,7 @@ class GemmaDecoderLayer(nn.Module):
     def forward_fused(self, x: torch.Tensor, step: ops.FusedStep, kv_cache: tuple[torch.Tensor, torch.Tensor],
                       lora: LayerLoRA | None = None) -> torch.Tensor:
         """``forward`` in one kernel call (``fusable``) for the step ``step`` describes."""
-        weights = fused_weights(self, (self.mlp.gate_up_proj, self.mlp.down_proj))
+        weights = fused_weights(self, True)
         return ops.fused_gemma_layer(x, weights, step, kv_cache[0], kv_cache[1],
                                      lora.fused_args() if lora is not None else None)
 

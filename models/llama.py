@@ -155,8 +155,7 @@ class DecoderLayer(nn.Module):
     def fused_weights(self) -> ops.FusedWeights:
         """This layer's ``ops.fused_layer`` arguments that do not change between steps
         (``fused_weights``)."""
-        mlp = self.mlp
-        return fused_weights(self, (mlp.gate_up_proj, mlp.down_proj))
+        return fused_weights(self, True)
 
     def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, step: ops.FusedStep,
                       kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -185,18 +184,45 @@ def norms_fusable(layer: nn.Module) -> bool:
     return q_norm is None or q_norm.eps == layer.input_layernorm.eps
 
 
-def fused_weights(layer: nn.Module, mlp: tuple[nn.Module, ...]) -> ops.FusedWeights:
-    """A decoder layer's ``ops.FusedWeights`` (its attention and norms, and ``mlp``'s
-    ``gate_up`` and ``down`` projections, or none), built once and rebuilt when a projection or
-    norm is replaced (quantised, packed, sharded). Gathering them through ``nn.Module``
-    attributes every step cost about 28 us a layer, a tenth of a single stream's decode step."""
+# Modules, parameters and buffers registered anywhere so far (torch's global registration
+# hooks count them): a layer's fused arguments, built from its modules, stay what they were
+# while this count does. Walking a layer's modules to check cost 17-28 us a layer, about 1%
+# of a one-stream decode step (nn.Module.__getattr__ at each step of the walk).
+_registrations = 0
+
+
+def _count_registration(*_args: object) -> None:
+    global _registrations
+    _registrations += 1
+
+
+for _hook in (nn.modules.module.register_module_module_registration_hook,
+              nn.modules.module.register_module_parameter_registration_hook,
+              nn.modules.module.register_module_buffer_registration_hook):
+    _hook(_count_registration)
+
+
+def registrations() -> int:
+    """How many modules, parameters and buffers have been registered in this process: unchanged,
+    no module anywhere has gained, swapped or replaced one."""
+    return _registrations
+
+
+def fused_weights(layer: nn.Module, with_mlp: bool) -> ops.FusedWeights:
+    """A decoder layer's ``ops.FusedWeights`` (its attention and norms, and, ``with_mlp``, its
+    MLP's ``gate_up`` and ``down`` projections), built once and rebuilt when a projection or
+    norm is replaced (quantised, packed, sharded): checked again only after a registration
+    anywhere (``registrations``)."""
+    cached = layer.__dict__.get("_fused_weights")
+    if cached is not None and cached[2] == _registrations:
+        return cached[1]
     attn = layer.self_attn
+    mlp = (layer.mlp.gate_up_proj, layer.mlp.down_proj) if with_mlp else ()
     # (Gemma's MLP norms too, where the layer has them)
     mlp_norms = (getattr(layer, "pre_feedforward_layernorm", None), getattr(layer, "post_feedforward_layernorm", None))
     norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm, *mlp_norms)
     key = (attn.qkv_proj, attn.o_proj, *mlp, *norms)
-    cached = layer.__dict__.get("_fused_weights")
-    if cached is None or any(a is not b for a, b in zip(cached[0], key)):
+    if cached is None or len(cached[0]) != len(key) or any(a is not b for a, b in zip(cached[0], key)):
         projections = [p.fused_args for p in key[:2 + len(mlp)]]
         gate_up, down = projections[2:] if mlp else ([], [])
         q_norm, k_norm = (None, None) if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
@@ -205,9 +231,11 @@ def fused_weights(layer: nn.Module, mlp: tuple[nn.Module, ...]) -> ops.FusedWeig
             norms[0].weight, norms[1].weight, norms[0].eps, projections[0], attn.qkv_proj.bias, projections[1],
             gate_up, down, attn.num_heads, attn.num_kv_heads, attn.scale, attn.qkv_proj.fused_gemm, q_norm, k_norm,
             attn.o_proj.bias, attn.window, attn.softcap, sinks, *(None if n is None else n.weight for n in mlp_norms))
-        # A plain attribute (nn.Module.__setattr__ would not register a tuple anyway).
-        layer.__dict__["_fused_weights"] = cached = (key, weights)
-    return cached[1]
+    else:
+        weights = cached[1]
+    # A plain attribute (nn.Module.__setattr__ would not register a tuple anyway).
+    layer.__dict__["_fused_weights"] = (key, weights, _registrations)
+    return weights
 
 
 class FusedSteps:

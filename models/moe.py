@@ -57,7 +57,7 @@ from models.dense import DTYPES, PackedLinear
 from models.fused import FUSED_PARTS, fused_part_sizes
 from models.experts import FusedExperts, mix_experts
 from models.llama import (MLP, Attention, FusedSteps, LlamaForCausalLM, RMSNorm, float32_bias, fused_weights,
-                          norms_fusable, same_fused_gemm)
+                          norms_fusable, registrations, same_fused_gemm)
 from models.moe_config import MoESettings
 from models.parallel import TensorParallel, embed
 from models.quant import AmxBf16Linear, QuantizedLinear
@@ -239,16 +239,18 @@ class MoEDecoderLayer(nn.Module):
         it: it runs a sparse layer of experts held as one weight a projection whose activation
         the kernel runs (``FusedExperts.activation``: SiLU's, gpt-oss's clamped SwiGLU, with
         their biases), whose attention (and shared expert, where it has one) the fused layer
-        kernel runs (their projections on one of its GEMMs). Checked once, and again when a
-        module is replaced."""
-        attn, mlp = self.self_attn, self.mlp
-        fused = mlp.fused if isinstance(mlp, SparseMoeBlock) else None
+        kernel runs (their projections on one of its GEMMs). Checked once, and again after a
+        registration anywhere (``models.llama.registrations``) or a change of the block's
+        ``fused`` experts or ``tp`` split."""
+        cached, mlp = self.__dict__.get("_fused_moe"), self.mlp
+        plain = (mlp.__dict__.get("fused"), mlp.__dict__.get("tp"))  # (attributes no registration counts)
+        if cached is not None and cached[2] == registrations() and all(a is b for a, b in zip(cached[3], plain)):
+            return None if cached[1] is None else (fused_weights(self, False), cached[1])
+        attn, (fused, tp) = self.self_attn, plain
         shared = getattr(mlp, "shared_expert", None)
         shared_parts = () if shared is None else (shared.gate_up_proj, shared.down_proj, mlp.shared_expert_gate)
-        key = (attn.qkv_proj, attn.o_proj, mlp, fused, getattr(mlp, "gate", None), getattr(mlp, "tp", None), shared,
-               *shared_parts)
-        cached = self.__dict__.get("_fused_moe")
-        if cached is None or any(a is not b for a, b in zip(cached[0], key)):
+        key = (attn.qkv_proj, attn.o_proj, mlp, fused, getattr(mlp, "gate", None), tp, shared, *shared_parts)
+        if cached is None or len(cached[0]) != len(key) or any(a is not b for a, b in zip(cached[0], key)):
             experts = None
             if fused is not None and self._fused_moe_runs(mlp):
                 shared_args = {} if shared is None else dict(
@@ -257,8 +259,10 @@ class MoEDecoderLayer(nn.Module):
                 experts = ops.FusedExpertsWeights(mlp.gate.packed, router_kind(mlp.moe), mlp.moe.experts_per_token,
                                                   fused.gate_up, fused.down, mlp.gate.bias, fused.activation,
                                                   **shared_args, residual_multiplier=self.residual_multiplier)
-            self.__dict__["_fused_moe"] = cached = (key, experts)  # (a plain attribute, as fused_weights')
-        return None if cached[1] is None else (fused_weights(self, ()), cached[1])
+        else:
+            experts = cached[1]
+        self.__dict__["_fused_moe"] = (key, experts, registrations(), plain)  # (a plain attribute, as fused_weights')
+        return None if experts is None else (fused_weights(self, False), experts)
 
     def _fused_moe_runs(self, mlp: SparseMoeBlock) -> bool:
         attn, qkv, o = self.self_attn, self.self_attn.qkv_proj, self.self_attn.o_proj

@@ -64,6 +64,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_experts", &kvserve::moe_experts,
         "each row through its chosen experts, mixed by its weights; and the tokens per expert",
         py::call_guard<py::gil_scoped_release>());
+  m.def("gguf_rows", &kvserve::gguf_rows, "rows of a GGUF tensor's blocks dequantised (an embedding's lookups)");
   m.def("repack_gguf_a8", &kvserve::repack_gguf_a8,
         "a GGUF tensor's blocks as gguf_a8_linear's codes and scales of a format (false: not exact)",
         py::call_guard<py::gil_scoped_release>());

@@ -64,21 +64,20 @@ void project(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& 
   }
 }
 
-// A layer's query and key heads RMS-normalised in qkv [T, width] before RoPE, as the
-// op-by-op layers do (each normalised row through rms_norm): q_norm and k_norm of head_dim
-// values normalise each head (Qwen3), of the whole projection's width the whole projection
-// (OLMoE). Undefined tensors: no norm.
+// A layer's query and key heads RMS-normalised in qkv [T, width] before RoPE, in place, as the
+// op-by-op layers do (each normalised row through rms_norm's row routine): q_norm and k_norm of
+// head_dim values normalise each head (Qwen3), of the whole projection's width the whole
+// projection (OLMoE). Undefined tensors: no norm.
 void norm_heads(at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm, int64_t q_size,
                 int64_t kv_size, double eps) {
   if (!q_norm.defined()) return;
-  const int64_t rows = qkv.size(0);
+  const int64_t rows = qkv.size(0), width = qkv.size(1);
   for (const auto& [weight, start, size] : {std::make_tuple(q_norm, int64_t{0}, q_size),
                                             std::make_tuple(k_norm, q_size, kv_size)}) {
-    TORCH_CHECK(size % weight.numel() == 0, "a q/k norm of ", weight.numel(), " values for ", size, " features");
-    at::Tensor part = qkv.narrow(1, start, size).contiguous().view({-1, weight.numel()});
-    at::Tensor normed = at::empty_like(part);
-    rms_norm(normed, part, weight, eps);
-    qkv.narrow(1, start, size).copy_(normed.view({rows, size}));
+    const int64_t n = weight.numel();
+    TORCH_CHECK(size % n == 0, "a q/k norm of ", n, " values for ", size, " features");
+    at::Tensor pieces = qkv.as_strided({rows, size / n, n}, {width, n, 1}, qkv.storage_offset() + start);
+    rms_norm_pieces(pieces, weight, eps);
   }
 }
 

@@ -623,3 +623,41 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
 }
 
 }  // namespace kvserve
+
+namespace kvserve {
+
+// out [n, K] float32 = the rows `ids` [n] of raw [rows, row bytes] (a GGUF tensor's blocks of
+// `type`) dequantised: q * d, then + m for the types whose split has an offset (Q4_0, Q4_1,
+// Q5_1, Q2_K, Q4_K, Q5_K), each product and sum rounded as models/gguf_quants.py's
+// Codes.dequantize rounds them (no contraction into one FMA, no + 0 turning a -0 into +0):
+// the embedding's lookups, the same float32 values as the whole table dequantised.
+__attribute__((optimize("fp-contract=off"))) void gguf_rows(at::Tensor& out, const at::Tensor& raw, int64_t type,
+                                                             const at::Tensor& ids) {
+  int64_t block_bytes = 0, per_block = 0;
+  TORCH_CHECK(block_shape(type, block_bytes, per_block), "GGUF type ", type, " has no integer split");
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.stride(1) == 1 && raw.size(1) % block_bytes == 0,
+              "raw must be uint8 rows of whole blocks");
+  const int64_t k = raw.size(1) / block_bytes * per_block, n = ids.numel();
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous(), "ids must be int64");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == n &&
+                  out.size(1) == k, "out must be float32 [len(ids), K]");
+  const bool offset = type == kQ4_0 || type == kQ4_1 || type == kQ5_1 || type == kQ2_K || type == kQ4_K ||
+                      type == kQ5_K;
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < raw.size(0), "id ", ip[r], " out of range");
+  const uint8_t* rp = raw.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  std::vector<int8_t> q(static_cast<size_t>(per_block));
+  std::vector<float> d(static_cast<size_t>(per_block / 16)), m(d.size());
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t blk = 0; blk < k / per_block; ++blk) {
+      decode_block(type, rp + ip[r] * raw.stride(0) + blk * block_bytes, q.data(), d.data(), m.data());
+      float* w = op + r * k + blk * per_block;
+      for (int64_t i = 0; i < per_block; ++i) w[i] = static_cast<float>(q[i]) * d[i / 16];
+      if (offset)
+        for (int64_t i = 0; i < per_block; ++i) w[i] = w[i] + m[i / 16];
+    }
+  }
+}
+
+}  // namespace kvserve

@@ -22,6 +22,8 @@ namespace kvserve {
 
 // rowwise.cpp: RMSNorm (with the residual add), SiLU * up, RoPE + KV-cache write.
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+// x [rows, pieces, n]: each n-value piece rms-normalised in place, as rms_norm a row.
+void rms_norm_pieces(at::Tensor& x, const at::Tensor& weight, double eps);
 void add_rms_norm(at::Tensor& out, at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight,
                   double eps);
 void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up);
@@ -160,6 +162,10 @@ std::vector<at::Tensor> moe_experts(const at::Tensor& x, const A8Experts& gate_u
 // the format exactly (the caller says so).
 bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, int64_t type, int64_t format,
                     const at::Tensor& source);
+
+// out [len(ids), K] float32: the rows `ids` of raw (a GGUF tensor's blocks of `type`)
+// dequantised as models/gguf_quants.py does, bit for bit (an embedding's lookups).
+void gguf_rows(at::Tensor& out, const at::Tensor& raw, int64_t type, const at::Tensor& ids);
 
 // argmax.cpp
 void argmax_rows(at::Tensor& out, const at::Tensor& x);

@@ -135,6 +135,24 @@ void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, do
   });
 }
 
+// x [rows, pieces, n] (n-value pieces contiguous, any strides between them) normalised in place,
+// piece by piece, as rms_norm normalises a row of n: a layer's q/k norms on its qkv projection's
+// output without copying the query and key parts out and back.
+void rms_norm_pieces(at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be [rows, pieces, n] with contiguous pieces");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(2), "weight must match the pieces' size");
+  const int64_t rows = x.size(0), pieces = x.size(1), n = x.size(2);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_pieces", [&] {
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    const int64_t rs = x.stride(0), ps = x.stride(1);
+    kvserve::parallel_chunks(rows, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t p = 0; p < pieces; ++p) rms_norm_rows(xp + r * rs + p * ps, xp + r * rs + p * ps, wp, n, eps);
+    });
+  });
+}
+
 // residual += x (rounded to the storage dtype), then out = rms_norm(residual) * weight.
 void add_rms_norm(at::Tensor& out, at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight,
                   double eps) {

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.ops.build import load_extension
+from models.ops.build import kernels_for, load_extension
 
 
 def grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int,
@@ -201,6 +201,20 @@ def repack_gguf_a8(codes: torch.Tensor, scales: torch.Tensor, raw: torch.Tensor,
     if ext is None:
         raise RuntimeError("repack_gguf_a8 needs the fused CPU kernels")
     return ext.repack_gguf_a8(codes, scales, raw, type_id, fmt, source)
+
+
+def gguf_rows(raw: torch.Tensor, type_id: int, ids: torch.Tensor, k: int) -> torch.Tensor | None:
+    """Rows ``ids`` of ``raw [rows, row bytes]`` (a GGUF tensor's blocks of ggml type ``type_id``,
+    ``k`` values a row) dequantised to float32 ``[len(ids), k]``, the values
+    ``models.gguf_quants`` gives bit for bit; None where the kernels do not run (the caller
+    splits the rows in torch)."""
+    ext = kernels_for(ids)
+    if ext is None:
+        return None
+    ids = ids.to(torch.long).contiguous()
+    out = torch.empty(ids.numel(), k)
+    ext.gguf_rows(out, raw, type_id, ids)
+    return out
 
 
 def _amx_linear(kernel: str, x: torch.Tensor, out_features: int, *weight) -> torch.Tensor:

@@ -6,6 +6,8 @@ sequence and in decode steps.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -96,3 +98,28 @@ def test_moe_layers_with_attention_extras_run_fused_with_the_op_by_op_bits(tiny_
     fused, plain = fused_and_plain(model, make_runner, tiny_prompt, monkeypatch, MoEDecoderLayer,
                                    "fused_moe_weights", lambda self: None)
     assert torch.equal(fused, plain)
+
+
+def test_a_layers_fused_arguments_follow_a_replaced_module_and_only_then_are_rebuilt(tmp_path):
+    # The arguments are kept while nothing anywhere registers a module, parameter or buffer
+    # (models.llama.registrations), and the experts' plain attributes stay; a replaced
+    # projection or norm, or experts unfused, is seen at the next call.
+    reference = tiny_moe("mixtral", hidden_size=256, head_dim=64, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=256, num_local_experts=16, num_experts_per_tok=4)
+    path = write_moe_gguf(tmp_path / "mixtral.gguf", reference, "mixtral", "Q4_K", every_projection=True)
+    model = load_model(str(path), dtype="float32", device="cpu", quantization="w4a8").model
+    layer = model.model.layers[0]
+    weights, experts = layer.fused_moe_weights()
+    assert layer.fused_moe_weights()[0] is weights and layer.fused_moe_weights()[1] is experts
+    o_proj = copy.deepcopy(layer.self_attn.o_proj)
+    layer.self_attn.o_proj = o_proj
+    again = layer.fused_moe_weights()[0]
+    assert again is not weights
+    assert all(a is b for a, b in zip(again.o_proj, o_proj.fused_args))
+    norm = copy.deepcopy(layer.input_layernorm)
+    layer.input_layernorm = norm
+    assert layer.fused_moe_weights()[0].input_norm is norm.weight
+    fused, layer.mlp.fused = layer.mlp.fused, None  # (a plain attribute: no registration)
+    assert layer.fused_moe_weights() is None
+    layer.mlp.fused = fused
+    assert layer.fused_moe_weights()[1] is not None

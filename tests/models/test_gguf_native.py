@@ -24,7 +24,8 @@ from gguf import GGMLQuantizationType, quants
 from gguf_files import MIXED_TYPES, write_mixed_gguf
 from models import ops
 from models.gguf_linear import (F4, F4K, F8, F8_G16, F8_G16S, FALLBACK, FOLD_SWITCH, FOLDED, FOLDED_FORMATS,
-                                SCALED_FORMATS, W4, W8, W8_AFFINE, W8_AFFINE_G16, W8_G16, NativeLinear, amx_format,
+                                SCALED_FORMATS, W4, W8, W8_AFFINE, W8_AFFINE_G16, W8_G16, NativeLinear,
+                                QuantizedEmbedding, amx_format,
                                 pack_amx, plan_segments, type_format, widen)
 from models.gguf_native import empty_format, projection
 from models.gguf_reader import GGUFTensor
@@ -52,6 +53,26 @@ def test_the_split_gives_the_values_the_gguf_package_dequantises(type_name: str)
     u = codes.q + codes.offset  # the type's span
     assert 0 <= int(u.min()) and int(u.max()) < 2 ** codes.bits and -128 <= int(codes.q.min())
     assert codes.group in (16, 32) and codes.d.shape == (SHAPE[0], SHAPE[1] // codes.group)
+
+
+@pytest.mark.parametrize("type_name", SPLIT_TYPES)
+def test_an_embeddings_lookups_are_the_split_tables_rows_bit_for_bit(type_name: str) -> None:
+    """The kernel's lookup (ops.gguf_rows) and torch's split of the picked rows both give the
+    whole table's values, each bit (-0 too), for ids in any order, repeated."""
+    raw = random_blocks(type_name, SHAPE, 5)  # (offsets that need not fold: every rounding shows)
+    table = split(type_name, raw, SHAPE).dequantize()
+    embedding = QuantizedEmbedding(type_name, raw, SHAPE, torch.float32)
+    ids = torch.tensor([7, 0, SHAPE[0] - 1, 7, 30])
+    for kernels in (True, False):
+        ops.set_kernels_enabled(kernels)
+        try:
+            got = embedding(ids)
+        finally:
+            ops.set_kernels_enabled(True)
+        assert torch.equal(got.view(torch.int32), table[ids].view(torch.int32)), kernels
+    if ops.kernels_available():
+        with pytest.raises(RuntimeError, match="out of range"):
+            embedding(torch.tensor([SHAPE[0]]))
 
 
 def test_a_split_of_the_wrong_size_is_refused() -> None:
