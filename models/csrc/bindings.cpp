@@ -73,6 +73,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_amx_emulated", &kvserve::set_amx_emulated, "tests: AMX's tile instructions in software");
   m.def("amx_emulated", &kvserve::amx_emulated, "whether AMX's tile instructions run in software");
   m.def("amx_emulated_products", &kvserve::amx_emulated_products, "tile products the software tiles computed");
+  py::class_<kvserve::LayerArgs>(m, "LayerArgs", "a decoder layer's fused-kernel arguments that stay from step to step")
+      .def(py::init<at::Tensor, at::Tensor, double, std::vector<at::Tensor>, c10::optional<at::Tensor>,
+                    c10::optional<at::Tensor>, c10::optional<at::Tensor>, std::vector<at::Tensor>,
+                    c10::optional<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t,
+                    double, int64_t, double, c10::optional<at::Tensor>, int64_t, c10::optional<at::Tensor>,
+                    c10::optional<at::Tensor>>());
+  py::class_<kvserve::ExpertsArgs>(m, "ExpertsArgs", "a mixture's router and experts for fused_moe_layer")
+      .def(py::init<at::Tensor, c10::optional<at::Tensor>, std::shared_ptr<kvserve::A8Experts>,
+                    std::shared_ptr<kvserve::A8Experts>, int64_t, int64_t, int64_t, double, double,
+                    std::vector<at::Tensor>, std::vector<at::Tensor>, c10::optional<at::Tensor>, double, int64_t>());
+  py::class_<kvserve::StepArgs>(m, "StepArgs", "what a step's fused layers share")
+      .def(py::init([](at::Tensor rotations, at::Tensor positions, at::Tensor slot_mapping, at::Tensor block_tables,
+                       at::Tensor context_lens, int64_t num_decodes, c10::optional<at::Tensor> prefill_query_start) {
+        return kvserve::StepArgs{std::move(rotations), std::move(positions), std::move(slot_mapping),
+                                 std::move(block_tables), std::move(context_lens), num_decodes,
+                                 std::move(prefill_query_start)};
+      }));
   m.def("fused_layer", &kvserve::fused_layer,
         "one decoder layer for a step's decodes and prompt chunks, packed projections",
         py::call_guard<py::gil_scoped_release>());

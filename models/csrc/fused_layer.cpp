@@ -81,42 +81,18 @@ void norm_heads(at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_n
   }
 }
 
-// A layer's arguments before its MLP: norms, attention projections and heads.
-struct AttentionWeights {
-  const at::Tensor& input_norm;
-  const at::Tensor& post_norm;
-  double eps;
-  const std::vector<at::Tensor>& qkv;
-  const c10::optional<at::Tensor>& qkv_bias;
-  const at::Tensor q_norm, k_norm;  // undefined: none
-  const std::vector<at::Tensor>& o_proj;
-  const c10::optional<at::Tensor>& o_bias;
-  int64_t num_heads, num_kv_heads;
-  double scale;
-  int64_t window;   // a sliding window's positions per query (0: the whole context)
-  double softcap;   // scores soft-capped to it (0: none)
-  const c10::optional<at::Tensor>& sinks;  // a sink logit per query head (gpt-oss), float32
-  int64_t gemm;
-  double residual_multiplier = 1.0;  // the attention's output scaled by it (Granite; 1: not)
-};
-
-// What a step's layers share: RoPE, the caches and the batch's shape.
+// What a step's layers share, with this layer's caches.
 struct LayerStep {
-  const at::Tensor& rotations;
-  const at::Tensor& positions;
+  const StepArgs& args;
   at::Tensor& k_cache;
   at::Tensor& v_cache;
-  const at::Tensor& slot_mapping;
-  const at::Tensor& block_tables;
-  const at::Tensor& context_lens;
-  int64_t num_decodes;
-  const c10::optional<at::Tensor>& prefill_query_start;
 };
 
 // The attention's output for h, the input norm's output: qkv (its bias, LoRA), the q/k norms,
 // RoPE and the cache write, attention, o_proj (its bias, LoRA).
-at::Tensor attention(const at::Tensor& h, const AttentionWeights& w, const LayerStep& step,
-                     const std::vector<at::Tensor>& lora, const std::vector<int64_t>& lora_rows) {
+at::Tensor attention(const at::Tensor& h, const LayerArgs& w, const LayerStep& ls, const std::vector<at::Tensor>& lora,
+                     const std::vector<int64_t>& lora_rows) {
+  const StepArgs& step = ls.args;
   const int64_t rows = h.size(0), hidden = h.size(1);
   const int64_t head_dim = step.rotations.size(1) * 2;
   const int64_t q_size = w.num_heads * head_dim, kv_size = w.num_kv_heads * head_dim;
@@ -126,23 +102,23 @@ at::Tensor attention(const at::Tensor& h, const AttentionWeights& w, const Layer
   if (w.qkv_bias.has_value()) qkv_out.add_(*w.qkv_bias);
   add_lora(qkv_out, h, lora, lora_rows, 0);
   norm_heads(qkv_out, w.q_norm, w.k_norm, q_size, kv_size, w.eps);
-  rotary_and_cache(qkv_out, step.rotations, step.positions, step.k_cache, step.v_cache, step.slot_mapping,
+  rotary_and_cache(qkv_out, step.rotations, step.positions, ls.k_cache, ls.v_cache, step.slot_mapping,
                    w.num_heads, w.num_kv_heads);
   const at::Tensor q = qkv_out.narrow(1, 0, q_size).view({rows, w.num_heads, head_dim});
   at::Tensor attn = at::empty({rows, w.num_heads, head_dim}, opts);
   if (!step.prefill_query_start.has_value()) {
-    paged_decode_attention(attn, q, step.k_cache, step.v_cache, step.block_tables, step.context_lens, w.scale,
+    paged_decode_attention(attn, q, ls.k_cache, ls.v_cache, step.block_tables, step.context_lens, w.scale,
                            w.window, w.softcap, w.sinks);
   } else {
     const int64_t seqs = step.context_lens.numel(), d = step.num_decodes;
     TORCH_CHECK(d >= 0 && d < seqs && d < rows, "num_decodes ", d, " out of range");
     if (d > 0) {
       at::Tensor head = attn.narrow(0, 0, d);
-      paged_decode_attention(head, q.narrow(0, 0, d), step.k_cache, step.v_cache, step.block_tables.narrow(0, 0, d),
+      paged_decode_attention(head, q.narrow(0, 0, d), ls.k_cache, ls.v_cache, step.block_tables.narrow(0, 0, d),
                              step.context_lens.narrow(0, 0, d), w.scale, w.window, w.softcap, w.sinks);
     }
     at::Tensor tail = attn.narrow(0, d, rows - d);
-    paged_prefill_attention(tail, q.narrow(0, d, rows - d), step.k_cache, step.v_cache,
+    paged_prefill_attention(tail, q.narrow(0, d, rows - d), ls.k_cache, ls.v_cache,
                             step.block_tables.narrow(0, d, seqs - d), step.context_lens.narrow(0, d, seqs - d),
                             *step.prefill_query_start, w.scale, w.window, w.softcap, w.sinks);
   }
@@ -155,10 +131,12 @@ at::Tensor attention(const at::Tensor& h, const AttentionWeights& w, const Layer
 }
 
 // The layer up to its MLP: (h, residual), h the post-attention norm's output for the MLP.
+// residual_multiplier: the attention's output scaled by it (Granite; 1: not).
 std::pair<at::Tensor, at::Tensor> attention_half(const at::Tensor& x, const c10::optional<at::Tensor>& residual_in,
-                                                 const AttentionWeights& w, const LayerStep& step,
+                                                 const LayerArgs& w, const LayerStep& step,
                                                  const std::vector<at::Tensor>& lora,
-                                                 const std::vector<int64_t>& lora_rows) {
+                                                 const std::vector<int64_t>& lora_rows,
+                                                 double residual_multiplier = 1.0) {
   at::Tensor h = at::empty_like(x);
   at::Tensor residual;
   if (residual_in.has_value()) {
@@ -169,7 +147,7 @@ std::pair<at::Tensor, at::Tensor> attention_half(const at::Tensor& x, const c10:
     rms_norm(h, x, w.input_norm, w.eps);
   }
   at::Tensor o = attention(h, w, step, lora, lora_rows);
-  if (w.residual_multiplier != 1.0) o.mul_(w.residual_multiplier);
+  if (residual_multiplier != 1.0) o.mul_(residual_multiplier);
   add_rms_norm(h, residual, o, w.post_norm, w.eps);
   return {h, residual};
 }
@@ -222,120 +200,98 @@ void check_segments(const std::vector<const std::vector<at::Tensor>*>& projectio
 
 }  // namespace
 
-// One decoder layer for a step's batch, float32 activations, every projection
-// packed (project(): the GEMM `gemm` names, one for all four): the same kernels the Python
-// layer calls one by one, in one call, so a step pays no per-op Python
-// dispatch. The batch is num_decodes decodes (one token per sequence), then,
-// when prefill_query_start is given, prompt chunks (rows num_decodes + its
-// offsets, the sequences after the decodes in block_tables and context_lens).
-// Rows that run a LoRA adapter get its updates (add_lora). q_norm, k_norm: per-head or
-// whole-projection norms of the queries and keys (norm_heads); o_bias: the output
-// projection's bias; window, softcap, sinks: the attention kernels' (kernels.h). Returns (mlp_out,
-// residual); ``residual`` is None on the first layer, where x is the embedding
-// output and becomes the residual stream.
-std::vector<at::Tensor> fused_layer(
-    const at::Tensor& x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& input_norm,
-    const at::Tensor& post_norm, double eps, const std::vector<at::Tensor>& qkv,
-    const c10::optional<at::Tensor>& qkv_bias, const c10::optional<at::Tensor>& q_norm,
-    const c10::optional<at::Tensor>& k_norm, const std::vector<at::Tensor>& o_proj,
-    const c10::optional<at::Tensor>& o_bias, const std::vector<at::Tensor>& gate_up,
-    const std::vector<at::Tensor>& down, const at::Tensor& rotations, const at::Tensor& positions,
-    at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-    const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double scale, int64_t window,
-    double softcap, const c10::optional<at::Tensor>& sinks, int64_t gemm, int64_t num_decodes,
-    const c10::optional<at::Tensor>& prefill_query_start, const std::vector<at::Tensor>& lora,
-    const std::vector<int64_t>& lora_rows) {
-  check_segments({&qkv, &o_proj, &gate_up, &down}, gemm);
-  check_lora(lora, lora_rows);
-  const AttentionWeights w{input_norm, post_norm, eps, qkv, qkv_bias, q_norm.value_or(at::Tensor()),
-                           k_norm.value_or(at::Tensor()), o_proj, o_bias, num_heads, num_kv_heads, scale, window,
-                           softcap, sinks, gemm};
-  const LayerStep step{rotations, positions, k_cache, v_cache, slot_mapping, block_tables, context_lens,
-                       num_decodes, prefill_query_start};
-  auto [h, residual] = attention_half(x, residual_in, w, step, lora, lora_rows);
-  return {mlp(h, gate_up, down, gemm, lora, lora_rows), residual};
+LayerArgs::LayerArgs(at::Tensor input_norm, at::Tensor post_norm, double eps, std::vector<at::Tensor> qkv,
+                     c10::optional<at::Tensor> qkv_bias, c10::optional<at::Tensor> q_norm,
+                     c10::optional<at::Tensor> k_norm, std::vector<at::Tensor> o_proj, c10::optional<at::Tensor> o_bias,
+                     std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down, int64_t num_heads,
+                     int64_t num_kv_heads, double scale, int64_t window, double softcap,
+                     c10::optional<at::Tensor> sinks, int64_t gemm, c10::optional<at::Tensor> pre_ff_norm,
+                     c10::optional<at::Tensor> post_ff_norm)
+    : input_norm(std::move(input_norm)), post_norm(std::move(post_norm)), eps(eps), qkv(std::move(qkv)),
+      qkv_bias(std::move(qkv_bias)), q_norm(q_norm.value_or(at::Tensor())), k_norm(k_norm.value_or(at::Tensor())),
+      o_proj(std::move(o_proj)), o_bias(std::move(o_bias)), gate_up(std::move(gate_up)), down(std::move(down)),
+      num_heads(num_heads), num_kv_heads(num_kv_heads), scale(scale), window(window), softcap(softcap),
+      sinks(std::move(sinks)), gemm(gemm), pre_ff_norm(pre_ff_norm.value_or(at::Tensor())),
+      post_ff_norm(post_ff_norm.value_or(at::Tensor())) {
+  check_segments({&this->qkv, &this->o_proj}, gemm);
+  if (!this->gate_up.empty() || !this->down.empty()) check_segments({&this->gate_up, &this->down}, gemm);
+  TORCH_CHECK(this->pre_ff_norm.defined() == this->post_ff_norm.defined(), "Gemma's MLP norms come as a pair");
 }
 
-// fused_layer's attention half, then a mixture's experts (moe_experts, with `activation`)
-// chosen by the router (router: dense_linear's packing, float32 logits, router_bias added;
-// route_experts with experts_per_token and router_kind), a gated shared expert where
-// shared_gate is given, both branches scaled by residual_multiplier (Granite), the attention's
-// LoRA updates as fused_layer's: the calls the op-by-op MoE layer makes, in one call.
-// Returns (mlp_out, residual, tokens routed to each expert).
-std::vector<at::Tensor> fused_moe_layer(
-    const at::Tensor& x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& input_norm,
-    const at::Tensor& post_norm, double eps, const std::vector<at::Tensor>& qkv,
-    const c10::optional<at::Tensor>& qkv_bias, const c10::optional<at::Tensor>& q_norm,
-    const c10::optional<at::Tensor>& k_norm, const std::vector<at::Tensor>& o_proj,
-    const c10::optional<at::Tensor>& o_bias, const at::Tensor& router, const c10::optional<at::Tensor>& router_bias,
-    const A8Experts& gate_up, const A8Experts& down, int64_t experts_per_token, int64_t router_kind,
-    int64_t activation, double limit, double alpha, const std::vector<at::Tensor>& shared_gate_up,
-    const std::vector<at::Tensor>& shared_down, const c10::optional<at::Tensor>& shared_gate,
-    double residual_multiplier, const at::Tensor& rotations,
-    const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
-    const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
-    double scale, int64_t window, double softcap, const c10::optional<at::Tensor>& sinks, int64_t gemm,
-    int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start, const std::vector<at::Tensor>& lora,
-    const std::vector<int64_t>& lora_rows) {
-  check_segments({&qkv, &o_proj}, gemm);  // (dense_linear checks the router against the experts' count)
+ExpertsArgs::ExpertsArgs(at::Tensor router, c10::optional<at::Tensor> router_bias, std::shared_ptr<A8Experts> gate_up,
+                         std::shared_ptr<A8Experts> down, int64_t experts_per_token, int64_t router_kind,
+                         int64_t activation, double limit, double alpha, std::vector<at::Tensor> shared_gate_up,
+                         std::vector<at::Tensor> shared_down, c10::optional<at::Tensor> shared_gate,
+                         double residual_multiplier, int64_t gemm)
+    : router(std::move(router)), router_bias(std::move(router_bias)), gate_up(std::move(gate_up)),
+      down(std::move(down)), experts_per_token(experts_per_token), router_kind(router_kind), activation(activation),
+      limit(limit), alpha(alpha), shared_gate_up(std::move(shared_gate_up)), shared_down(std::move(shared_down)),
+      shared_gate(std::move(shared_gate)), residual_multiplier(residual_multiplier) {
+  TORCH_CHECK(this->gate_up && this->down, "the experts' gate_up and down projections");
+  // (dense_linear checks the router against the experts' count)
+  if (this->shared_gate.has_value()) check_segments({&this->shared_gate_up, &this->shared_down}, gemm);
+}
+
+// The batch: num_decodes decodes (one token per sequence), then, when
+// step.prefill_query_start is given, prompt chunks (rows num_decodes + its offsets, the
+// sequences after the decodes in block_tables and context_lens).
+std::vector<at::Tensor> fused_layer(const at::Tensor& x, const c10::optional<at::Tensor>& residual_in,
+                                    const LayerArgs& w, const StepArgs& step, at::Tensor& k_cache,
+                                    at::Tensor& v_cache, const std::vector<at::Tensor>& lora,
+                                    const std::vector<int64_t>& lora_rows) {
+  TORCH_CHECK(!w.gate_up.empty() && !w.down.empty(), "a dense layer's MLP projections");
+  check_lora(lora, lora_rows);
+  auto [h, residual] = attention_half(x, residual_in, w, LayerStep{step, k_cache, v_cache}, lora, lora_rows);
+  return {mlp(h, w.gate_up, w.down, w.gemm, lora, lora_rows), residual};
+}
+
+// The attention half as fused_layer's, then the experts the router chooses (route_experts,
+// moe_experts with e.activation), a gated shared expert where e has one, both branches scaled
+// by e.residual_multiplier: the calls the op-by-op MoE layer makes, in one call.
+std::vector<at::Tensor> fused_moe_layer(const at::Tensor& x, const c10::optional<at::Tensor>& residual_in,
+                                        const LayerArgs& w, const ExpertsArgs& e, const StepArgs& step,
+                                        at::Tensor& k_cache, at::Tensor& v_cache, const std::vector<at::Tensor>& lora,
+                                        const std::vector<int64_t>& lora_rows) {
   check_lora(lora, lora_rows);
   for (size_t i = 0; i < lora_rows.size() / 2; ++i)
     TORCH_CHECK(lora[8 * i + 4].numel() == 0 && lora[8 * i + 6].numel() == 0,
                 "a sparse layer's experts take no LoRA update");
-  if (shared_gate.has_value()) check_segments({&shared_gate_up, &shared_down}, gemm);
-  const AttentionWeights w{input_norm, post_norm, eps, qkv, qkv_bias, q_norm.value_or(at::Tensor()),
-                           k_norm.value_or(at::Tensor()), o_proj, o_bias, num_heads, num_kv_heads, scale, window,
-                           softcap, sinks, gemm, residual_multiplier};
-  const LayerStep step{rotations, positions, k_cache, v_cache, slot_mapping, block_tables, context_lens,
-                       num_decodes, prefill_query_start};
-  auto [h, residual] = attention_half(x, residual_in, w, step, lora, lora_rows);
-  at::Tensor logits = at::empty({x.size(0), gate_up.experts}, x.options());
-  dense_linear(logits, h, router);
-  if (router_bias.has_value()) logits.add_(*router_bias);
-  const std::vector<at::Tensor> routed = route_experts(logits, experts_per_token, router_kind);
+  auto [h, residual] = attention_half(x, residual_in, w, LayerStep{step, k_cache, v_cache}, lora, lora_rows,
+                                      e.residual_multiplier);
+  at::Tensor logits = at::empty({x.size(0), e.gate_up->experts}, x.options());
+  dense_linear(logits, h, e.router);
+  if (e.router_bias.has_value()) logits.add_(*e.router_bias);
+  const std::vector<at::Tensor> routed = route_experts(logits, e.experts_per_token, e.router_kind);
   std::vector<at::Tensor> mixed =
-      moe_experts(h, gate_up, down, routed[0], routed[1], activation, limit, alpha);
+      moe_experts(h, *e.gate_up, *e.down, routed[0], routed[1], e.activation, e.limit, e.alpha);
   at::Tensor out = mixed[0];
-  if (shared_gate.has_value()) {
+  if (e.shared_gate.has_value()) {
     // models/moe.py SparseMoeBlock.forward's y + _sigmoid(shared_expert_gate(h)) * shared_expert(h), the
     // same calls: the gate's sigmoid on a strided view (torch's scalar loop, whatever the row's place).
     const int64_t rows = x.size(0);
     at::Tensor g = at::empty({rows, 1}, x.options());
-    dense_linear(g, h, *shared_gate);
+    dense_linear(g, h, *e.shared_gate);
     const at::Tensor s = at::sigmoid(g.expand({rows, 2}).contiguous().select(1, 0)).unsqueeze(1);
-    out = out.add(s.mul(mlp(h, shared_gate_up, shared_down, gemm, {}, {})));
+    out = out.add(s.mul(mlp(h, e.shared_gate_up, e.shared_down, w.gemm, {}, {})));
   }
-  if (residual_multiplier != 1.0) out.mul_(residual_multiplier);
+  if (e.residual_multiplier != 1.0) out.mul_(e.residual_multiplier);
   return {out, residual, mixed[1]};
 }
 
 // Gemma 2's and 3's layer (models/gemma.py GemmaDecoderLayer), its calls in one: x + norm(attention(
-// norm(x))), then that + norm(mlp(norm(that))), the MLP gated by gelu_tanh; the attention as
-// fused_layer's (q/k norms, window, soft-capping, LoRA). Returns the layer's output.
-at::Tensor fused_gemma_layer(
-    const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_attention_norm,
-    const at::Tensor& pre_feedforward_norm, const at::Tensor& post_feedforward_norm, double eps,
-    const std::vector<at::Tensor>& qkv, const c10::optional<at::Tensor>& qkv_bias,
-    const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
-    const std::vector<at::Tensor>& o_proj, const c10::optional<at::Tensor>& o_bias,
-    const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, const at::Tensor& rotations,
-    const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
-    const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
-    double scale, int64_t window, double softcap, int64_t gemm, int64_t num_decodes,
-    const c10::optional<at::Tensor>& prefill_query_start, const std::vector<at::Tensor>& lora,
-    const std::vector<int64_t>& lora_rows) {
-  check_segments({&qkv, &o_proj, &gate_up, &down}, gemm);
+// norm(x))), then that + norm(mlp(norm(that))), the MLP gated by gelu_tanh (w.post_norm: the
+// post-attention norm); the attention as fused_layer's (q/k norms, window, soft-capping, LoRA).
+at::Tensor fused_gemma_layer(const at::Tensor& x, const LayerArgs& w, const StepArgs& step, at::Tensor& k_cache,
+                             at::Tensor& v_cache, const std::vector<at::Tensor>& lora,
+                             const std::vector<int64_t>& lora_rows) {
+  TORCH_CHECK(w.pre_ff_norm.defined() && !w.gate_up.empty() && !w.down.empty() && !w.sinks.has_value(),
+              "a Gemma layer's MLP norms and projections, no sinks");
   check_lora(lora, lora_rows);
-  const c10::optional<at::Tensor> no_sinks;
-  const AttentionWeights w{input_norm, post_attention_norm, eps, qkv, qkv_bias, q_norm.value_or(at::Tensor()),
-                           k_norm.value_or(at::Tensor()), o_proj, o_bias, num_heads, num_kv_heads, scale, window,
-                           softcap, no_sinks, gemm};
-  const LayerStep step{rotations, positions, k_cache, v_cache, slot_mapping, block_tables, context_lens,
-                       num_decodes, prefill_query_start};
-  const at::Tensor o = attention(normed(x, input_norm, eps), w, step, lora, lora_rows);
-  const at::Tensor mid = x.add(normed(o, post_attention_norm, eps));
-  const at::Tensor out = mlp(normed(mid, pre_feedforward_norm, eps), gate_up, down, gemm, lora, lora_rows, true);
-  return mid.add(normed(out, post_feedforward_norm, eps));
+  const at::Tensor o = attention(normed(x, w.input_norm, w.eps), w, LayerStep{step, k_cache, v_cache}, lora, lora_rows);
+  const at::Tensor mid = x.add(normed(o, w.post_norm, w.eps));
+  const at::Tensor out =
+      mlp(normed(mid, w.pre_ff_norm, w.eps), w.gate_up, w.down, w.gemm, lora, lora_rows, true);
+  return mid.add(normed(out, w.post_ff_norm, w.eps));
 }
 
 }  // namespace kvserve

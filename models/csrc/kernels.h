@@ -15,6 +15,7 @@
 #include "gguf_a8_tiles.h"
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -184,51 +185,78 @@ enum ProjectionGemm : int64_t {
   kGemmAmxQuant = 4,
   kGemmA8Quant = 5
 };
-std::vector<at::Tensor> fused_layer(
-    const at::Tensor& x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& input_norm,
-    const at::Tensor& post_norm, double eps, const std::vector<at::Tensor>& qkv,
-    const c10::optional<at::Tensor>& qkv_bias, const c10::optional<at::Tensor>& q_norm,
-    const c10::optional<at::Tensor>& k_norm, const std::vector<at::Tensor>& o_proj,
-    const c10::optional<at::Tensor>& o_bias, const std::vector<at::Tensor>& gate_up,
-    const std::vector<at::Tensor>& down, const at::Tensor& rotations, const at::Tensor& positions,
-    at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-    const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double scale, int64_t window,
-    double softcap, const c10::optional<at::Tensor>& sinks, int64_t gemm, int64_t num_decodes,
-    const c10::optional<at::Tensor>& prefill_query_start, const std::vector<at::Tensor>& lora,
-    const std::vector<int64_t>& lora_rows);
-// The same layer with a mixture of experts for its MLP: the router (dense_linear's packing, and
-// its bias where it has one), route_experts, moe_experts; and a gated shared expert where
-// shared_gate is given (Qwen2-MoE); both branches scaled by residual_multiplier (Granite);
-// LoRA updates of the attention's projections as fused_layer's (none of the experts').
-// Returns (mlp_out, residual, tokens routed to each expert).
-std::vector<at::Tensor> fused_moe_layer(
-    const at::Tensor& x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& input_norm,
-    const at::Tensor& post_norm, double eps, const std::vector<at::Tensor>& qkv,
-    const c10::optional<at::Tensor>& qkv_bias, const c10::optional<at::Tensor>& q_norm,
-    const c10::optional<at::Tensor>& k_norm, const std::vector<at::Tensor>& o_proj,
-    const c10::optional<at::Tensor>& o_bias, const at::Tensor& router, const c10::optional<at::Tensor>& router_bias,
-    const A8Experts& gate_up, const A8Experts& down, int64_t experts_per_token, int64_t router_kind,
-    int64_t activation, double limit, double alpha, const std::vector<at::Tensor>& shared_gate_up,
-    const std::vector<at::Tensor>& shared_down, const c10::optional<at::Tensor>& shared_gate,
-    double residual_multiplier, const at::Tensor& rotations,
-    const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
-    const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
-    double scale, int64_t window, double softcap, const c10::optional<at::Tensor>& sinks, int64_t gemm,
-    int64_t num_decodes, const c10::optional<at::Tensor>& prefill_query_start, const std::vector<at::Tensor>& lora,
-    const std::vector<int64_t>& lora_rows);
+// A decoder layer's arguments that stay the same from step to step (models/ops/layer.py
+// FusedWeights), checked once when made: its norms (q_norm, k_norm: per-head or
+// whole-projection norms of the queries and keys; pre/post_ff_norm: Gemma's around its MLP),
+// each projection in the GEMM `gemm` names, the attention's shape, window, soft-capping and sinks.
+struct LayerArgs {
+  LayerArgs(at::Tensor input_norm, at::Tensor post_norm, double eps, std::vector<at::Tensor> qkv,
+            c10::optional<at::Tensor> qkv_bias, c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
+            std::vector<at::Tensor> o_proj, c10::optional<at::Tensor> o_bias, std::vector<at::Tensor> gate_up,
+            std::vector<at::Tensor> down, int64_t num_heads, int64_t num_kv_heads, double scale, int64_t window,
+            double softcap, c10::optional<at::Tensor> sinks, int64_t gemm, c10::optional<at::Tensor> pre_ff_norm,
+            c10::optional<at::Tensor> post_ff_norm);
+  at::Tensor input_norm, post_norm;
+  double eps;
+  std::vector<at::Tensor> qkv;
+  c10::optional<at::Tensor> qkv_bias;
+  at::Tensor q_norm, k_norm;  // undefined: none
+  std::vector<at::Tensor> o_proj;
+  c10::optional<at::Tensor> o_bias;
+  std::vector<at::Tensor> gate_up, down;  // empty in a mixture's sparse layer
+  int64_t num_heads, num_kv_heads;
+  double scale;
+  int64_t window;   // a sliding window's positions per query (0: the whole context)
+  double softcap;   // scores soft-capped to it (0: none)
+  c10::optional<at::Tensor> sinks;  // a sink logit per query head (gpt-oss), float32
+  int64_t gemm;
+  at::Tensor pre_ff_norm, post_ff_norm;  // undefined: none
+};
+// A mixture's arguments beyond LayerArgs (models/ops/layer.py FusedExpertsWeights): the router
+// (dense_linear's packing, float32 logits, its bias), route_experts' k and kind, the experts'
+// projections and activation (moe_experts'), a gated shared expert (Qwen2-MoE) or none, and
+// Granite's residual multiplier on both branches (1: none).
+struct ExpertsArgs {
+  ExpertsArgs(at::Tensor router, c10::optional<at::Tensor> router_bias, std::shared_ptr<A8Experts> gate_up,
+              std::shared_ptr<A8Experts> down, int64_t experts_per_token, int64_t router_kind, int64_t activation,
+              double limit, double alpha, std::vector<at::Tensor> shared_gate_up, std::vector<at::Tensor> shared_down,
+              c10::optional<at::Tensor> shared_gate, double residual_multiplier, int64_t gemm);
+  at::Tensor router;
+  c10::optional<at::Tensor> router_bias;
+  std::shared_ptr<A8Experts> gate_up, down;
+  int64_t experts_per_token, router_kind, activation;
+  double limit, alpha;
+  std::vector<at::Tensor> shared_gate_up, shared_down;
+  c10::optional<at::Tensor> shared_gate;
+  double residual_multiplier;
+};
+// What a step's layers share (models/ops/layer.py FusedStep): RoPE's table (real pairs), the
+// rows' positions and cache slots, the block tables and context lengths, and the batch's
+// shape: num_decodes decodes, then, when prefill_query_start is given, prompt chunks.
+struct StepArgs {
+  at::Tensor rotations, positions, slot_mapping, block_tables, context_lens;
+  int64_t num_decodes;
+  c10::optional<at::Tensor> prefill_query_start;
+};
+// One decoder layer for a step's batch, float32 activations, every projection packed: the same
+// kernels the Python layer calls one by one, in one call (no per-op dispatch, and the layer's
+// arguments made once). Rows that run a LoRA adapter get its updates (lora: per (start, stop)
+// range of lora_rows, (A, B) of the 4 projections). Returns (mlp_out, residual); residual_in
+// is None on the first layer, where x is the embedding output and becomes the residual stream.
+std::vector<at::Tensor> fused_layer(const at::Tensor& x, const c10::optional<at::Tensor>& residual_in,
+                                    const LayerArgs& w, const StepArgs& step, at::Tensor& k_cache,
+                                    at::Tensor& v_cache, const std::vector<at::Tensor>& lora,
+                                    const std::vector<int64_t>& lora_rows);
+// The same layer with a mixture of experts for its MLP (LoRA on the attention's projections
+// only). Returns (mlp_out, residual, tokens routed to each expert).
+std::vector<at::Tensor> fused_moe_layer(const at::Tensor& x, const c10::optional<at::Tensor>& residual_in,
+                                        const LayerArgs& w, const ExpertsArgs& e, const StepArgs& step,
+                                        at::Tensor& k_cache, at::Tensor& v_cache, const std::vector<at::Tensor>& lora,
+                                        const std::vector<int64_t>& lora_rows);
 // Gemma 2's and 3's decoder layer: x + norm(attention(norm(x))), then that + norm(mlp(norm(that)))
 // with a gelu_tanh-gated MLP (models/gemma.py GemmaDecoderLayer's calls, in one). Returns its output.
-at::Tensor fused_gemma_layer(
-    const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_attention_norm,
-    const at::Tensor& pre_feedforward_norm, const at::Tensor& post_feedforward_norm, double eps,
-    const std::vector<at::Tensor>& qkv, const c10::optional<at::Tensor>& qkv_bias,
-    const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
-    const std::vector<at::Tensor>& o_proj, const c10::optional<at::Tensor>& o_bias,
-    const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, const at::Tensor& rotations,
-    const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
-    const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
-    double scale, int64_t window, double softcap, int64_t gemm, int64_t num_decodes,
-    const c10::optional<at::Tensor>& prefill_query_start, const std::vector<at::Tensor>& lora,
-    const std::vector<int64_t>& lora_rows);
+at::Tensor fused_gemma_layer(const at::Tensor& x, const LayerArgs& w, const StepArgs& step, at::Tensor& k_cache,
+                             at::Tensor& v_cache, const std::vector<at::Tensor>& lora,
+                             const std::vector<int64_t>& lora_rows);
 
 }  // namespace kvserve

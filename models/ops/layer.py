@@ -7,7 +7,7 @@ projection runs on (``GEMM_*``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -54,6 +54,18 @@ class FusedWeights:
     # Gemma's norms before and after its MLP (``fused_gemma_layer``); None in other layers.
     pre_ff_norm: torch.Tensor | None = None
     post_ff_norm: torch.Tensor | None = None
+    # The kernels' own object of these arguments, made on first use (``args``).
+    _args: object = field(default=None, init=False, repr=False, compare=False)
+
+    def args(self, ext: object) -> object:
+        """These arguments as the kernels' ``LayerArgs``, made (and checked) once: passing
+        some 40 arguments to each layer's call took about 45 us of pybind11's conversions."""
+        if self._args is None:
+            object.__setattr__(self, "_args", ext.LayerArgs(
+                self.input_norm, self.post_norm, self.eps, self.qkv, self.qkv_bias, self.q_norm, self.k_norm,
+                self.o_proj, self.o_bias, self.gate_up, self.down, self.num_heads, self.num_kv_heads, self.scale,
+                self.window, self.softcap, self.sinks, self.gemm, self.pre_ff_norm, self.post_ff_norm))
+        return self._args
 
 
 # The routers of ``route_experts`` and ``fused_moe_layer`` (csrc/kernels.h RouterKind): a
@@ -83,6 +95,18 @@ class FusedExpertsWeights:
     shared_gate: torch.Tensor | None = None
     # Granite's: the attention's and the MLP's outputs scaled by it (1: not)
     residual_multiplier: float = 1.0
+    _args: object = field(default=None, init=False, repr=False, compare=False)
+
+    def args(self, ext: object, gemm: int) -> object:
+        """These arguments as the kernels' ``ExpertsArgs`` (the shared expert's projections on
+        the GEMM ``gemm``), made once, as ``FusedWeights.args``."""
+        if self._args is None:
+            a = self.activation
+            object.__setattr__(self, "_args", ext.ExpertsArgs(
+                self.router, self.router_bias, self.gate_up, self.down, self.experts_per_token, self.router_kind,
+                a.kind, a.limit, a.alpha, list(self.shared_gate_up), list(self.shared_down), self.shared_gate,
+                self.residual_multiplier, gemm))
+        return self._args
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,12 +126,21 @@ class FusedStep:
     context_lens: torch.Tensor
     num_decodes: int
     prefill_query_start: torch.Tensor | None = None
+    _args: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # The kernel reads the table as real pairs and the tables as dense rows.
         object.__setattr__(self, "rotations", torch.view_as_real(self.rotations))
         object.__setattr__(self, "block_tables", self.block_tables.contiguous())
         object.__setattr__(self, "context_lens", self.context_lens.contiguous())
+
+    def args(self, ext: object) -> object:
+        """This step as the kernels' ``StepArgs``, made once for all its layers."""
+        if self._args is None:
+            object.__setattr__(self, "_args", ext.StepArgs(
+                self.rotations, self.positions, self.slot_mapping, self.block_tables, self.context_lens,
+                self.num_decodes, self.prefill_query_start))
+        return self._args
 
 
 def fused_layer(x: torch.Tensor, residual: torch.Tensor | None, weights: FusedWeights, step: FusedStep,
@@ -120,12 +153,7 @@ def fused_layer(x: torch.Tensor, residual: torch.Tensor | None, weights: FusedWe
     """
     ext = load_extension()
     assert ext is not None, "fused_layer needs the fused CPU kernels"
-    w = weights
-    out, res = ext.fused_layer(x, residual, w.input_norm, w.post_norm, w.eps, w.qkv, w.qkv_bias, w.q_norm,
-                                w.k_norm, w.o_proj, w.o_bias, w.gate_up, w.down, step.rotations, step.positions,
-                                k_cache, v_cache, step.slot_mapping, step.block_tables, step.context_lens,
-                                w.num_heads, w.num_kv_heads, w.scale, w.window, w.softcap, w.sinks, w.gemm,
-                                step.num_decodes, step.prefill_query_start, *(lora or ([], [])))
+    out, res = ext.fused_layer(x, residual, weights.args(ext), step.args(ext), k_cache, v_cache, *(lora or ([], [])))
     return out, res
 
 
@@ -139,13 +167,7 @@ def fused_gemma_layer(x: torch.Tensor, weights: FusedWeights, step: FusedStep, k
     ``models.gemma.GemmaDecoderLayer``."""
     ext = load_extension()
     assert ext is not None, "fused_gemma_layer needs the fused CPU kernels"
-    w = weights
-    return ext.fused_gemma_layer(x, w.input_norm, w.post_norm, w.pre_ff_norm, w.post_ff_norm, w.eps, w.qkv,
-                                 w.qkv_bias, w.q_norm, w.k_norm, w.o_proj, w.o_bias, w.gate_up, w.down,
-                                 step.rotations, step.positions, k_cache, v_cache, step.slot_mapping,
-                                 step.block_tables, step.context_lens, w.num_heads, w.num_kv_heads, w.scale,
-                                 w.window, w.softcap, w.gemm, step.num_decodes, step.prefill_query_start,
-                                 *(lora or ([], [])))
+    return ext.fused_gemma_layer(x, weights.args(ext), step.args(ext), k_cache, v_cache, *(lora or ([], [])))
 
 
 def fused_moe_layer(x: torch.Tensor, residual: torch.Tensor | None, weights: FusedWeights,
@@ -159,12 +181,5 @@ def fused_moe_layer(x: torch.Tensor, residual: torch.Tensor | None, weights: Fus
     attention's projections only. The same arithmetic as the op-by-op layer (``models.moe``)."""
     ext = load_extension()
     assert ext is not None, "fused_moe_layer needs the fused CPU kernels"
-    w, e, a = weights, experts, experts.activation
-    out, res, routed = ext.fused_moe_layer(
-        x, residual, w.input_norm, w.post_norm, w.eps, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, w.o_proj,
-        w.o_bias, e.router, e.router_bias, e.gate_up, e.down, e.experts_per_token, e.router_kind, a.kind, a.limit,
-        a.alpha, e.shared_gate_up, e.shared_down, e.shared_gate, e.residual_multiplier, step.rotations,
-        step.positions, k_cache, v_cache, step.slot_mapping, step.block_tables, step.context_lens, w.num_heads,
-        w.num_kv_heads, w.scale, w.window, w.softcap, w.sinks, w.gemm, step.num_decodes, step.prefill_query_start,
-        *(lora or ([], [])))
-    return out, res, routed
+    return tuple(ext.fused_moe_layer(x, residual, weights.args(ext), experts.args(ext, weights.gemm), step.args(ext),
+                                     k_cache, v_cache, *(lora or ([], []))))
