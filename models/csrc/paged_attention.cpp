@@ -159,6 +159,20 @@ inline void for_each_token(const C* cache, int64_t row_bytes, const PagedView& p
 }
 
 #if defined(KVSERVE_V16)
+// n tokens' products (parts[g][j]: token j's 16 unreduced lanes for head g) reduced together
+// (sum16), scaled by the key rows' int8 scales where the cache has them, into each head's
+// scores (s: the first of them, heads n_all apart).
+template <typename C, int G>
+inline void flush_scores(float* s, int64_t n_all, const float (&parts)[G][16][16], const float* scales, int n) {
+  for (int g = 0; g < G; ++g) {
+    V16 v[16];
+    for (int j = 0; j < 16; ++j) v[j] = j < n ? v16_load(parts[g][j]) : v16_zero();
+    V16 sums = sum16(v);
+    if constexpr (kRowExtra<C> > 0) sums = sums * v16_load(scales);
+    v16_store_n(s + g * n_all, sums, n);
+  }
+}
+
 // The G query heads of one KV head, scores over tokens first..ctx-1 (s holds
 // n = ctx - first per head): each key row
 // is loaded (and converted) once for all G heads, the queries held in
@@ -174,15 +188,7 @@ inline void scores_v16(float* s, const float* q, const C* kc, const PagedView& p
     for (int i = 0; i < kVecs; ++i) qv[g][i] = v16_load(q + g * HD + 16 * i);
   alignas(64) float parts[G][16][16];
   alignas(64) float scales[16];  // the key rows' int8 scales
-  const auto flush = [&](int64_t done, int n) {
-    for (int g = 0; g < G; ++g) {
-      V16 v[16];
-      for (int j = 0; j < 16; ++j) v[j] = j < n ? v16_load(parts[g][j]) : v16_zero();
-      V16 sums = sum16(v);
-      if constexpr (kRowExtra<C> > 0) sums = sums * v16_load(scales);
-      v16_store_n(s + g * n_all + done, sums, n);
-    }
-  };
+  const auto flush = [&](int64_t done, int n) { flush_scores<C, G>(s + done, n_all, parts, scales, n); };
   for_each_token(kc, (HD + kRowExtra<C>) * sizeof(C), pv, head_offset, first, ctx, [&](int64_t t, int64_t off) {
     V16 k[kVecs];
     for (int i = 0; i < kVecs; ++i) k[i] = load16(kc + off + 16 * i);
@@ -223,6 +229,51 @@ inline void values_v16(float* out, const float* p, const C* vc, const PagedView&
     for (int i = 0; i < kVecs; ++i) v16_store(out + g * HD + 16 * i, acc[g][i]);
 }
 
+// scores_v16 and values_v16 for a pass of G heads whose queries and sums the registers do not
+// hold together (AVX2 at head size 128 holds one head's: Qwen2.5's 6 heads a KV head read each
+// key and value row 6 times). Each key row is loaded once for the G heads, their queries read
+// from L1 and only their G sums in registers; the values 16 outputs at a time, a pass over the
+// (cached) value rows for each 16. Each head's products and sums are scores_v16's and
+// values_v16's operations in their order: the same bits.
+template <typename C, int HD, int G>
+inline void scores_wide(float* s, const float* q, const C* kc, const PagedView& pv, int64_t head_offset,
+                        int64_t first, int64_t ctx, const C* vc) {
+  const int64_t n_all = ctx - first;
+  alignas(64) float parts[G][16][16];
+  alignas(64) float scales[16];
+  for_each_token(kc, (HD + kRowExtra<C>) * sizeof(C), pv, head_offset, first, ctx, [&](int64_t t, int64_t off) {
+    const int64_t u = t - first;
+    const int j = static_cast<int>(u % 16);
+    if constexpr (kRowExtra<C> > 0) scales[j] = row_scale(kc + off, HD);
+    V16 acc[G];
+    const V16 k0 = load16(kc + off);
+    for (int g = 0; g < G; ++g) acc[g] = v16_load(q + g * HD) * k0;
+    for (int i = 1; i < HD / 16; ++i) {
+      const V16 k = load16(kc + off + 16 * i);
+      for (int g = 0; g < G; ++g) acc[g] = v16_fmadd(v16_load(q + g * HD + 16 * i), k, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) v16_store(parts[g][j], acc[g]);
+    if (j == 15) flush_scores<C, G>(s + u - 15, n_all, parts, scales, 16);
+  }, vc);
+  if (n_all % 16) flush_scores<C, G>(s + n_all - n_all % 16, n_all, parts, scales, static_cast<int>(n_all % 16));
+}
+
+template <typename C, int HD, int G>
+inline void values_wide(float* out, const float* p, const C* vc, const PagedView& pv, int64_t head_offset,
+                        int64_t first, int64_t ctx) {
+  const int64_t n_all = ctx - first;
+  for (int i = 0; i < HD / 16; ++i) {
+    V16 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = v16_zero();
+    for_each_token(vc, (HD + kRowExtra<C>) * sizeof(C), pv, head_offset, first, ctx, [&](int64_t t, int64_t off) {
+      const V16 v = load16(vc + off + 16 * i);
+      const float vs = row_scale(vc + off, HD);
+      for (int g = 0; g < G; ++g) acc[g] = v16_fmadd(v16_set1(p[g * n_all + t - first] * vs), v, acc[g]);
+    });
+    for (int g = 0; g < G; ++g) v16_store(out + g * HD + 16 * i, acc[g]);
+  }
+}
+
 // Query heads per pass over the cache: registers hold G x HD/16 query (or
 // accumulator) vectors, so with AVX-512's 32 registers G <= 4 at head size 64
 // and G <= 2 at 128; AVX2 has 16 registers of half the width. A head's
@@ -235,17 +286,23 @@ template <int HD>
 constexpr int kMaxGroup = HD <= 64 ? 2 : 1;
 #endif
 
-// Runs f(integral_constant<G>, first_head) over the group in passes of up to kMaxGroup<HD> heads.
-template <int HD, typename F>
+// Heads a pass of scores_wide and values_wide where more than kMaxGroup share a KV head (0:
+// none; AVX-512's builds keep their passes of kMaxGroup, not measured the other way).
+#if defined(KVSERVE_V16_AVX512)
+template <int HD>
+constexpr int kWideGroup = 0;
+#else
+template <int HD>
+constexpr int kWideGroup = HD > 64 ? 4 : 0;
+#endif
+
+// Runs f(integral_constant<G>, first_head) over the group in passes of M heads, then one of the rest.
+template <int M, typename F>
 inline void for_head_passes(int64_t group, F&& f) {
-  constexpr int M = kMaxGroup<HD>;
   int64_t g = 0;
   for (; g + M <= group; g += M) f(std::integral_constant<int, M>{}, g);
-  const int64_t rest = group - g;
-  if (rest == 1) f(std::integral_constant<int, 1>{}, g);
-  if constexpr (M >= 4) {
-    if (rest == 2) f(std::integral_constant<int, 2>{}, g);
-    if (rest == 3) f(std::integral_constant<int, 3>{}, g);
+  if constexpr (M > 1) {
+    if (g < group) for_head_passes<M - 1>(group - g, [&](auto heads, int64_t h) { f(heads, g + h); });
   }
 }
 #endif
@@ -267,14 +324,29 @@ void attend_group(T* out, const float* qf, const C* kc, const C* vc, const Paged
   acc.assign(group * hd, 0.0f);
   float* a = acc.data();
 #if defined(KVSERVE_V16)
+  if constexpr (HD > 0 && HD % 16 == 0 && kWideGroup<HD> > 0) {
+    if (group > kMaxGroup<HD>) {
+      for_head_passes<kWideGroup<HD>>(group, [&](auto heads, int64_t g) {
+        scores_wide<C, HD, decltype(heads)::value>(s + g * n, qf + g * hd, kc, pv, head_offset, first, ctx,
+                                                   g == 0 ? vc : nullptr);
+      });
+      if (softcap > 0.0f) softcap_rows(s, group * n, softcap);
+      softmax_rows(s, group, n, sinks);
+      for_head_passes<kWideGroup<HD>>(group, [&](auto heads, int64_t g) {
+        values_wide<C, HD, decltype(heads)::value>(a + g * hd, s + g * n, vc, pv, head_offset, first, ctx);
+      });
+      for (int64_t i = 0; i < group * hd; ++i) out[i] = static_cast<T>(a[i]);
+      return;
+    }
+  }
   if constexpr (HD > 0 && HD % 16 == 0) {
-    for_head_passes<HD>(group, [&](auto heads, int64_t g) {
+    for_head_passes<kMaxGroup<HD>>(group, [&](auto heads, int64_t g) {
       scores_v16<C, HD, decltype(heads)::value>(s + g * n, qf + g * hd, kc, pv, head_offset, first, ctx,
                                                 g == 0 ? vc : nullptr);
     });
     if (softcap > 0.0f) softcap_rows(s, group * n, softcap);
     softmax_rows(s, group, n, sinks);
-    for_head_passes<HD>(group, [&](auto heads, int64_t g) {
+    for_head_passes<kMaxGroup<HD>>(group, [&](auto heads, int64_t g) {
       values_v16<C, HD, decltype(heads)::value>(a + g * hd, s + g * n, vc, pv, head_offset, first, ctx);
     });
     for (int64_t i = 0; i < group * hd; ++i) out[i] = static_cast<T>(a[i]);

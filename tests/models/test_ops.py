@@ -125,7 +125,7 @@ def paged_caches(lens: list[int], block_size: int, kv_heads: int, head_dim: int,
 @pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                  (torch.float32, torch.float16), (torch.float32, torch.int8),
                                                  (torch.bfloat16, torch.int8)])
-@pytest.mark.parametrize("group", [1, 2, 3, 8])  # passes of up to 4 (head size 64) or 2 (128) heads
+@pytest.mark.parametrize("group", [1, 2, 3, 6, 8])  # passes of up to 4 (64), 2 or 4 (128) heads
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("head_dim", [64, 128, 80, 40])  # 64, 128: unrolled; 80: 16-wide rows; 40: scalar
 def test_decode_attention_reads_the_pages_in_place(dtype: torch.dtype, cache_dtype: torch.dtype, group: int,
@@ -142,6 +142,25 @@ def test_decode_attention_reads_the_pages_in_place(dtype: torch.dtype, cache_dty
                                                      max(lens), head_dim ** -0.5))
 
     torch.testing.assert_close(fused, plain, **TOL[dtype])
+
+
+@pytest.mark.skipif(not ops.kernels_available(), reason="compares the kernels' passes with each other")
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.int8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_kv_heads_query_heads_get_the_bits_each_gets_alone(cache_dtype: torch.dtype, head_dim: int) -> None:
+    # However many heads one pass over a KV head's rows takes (kMaxGroup, or AVX2's wide passes
+    # at head size 128: 6 = 4 + 2), each head's scores and sums are its own, in one order.
+    group, kv_heads, lens = 6, 2, [1, 17, 300]
+    tables, k_cache, v_cache = paged_caches(lens, 16, kv_heads, head_dim, cache_dtype)
+    q = randn(len(lens), group * kv_heads, head_dim, seed=3)
+    context_lens = torch.tensor(lens)
+    together = ops.decode_attention(q, k_cache, v_cache, tables, context_lens, max(lens), head_dim ** -0.5)
+    for h in range(group * kv_heads):
+        kv = h // group
+        k1, v1 = (c[:, :, kv:kv + 1].contiguous() for c in (k_cache, v_cache))
+        alone = ops.decode_attention(q[:, h:h + 1].contiguous(), k1, v1, tables, context_lens, max(lens),
+                                     head_dim ** -0.5)
+        assert torch.equal(alone[:, 0], together[:, h]), h
 
 
 @pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
