@@ -324,33 +324,30 @@ void attend_group(T* out, const float* qf, const C* kc, const C* vc, const Paged
   acc.assign(group * hd, 0.0f);
   float* a = acc.data();
 #if defined(KVSERVE_V16)
-  if constexpr (HD > 0 && HD % 16 == 0 && kWideGroup<HD> > 0) {
-    if (group > kMaxGroup<HD>) {
-      for_head_passes<kWideGroup<HD>>(group, [&](auto heads, int64_t g) {
-        scores_wide<C, HD, decltype(heads)::value>(s + g * n, qf + g * hd, kc, pv, head_offset, first, ctx,
-                                                   g == 0 ? vc : nullptr);
+  if constexpr (HD > 0 && HD % 16 == 0) {
+    // Passes of up to M heads (wide: scores_wide and values_wide's), then the softmax between.
+    const auto run = [&](auto wide) {
+      constexpr bool kWide = decltype(wide)::value;
+      constexpr int M = kWide ? kWideGroup<HD> : kMaxGroup<HD>;
+      for_head_passes<M>(group, [&](auto heads, int64_t g) {
+        constexpr int G = decltype(heads)::value;
+        const C* ahead = g == 0 ? vc : nullptr;
+        if constexpr (kWide) scores_wide<C, HD, G>(s + g * n, qf + g * hd, kc, pv, head_offset, first, ctx, ahead);
+        else scores_v16<C, HD, G>(s + g * n, qf + g * hd, kc, pv, head_offset, first, ctx, ahead);
       });
       if (softcap > 0.0f) softcap_rows(s, group * n, softcap);
       softmax_rows(s, group, n, sinks);
-      for_head_passes<kWideGroup<HD>>(group, [&](auto heads, int64_t g) {
-        values_wide<C, HD, decltype(heads)::value>(a + g * hd, s + g * n, vc, pv, head_offset, first, ctx);
+      for_head_passes<M>(group, [&](auto heads, int64_t g) {
+        constexpr int G = decltype(heads)::value;
+        if constexpr (kWide) values_wide<C, HD, G>(a + g * hd, s + g * n, vc, pv, head_offset, first, ctx);
+        else values_v16<C, HD, G>(a + g * hd, s + g * n, vc, pv, head_offset, first, ctx);
       });
       for (int64_t i = 0; i < group * hd; ++i) out[i] = static_cast<T>(a[i]);
-      return;
+    };
+    if constexpr (kWideGroup<HD> > 0) {
+      if (group > kMaxGroup<HD>) return run(std::true_type{});
     }
-  }
-  if constexpr (HD > 0 && HD % 16 == 0) {
-    for_head_passes<kMaxGroup<HD>>(group, [&](auto heads, int64_t g) {
-      scores_v16<C, HD, decltype(heads)::value>(s + g * n, qf + g * hd, kc, pv, head_offset, first, ctx,
-                                                g == 0 ? vc : nullptr);
-    });
-    if (softcap > 0.0f) softcap_rows(s, group * n, softcap);
-    softmax_rows(s, group, n, sinks);
-    for_head_passes<kMaxGroup<HD>>(group, [&](auto heads, int64_t g) {
-      values_v16<C, HD, decltype(heads)::value>(a + g * hd, s + g * n, vc, pv, head_offset, first, ctx);
-    });
-    for (int64_t i = 0; i < group * hd; ++i) out[i] = static_cast<T>(a[i]);
-    return;
+    return run(std::false_type{});
   }
 #endif
   const int64_t row_bytes = (hd + kRowExtra<C>) * sizeof(C);
