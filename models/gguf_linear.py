@@ -335,6 +335,14 @@ class NativeA8Linear(NativeLinear):
         return (y if self.bias is None else y + self.bias).to(x.dtype)  # (the bias float32, as y)
 
 
+def file_bytes(data: np.ndarray) -> torch.Tensor:
+    """A GGUF tensor's bytes (a read-only view of the mapped file) as a tensor for the kernels,
+    which only read it (torch's warning about a non-writable array silenced)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(data)
+
+
 class QuantizedEmbedding(nn.Module):
     """Token rows of a GGUF tensor's blocks (``data [vocab, row bytes]``, a view of the mapped
     file), split and scaled for the ids looked up: the same float32 values as the whole
@@ -344,9 +352,7 @@ class QuantizedEmbedding(nn.Module):
         super().__init__()
         self.type_name, self.data, self.shape, self.dtype = type_name, data, shape, dtype
         self.num_embeddings, self.embedding_dim = shape
-        with warnings.catch_warnings():  # (read only: the kernel only reads it)
-            warnings.simplefilter("ignore", UserWarning)
-            self._raw = torch.from_numpy(data.reshape(shape[0], -1))
+        self._raw = file_bytes(data.reshape(shape[0], -1))
         self._type_id = int(GGMLQuantizationType[type_name])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

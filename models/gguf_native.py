@@ -12,7 +12,6 @@ it is kept as floats (the embedding) or as 8-bit codes (``w8a16``, the head).
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,8 +23,8 @@ from models import ops
 from models.config import ModelConfig
 from models.gguf_linear import (A8_A5, A8_D4, A8_D5, A8_D8, A8_FORMATS, A8_K4, A8_K5, A8_MX4, A8_NL4, A8_NX4, A8_S16,
                                 A8_TYPE_FORMATS, AMX_FORMATS, F4, F4K, F8, F8_G16, F8_G16S, FALLBACK, FOLDED, W4,
-                                W8_AFFINE, W8_AFFINE_G16, W8_G16, NativeA8Linear, NativeLinear, QuantizedEmbedding, folding,
-                                permuted_rows, plan_segments, type_format)
+                                W8_AFFINE, W8_AFFINE_G16, W8_G16, NativeA8Linear, NativeLinear, QuantizedEmbedding,
+                                file_bytes, folding, permuted_rows, plan_segments, type_format)
 from models.gguf_loader import PERMUTED_ARCHITECTURES, dequantize, iter_gguf_weights, permute_back
 from models.gguf_quants import SPLIT_TYPES, Codes, random_blocks, split
 from models.gguf_reader import GGUFFile, GGUFTensor
@@ -178,12 +177,6 @@ def rotary_order(rows: int, heads: int, permuted: bool, rotary_dim: int = 0) -> 
     return interleave_rotary_rows(torch.from_numpy(np.ascontiguousarray(order)), heads, rotary_dim).contiguous()
 
 
-def _raw(tensor: GGUFTensor) -> torch.Tensor:
-    with warnings.catch_warnings():  # read only: the kernels only read it
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(tensor.data)
-
-
 def empty_a8_format(fmt: int, tiles: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Uninitialised codes and scales of ``ops.gguf_a8_linear``'s format ``fmt``."""
     bits = {A8_A5: 5, A8_K5: 5, A8_D5: 5, A8_S16: 6, A8_D8: 8}.get(fmt, 4)
@@ -210,7 +203,7 @@ def a8_projection(reader: GGUFFile | None, tensors: list[GGUFTensor], orders: li
             raise ValueError(f"tensor {t.name!r}: its {rows[i]} rows are not whole 16-row tiles")
         codes, scales = empty_a8_format(formats[i], rows[i] // 16, k // 32)
         source = orders[i] if orders[i] is not None else torch.arange(rows[i])
-        if not ops.repack_gguf_a8(codes, scales, _raw(t), t.tensor_type, formats[i], source):
+        if not ops.repack_gguf_a8(codes, scales, file_bytes(t.data), t.tensor_type, formats[i], source):
             raise ValueError(f"tensor {t.name!r}: its {type_name(t)} scales do not match their dequantisation")
         if segments and segments[-1][0] == formats[i]:
             fmt, c0, s0 = segments[-1]
@@ -258,7 +251,7 @@ def projection(reader: GGUFFile | None, tensors: list[GGUFTensor], orders: list[
             for i in members:
                 n = rows[i] // 16
                 source = orders[i] if orders[i] is not None else torch.arange(rows[i])
-                exact &= ops.repack_gguf(codes[tile:tile + n], scales[tile:tile + n], _raw(tensors[i]),
+                exact &= ops.repack_gguf(codes[tile:tile + n], scales[tile:tile + n], file_bytes(tensors[i].data),
                                          tensors[i].tensor_type, fmt, source)
                 tile += n
             if exact:
