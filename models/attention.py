@@ -8,8 +8,8 @@ Every layer first scatters the batch's new K/V into the paged caches and only
 then reads them, so a sequence may attend to blocks that another sequence of
 the same batch wrote in the same step (prefix-cache hits on siblings).
 
-Cache layout, per layer: ``[num_blocks, block_size, num_kv_heads, row]``,
-in the activations' dtype or a narrower one (``--kv-cache-dtype float16`` or
+Cache layout, per layer: ``[num_blocks, block_size, num_kv_heads, row]`` (stored
+head-major within a block: ``models.kv_cache``), in the activations' dtype or a narrower one (``--kv-cache-dtype float16`` or
 ``int8``; ``models.kv_cache`` has the row formats).
 A token at position ``p`` of a sequence lives in slot
 ``block_table[p // block_size] * block_size + p % block_size``.

@@ -1,6 +1,12 @@
 """The paged KV cache's storage: its tensors' shape and the int8 row format.
 
-Per layer, K and V each are ``[num_blocks, block_size, num_kv_heads, row]``.
+Per layer, K and V each are ``[num_blocks, block_size, num_kv_heads, row]``,
+stored head-major within a block (``allocate``: a view of ``[num_blocks,
+num_kv_heads, block_size, row]``), as vLLM's CPU cache is: a head's rows of one
+block are one run of memory, so decode attention, which reads a head's rows
+token after token, streams them (one sequence of OLMoE's shape, 16 KV heads of
+128 at 230 tokens: 134-180 -> 73-104 us a layer; docs/notes/2026-12-07.md).
+The kernels read either packing (a contiguous, token-major tensor too).
 A float cache (float32, float16, bfloat16) stores a head's ``head_dim``
 values as they are (``row = head_dim``). An int8 cache stores each (token,
 head) row as ``head_dim`` int8 codes followed by its float32 scale in 4
@@ -78,8 +84,9 @@ def allocate(layout: KVLayout, shapes: Sequence[tuple[int, int]], num_blocks: in
 
     A slot whose layers differ in shape takes the largest one's bytes a block, and each
     layer views the start of every block: a tensor whose blocks lie further apart than its
-    rows fill (``stride(0)``; the kernels read that stride). On the CPU the slots are views
-    of one mapping of huge pages (``huge_page_zeros``).
+    rows fill (``stride(0)``; the kernels read that stride). Within a block the rows are
+    head-major (``stride(1)`` is a row, ``stride(2)`` a head's ``block_size`` rows). On the
+    CPU the slots are views of one mapping of huge pages (``huge_page_zeros``).
     """
     pages = slot_pages(layout, shapes, block_size, dtype)
     total = 2 * sum(pages) * num_blocks
@@ -95,16 +102,22 @@ def allocate(layout: KVLayout, shapes: Sequence[tuple[int, int]], num_blocks: in
     caches = []
     for layer, slot in enumerate(layout.layer_slot):
         heads, dim = shapes[layer]
-        shape = (num_blocks, block_size, heads, row_width(dim, dtype))
-        caches.append(tuple(r[:, :block_size * shape[2] * shape[3]].view(shape) for r in regions[slot]))
+        row = row_width(dim, dtype)
+        caches.append(tuple(r[:, :block_size * heads * row].view(num_blocks, heads, block_size, row).transpose(1, 2)
+                            for r in regions[slot]))
     return caches
 
 
 def paged_layout(cache: torch.Tensor) -> bool:
     """Whether ``cache`` is as the kernels read it: ``[blocks, block_size, heads, row]`` packed
-    within a block, blocks ``stride(0)`` apart (``allocate``'s tensors)."""
-    return (cache.dim() == 4 and cache.stride(3) == 1 and cache.stride(2) == cache.shape[3]
-            and cache.stride(1) == cache.shape[2] * cache.shape[3] and cache.stride(0) >= cache.shape[1] * cache.stride(1))
+    within a block, head-major (``allocate``'s tensors) or token-major (a contiguous tensor),
+    blocks ``stride(0)`` apart (csrc/cache_rows.h ``cache_strides``)."""
+    if cache.dim() != 4 or cache.stride(3) != 1:
+        return False
+    _, block_size, heads, row = cache.shape
+    head_major = cache.stride(1) == row and cache.stride(2) == block_size * row
+    token_major = cache.stride(2) == row and cache.stride(1) == heads * row
+    return (head_major or token_major) and cache.stride(0) >= block_size * heads * row
 
 
 _MADV_POPULATE_WRITE = 23  # <linux/mman.h>; Python's mmap names it from 3.13 (where the platform has it)

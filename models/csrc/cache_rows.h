@@ -37,18 +37,26 @@ inline int64_t cache_row(const at::Tensor& cache, int64_t head_dim) {
   return head_dim + (cache.scalar_type() == at::kChar ? kInt8ScaleBytes : 0);
 }
 
-// Elements from one block to the next in a pair of caches [NB, BS, KVH, row]:
-// packed within a block, blocks stride(0) apart (a layer whose rows are
-// smaller than its slot's largest views the start of each block;
+// Where a pair of caches [NB, BS, KVH, row] keeps its rows, in elements: row (token t, head h)
+// of block b starts at b * block + t * token + h * head. A block's rows are packed in one of
+// two orders: head-major (each head's BS rows one run: models/kv_cache.py allocates these,
+// token = row, head = BS * row) or token-major (each token's KVH rows one run: a contiguous
+// tensor, token = KVH * row, head = row). Blocks lie `block` apart, at least a block's rows (a
+// layer whose rows are smaller than its slot's largest views the start of each block;
 // models/kv_cache.py). K and V alike.
-inline int64_t cache_block_stride(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+struct CacheStrides {
+  int64_t block, token, head;
+};
+
+inline CacheStrides cache_strides(const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
               "K and V caches must be [NB, BS, KVH, row] of one shape and layout");
-  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) &&
-                  k_cache.stride(1) == k_cache.size(2) * k_cache.size(3) &&
-                  k_cache.stride(0) >= k_cache.size(1) * k_cache.stride(1),
-              "caches must be packed within each block");
-  return k_cache.stride(0);
+  const int64_t bs = k_cache.size(1), heads = k_cache.size(2), row = k_cache.size(3);
+  const int64_t token = k_cache.stride(1), head = k_cache.stride(2);
+  const bool head_major = token == row && head == bs * row, token_major = head == row && token == heads * row;
+  TORCH_CHECK(k_cache.stride(3) == 1 && (head_major || token_major) && k_cache.stride(0) >= bs * heads * row,
+              "caches must be packed within each block, head-major or token-major");
+  return {k_cache.stride(0), token, head};
 }
 
 // What a row's values are multiplied by: its stored scale (int8), else 1,

@@ -199,12 +199,12 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
 // Rotate the Q and K heads of qkv [T, (H + 2 * KVH) * D] in place (interleaved
 // pairs) by rotations [P, D / 2, 2] (cos, sin) at positions [T], then copy
 // each token's K and V heads into slot slot_mapping[t] of the paged caches
-// [num_blocks, block_size, KVH, D].
+// [num_blocks, block_size, KVH, D] (either packing of cache_strides).
 void rotary_and_cache(at::Tensor& qkv, const at::Tensor& rotations, const at::Tensor& positions,
                       at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
                       int64_t num_heads, int64_t num_kv_heads) {
   check_rows(qkv, "qkv");
-  const int64_t block_stride = cache_block_stride(k_cache, v_cache);
+  const CacheStrides strides = cache_strides(k_cache, v_cache);
   TORCH_CHECK(rotations.is_contiguous() && rotations.scalar_type() == at::kFloat && rotations.dim() == 3,
               "rotations must be contiguous float32 [P, D/2, 2]");
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong,
@@ -226,7 +226,7 @@ void rotary_and_cache(at::Tensor& qkv, const at::Tensor& rotations, const at::Te
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " out of range");
   }
   const float* rot = rotations.data_ptr<float>();
-  const int64_t kv_width = num_kv_heads * head_dim, slot_width = num_kv_heads * row, block_size = k_cache.size(1);
+  const int64_t kv_width = num_kv_heads * head_dim, block_size = k_cache.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_and_cache", [&] {
     dispatch_cache_type(k_cache.scalar_type(), [&](auto cache_tag) {
       using C = decltype(cache_tag);
@@ -240,10 +240,10 @@ void rotary_and_cache(at::Tensor& qkv, const at::Tensor& rotations, const at::Te
           const float* cs = rot + pos[t] * half * 2;
           for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) rotate_head(token + h * head_dim, cs, half);
           const scalar_t* k = token + num_heads * head_dim;
-          const int64_t at = slots[t] / block_size * block_stride + slots[t] % block_size * slot_width;
+          const int64_t at = slots[t] / block_size * strides.block + slots[t] % block_size * strides.token;
           for (int64_t h = 0; h < num_kv_heads; ++h) {
-            store_row(kc + at + h * row, k + h * head_dim, head_dim);
-            store_row(vc + at + h * row, k + kv_width + h * head_dim, head_dim);
+            store_row(kc + at + h * strides.head, k + h * head_dim, head_dim);
+            store_row(vc + at + h * strides.head, k + kv_width + h * head_dim, head_dim);
           }
         }
       });

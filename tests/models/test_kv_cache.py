@@ -59,7 +59,9 @@ def test_cpu_caches_are_separate_zeroed_views_that_outlive_the_list(dtype: torch
     assert len(caches) == layers
     tensors = [t for pair in caches for t in pair]
     for i, t in enumerate(tensors):
-        assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+        # Head-major within a block: a head's rows of a block are one run of memory.
+        assert t.shape == shape and t.dtype == dtype and t.transpose(1, 2).is_contiguous()
+        assert t.stride() == (4 * 2 * shape[3], shape[3], 4 * shape[3], 1) and kv_cache.paged_layout(t)
         assert not t.any()
         t.fill_(i + 1)
     del caches
@@ -95,7 +97,18 @@ def test_layers_of_other_shapes_share_a_slot_without_overlapping() -> None:
     # Without hybrid groups every layer holding a cache has a slot of its own shape, packed.
     flat = kv_cache.kv_layout(windows, 6, 64, hybrid=False, sources=sources)
     assert flat.num_slots == 4 and flat.layer_slot == (0, 1, 2, 3, 2, 3)
-    assert all(t.is_contiguous() for pair in kv_cache.allocate(flat, shapes, 3, 4, torch.float16) for t in pair)
+    assert all(t.transpose(1, 2).is_contiguous() for pair in kv_cache.allocate(flat, shapes, 3, 4, torch.float16)
+               for t in pair)
+
+
+def test_the_kernels_packings_and_no_other_are_paged_layouts() -> None:
+    token_major = torch.zeros(5, 4, 3, 8)
+    head_major = torch.zeros(5, 3, 4, 8).transpose(1, 2)
+    spaced = torch.zeros(5, 3 * 4 * 8 + 16)[:, :3 * 4 * 8].view(5, 3, 4, 8).transpose(1, 2)  # blocks further apart
+    assert all(kv_cache.paged_layout(t) for t in (token_major, head_major, spaced))
+    assert not kv_cache.paged_layout(torch.zeros(5, 8, 3, 4).transpose(1, 3))  # rows not contiguous
+    assert not kv_cache.paged_layout(torch.zeros(4, 5, 3, 8).transpose(0, 1))  # blocks inside each other
+    assert not kv_cache.paged_layout(torch.zeros(5, 4, 3, 16)[..., :8])  # gaps between rows
 
 
 def test_huge_page_zeros_is_zeroed_and_writable() -> None:

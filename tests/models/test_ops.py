@@ -163,6 +163,39 @@ def test_a_kv_heads_query_heads_get_the_bits_each_gets_alone(cache_dtype: torch.
         assert torch.equal(alone[:, 0], together[:, h]), h
 
 
+@pytest.mark.skipif(not ops.kernels_available(), reason="compares the kernels on two layouts")
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.int8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_head_major_and_token_major_caches_give_the_same_bits(cache_dtype: torch.dtype, head_dim: int) -> None:
+    # kv_cache.allocate packs a block head-major; a contiguous cache is token-major. The
+    # kernels write and read both, each token's rows and arithmetic the same.
+    block_size, kv_heads, group, lens = 16, 2, 3, [1, 17, 300]
+    tables, token_k, token_v = paged_caches(lens, block_size, kv_heads, head_dim, cache_dtype)
+    head_k, head_v = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (token_k, token_v))
+    assert kv_cache.paged_layout(head_k) and head_k.stride(1) == head_k.shape[3] and token_k.is_contiguous()
+    layouts = ((token_k, token_v), (head_k, head_v))
+    # This step's rows, written by rotary_and_cache into the last 5 places of the contexts of
+    # 17 and 300 tokens.
+    qkv = randn(10, (group * kv_heads + 2 * kv_heads) * head_dim, seed=3)
+    angles = randn(512, head_dim // 2, seed=4)
+    rotations = torch.polar(torch.ones_like(angles), angles)
+    places = torch.cat([torch.arange(n - 5, n) for n in lens[1:]])
+    slots = tables[torch.tensor([1, 2]).repeat_interleave(5), places // block_size] * block_size + places % block_size
+    rotated = [ops.rotary_and_cache(qkv.clone(), rotations, places, k, v, slots, group * kv_heads, kv_heads)[0]
+               for k, v in layouts]
+    assert torch.equal(*rotated)
+    for a, b in zip(layouts[0], layouts[1]):
+        assert torch.equal(a, b)  # (the same values in each place, whatever the strides)
+    q = randn(len(lens), group * kv_heads, head_dim, seed=5)
+    context_lens = torch.tensor(lens)
+    decoded = [ops.decode_attention(q, k, v, tables, context_lens, max(lens), head_dim ** -0.5) for k, v in layouts]
+    assert torch.equal(*decoded)
+    qp = rotated[0]  # (the 10 tokens as prompt chunks after cached prefixes)
+    prefilled = [ops.prefill_attention(qp, qp[:, :kv_heads], qp[:, :kv_heads], k, v, tables[1:], [5, 5], lens[1:],
+                                       head_dim ** -0.5) for k, v in layouts]
+    assert torch.equal(*prefilled)
+
+
 @pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                  (torch.float32, torch.float16), (torch.float32, torch.int8)])
 @pytest.mark.parametrize("group", [1, 3, 8])
