@@ -49,6 +49,7 @@
 #include "parallel.h"
 #include "vec16.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -457,22 +458,41 @@ void gguf_a8_linear(at::Tensor& out, const at::Tensor& x, const std::vector<at::
               "out must be float32 [M, N]");
   TORCH_CHECK(parts.size() == 2 * formats.size() && !formats.empty(), "one (codes, scales) pair per format");
   const int64_t k = x.size(1), groups = k / kGroup, n = out.size(1);
-  const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), x.size(0), x.stride(0), groups, 0.0f, x.size(0));
+  std::vector<A8Segment> segs;
+  std::vector<int64_t> starts;  // each segment's first output row
   int64_t start = 0;
   for (size_t i = 0; i < formats.size(); ++i) {
     const at::Tensor& codes = parts[2 * i];
-    const at::Tensor& scales = parts[2 * i + 1];
     const int64_t format = formats[i];
     TORCH_CHECK(format >= kA8A4 && format <= kA8NX4, "unknown format ", format);
     TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 4 &&
                     codes.size(1) == groups, "segment ", i, ": codes must be uint8 [tiles, K/32, ., 64]");
     const int64_t rows = std::min(codes.size(0) * kTile, n - start);
     TORCH_CHECK(rows > 0, "segments hold more rows than out");
-    at::Tensor y = out.narrow(1, start, rows);
-    run_segment(y, xq, a8_segment(i, codes, scales, format, groups), groups, plain);
+    segs.push_back(a8_segment(i, codes, parts[2 * i + 1], format, groups));
+    starts.push_back(start);
     start += rows;
   }
   TORCH_CHECK(start == n, "segments hold ", start, " rows, out has ", n);
+  const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), x.size(0), x.stride(0), groups, 0.0f, x.size(0));
+  // Where every segment starts on a tile (models/gguf_linear.py plan_segments makes them so),
+  // output tile t is one segment's tile and all segments' tiles go out to the threads
+  // together: one fork and one wait a projection, not one a segment (q and k, then v).
+  const bool on_tiles = std::all_of(starts.begin(), starts.end(), [](int64_t s) { return s % kTile == 0; });
+  if (segs.size() == 1 || !on_tiles) {
+    for (size_t i = 0; i < segs.size(); ++i) {
+      at::Tensor y = out.narrow(1, starts[i], (i + 1 < segs.size() ? starts[i + 1] : n) - starts[i]);
+      run_segment(y, xq, segs[i], groups, plain);
+    }
+    return;
+  }
+  const int64_t ys = out.stride(0), tiles = (n + kTile - 1) / kTile;
+  float* yp = out.data_ptr<float>();
+  for_each_tile_chunk(out.size(0), kRowsInt8, tiles, n, [&](int64_t t, int64_t r0, int r, int64_t valid) {
+    size_t i = 0;
+    while (i + 1 < segs.size() && t * kTile >= starts[i + 1]) ++i;
+    a8_tile(segs[i], t - starts[i] / kTile, yp + r0 * ys + t * kTile, ys, xq, r0, r, groups, valid, plain);
+  });
 }
 
 }  // namespace kvserve
