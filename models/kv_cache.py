@@ -5,7 +5,7 @@ stored head-major within a block (``allocate``: a view of ``[num_blocks,
 num_kv_heads, block_size, row]``), as vLLM's CPU cache is: a head's rows of one
 block are one run of memory, so decode attention, which reads a head's rows
 token after token, streams them (one sequence of OLMoE's shape, 16 KV heads of
-128 at 230 tokens: 134-180 -> 73-104 us a layer; docs/notes/2026-12-07.md).
+128 at 230 tokens: 193-194 -> 70-97 us a layer; docs/notes/2026-12-07.md).
 The kernels read either packing (a contiguous, token-major tensor too).
 A float cache (float32, float16, bfloat16) stores a head's ``head_dim``
 values as they are (``row = head_dim``). An int8 cache stores each (token,
