@@ -92,7 +92,9 @@ def make_case(lengths: list[tuple[int, int]], block_size: int, group: int, seed:
     Each sequence gets blocks from a random permutation of the pool (with spare
     blocks), so tables are shuffled and non-contiguous; its cached prefix
     (``context_len - query_len`` tokens) is already in the cache, whose other
-    slots hold random garbage that must never be read.
+    slots hold random garbage that must never be read. The caches are head-major within a
+    block, as ``kv_cache.allocate`` makes them (tests/models/test_ops.py holds the kernels'
+    other packing to the same bits).
     """
     gen = torch.Generator().manual_seed(seed)
 
@@ -101,8 +103,8 @@ def make_case(lengths: list[tuple[int, int]], block_size: int, group: int, seed:
 
     needed = [kv_cache.cdiv(ctx, block_size) for _, ctx in lengths]
     pool = torch.randperm(sum(needed) + 5, generator=gen).tolist()
-    k_cache = randn(len(pool), block_size, KV_HEADS, head_dim)
-    v_cache = randn(len(pool), block_size, KV_HEADS, head_dim)
+    k_cache = randn(len(pool), KV_HEADS, block_size, head_dim).transpose(1, 2)
+    v_cache = randn(len(pool), KV_HEADS, block_size, head_dim).transpose(1, 2)
     specs, qs, ks, vs, full_k, full_v = [], [], [], [], [], []
     for (qlen, ctx), n in zip(lengths, needed):
         table, pool = pool[:n], pool[n:]
@@ -187,10 +189,10 @@ def _spaced(cache: torch.Tensor, spare: int) -> torch.Tensor:
     """``cache``'s values in a tensor whose blocks lie ``spare`` more elements apart, the
     gaps filled with garbage (how a Gemma 4 windowed layer views the slot it shares with a
     full layer of twice its head size: ``kv_cache.allocate``)."""
-    blocks = cache.shape[0]
+    blocks, block_size, heads, row = cache.shape
     page = cache[0].numel()
     pool = torch.full((blocks, page + spare), float("nan"))
-    spaced = pool[:, :page].view(cache.shape)
+    spaced = pool[:, :page].view(blocks, heads, block_size, row).transpose(1, 2)  # (head-major, as allocate's)
     spaced.copy_(cache)
     return spaced
 
