@@ -462,14 +462,10 @@ void gguf_a8_linear(at::Tensor& out, const at::Tensor& x, const std::vector<at::
   std::vector<int64_t> starts;  // each segment's first output row
   int64_t start = 0;
   for (size_t i = 0; i < formats.size(); ++i) {
-    const at::Tensor& codes = parts[2 * i];
-    const int64_t format = formats[i];
-    TORCH_CHECK(format >= kA8A4 && format <= kA8NX4, "unknown format ", format);
-    TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 4 &&
-                    codes.size(1) == groups, "segment ", i, ": codes must be uint8 [tiles, K/32, ., 64]");
-    const int64_t rows = std::min(codes.size(0) * kTile, n - start);
+    // (a8_segment checks the format, the codes and the scales, as A8Experts' segments are checked)
+    segs.push_back(a8_segment(i, parts[2 * i], parts[2 * i + 1], formats[i], groups));
+    const int64_t rows = std::min(segs.back().tiles * kTile, n - start);
     TORCH_CHECK(rows > 0, "segments hold more rows than out");
-    segs.push_back(a8_segment(i, codes, parts[2 * i + 1], format, groups));
     starts.push_back(start);
     start += rows;
   }
