@@ -114,6 +114,54 @@ def test_small_files_and_off_are_not_cached(tmp_path, monkeypatch, make_runner):
     assert not (tmp_path / "repacked").exists()
 
 
+class _Recorder:
+    """A raw file that records each write asked of it (offset, length) and writes at most
+    ``limit`` bytes a call (as a raw write may)."""
+
+    def __init__(self, limit: int) -> None:
+        self.data, self.writes, self.limit = bytearray(), [], limit
+
+    def write(self, view: memoryview) -> int:
+        self.writes.append((len(self.data), len(view)))
+        self.data += view[:self.limit]
+        return min(len(view), self.limit)
+
+
+@pytest.mark.parametrize("limit", [1 << 40, 3_000_000])
+@pytest.mark.parametrize("sizes", [[8, 100], [5_000_000], [1 << 20, 1 << 20, 3], [100, 4_194_304, 7, 2_097_151]])
+def test_an_entry_is_written_in_whole_huge_pages_from_huge_page_boundaries(sizes, limit):
+    # (the page cache holds what such writes make in 2 MiB folios, which a mapping maps whole)
+    unit = repack_cache._HUGE_PAGE
+    rng = torch.Generator().manual_seed(len(sizes))
+    pieces = [torch.randint(256, (n,), dtype=torch.uint8, generator=rng) for n in sizes]
+    out = _Recorder(limit)
+    repack_cache._write_aligned(out, [memoryview(p.numpy()) for p in pieces])
+    assert bytes(out.data) == b"".join(p.numpy().tobytes() for p in pieces)
+    # Every write asked for but the last ends on a boundary, and starts on one unless it goes
+    # on with the rest of a short write.
+    for (offset, n), (after, _) in zip(out.writes, out.writes[1:]):
+        assert n > 0 and (offset + n) % unit == 0 and after <= offset + n
+        assert offset % unit == 0 or limit < 1 << 40
+
+
+def test_an_entry_maps_as_it_was_written_and_copy_on_write(tmp_path):
+    tensors = {"codes": torch.randint(256, (3, 70_001), dtype=torch.uint8), "scales": torch.randn(5, 16),
+               "half": torch.randn(33).half(), "empty": torch.empty(0, 4), "ids": torch.arange(9)}
+    path = tmp_path / "entry.safetensors"
+    repack_cache._write_safetensors(path, tensors, {"key": "k"})
+    mapped = repack_cache._map_safetensors(path)
+    from safetensors.torch import load_file
+    assert list(mapped) == list(tensors)
+    for name, t in load_file(path).items():
+        assert mapped[name].dtype == t.dtype and torch.equal(mapped[name], t) and torch.equal(t, tensors[name])
+    before = path.read_bytes()
+    mapped["scales"].zero_()  # (a private mapping: the file keeps its bytes)
+    assert path.read_bytes() == before
+    path.write_bytes(before[:-10])  # cut short: the header names bytes the file lacks
+    with pytest.raises(ValueError, match="bytes"):
+        repack_cache._map_safetensors(path)
+
+
 def test_a_kernel_build_is_loaded_as_is_only_when_made_from_these_sources(tmp_path):
     name, flags = "kvserve_cpu_ops_test", ["-O3"]
     assert build._load_built(name, tmp_path, flags) is None  # nothing built
