@@ -47,6 +47,30 @@ def test_a_rows_result_does_not_depend_on_the_batch(dtype, shape):
     assert torch.equal(ops.dense_linear(x[-7:], packed, n), alone[-7:])
 
 
+@pytest.mark.parametrize("out_features", [64, 80, 32, 16])
+def test_a_small_projection_is_shared_out_and_each_tile_keeps_its_bits(out_features):
+    # (a router's few tiles go out in claims of fewer tiles, their number set by the threads:
+    # a tile's products are the same in any claim, and alone or beside another)
+    gen = torch.Generator().manual_seed(out_features)
+    packed = pack_dense(torch.randn(out_features, 2048, generator=gen))
+    x = torch.randn(3, 2048, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3, 4):
+            torch.set_num_threads(n)
+            results.append(ops.dense_linear(x, packed, out_features))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r, results[0]) for r in results[1:])
+    torch.testing.assert_close(results[0], x @ packed_weight(packed, out_features).t(), atol=1e-3, rtol=1e-5)
+
+
+def packed_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """pack_dense's [N/16, K, 16] back to [N, K]."""
+    return packed.permute(0, 2, 1).reshape(-1, packed.shape[1])[:out_features]
+
+
 def test_mkl_is_not_batch_invariant_here_which_is_why_none_packs():
     # Documents the reason for dense_gemm.cpp; if torch's GEMM ever becomes
     # invariant on these shapes this fails and the packing can be reconsidered.
