@@ -76,13 +76,11 @@ class RepackCache:
 
     def _open(self) -> None:
         try:
-            with safe_open(str(self.file), framework="pt") as f:
-                meta = f.metadata() or {}
-                if json.loads(meta.get("key", "{}")) != self.key:
-                    return
-                self.layouts = json.loads(meta["layouts"])
-            self.stored = _map_safetensors(self.file)
-        except Exception as exc:  # a damaged entry (safetensors has errors of its own): rebuilt and replaced
+            meta, stored = _map_safetensors(self.file)
+            if json.loads(meta.get("key", "{}")) != self.key:
+                return
+            self.layouts, self.stored = json.loads(meta["layouts"]), stored
+        except Exception as exc:  # a damaged entry: rebuilt and replaced
             logger.warning("ignoring the repack cache %s (%s)", self.file, exc)
             self.layouts, self.stored = {}, {}
 
@@ -195,21 +193,21 @@ def _write_aligned(out, pieces: list[memoryview], unit: int = _HUGE_PAGE) -> Non
 _FROM_NAME = {name: dtype for dtype, name in _DTYPES.items()}
 
 
-def _map_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file ``_write_safetensors`` wrote, as views of one private
-    mapping of it (copy-on-write: a write to a view never reaches the file), advised
-    ``MADV_HUGEPAGE`` before any page is read, so that what is read from the disk again (the
-    first start after the entry left the page cache) comes in 2 MiB folios mapped whole.
-    A header that does not describe the file raises ValueError."""
+def _map_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """The metadata and tensors of a safetensors file ``_write_safetensors`` wrote, the tensors
+    as views of one private mapping of it (copy-on-write: a write to a view never reaches the
+    file), advised ``MADV_HUGEPAGE`` before any page is read, so that what is read from the
+    disk again (the first start after the entry left the page cache) comes in 2 MiB folios
+    mapped whole. A header that does not describe the file raises ValueError."""
     with open(path, "rb") as f:
         mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     if hasattr(mmap, "MADV_HUGEPAGE"):  # (Linux)
         mapping.madvise(mmap.MADV_HUGEPAGE)
     length = int.from_bytes(mapping[:8], "little")
-    if not 8 + length <= len(mapping):
+    if 8 + length > len(mapping):
         raise ValueError(f"a header of {length} bytes in a file of {len(mapping)}")
     header = json.loads(mapping[8:8 + length])
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", None) or {}
     start, tensors = 8 + length, {}
     for name, info in header.items():
         dtype, shape, (lo, hi) = _FROM_NAME[info["dtype"]], info["shape"], info["data_offsets"]
@@ -218,7 +216,7 @@ def _map_safetensors(path: Path) -> dict[str, torch.Tensor]:
             raise ValueError(f"tensor {name}: bytes {lo}-{hi} for {shape} {dtype} in a file of {len(mapping)}")
         tensors[name] = (torch.frombuffer(mapping, dtype=dtype, count=count, offset=start + lo).view(shape)
                          if count else torch.empty(shape, dtype=dtype))
-    return tensors
+    return metadata, tensors
 
 
 def _prune(root: Path) -> None:

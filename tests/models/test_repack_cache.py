@@ -149,7 +149,8 @@ def test_an_entry_maps_as_it_was_written_and_copy_on_write(tmp_path):
                "half": torch.randn(33).half(), "empty": torch.empty(0, 4), "ids": torch.arange(9)}
     path = tmp_path / "entry.safetensors"
     repack_cache._write_safetensors(path, tensors, {"key": "k"})
-    mapped = repack_cache._map_safetensors(path)
+    metadata, mapped = repack_cache._map_safetensors(path)
+    assert metadata == {"key": "k"}
     from safetensors.torch import load_file
     assert list(mapped) == list(tensors)
     for name, t in load_file(path).items():
