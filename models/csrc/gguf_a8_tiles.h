@@ -24,8 +24,9 @@ A8Segment a8_segment(size_t i, const at::Tensor& codes, const at::Tensor& scales
 
 // Rows [r0, r0 + rows) of xq (rows <= grouped::kRowsInt8) against tile t of seg: row r's
 // outputs to y[(r - r0) * ys + i] for i < valid. A row's result does not depend on `rows`, on
-// the other rows, or on `plain` (the portable C++: the same bits).
+// the other rows, on `plain` (the portable C++: the same bits) or on `once` (the call reads
+// this tile in this pass alone: its codes are asked for non-temporally, gguf_a8.cpp).
 void a8_tile(const A8Segment& seg, int64_t t, float* y, int64_t ys, const grouped::QuantizedRows& xq, int64_t r0,
-             int rows, int64_t groups, int64_t valid, bool plain);
+             int rows, int64_t groups, int64_t valid, bool plain, bool once);
 
 }  // namespace kvserve

@@ -98,9 +98,10 @@ void gguf_a8_experts(at::Tensor& out, const at::Tensor& x, const A8Experts& w, c
       seg.scales = w.scales_of[e * segments + s];
       const int64_t column = w.columns[s] + t * kTile;
       const int64_t valid = std::min(kTile, (s + 1 < segments ? w.columns[s + 1] : w.out_features) - column);
+      const bool once = starts[i + 1] - starts[i] <= kRowsInt8;  // (one pass over the tile)
       for (int64_t r = starts[i]; r < starts[i + 1]; r += kRowsInt8) {
         const int rows = static_cast<int>(std::min<int64_t>(kRowsInt8, starts[i + 1] - r));
-        a8_tile(seg, t, yp + r * ys + column, ys, xq, r, rows, groups, valid, plain);
+        a8_tile(seg, t, yp + r * ys + column, ys, xq, r, rows, groups, valid, plain, once);
       }
       if (bias) {  // (each product rounded first, then one add: torch's y + bias)
         const float* b = bias + e * w.out_features + column;
