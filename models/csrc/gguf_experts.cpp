@@ -63,28 +63,30 @@ A8Experts::A8Experts(std::vector<at::Tensor> parts_, std::vector<int64_t> format
   }
 }
 
-void gguf_a8_experts(at::Tensor& out, const at::Tensor& x, const A8Experts& w, const std::vector<int64_t>& ids,
-                     const std::vector<int64_t>& counts, bool plain) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat && x.size(1) == w.in_features,
-              "x must be float32 [rows, in_features]");
-  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.scalar_type() == at::kFloat && out.size(0) == x.size(0) &&
+namespace {
+
+// out's rows [starts[i], starts[i + 1]) = expert ids[i]'s products with the same rows of xq, or,
+// `shared`, every expert's one row with xq's row 0 (one token's slots: its row rounded once).
+void run_experts(at::Tensor& out, const grouped::QuantizedRows& xq, bool shared, const A8Experts& w,
+                 const std::vector<int64_t>& ids, const std::vector<int64_t>& counts, bool plain) {
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.scalar_type() == at::kFloat &&
                   out.size(1) == w.out_features, "out must be float32 [rows, out_features]");
   TORCH_CHECK(ids.size() == counts.size(), "one row count per expert id");
   const int64_t segments = static_cast<int64_t>(w.formats.size()), groups = w.in_features / grouped::kGroup;
   std::vector<int64_t> starts(ids.size() + 1, 0);
   for (size_t i = 0; i < ids.size(); ++i) {
     TORCH_CHECK(ids[i] >= 0 && ids[i] < w.experts && counts[i] >= 0, "expert ", ids[i], " with ", counts[i], " rows");
+    TORCH_CHECK(!shared || counts[i] == 1, "a shared row is one slot an expert");
     starts[i + 1] = starts[i] + counts[i];
   }
-  TORCH_CHECK(starts.back() == x.size(0), "the experts' row counts add to ", starts.back(), ", x has ", x.size(0));
+  TORCH_CHECK(starts.back() == out.size(0), "the experts' row counts add to ", starts.back(),
+              shared ? ", the slots are " : ", x has ", out.size(0));
   // (segment, tile) of each of an expert's tiles, in column order.
   std::vector<std::pair<int64_t, int64_t>> tiles;
   for (int64_t s = 0; s < segments; ++s) {
     for (int64_t t = 0; t < w.first[s].tiles; ++t) tiles.emplace_back(s, t);
   }
   const int64_t per_expert = static_cast<int64_t>(tiles.size());
-  const grouped::QuantizedRows xq =
-      grouped::quantize_rows(x.data_ptr<float>(), x.size(0), x.stride(0), groups, 0.0f, x.size(0));
   float* yp = out.data_ptr<float>();
   const int64_t ys = out.stride(0);
   const float* bias = w.bias.defined() ? w.bias.data_ptr<float>() : nullptr;
@@ -101,7 +103,7 @@ void gguf_a8_experts(at::Tensor& out, const at::Tensor& x, const A8Experts& w, c
       const bool once = starts[i + 1] - starts[i] <= kRowsInt8;  // (one pass over the tile)
       for (int64_t r = starts[i]; r < starts[i + 1]; r += kRowsInt8) {
         const int rows = static_cast<int>(std::min<int64_t>(kRowsInt8, starts[i + 1] - r));
-        a8_tile(seg, t, yp + r * ys + column, ys, xq, r, rows, groups, valid, plain, once);
+        a8_tile(seg, t, yp + r * ys + column, ys, xq, shared ? 0 : r, rows, groups, valid, plain, once);
       }
       if (bias) {  // (each product rounded first, then one add: torch's y + bias)
         const float* b = bias + e * w.out_features + column;
@@ -111,6 +113,18 @@ void gguf_a8_experts(at::Tensor& out, const at::Tensor& x, const A8Experts& w, c
       }
     }
   });
+}
+
+}  // namespace
+
+void gguf_a8_experts(at::Tensor& out, const at::Tensor& x, const A8Experts& w, const std::vector<int64_t>& ids,
+                     const std::vector<int64_t>& counts, bool plain) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat && x.size(1) == w.in_features,
+              "x must be float32 [rows, in_features]");
+  TORCH_CHECK(out.size(0) == x.size(0), "out must have x's rows");
+  const grouped::QuantizedRows xq = grouped::quantize_rows(x.data_ptr<float>(), x.size(0), x.stride(0),
+                                                           w.in_features / grouped::kGroup, 0.0f, x.size(0));
+  run_experts(out, xq, false, w, ids, counts, plain);
 }
 
 namespace {
@@ -266,18 +280,26 @@ std::vector<at::Tensor> moe_experts(const at::Tensor& x, const A8Experts& gate_u
       rows_of.push_back(counts[e]);
     }
   }
-  // Slot s's rows are at index[s] in expert order; each row is its token's input.
+  // Slot s's rows are at index[s] in expert order; each row is its token's input. One token (a
+  // decode of one sequence) is rounded once and read by every slot; more are copied per slot.
   at::Tensor index = at::empty({slots}, chosen.options());
   int64_t* ip = index.data_ptr<int64_t>();
-  at::Tensor rows = at::empty({slots, h}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* rp = rows.data_ptr<float>();
-  for (int64_t s = 0; s < slots; ++s) {
-    const int64_t at_row = ip[s] = next[cp[s]]++;
-    std::copy(xp + (s / k) * x.stride(0), xp + (s / k) * x.stride(0) + h, rp + at_row * h);
-  }
   at::Tensor both = at::empty({slots, gate_up.out_features}, x.options());
-  gguf_a8_experts(both, rows, gate_up, ids, rows_of, false);
+  if (t == 1) {
+    for (int64_t s = 0; s < slots; ++s) ip[s] = next[cp[s]]++;
+    const grouped::QuantizedRows xq =
+        grouped::quantize_rows(x.data_ptr<float>(), 1, x.stride(0), h / grouped::kGroup, 0.0f, 1);
+    run_experts(both, xq, true, gate_up, ids, rows_of, false);
+  } else {
+    at::Tensor rows = at::empty({slots, h}, x.options());
+    const float* xp = x.data_ptr<float>();
+    float* rp = rows.data_ptr<float>();
+    for (int64_t s = 0; s < slots; ++s) {
+      const int64_t at_row = ip[s] = next[cp[s]]++;
+      std::copy(xp + (s / k) * x.stride(0), xp + (s / k) * x.stride(0) + h, rp + at_row * h);
+    }
+    gguf_a8_experts(both, rows, gate_up, ids, rows_of, false);
+  }
   at::Tensor act = at::empty({slots, down.in_features}, x.options());
   if (activation == kClampedSwiGlu) {
     // models/moe.py ClampedSwiGLUExpert.activate's torch ops, in its order: the same bits.

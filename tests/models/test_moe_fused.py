@@ -41,7 +41,8 @@ FAMILIES = {
 
 
 def runs(model, make_runner, prompt: list[int]) -> tuple[torch.Tensor, list, list[int], dict]:
-    """Logits of a prefill, the same prompt in chunks beside another, and 4 decode steps;
+    """Logits of a prefill, the same prompt in chunks beside another, 4 decode steps of two
+    sequences and one of the first alone (one token: its row rounded once for all its experts);
     the decode runner's caches, its greedy tokens and the tokens routed per expert."""
     model.count_routed_tokens()
     whole = prefill(make_runner(model), prompt)
@@ -55,6 +56,9 @@ def runs(model, make_runner, prompt: list[int]) -> tuple[torch.Tensor, list, lis
         tokens.append(last)
         logits = runner.step([(s, [t]) for s, t in zip(seqs, last)])
         steps.append(torch.stack([lg[-1] for lg in logits]))
+    last = int(logits[0][-1].argmax())
+    tokens.append([last])
+    steps.append(runner.step([(seqs[0], [last])])[0][-1:])
     return torch.cat([whole, chunked, *steps]), runner.kv_caches, tokens, model.take_routed_tokens()
 
 
