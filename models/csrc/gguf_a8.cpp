@@ -115,7 +115,7 @@ KVSERVE_ALWAYS_INLINE void load_group(const uint8_t* group, V16i* w) {
 // never read again before they leave the caches: they are asked for non-temporally, and a
 // weight streamed through does not push the rest of the step (the KV cache, the activations,
 // the Python between calls) out of the last-level cache. OLMoE's one-stream step on a Zen 2
-// EPYC (AVX2): 28.3-29.5 against 29.9-32.1 ms at a 130-token prompt, 33.9-34.9 against 35.8 at
+// EPYC (AVX2): 28.3-30.2 against 29.9-32.1 ms at a 130-token prompt, 33.9-34.9 against 35.8 at
 // 1,200 (one process a build, alternating, each its own repack cache); the 1.5B's one- and
 // 16-stream steps and the prompts of both did not move beyond the noise. Passes that read
 // a tile again (a prompt's rows, chunk after chunk) keep it in the caches as before.
