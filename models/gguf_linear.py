@@ -202,9 +202,9 @@ def pack_amx(codes: Codes, fmt: int) -> tuple[torch.Tensor, torch.Tensor]:
 # The formats of ``ops.gguf_a8_linear`` and ``ops.repack_gguf_a8`` (csrc/kernels.h A8Format): a
 # GGUF file's codes on the int8-activation GEMMs (``--quantization w4a8`` on a GGUF file), x
 # rounded to int8 per 16 inputs and integer dots, each tensor's scales as its type applies
-# them (csrc/gguf_a8.cpp). Q4_K keeps 4.75 bits a weight (its scales per super-block), Q5_K
-# 5.75, Q6_K and Q3_K 6.625, where the AMX formats above take 6 and 10; MXFP4 4.25, IQ4_NL 4.5 and IQ4_XS
-# 4.375 (4-bit indices into their table of 16 values, looked up in the kernel, and the file's
+# them (csrc/gguf_a8.cpp). Q4_K keeps 4.625 bits a weight (its scales per super-block), Q5_K
+# 5.625, Q6_K and Q3_K 6.5625, where the AMX formats above take 6 and 10; MXFP4 4.25, IQ4_NL 4.5 and
+# IQ4_XS 4.3125 (4-bit indices into their table of 16 values, looked up in the kernel, and the file's
 # scales: MXFP4's exponent byte and IQ4_NL's float16 d per 32, IQ4_XS's super-block d and 6-bit
 # scales); Q4_0 4.5, Q5_0 5.5 and Q8_0 8.5 (the file's float16 scale per 32), Q4_1 5 and Q5_1 6
 # (and its float16 offset).

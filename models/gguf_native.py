@@ -182,7 +182,7 @@ def empty_a8_format(fmt: int, tiles: int, groups: int) -> tuple[torch.Tensor, to
     bits = {A8_A5: 5, A8_K5: 5, A8_D5: 5, A8_S16: 6, A8_D8: 8}.get(fmt, 4)
     codes = torch.empty(tiles, groups, bits, 64, dtype=torch.uint8)
     if fmt in (A8_K4, A8_K5, A8_S16, A8_NX4):  # (a record per tile and 256 inputs)
-        return codes, torch.empty(tiles, groups // 8, {A8_S16: 80, A8_NX4: 48}.get(fmt, 96))
+        return codes, torch.empty(tiles, groups // 8, {A8_S16: 72, A8_NX4: 40}.get(fmt, 80))
     if fmt in (A8_D4, A8_D5, A8_D8, A8_NL4):  # (the file's float16 d per row and 32 inputs)
         return codes, torch.empty(tiles, groups, 16, dtype=torch.float16)
     if fmt == A8_MX4:  # (the file's E8M0 byte per row and 32 inputs)

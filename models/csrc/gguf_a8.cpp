@@ -7,22 +7,23 @@
 //   K4, K5: Q4_K's and Q5_K's codes (4-bit in grouped_gemm.cpp's layout, 5-bit as that layout
 //           of their low 4 bits, then 64 bytes of their 5th: byte b of lane i holds, at bit t, that of byte b of
 //           lane i of code vector t, as load_codes<8> gives them) with the
-//           super-block's own scales: per 16-row tile and 256 inputs a record of 96 floats,
-//           D[16], M[16] (= -dmin) then int8 sc[8][16] and mn[8][16]. A group's d = D sc and
-//           m = M mn are llama.cpp's float products, made in the kernel: 0.19 bytes of scales
-//           per 32 weights where float32 d and m take 8.
+//           super-block's own scales: per 16-row tile and 256 inputs a record of 80 floats'
+//           bytes, float16 D[16], M[16] (= -dmin: the file's d and dmin, exactly) then int8
+//           sc[8][16] and mn[8][16]. A group's d = D sc and m = M mn are llama.cpp's float
+//           products, made in the kernel: 4.625 bits a weight (Q4_K's 4.5; 5.625, Q5_K's 5.5).
+//           (D and M were float32 until 2026-12-07: 4.75 bits, 2.7% more to read a token.)
 //   S16:    Q6_K's and Q3_K's codes u = q + 32 in 6 bits, a scale per 16 inputs D sc: per group
 //           the 4-bit layout of their low 4 bits, then 2 x 64 bytes of their high 2 (byte b of lane i
 //           of the v-th holds, at bits 2t, those of byte b of lane i of code vector 4v + t, as
-//           load_codes<8> gives them); a record of 80 floats per tile and 256 inputs, D[16] then
-//           int8 sc[8][2][16]. 6.625 bits a weight, against Q6_K's 6.5625.
+//           load_codes<8> gives them); a record of 72 floats' bytes per tile and 256 inputs,
+//           float16 D[16] then int8 sc[8][2][16]. 6.5625 bits a weight, as Q6_K's.
 //   L4 (MX4, NL4, NX4): 4-bit indices into a table of 16 int8 values (MXFP4's E2M1 values doubled;
 //           IQ4_NL's and IQ4_XS's codebook) in the 4-bit layout, and their d per row and 32 inputs:
 //           MX4 the file's E8M0 exponent byte e ([tiles, K/32, 16]), d = 2^(e - 128) made in the
 //           kernel (4.25 bits a weight, as MXFP4's); NL4 the file's float16 d (4.5 bits, as
-//           IQ4_NL's); NX4 IQ4_XS's super-block scales, per tile and 256 inputs a record of 48
-//           floats, D[16] then int8 sc[8][16] (ls - 32), d = D sc made in the kernel as llama.cpp
-//           makes it (4.375 bits, against IQ4_XS's 4.25). The kernel looks the bytes up (vpshufb)
+//           IQ4_NL's); NX4 IQ4_XS's super-block scales, per tile and 256 inputs a record of 40
+//           floats' bytes, float16 D[16] then int8 sc[8][16] (ls - 32), d = D sc made in the kernel
+//           as llama.cpp makes it (4.3125 bits, against IQ4_XS's 4.25). The kernel looks the bytes up (vpshufb)
 //           as u = value + c, then as S16 (c = 128; MXFP4 c = 16: bytes below 32, 5-bit codes).
 //   D4, D5, D8: symmetric codes in the 4-bit layout (Q4_0: u = q, c = 8), K5's (Q5_0: u = q + 16,
 //           c = 16) or the 8-bit one (Q8_0: u = q + 128, c = 128) and the file's own float16 d per
@@ -135,7 +136,7 @@ template <int kBits, bool kSym, int R>
 KVSERVE_ALWAYS_INLINE void tile_rows_k(float* y, int64_t ys, const QuantizedRows& xq, int64_t r0, int64_t groups,
                                        const uint8_t* codes, const float* scales, int64_t valid, bool once) {
   constexpr int64_t kGroupBytes = kTile * kGroup * kBits / 8;
-  constexpr int64_t kRecord = a8_record_floats(kSym ? kA8S16 : kA8K4);
+  constexpr int64_t kRecord = a8_record_floats(kSym ? kA8S16 : kA8K4), kInts = a8_record_ints(kSym ? kA8S16 : kA8K4);
   // The centre term c qs in integers (exact, as the float one is): no scalar float product
   // and broadcast per row, which took a multiply pipe from the dots.
   constexpr int32_t kCentreInt = static_cast<int32_t>(centre<kSym, kBits>());
@@ -147,9 +148,9 @@ KVSERVE_ALWAYS_INLINE void tile_rows_k(float* y, int64_t ys, const QuantizedRows
     const int64_t j = g % kSuper;
     if (j == 0) {
       const float* rec = scales + (g / kSuper) * kRecord;
-      big_d = v16_load(rec);
-      if constexpr (!kSym) big_m = v16_load(rec + 16);
-      sub = reinterpret_cast<const int8_t*>(rec + (kSym ? 16 : 32));
+      big_d = v16_load_half(rec);
+      if constexpr (!kSym) big_m = v16_load_half(rec + 8);
+      sub = reinterpret_cast<const int8_t*>(rec + kInts);
     }
     V16i w[8];
     prefetch_ahead<kGroupBytes>(codes + g * kGroupBytes, once);
@@ -192,7 +193,7 @@ template <int kBits, bool kSym>
 void tile_rows_k_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, int64_t r0, int64_t groups,
                        const uint8_t* codes, const float* scales, int64_t valid) {
   constexpr int64_t kGroupBytes = kTile * kGroup * kBits / 8;
-  constexpr int64_t kRecord = a8_record_floats(kSym ? kA8S16 : kA8K4);
+  constexpr int64_t kRecord = a8_record_floats(kSym ? kA8S16 : kA8K4), kInts = a8_record_ints(kSym ? kA8S16 : kA8K4);
   constexpr float kCentre = centre<kSym, kBits>();
   for (int r = 0; r < rows; ++r) {
     for (int i = 0; i < valid; ++i) {
@@ -200,7 +201,8 @@ void tile_rows_k_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, 
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t j = g % kSuper, gr = g * xq.rows + r0 + r;
         const float* rec = scales + (g / kSuper) * kRecord;
-        const auto* sub = reinterpret_cast<const int8_t*>(rec + (kSym ? 16 : 32));
+        const auto* big = reinterpret_cast<const c10::Half*>(rec);  // D[16], then K's M[16]
+        const auto* sub = reinterpret_cast<const int8_t*>(rec + kInts);
         float c[2];
         for (int h = 0; h < 2; ++h) {
           int32_t dot = 0;
@@ -213,14 +215,14 @@ void tile_rows_k_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, 
           c[h] = static_cast<float>(dot) - kCentre * static_cast<float>(xq.qs[2 * gr + h]);
         }
         if constexpr (kSym) {
-          const float d0 = rec[i] * static_cast<float>(sub[32 * j + i]);
-          const float d1 = rec[i] * static_cast<float>(sub[32 * j + 16 + i]);
+          const float d0 = static_cast<float>(big[i]) * static_cast<float>(sub[32 * j + i]);
+          const float d1 = static_cast<float>(big[i]) * static_cast<float>(sub[32 * j + 16 + i]);
           const float p0 = c[0] * xq.d[2 * gr], p1 = c[1] * xq.d[2 * gr + 1];
           acc = std::fma(d0, p0, acc);
           acc = std::fma(d1, p1, acc);
         } else {
-          const float d = rec[i] * static_cast<float>(sub[16 * j + i]);
-          const float m = rec[16 + i] * static_cast<float>(sub[128 + 16 * j + i]);
+          const float d = static_cast<float>(big[i]) * static_cast<float>(sub[16 * j + i]);
+          const float m = static_cast<float>(big[16 + i]) * static_cast<float>(sub[128 + 16 * j + i]);
           const float off = std::fma(kCentre, d, m);
           const float p0 = c[0] * xq.d[2 * gr];
           const float t = std::fma(c[1], xq.d[2 * gr + 1], p0);
@@ -291,7 +293,8 @@ KVSERVE_ALWAYS_INLINE void tile_rows_d(float* y, int64_t ys, const QuantizedRows
     const auto* halves = reinterpret_cast<const uint16_t*>(scales) + g * (F::kAffine ? 32 : 16);
     if constexpr (F::kSuperScales) {
       const float* rec = scales + (g / kSuper) * a8_record_floats(kFormat);
-      d = v16_load(rec) * v16_load_int8(reinterpret_cast<const int8_t*>(rec + 16) + 16 * (g % kSuper));
+      d = v16_load_half(rec) * v16_load_int8(reinterpret_cast<const int8_t*>(rec + a8_record_ints(kFormat)) +
+                                             16 * (g % kSuper));
     } else if constexpr (F::kHalf) {
       d = v16_load_half(halves);
     } else {
@@ -342,8 +345,9 @@ void tile_rows_d_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, 
         }
         const auto* halves = reinterpret_cast<const c10::Half*>(scales) + g * (F::kAffine ? 32 : 16);
         const float* rec = F::kSuperScales ? scales + (g / kSuper) * a8_record_floats(kFormat) : nullptr;
-        const float d = rec        ? rec[i] * static_cast<float>(reinterpret_cast<const int8_t*>(rec + 16)[
-                                         16 * (g % kSuper) + i])
+        const float d = rec        ? static_cast<float>(reinterpret_cast<const c10::Half*>(rec)[i]) *
+                                         static_cast<float>(reinterpret_cast<const int8_t*>(
+                                             rec + a8_record_ints(kFormat))[16 * (g % kSuper) + i])
                         : F::kHalf ? static_cast<float>(halves[i])
                                    : e8m0_d(reinterpret_cast<const uint8_t*>(scales)[g * 16 + i]);
         const float p0 = c[0] * xq.d[2 * gr];

@@ -592,14 +592,17 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
       if (!compact) continue;
       for (int64_t sb = 0; sb < groups / 8; ++sb) {
         float* rec = sp + (tile * (groups / 8) + sb) * record;
-        auto* ints = reinterpret_cast<int8_t*>(rec + (sym || xs ? 16 : 32));
+        auto* big = reinterpret_cast<c10::Half*>(rec);  // D[16], then K's M[16]: the file's float16 values
+        auto* ints = reinterpret_cast<int8_t*>(rec + a8_record_ints(format));
         for (int o = 0; o < 16; ++o) {
           const int64_t row = src[tile * 16 + o];
           float big_d = 0.0f, big_m = 0.0f;
           int sc[16] = {0}, mn[16] = {0};
           if (row >= 0) a8_block_scales(type, rp + row * rs + sb * block_bytes, big_d, big_m, sc, mn);
-          rec[o] = big_d;
-          if (!sym && !xs) rec[16 + o] = big_m;
+          big[o] = c10::Half(big_d);
+          if (!sym && !xs) big[16 + o] = c10::Half(big_m);
+          if (static_cast<float>(big[o]) != big_d || (!sym && !xs && static_cast<float>(big[16 + o]) != big_m))
+            exact = false;
           for (int h = 0; h < 16; ++h) {  // each 16 inputs' scale, checked against decode_block's
             const int j = sym ? h : h / 2;
             const float dd = big_d * static_cast<float>(sc[j]), mm = big_m * static_cast<float>(mn[j]);

@@ -104,9 +104,11 @@ enum A8Format : int64_t {
 constexpr int a8_code_bits(int64_t format) {
   return format == kA8D8 ? 8 : format == kA8S16 ? 6 : format == kA8K5 || format == kA8D5 || format == kA8A5 ? 5 : 4;
 }
-// Floats in a super-block format's record per 16-row tile and 256 inputs (K4, K5: D, M and
-// int8 sc, mn; S16: D and int8 sc per 16 inputs; NX4: D and int8 sc; gguf_a8.cpp's layouts).
-constexpr int64_t a8_record_floats(int64_t format) { return format == kA8S16 ? 80 : format == kA8NX4 ? 48 : 96; }
+// Floats in a super-block format's record per 16-row tile and 256 inputs (K4, K5: float16 D, M
+// and int8 sc, mn; S16: float16 D and int8 sc per 16 inputs; NX4: float16 D and int8 sc;
+// gguf_a8.cpp's layouts), and where its int8 scales start (floats from the record's start).
+constexpr int64_t a8_record_floats(int64_t format) { return format == kA8S16 ? 72 : format == kA8NX4 ? 40 : 80; }
+constexpr int64_t a8_record_ints(int64_t format) { return format == kA8S16 || format == kA8NX4 ? 8 : 16; }
 // Whether `format`'s scales are the file's float16 d (D, NL4) or d and m (A) per row and 32 inputs.
 constexpr bool a8_float16_scales(int64_t format) {
   return format == kA8D4 || format == kA8D5 || format == kA8D8 || format == kA8A4 || format == kA8A5 ||

@@ -65,10 +65,11 @@ def rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(x.shape), (amax / 127.0).expand_as(halves).reshape(x.shape)
 
 
-# Bits a weight of codes and scales each type is held at: the file's own (Q6_K's and Q3_K's
-# scales as a float32 per super-block and an int8 per 16; IQ4_XS's 6-bit scales as int8s).
-HELD_BITS = {"Q4_0": 4.5, "Q4_1": 5.0, "Q5_0": 5.5, "Q5_1": 6.0, "Q8_0": 8.5, "Q4_K": 4.75, "Q5_K": 5.75,
-             "Q6_K": 6.625, "Q3_K": 6.625, "MXFP4": 4.25, "IQ4_NL": 4.5, "IQ4_XS": 4.375}
+# Bits a weight of codes and scales each type is held at: the file's own (the K-quants' and
+# IQ4_XS's super-block scales as the file's float16 values, their 6-bit scales as int8s; Q3_K's
+# codes at 6 bits, as Q6_K's).
+HELD_BITS = {"Q4_0": 4.5, "Q4_1": 5.0, "Q5_0": 5.5, "Q5_1": 6.0, "Q8_0": 8.5, "Q4_K": 4.625, "Q5_K": 5.625,
+             "Q6_K": 6.5625, "Q3_K": 6.5625, "MXFP4": 4.25, "IQ4_NL": 4.5, "IQ4_XS": 4.3125}
 
 
 @pytest.mark.parametrize("type_name", TYPES)
