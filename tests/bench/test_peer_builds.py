@@ -26,11 +26,17 @@ def test_a_build_from_other_options_is_not_reused(tmp_path: Path, monkeypatch) -
     assert llama_cpp.bin_dir(tmp_path) != here
 
 
-def test_vllm_serves_bfloat16_on_every_core(tmp_path: Path) -> None:
+def test_vllm_serves_on_every_core(tmp_path: Path) -> None:
     argv = vllm_cpu.server_argv(tmp_path / "python", tmp_path / "model", 8123)
     assert argv[:3] == [str(tmp_path / "python"), "-m", "vllm.entrypoints.openai.api_server"]
-    assert argv[argv.index("--dtype") + 1] == "bfloat16"
+    assert argv[argv.index("--dtype") + 1] == vllm_cpu.serving_dtype()
     assert argv[argv.index("--model") + 1] == str(tmp_path / "model")
     assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--port") + 1] == "8123"
     env = vllm_cpu.server_env()
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == f"0-{os.cpu_count() - 1}"
+
+
+def test_vllm_serves_bfloat16_only_where_the_cpu_has_avx512() -> None:
+    assert vllm_cpu.serving_dtype("flags : fpu avx2 avx512f avx512_bf16 amx_bf16") == "bfloat16"
+    assert vllm_cpu.serving_dtype("flags : fpu avx2 avx512f avx512_vnni") == "bfloat16"
+    assert vllm_cpu.serving_dtype("flags : fpu avx2 fma f16c") == "float32"
