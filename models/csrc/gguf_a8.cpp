@@ -11,7 +11,7 @@
 //           bytes, float16 D[16], M[16] (= -dmin: the file's d and dmin, exactly) then int8
 //           sc[8][16] and mn[8][16]. A group's d = D sc and m = M mn are llama.cpp's float
 //           products, made in the kernel: 4.625 bits a weight (Q4_K's 4.5; 5.625, Q5_K's 5.5).
-//           (D and M were float32 until 2026-12-07: 4.75 bits, 2.7% more to read a token.)
+//           (D and M were float32 until 2026-12-07: 4.75 bits, 2.7% more bytes a Q4_K weight.)
 //   S16:    Q6_K's and Q3_K's codes u = q + 32 in 6 bits, a scale per 16 inputs D sc: per group
 //           the 4-bit layout of their low 4 bits, then 2 x 64 bytes of their high 2 (byte b of lane i
 //           of the v-th holds, at bits 2t, those of byte b of lane i of code vector 4v + t, as
