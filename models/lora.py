@@ -4,7 +4,8 @@ An adapter trained with PEFT (a directory holding ``adapter_config.json`` and
 ``adapter_model.safetensors``, or the ``.gguf`` file llama.cpp's
 ``convert_lora_to_gguf.py`` makes of one) changes each targeted projection ``W`` of the
 base model into ``W + s * B @ A`` (``A [r, in]``, ``B [out, r]``, ``s =
-lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA). The base weights are never
+lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA; ``alpha_pattern``'s alpha for the modules
+it names, as PEFT reads it). The base weights are never
 changed: a forward adds ``s * (x @ A^T) @ B^T`` to the projection's output for
 the rows of the requests that asked for the adapter (``LoRABatch``), so one
 server answers the base model and any number of adapters in the same batch.
@@ -59,9 +60,12 @@ _MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
 # "plain LoRA". An adapter that sets any other value is refused, not run wrong.
 _PLAIN = {
     "use_dora": False, "modules_to_save": None, "bias": "none", "lora_bias": False,
-    "fan_in_fan_out": False, "alpha_pattern": {}, "layer_replication": None,
-    "trainable_token_indices": None, "alora_invocation_tokens": None, "target_parameters": None,
+    "fan_in_fan_out": False, "layer_replication": None,
+    "trainable_token_indices": None, "alora_invocation_tokens": None,
 }
+# (``target_parameters``, LoRA on a module's parameters such as an MoE's stacked experts, is
+# not refused by its option: PEFT 0.22 names them in every adapter of an MoE model, even
+# one that updates no expert. A tensor it saved for one is refused by its name below.)
 
 
 class LoRAUpdate:
@@ -122,12 +126,14 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
     (the embedding, the LM head), or a shape that does not fit the model.
     """
     path = Path(path)
+    patterns: dict[str, float] = {}
     if path.suffix == ".gguf" and path.is_file():
         where, tensors, alpha, rslora = _read_gguf_adapter(name, path, config)
     else:
-        where, tensors, alpha, rslora = _read_peft_adapter(name, path)
+        where, tensors, alpha, rslora, patterns = _read_peft_adapter(name, path)
 
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    module_of: dict[tuple[int, str], str] = {}  # (layer, projection) -> the module's name, for alpha_pattern
     for key, tensor in tensors:
         m = _TENSOR.search(key)
         if _updates_an_expert(key, m, config):
@@ -140,6 +146,7 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
             raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is for layer {layer}, "
                              f"the model has {config.num_hidden_layers}")
         pairs.setdefault((layer, m.group(2)), {})[m.group(3)] = tensor.to(torch.float32)
+        module_of[(layer, m.group(2))] = key[:m.end(2)].removeprefix("base_model.model.")
     if not pairs:
         raise ValueError(f"LoRA adapter {name!r}: {where} holds no LoRA tensors")
 
@@ -161,7 +168,8 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
                              f"and ({out_features}, {r}) for this model")
         max_rank = max(max_rank, r)
         # No alpha (a GGUF adapter may have none): the update unscaled, as llama.cpp runs it.
-        b = b * (alpha / (math.sqrt(r) if rslora else r) if alpha else 1.0)
+        a_of = _pattern_alpha(patterns, module_of[(layer, proj)], alpha)
+        b = b * (a_of / (math.sqrt(r) if rslora else r) if a_of else 1.0)
         if proj in ("q_proj", "k_proj"):
             heads = config.num_attention_heads if proj == "q_proj" else config.num_key_value_heads
             b = interleave_rotary_rows(b, heads, config.rotary_dim)
@@ -191,9 +199,21 @@ def _not_a_projection(name: str, tensor: str) -> ValueError:
                       "projection (q/k/v/o, gate/up/down); kvserve cannot apply it")
 
 
+def _pattern_alpha(patterns: dict[str, float], module: str, alpha: float) -> float:
+    """``module``'s alpha: that of the first ``alpha_pattern`` key naming it, as PEFT matches
+    them (the key itself, or a regex matching the name's end after a dot), else ``alpha``."""
+    if module in patterns:
+        return patterns[module]
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?(?:{key})$", module):
+            return value
+    return alpha
+
+
 def _read_peft_adapter(name: str, path: Path
-                       ) -> tuple[Path, Iterator[tuple[str, torch.Tensor]], float, bool]:
-    """A PEFT directory's weights file, tensors, ``lora_alpha`` and rsLoRA switch."""
+                       ) -> tuple[Path, Iterator[tuple[str, torch.Tensor]], float, bool, dict[str, float]]:
+    """A PEFT directory's weights file, tensors, ``lora_alpha``, rsLoRA switch and
+    ``alpha_pattern``."""
     cfg_file, weights_file = path / CONFIG_FILE, path / WEIGHTS_FILE
     if not cfg_file.is_file():
         raise ValueError(f"LoRA adapter {name!r}: {path} has no {CONFIG_FILE} (nor is it a .gguf adapter)")
@@ -216,7 +236,19 @@ def _read_peft_adapter(name: str, path: Path
     alpha = peft.get("lora_alpha")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
         raise ValueError(f"LoRA adapter {name!r}: lora_alpha must be a positive number, got {alpha!r}")
-    return weights_file, _read_tensors(weights_file), float(alpha), bool(peft.get("use_rslora", False))
+    patterns = peft.get("alpha_pattern") or {}
+    if not isinstance(patterns, dict):
+        raise ValueError(f"LoRA adapter {name!r}: alpha_pattern must map module names to alphas, got {patterns!r}")
+    for key, value in patterns.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"LoRA adapter {name!r}: alpha_pattern[{key!r}] must be a positive number, "
+                             f"got {value!r}")
+        try:
+            re.compile(key)
+        except re.error as e:
+            raise ValueError(f"LoRA adapter {name!r}: alpha_pattern key {key!r} is not a regex ({e})") from None
+    return (weights_file, _read_tensors(weights_file), float(alpha), bool(peft.get("use_rslora", False)),
+            {str(k): float(v) for k, v in patterns.items()})
 
 
 def _read_gguf_adapter(name: str, path: Path, config: ModelConfig

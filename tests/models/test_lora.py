@@ -66,7 +66,10 @@ def adapter_for(model, path, name="a"):
     # Parts of the fused projections left out, rsLoRA's scale, and one rank per module.
     dict(r=8, lora_alpha=4, use_rslora=True, target_modules=["k_proj", "up_proj", "down_proj"],
          rank_pattern={"down_proj": 2}),
-], ids=["every-projection", "some-rslora-rank-pattern"])
+    # One alpha per module: a name's end, and a regex naming one layer's module only.
+    dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"],
+         alpha_pattern={"down_proj": 2, r".*layers\.1\.self_attn\.v_proj": 32}),
+], ids=["every-projection", "some-rslora-rank-pattern", "alpha-pattern"])
 def test_logits_equal_peft(tiny_checkpoint, tiny_prompt, make_runner, tmp_path, lora):
     path, hf = tiny_checkpoint()
     base_ref, expected = peft_logits(hf, tmp_path / "adapter", tiny_prompt, **lora)
@@ -187,6 +190,9 @@ def test_adapters_kvserve_cannot_run_are_refused_by_name(tiny_checkpoint, make_l
     _refused(tmp_path, model, make_lora, "bias='all'", bias="all")
     _refused(tmp_path, model, make_lora, "not a LoRA adapter", peft_type="IA3")
     _refused(tmp_path, model, make_lora, "lora_alpha must be a positive number", lora_alpha=0)
+    _refused(tmp_path, model, make_lora, r"alpha_pattern\['down_proj'\] must be a positive number",
+             alpha_pattern={"down_proj": -1})
+    _refused(tmp_path, model, make_lora, "is not a regex", alpha_pattern={"(": 2})
 
     def add_tensor(name, shape):
         def edit(p):
