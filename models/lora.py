@@ -200,10 +200,9 @@ def _not_a_projection(name: str, tensor: str) -> ValueError:
 
 
 def _pattern_alpha(patterns: dict[str, float], module: str, alpha: float) -> float:
-    """``module``'s alpha: that of the first ``alpha_pattern`` key naming it, as PEFT matches
-    them (the key itself, or a regex matching the name's end after a dot), else ``alpha``."""
-    if module in patterns:
-        return patterns[module]
+    """``module``'s alpha: that of the first ``alpha_pattern`` key naming it, as PEFT's
+    ``get_pattern_key`` matches them (a regex matching the whole name or its end after a
+    dot), else ``alpha``."""
     for key, value in patterns.items():
         if re.match(rf"(.*\.)?(?:{key})$", module):
             return value
