@@ -84,13 +84,18 @@ def find_gguf() -> Path:
 BUILD_NOTE = "the CPU's instruction sets named (AVX2; AVX-512, VNNI and BF16 where it has them), ggml's AMX kernels off"
 
 
+def cpu_flags() -> set[str]:
+    """The words of /proc/cpuinfo (its flags among them); empty where it cannot be read."""
+    try:
+        return set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return set()
+
+
 def cpu_options(flags: set[str] | None = None) -> tuple[str, ...]:
     """CMAKE_OPTIONS plus the instruction sets this CPU (or ``flags``) has (FLAG_OPTIONS)."""
     if flags is None:
-        try:
-            flags = set(Path("/proc/cpuinfo").read_text().split())
-        except OSError:
-            flags = set()
+        flags = cpu_flags()
     return CMAKE_OPTIONS + tuple(option for flag, option in FLAG_OPTIONS if flag in flags)
 
 

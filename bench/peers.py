@@ -313,10 +313,7 @@ def resolve_bench_model(name: str | None) -> Path:
 
 def cpu_flags() -> str:
     """The CPU flags that decide kvserve's and its peers' paths, as /proc/cpuinfo names them."""
-    try:
-        words = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return ""
+    words = llama_cpp.cpu_flags()
     wanted = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16")
     return " ".join(f for f in wanted if f in words)
 

@@ -89,17 +89,12 @@ def version(cache: Path = llama_cpp.DEFAULT_CACHE) -> str:
     return out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
-def serving_dtype(cpuinfo: str | None = None) -> str:
+def serving_dtype(flags: set[str] | None = None) -> str:
     """vLLM's dtype on this CPU: bfloat16 where the CPU has AVX-512 (its docs: bf16 on every
     AVX-512 CPU; oneDNN's bf16 GEMMs, AMX's where it has AMX), else float32. On an AVX2-only
     EPYC (2026-12-07) its bfloat16 fell back from oneDNN to torch's linear and the start's
     compile warm-up had not finished after 7 minutes; float32 was serving in 145 s."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-    return "bfloat16" if "avx512f" in cpuinfo.split() else "float32"
+    return "bfloat16" if "avx512f" in (llama_cpp.cpu_flags() if flags is None else flags) else "float32"
 
 
 def server_argv(py: Path, model: Path, port: int, host: str = "127.0.0.1") -> list[str]:

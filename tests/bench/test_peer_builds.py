@@ -37,6 +37,6 @@ def test_vllm_serves_on_every_core(tmp_path: Path) -> None:
 
 
 def test_vllm_serves_bfloat16_only_where_the_cpu_has_avx512() -> None:
-    assert vllm_cpu.serving_dtype("flags : fpu avx2 avx512f avx512_bf16 amx_bf16") == "bfloat16"
-    assert vllm_cpu.serving_dtype("flags : fpu avx2 avx512f avx512_vnni") == "bfloat16"
-    assert vllm_cpu.serving_dtype("flags : fpu avx2 fma f16c") == "float32"
+    assert vllm_cpu.serving_dtype({"fpu", "avx2", "avx512f", "avx512_bf16", "amx_bf16"}) == "bfloat16"
+    assert vllm_cpu.serving_dtype({"fpu", "avx2", "avx512f", "avx512_vnni"}) == "bfloat16"
+    assert vllm_cpu.serving_dtype({"fpu", "avx2", "fma", "f16c"}) == "float32"
