@@ -199,6 +199,11 @@ def _not_a_projection(name: str, tensor: str) -> ValueError:
                       "projection (q/k/v/o, gate/up/down); kvserve cannot apply it")
 
 
+def _positive(value: object) -> bool:
+    """Whether a config's ``value`` is a positive number (JSON's true is not one)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
 def _pattern_alpha(patterns: dict[str, float], module: str, alpha: float) -> float:
     """``module``'s alpha: that of the first ``alpha_pattern`` key naming it, as PEFT's
     ``get_pattern_key`` matches them (a regex matching the whole name or its end after a
@@ -233,13 +238,13 @@ def _read_peft_adapter(name: str, path: Path
             raise ValueError(f"LoRA adapter {name!r}: {key}={peft[key]!r} is not supported "
                              f"(kvserve runs plain LoRA: {key}={plain!r})")
     alpha = peft.get("lora_alpha")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
+    if not _positive(alpha):
         raise ValueError(f"LoRA adapter {name!r}: lora_alpha must be a positive number, got {alpha!r}")
     patterns = peft.get("alpha_pattern") or {}
     if not isinstance(patterns, dict):
         raise ValueError(f"LoRA adapter {name!r}: alpha_pattern must map module names to alphas, got {patterns!r}")
     for key, value in patterns.items():
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        if not _positive(value):
             raise ValueError(f"LoRA adapter {name!r}: alpha_pattern[{key!r}] must be a positive number, "
                              f"got {value!r}")
         try:
