@@ -49,7 +49,8 @@ class FusedExperts:
         self.gate_up = _weights(gate_ups)
         self.down = _weights(downs)
         # The activation as ``ops.moe_experts`` runs it (then it, and the fused MoE layer, runs
-        # the experts whole), or None: SiLU's, gpt-oss's clamped SwiGLU (``kernel_activation``).
+        # the experts whole), or None: SiLU's, gpt-oss's clamped SwiGLU or Gemma's GELU-tanh
+        # (``kernel_activation``).
         silu = type(experts[0]).activate is MLP.activate
         self.activation = (ops.ExpertActivation(ops.ExpertActivation.SILU_GLU) if silu
                            else getattr(experts[0], "kernel_activation", lambda: None)())

@@ -51,8 +51,13 @@ class GemmaMLP(MLP):
     @staticmethod
     def activate(gate_up: torch.Tensor) -> torch.Tensor:
         """``gelu_tanh(gate) * up`` of the gate_up projection's output."""
+        # NOTE: ops.moe_experts runs these torch ops on the same views (kernel_activation).
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
+
+    def kernel_activation(self) -> ops.ExpertActivation:
+        """``activate`` as ``ops.moe_experts`` runs it (Gemma 4's experts)."""
+        return ops.ExpertActivation(ops.ExpertActivation.GELU_TANH_GLU)
 
 
 class GemmaDecoderLayer(nn.Module):

@@ -13,6 +13,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/mul.h>
 #include <ATen/ops/zeros.h>
 
 #include "gguf_a8_tiles.h"
@@ -256,7 +258,8 @@ std::vector<at::Tensor> route_experts(const at::Tensor& logits, int64_t k, int64
 std::vector<at::Tensor> moe_experts(const at::Tensor& x, const A8Experts& gate_up, const A8Experts& down,
                                     const at::Tensor& weights, const at::Tensor& chosen, int64_t activation,
                                     double limit, double alpha) {
-  TORCH_CHECK(activation == kSiluGlu || (activation == kClampedSwiGlu && alpha != 0.0), "unknown activation ",
+  TORCH_CHECK(activation == kSiluGlu || activation == kGeluTanhGlu || (activation == kClampedSwiGlu && alpha != 0.0),
+              "unknown activation ",
               activation, " (alpha ", alpha, ")");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 && x.size(1) == gate_up.in_features,
               "x must be float32 [T, in_features]");
@@ -307,6 +310,10 @@ std::vector<at::Tensor> moe_experts(const at::Tensor& x, const A8Experts& gate_u
     const at::Tensor gate = both.narrow(1, 0, inter).clamp(c10::nullopt, limit), up = both.narrow(1, inter, inter);
     silu_and_mul(act, at::cat({gate.mul(alpha), up.clamp(-limit, limit).add(1)}, 1));
     act.div_(alpha);
+  } else if (activation == kGeluTanhGlu) {
+    // models/gemma.py GemmaMLP.activate's torch ops on the same views: the same bits.
+    const int64_t inter = down.in_features;
+    at::mul_out(act, at::gelu(both.narrow(1, 0, inter), "tanh"), both.narrow(1, inter, inter));
   } else {
     silu_and_mul(act, both);
   }

@@ -150,9 +150,10 @@ enum RouterKind : int64_t { kSoftmaxTopK = 0, kSoftmaxTopKNorm = 1, kTopKSoftmax
 // (weights [T, k] float32, chosen [T, k] int64) of each row of router logits [T, E], the pairs
 // in ascending expert id.
 std::vector<at::Tensor> route_experts(const at::Tensor& logits, int64_t k, int64_t kind);
-// The activation between an expert's gate_up and down projections: silu(gate) * up, or
-// gpt-oss's clamped SwiGLU, (clamp(up, -limit, limit) + 1) * silu(alpha min(gate, limit)) / alpha.
-enum ExpertActivation : int64_t { kSiluGlu = 0, kClampedSwiGlu = 1 };
+// The activation between an expert's gate_up and down projections: silu(gate) * up, gpt-oss's
+// clamped SwiGLU, (clamp(up, -limit, limit) + 1) * silu(alpha min(gate, limit)) / alpha, or
+// Gemma's gelu_tanh(gate) * up.
+enum ExpertActivation : int64_t { kSiluGlu = 0, kClampedSwiGlu = 1, kGeluTanhGlu = 2 };
 // (y [T, H], tokens routed to each expert [E]): each row of x through its chosen experts
 // (chosen ascending a row; `activation` with limit and alpha between their projections) and
 // their outputs mixed by weights, mix_expert_rows's sum.

@@ -161,9 +161,10 @@ def route_experts(logits: torch.Tensor, experts_per_token: int, kind: int) -> tu
 @dataclass(frozen=True, slots=True)
 class ExpertActivation:
     """What ``moe_experts`` runs between an expert's gate_up and down projections
-    (csrc/kernels.h ExpertActivation): ``silu(gate) * up`` (``kind`` ``SILU_GLU``), or gpt-oss's
+    (csrc/kernels.h ExpertActivation): ``silu(gate) * up`` (``kind`` ``SILU_GLU``), gpt-oss's
     clamped SwiGLU, ``(clamp(up, -limit, limit) + 1) * silu(alpha min(gate, limit)) / alpha``
-    (``CLAMPED_SWIGLU``), as ``models.moe.ClampedSwiGLUExpert.activate`` computes it."""
+    (``CLAMPED_SWIGLU``), as ``models.moe.ClampedSwiGLUExpert.activate`` computes it, or
+    Gemma's ``gelu_tanh(gate) * up`` (``GELU_TANH_GLU``), as ``models.gemma.GemmaMLP.activate``."""
 
     kind: int
     limit: float = 0.0
@@ -171,6 +172,7 @@ class ExpertActivation:
 
     SILU_GLU = 0
     CLAMPED_SWIGLU = 1
+    GELU_TANH_GLU = 2
 
 
 SILU_GLU = ExpertActivation(ExpertActivation.SILU_GLU)

@@ -57,6 +57,9 @@ def test_experts_in_one_call_are_each_experts_own_call(kind: type, dtype: torch.
     experts = experts_of(kind, *types)
     fused = FusedExperts.of(experts)
     assert fused is not None and fused.activate is kind.activate
+    # (the kernels run the activation: mix_experts below is one ops.moe_experts call in float32)
+    assert fused.activation.kind == {MLP: ops.ExpertActivation.SILU_GLU,
+                                     GemmaMLP: ops.ExpertActivation.GELU_TANH_GLU}[kind]
     for tokens in (1, 3, 16):
         x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).to(dtype)
         weights, chosen = routing(tokens, tokens)

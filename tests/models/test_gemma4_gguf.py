@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from gguf_files import blocks
+from models import ops
 from models.gguf_linear import NativeA8Linear
 from models.loader import load_model
 from models.tokenizer import Tokenizer
@@ -273,8 +274,14 @@ def test_a_gemma4_gguf_with_k_quant_experts_runs_them_in_one_call(tiny_checkpoin
         for a_expert, b_expert in zip(mine.experts, theirs.experts):
             for name in ("gate_up_proj", "down_proj"):
                 _assert_within_int8_rounding(getattr(a_expert, name), getattr(b_expert, name), x, name)
-        _, chosen = mine.router(x)
-        chosen = chosen.sort(dim=1).values
-        out, _, rows = mine.fused(x, chosen)
+        weights, chosen = mine.router(x)
+        chosen, by_id = chosen.sort(dim=1)
+        weights = weights.gather(1, by_id)
+        out, counts, rows = mine.fused(x, chosen)
         assert torch.equal(out.index_select(0, rows), _grouped(mine.experts, x, chosen)[0])
+        # ... and the kernels' whole call (GELU-tanh between the projections) gives their mix's bits
+        assert mine.fused.activation.kind == ops.ExpertActivation.GELU_TANH_GLU
+        whole, routed = ops.moe_experts(x, mine.fused.gate_up, mine.fused.down, weights, chosen,
+                                        mine.fused.activation)
+        assert torch.equal(whole, ops.mix_expert_rows(out, rows, weights)) and routed.tolist() == counts
     _assert_chunks_and_batch_change_nothing(model, make_runner, tiny_prompt)
