@@ -245,6 +245,32 @@ def test_sentencepiece_gguf_matches_transformers_and_adds_bos(spm):
     assert ours.encode("hello")[0] == 1  # llama.cpp adds BOS to SentencePiece vocabularies by default
 
 
+def test_a_large_scored_vocabularys_merges_are_kept_and_read_back(tmp_path, monkeypatch, caplog):
+    # Gemma's 262k tokens took 1.1 s to derive their merges from the scores: a start keeps
+    # them on disk, named by the vocabulary, and a later one reads the same merges back.
+    from models import gguf_tokenizer
+
+    monkeypatch.setenv("KVSERVE_TOKENIZER_CACHE", str(tmp_path / "kept"))
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *SPM_PIECES]
+    types = [2, 3, 3, *[6] * 256, *[1] * len(SPM_PIECES)]
+    scores = [0.0] * 259 + list(SPM_PIECES.values())
+    vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}
+    derive = gguf_tokenizer._merges_from_scores
+    want = derive(tokens, types, scores, vocab)  # (below MIN_CACHED_TOKENS: derived, nothing kept)
+    assert ("▁wor", "ld") in want and not (tmp_path / "kept").exists()
+    monkeypatch.setattr(gguf_tokenizer, "MIN_CACHED_TOKENS", 1)
+    assert derive(tokens, types, scores, vocab) == want
+    [kept] = (tmp_path / "kept").iterdir()
+    kept.write_bytes(kept.read_bytes()[:16])  # (the first two merges: read back as they are)
+    assert derive(tokens, types, scores, vocab) == want[:2]
+    other = derive(tokens, types, [*scores[:-1], -5.0], vocab)  # another vocabulary: another file
+    assert len(list((tmp_path / "kept").iterdir())) == 2 and other != want
+    kept.write_bytes(b"\xff" * 12)  # ids out of range: derived again and replaced
+    with caplog.at_level("WARNING"):
+        assert derive(tokens, types, scores, vocab) == want
+    assert "damaged merges file" in caplog.text and kept.stat().st_size == 8 * len(want)
+
+
 def test_sentencepiece_space_prefix_follows_llama_cpp(spm):
     # llama.cpp prefixes a space to every text fragment, even one that starts with a space or
     # follows a special token; transformers' Metaspace("first") does neither.
