@@ -15,6 +15,9 @@ updates of those are stacked the same way: the ``A`` matrices one above the
 other, the ``B`` matrices block-diagonal, with the q and k rows in the
 interleaved rotary order of the fused weight. The scale is folded into ``B``.
 
+A mixture's routed experts take updates too, read per expert (``models.lora_experts``) and
+added in each expert's own call on its rows (``models.experts``).
+
 On a CPU with kvserve's kernels both products run ``ops.dense_linear``, whose
 result for a row does not depend on the other rows, so a request's logits are
 the same however it was batched (and beside whichever adapters). A layer that
@@ -28,7 +31,7 @@ import json
 import math
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -40,6 +43,7 @@ from models import gguf_loader, ops
 from models.config import ModelConfig
 from models.dense import DTYPES, pack_dense
 from models.fused import FUSED_PARTS, fused_part_sizes
+from models.lora_experts import EXPERT_TENSOR, pair_rank, read_expert_updates
 from models.parallel import RankSlices, TensorParallel, rank_slices
 from models.rope import interleave_rotary_rows
 
@@ -64,8 +68,8 @@ _PLAIN = {
     "trainable_token_indices": None, "alora_invocation_tokens": None,
 }
 # (``target_parameters``, LoRA on a module's parameters such as an MoE's stacked experts, is
-# not refused by its option: PEFT 0.22 names them in every adapter of an MoE model, even
-# one that updates no expert. A tensor it saved for one is refused by its name below.)
+# not an option to refuse: PEFT 0.22 names them in every adapter of an MoE model. The
+# tensors it saves for the experts are read as their updates, ``models.lora_experts``.)
 
 
 class LoRAUpdate:
@@ -93,12 +97,17 @@ class LoRAAdapter:
     path: str
     rank: int  # the largest rank of its projections
     layers: list[dict[str, LoRAUpdate]]
+    # Per decoder layer, a mixture's routed experts' updates: expert -> projection -> update
+    # (``models.lora_experts``); empty where it updates none.
+    experts: list[dict[int, dict[str, LoRAUpdate]]] = field(default_factory=list)
 
     @cached_property
     def fusable(self) -> bool:
         """Whether ``ops.fused_layer`` can run its updates: every one is packed for
-        ``ops.dense_linear`` in float32, the fused kernel's activations."""
-        return all(u.packed and u.a.dtype == torch.float32 for layer in self.layers for u in layer.values())
+        ``ops.dense_linear`` in float32, the fused kernel's activations, and none is an
+        expert's (those run op by op)."""
+        return not any(self.experts) and all(u.packed and u.a.dtype == torch.float32
+                                             for layer in self.layers for u in layer.values())
 
     @cached_property
     def fused_layers(self) -> list[list[torch.Tensor]]:
@@ -134,11 +143,16 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
 
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     module_of: dict[tuple[int, str], str] = {}  # (layer, projection) -> the module's name, for alpha_pattern
+    expert_tensors: list[tuple[str, re.Match[str], torch.Tensor]] = []
     for key, tensor in tensors:
         m = _TENSOR.search(key)
         if _updates_an_expert(key, m, config):
-            raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} updates an expert; on a mixture of "
-                             "experts kvserve runs LoRA on the attention and the dense MLP layers only")
+            if config.moe is not None and (em := EXPERT_TENSOR.search(key)) is not None:
+                expert_tensors.append((key, em, tensor.to(torch.float32)))
+                continue
+            raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} updates an expert's router, a shared "
+                             "expert or a sparse layer's MLP; on a mixture of experts kvserve runs LoRA on "
+                             "the attention, the dense MLP layers and the routed experts")
         if m is None or m.group(2) not in _TARGETS:
             raise _not_a_projection(name, key)
         layer = int(m.group(1))
@@ -147,7 +161,7 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
                              f"the model has {config.num_hidden_layers}")
         pairs.setdefault((layer, m.group(2)), {})[m.group(3)] = tensor.to(torch.float32)
         module_of[(layer, m.group(2))] = key[:m.end(2)].removeprefix("base_model.model.")
-    if not pairs:
+    if not pairs and not expert_tensors:
         raise ValueError(f"LoRA adapter {name!r}: {where} holds no LoRA tensors")
 
     shapes = _projection_shapes(config)
@@ -160,12 +174,7 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
             raise ValueError(f"LoRA adapter {name!r}: layer {layer} {proj} has lora_"
                              f"{''.join(ab)} without lora_{'B' if 'A' in ab else 'A'}")
         a, b = ab["A"], ab["B"]
-        out_features, in_features = shapes[proj]
-        r = a.shape[0] if a.dim() == 2 else 0
-        if r < 1 or b.dim() != 2 or a.shape[1] != in_features or tuple(b.shape) != (out_features, r):
-            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {proj} has lora_A "
-                             f"{tuple(a.shape)} and lora_B {tuple(b.shape)}, expected ({r}, {in_features}) "
-                             f"and ({out_features}, {r}) for this model")
+        r = pair_rank(name, f"layer {layer} {proj}", a, b, *shapes[proj])
         max_rank = max(max_rank, r)
         # No alpha (a GGUF adapter may have none): the update unscaled, as llama.cpp runs it.
         a_of = _pattern_alpha(patterns, module_of[(layer, proj)], alpha)
@@ -178,7 +187,23 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
     part = rank_slices(config, tp) if tp is not None and tp.world_size > 1 else None
     layers = [{fused: _stack(fused, parts, fused_part_sizes(fused, config), part, dtype, device)
                for fused, parts in layer.items()} for layer in updates]
-    return LoRAAdapter(name, str(path), max_rank, layers)
+    experts: list[dict[int, dict[str, LoRAUpdate]]] = []
+    if expert_tensors:
+        if part is not None:
+            raise ValueError(f"LoRA adapter {name!r} updates experts, which kvserve does not split across "
+                             "tensor-parallel ranks; serve it on one")
+
+        def scale(module: str, r: int) -> float:
+            a_of = _pattern_alpha(patterns, module, alpha)
+            return a_of / (math.sqrt(r) if rslora else r) if a_of else 1.0
+
+        experts = [{} for _ in range(config.num_hidden_layers)]
+        by_expert, expert_rank = read_expert_updates(name, expert_tensors, config, scale)
+        for (layer, e), by_proj in by_expert.items():
+            experts[layer][e] = {proj: LoRAUpdate(a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
+                                 for proj, (a, b) in by_proj.items()}
+        max_rank = max(max_rank, expert_rank)
+    return LoRAAdapter(name, str(path), max_rank, layers, experts)
 
 
 def _updates_an_expert(key: str, m: re.Match[str] | None, config: ModelConfig) -> bool:
@@ -408,3 +433,18 @@ class LayerLoRA:
     def fused_args(self) -> tuple[list[torch.Tensor], list[int]]:
         """``LoRABatch.fused_args`` for this layer."""
         return self.batch.fused_args(self.index)
+
+    def experts(self, rows: int) -> tuple[list[dict[int, dict[str, LoRAUpdate]]], torch.Tensor] | None:
+        """The adapters' updates of this layer's routed experts, for a step of ``rows`` tokens:
+        per adapter that has any, its updates by expert, and per row the index of its adapter
+        in that list (-1: none); None where no adapter of the batch updates them."""
+        updates: list[dict[int, dict[str, LoRAUpdate]]] = []
+        owner = None
+        for adapter, ranges in self.batch.groups:
+            by_expert = adapter.experts[self.index] if adapter.experts else {}
+            if by_expert:
+                owner = torch.full((rows,), -1, dtype=torch.long) if owner is None else owner
+                for start, stop in ranges:
+                    owner[start:stop] = len(updates)
+                updates.append(by_expert)
+        return None if owner is None else (updates, owner)

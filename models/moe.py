@@ -36,13 +36,13 @@ Tensor parallel splits every expert's features across ranks (``models.parallel``
 the kernels run it, a sparse layer of SiLU experts on a GGUF file's codes (``w4a8``) runs in
 one call (``ops.fused_moe_layer``: attention, router, experts; Mixtral, Qwen3-MoE, OLMoE);
 other layers, split ones and LoRA steps run op by op, the same bits. LoRA adapters update the
-attention's projections and a dense layer's MLP (``models.lora``); not yet an expert's
-(the loader refuses such an adapter, naming the tensor).
+attention's projections, a dense layer's MLP and the routed experts (``models.lora``,
+``models.lora_experts``); not a router or a shared expert (the loader refuses such an
+adapter, naming the tensor).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -54,17 +54,19 @@ from models import ops
 from models.attention import AttentionMetadata
 from models.config import ModelConfig
 from models.dense import DTYPES, PackedLinear
-from models.fused import FUSED_PARTS, fused_part_sizes
+from models.fused import fused_part_sizes
 from models.experts import FusedExperts, mix_experts
 from models.llama import (MLP, Attention, FusedSteps, LlamaForCausalLM, RMSNorm, float32_bias, fused_weights,
                           norms_fusable, registrations, same_fused_gemm)
 from models.moe_config import MoESettings
+from models.moe_names import canonical
 from models.parallel import TensorParallel, embed
 from models.quant import AmxBf16Linear, QuantizedLinear
 from models.rope import RotaryEmbedding, interleave_rotary_rows
 
 if TYPE_CHECKING:
     from models.lora import LayerLoRA, LoRABatch
+    from models.lora_experts import ExpertRows
 
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _ROUTERS = ("gate", "shared_expert_gate")
@@ -116,9 +118,11 @@ class SparseMoeBlock(nn.Module):
         # The experts held by the kernels as one weight a projection (``fuse_experts``), or None.
         self.fused: FusedExperts | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
+        """The block's output; ``lora``: the adapters of the step's rows (their updates of
+        the routed experts; the router and a shared expert take none)."""
         weights, chosen = route(self.gate(x).float(), self.moe)
-        y, counts = mix_experts(self.experts, x, weights, chosen, self.fused)
+        y, counts = mix_experts(self.experts, x, weights, chosen, self.fused, lora)
         if self.routed is not None:
             self.routed = [a + b for a, b in zip(self.routed, counts)]
         if self.shared_expert is not None:
@@ -151,9 +155,13 @@ class ClampedSwiGLUExpert(MLP):
     # experts may hold it (models.experts.FusedExperts).
     plain_form = True
 
-    def forward(self, x: torch.Tensor, lora: object | None = None) -> torch.Tensor:
-        assert lora is None, "experts run no LoRA adapters"
-        return self.down_proj(self.activate(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, lora: LayerLoRA | ExpertRows | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            gate_up = lora.add("gate_up_proj", x, gate_up)
+        h = self.activate(gate_up)
+        out = self.down_proj(h)
+        return out if lora is None else lora.add("down_proj", h, out)
 
     def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The clamped SwiGLU of the gate_up projection's output ``[T, 2I]``."""
@@ -223,7 +231,7 @@ class MoEDecoderLayer(nn.Module):
                 positions: torch.Tensor, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 lora: LayerLoRA | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mlp_out, residual)``, as ``models.llama.DecoderLayer``; ``lora`` updates the
-        attention's projections and a dense layer's MLP (the loader refuses experts')."""
+        attention's projections, a dense layer's MLP and the routed experts."""
         m = self.residual_multiplier
         if residual is None:
             residual, h = x, self.input_layernorm(x)
@@ -231,7 +239,7 @@ class MoEDecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, rope, positions, meta, kv_cache, lora)
         h, residual = self.post_attention_layernorm(h * m if m != 1 else h, residual)
-        out = self.mlp(h) if isinstance(self.mlp, SparseMoeBlock) else self.mlp(h, lora)
+        out = self.mlp(h, lora)
         return (out * m if m != 1 else out), residual
 
     def fused_moe_weights(self) -> tuple[ops.FusedWeights, ops.FusedExpertsWeights] | None:
@@ -406,7 +414,7 @@ class MoEForCausalLM(LlamaForCausalLM):
         for ckpt_name, tensor in weights:
             if "rotary_emb.inv_freq" in ckpt_name or (ckpt_name == "lm_head.weight" and cfg.tie_word_embeddings):
                 continue
-            for name, shard, part in _canonical(ckpt_name, tensor, cfg.architecture == "GptOssForCausalLM"):
+            for name, shard, part in canonical(ckpt_name, tensor, cfg.architecture == "GptOssForCausalLM"):
                 param = params.get(name)
                 if param is None:
                     raise ValueError(f"checkpoint tensor {ckpt_name!r} does not belong to {cfg.architecture}")
@@ -442,58 +450,3 @@ class MoEForCausalLM(LlamaForCausalLM):
                 return interleave_rotary_rows(tensor, heads)
             return interleave_rotary_rows(tensor, 1)
         return tensor
-
-
-# Mixtral's expert projections, as its checkpoints name them.
-_MIXTRAL_EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_MIXTRAL_EXPERT = re.compile(r"(.*\.experts\.\d+)\.(w[123])\.weight$")
-# Experts stacked in one tensor [E, ...]: Granite's checkpoints, and transformers 5's own layout.
-_STACKED = {".mlp.input_linear.weight": "gate_up_proj", ".mlp.output_linear.weight": "down_proj",
-            ".mlp.experts.gate_up_proj": "gate_up_proj", ".mlp.experts.down_proj": "down_proj"}
-
-
-def _gpt_oss_experts(name: str, tensor: torch.Tensor) -> list[tuple[str, int | None, torch.Tensor]] | None:
-    """gpt-oss's stacked experts, stored for ``x @ W`` ([E, H, 2I] with gate and up
-    interleaved, [E, I, H]) with their biases, as per-expert rows; None for another tensor."""
-    prefix, _, kind = name.rpartition(".mlp.experts.")
-    if not prefix:
-        return None
-    experts = f"{prefix}.mlp.experts"
-    if kind == "gate_up_proj":
-        return [(f"{experts}.{e}.gate_up_proj.weight", i, t.T[i::2]) for e, t in enumerate(tensor) for i in (0, 1)]
-    if kind == "gate_up_proj_bias":
-        return [(f"{experts}.{e}.gate_up_proj.bias", i, t[i::2]) for e, t in enumerate(tensor) for i in (0, 1)]
-    if kind == "down_proj":
-        return [(f"{experts}.{e}.down_proj.weight", None, t.T) for e, t in enumerate(tensor)]
-    if kind == "down_proj_bias":
-        return [(f"{experts}.{e}.down_proj.bias", None, t) for e, t in enumerate(tensor)]
-    return None
-
-
-def _canonical(name: str, tensor: torch.Tensor, gpt_oss: bool = False) -> list[tuple[str, int | None, torch.Tensor]]:
-    """A checkpoint tensor as ``(parameter, part, tensor)`` triples: ``part`` is its place
-    in a fused projection (q, k, v of ``qkv_proj``; gate, up of ``gate_up_proj``) or None.
-    Mixtral and Granite keep their experts under ``block_sparse_moe``; Mixtral names their
-    projections w1, w3, w2; Granite stacks them ([E, 2I, H] gate then up, [E, H, I]);
-    gpt-oss names its router ``router`` and stacks its experts transposed and interleaved
-    (``_gpt_oss_experts``)."""
-    name = name.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.router.layer.", ".mlp.gate.")
-    if gpt_oss:
-        name = name.replace(".mlp.router.", ".mlp.gate.").replace(".self_attn.sinks.weight", ".self_attn.sinks")
-        experts = _gpt_oss_experts(name, tensor)
-        if experts is not None:
-            return experts
-    match = _MIXTRAL_EXPERT.match(name)
-    if match:
-        name = f"{match[1]}.{_MIXTRAL_EXPERTS[match[2]]}.weight"
-    for stacked, proj in _STACKED.items():
-        if name.endswith(stacked):
-            prefix = name[:-len(stacked)]
-            if proj == "down_proj":
-                return [(f"{prefix}.mlp.experts.{e}.down_proj.weight", None, t) for e, t in enumerate(tensor)]
-            return [(f"{prefix}.mlp.experts.{e}.gate_up_proj.weight", i, half)
-                    for e, t in enumerate(tensor) for i, half in enumerate(t.chunk(2))]
-    for ckpt, (fused, idx) in FUSED_PARTS.items():
-        if f".{ckpt}." in name:
-            return [(name.replace(f".{ckpt}.", f".{fused}."), idx, tensor)]
-    return [(name, None, tensor)]

@@ -52,6 +52,19 @@ def alone(make_runner, model, ids, adapter=None) -> torch.Tensor:
     return runner.step([(runner.new_seq(len(ids)), ids)], [adapter])[0]
 
 
+def beside_the_base(make_runner, model, ids, adapter, got) -> None:
+    """``ids`` under ``adapter`` beside the base model's reversed ``ids``, in two chunks (9
+    and 12 tokens first): the adapter's rows are ``got`` (its logits alone), bit for bit,
+    and the base model's what it gives alone."""
+    base = alone(make_runner, model, ids[::-1])
+    runner = make_runner(model, seed=1)
+    seq, mate = runner.new_seq(len(ids)), runner.new_seq(len(ids))
+    first = runner.step([(seq, ids[:9]), (mate, ids[::-1][:12])], [adapter, None])
+    rest = runner.step([(seq, ids[9:]), (mate, ids[::-1][12:])], [adapter, None])
+    assert torch.equal(torch.cat([first[0], rest[0]]), got)
+    assert torch.equal(torch.cat([first[1], rest[1]]), base)
+
+
 def load(path, quantization="none"):
     return load_model(str(path), dtype="float32", device="cpu", quantization=quantization).model
 

@@ -1,0 +1,174 @@
+"""LoRA on a mixture's routed experts: the two forms PEFT saves it in, read into one update
+per expert and projection, and the view through which an expert's forward adds the updates
+of its rows' adapters (``ExpertRows``).
+
+PEFT writes an expert's update in one of two forms:
+
+* per expert module (transformers 4's experts, each an MLP of linear layers; Mixtral's
+  w1 / w3 / w2): ``layers.L.mlp.experts.E.gate_proj.lora_A.weight`` ``[r, H]`` and its
+  ``lora_B`` ``[I, r]``, as a dense MLP's;
+* on the stacked parameters (``target_parameters``; transformers 5 stacks a layer's experts
+  as ``experts.gate_up_proj`` ``[E, 2I, H]`` and ``experts.down_proj`` ``[E, H, I]``, and PEFT
+  0.22 targets them for an MoE's gate/up/down): per parameter ``lora_A`` ``[r E, in]``
+  (expert e's rows ``e r .. e r + r - 1``) and ``lora_B`` ``[out, r E]`` (expert e's columns
+  every E-th from e: PEFT's ``ParamWrapper`` views it ``[out, r, E]``). A second parameter of
+  the module nests its wrapper (``experts.base_layer.lora_A``), so the shapes tell which is
+  which: gate_up's A reads H inputs and its B writes 2I rows, down's A reads I and its B H.
+
+Either way expert e's projection gains ``s B_e A_e`` (``s = alpha / r``, or ``/ sqrt(r)``
+with rsLoRA), as a dense projection does. gpt-oss stacks its experts for ``x @ W`` with gate
+and up interleaved: its gate_up B rows are put in the model's order (gate rows, then up).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from models.config import ModelConfig
+
+# A routed expert's LoRA tensor: layer, then (per module) the expert and its module, or (on
+# the stacked parameters) the wrappers' nesting, then A or B.
+EXPERT_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts"
+                           r"(?:\.(\d+)\.(\w+)|((?:\.base_layer)*))\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# An expert module's projection -> (the model's fused projection, place in it).
+_PARTS = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+          "w3": ("gate_up_proj", 1), "down_proj": ("down_proj", 0), "w2": ("down_proj", 0)}
+
+# (layer, expert) -> fused projection -> (A [r, in], B [out, r], the scale in B), float32.
+ExpertPairs = dict[tuple[int, int], dict[str, tuple[torch.Tensor, torch.Tensor]]]
+
+
+class _Update(Protocol):
+    def delta(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def read_expert_updates(name: str, tensors: list[tuple[str, re.Match[str], torch.Tensor]], config: ModelConfig,
+                        scale: Callable[[str, int], float]) -> tuple[ExpertPairs, int]:
+    """The updates of ``tensors`` (each with its ``EXPERT_TENSOR`` match), per expert, and
+    the largest rank of a module among them; ``scale(module, r)``: the adapter's scale of a
+    module of rank r. Raises ``ValueError`` naming the tensor or projection whose shape does
+    not fit the model."""
+    moe = config.moe
+    assert moe is not None
+    found: dict[tuple, dict[str, torch.Tensor]] = {}  # (layer, expert, module) or (layer, nesting) -> A, B
+    module_of: dict[tuple, str] = {}  # -> its module's name (alpha_pattern's key)
+    for key, m, tensor in tensors:
+        layer = int(m.group(1))
+        if layer >= config.num_hidden_layers or not moe.is_sparse(layer):
+            raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} updates experts of layer {layer}, "
+                             "which has none")
+        if m.group(2) is not None and (m.group(3) not in _PARTS or int(m.group(2)) >= moe.num_experts):
+            raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} updates no projection of the model's "
+                             f"{moe.num_experts} experts")
+        where = (layer, int(m.group(2)), m.group(3)) if m.group(2) is not None else (layer, m.group(4))
+        found.setdefault(where, {})[m.group(5)] = tensor
+        module_of[where] = key[:m.start(5) - len(".lora_")].removeprefix("base_model.model.").replace(
+            ".base_layer", "")
+    for where, ab in found.items():
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"LoRA adapter {name!r}: {module_of[where]} has lora_{''.join(ab)} "
+                             f"without lora_{'B' if 'A' in ab else 'A'}")
+    pairs: ExpertPairs = {}
+    rank = _per_module(name, {w: ab for w, ab in found.items() if len(w) == 3}, config, module_of, scale, pairs)
+    rank = max(rank, _stacked(name, {w: ab for w, ab in found.items() if len(w) == 2}, config, module_of, scale,
+                              pairs))
+    return pairs, rank
+
+
+def pair_rank(name: str, where: str, a: torch.Tensor, b: torch.Tensor, out_features: int, in_features: int) -> int:
+    """The rank of a projection's ``lora_A`` ``a`` and ``lora_B`` ``b``, or ``ValueError``
+    naming ``where`` when they do not fit its ``[out_features, in_features]`` weight."""
+    r = a.shape[0] if a.dim() == 2 else 0
+    if r < 1 or b.dim() != 2 or a.shape[1] != in_features or tuple(b.shape) != (out_features, r):
+        raise ValueError(f"LoRA adapter {name!r}: {where} has lora_A {tuple(a.shape)} and lora_B "
+                         f"{tuple(b.shape)}, expected ({r}, {in_features}) and ({out_features}, {r}) for this model")
+    return r
+
+
+def _per_module(name: str, found: dict[tuple, dict[str, torch.Tensor]], config: ModelConfig,
+                module_of: dict[tuple, str], scale: Callable[[str, int], float], pairs: ExpertPairs) -> int:
+    """Updates of experts' modules (``(layer, expert, module)`` -> A, B) into ``pairs``, gate
+    and up stacked as a dense MLP's; returns their largest rank."""
+    h, i = config.hidden_size, config.moe.expert_size
+    parts: dict[tuple[int, int], dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]]] = {}
+    rank = 0
+    for (layer, expert, module), ab in sorted(found.items()):
+        fused, idx = _PARTS[module]
+        a, b = ab["A"], ab["B"]
+        shape = (i, h) if fused == "gate_up_proj" else (h, i)  # (out, in): a gate's or an up's, or down's
+        r = pair_rank(name, f"layer {layer} expert {expert} {module}", a, b, *shape)
+        rank = max(rank, r)
+        both = parts.setdefault((layer, expert), {}).setdefault(fused, [None, None] if fused == "gate_up_proj"
+                                                                       else [None])
+        both[idx] = (a, b * scale(module_of[(layer, expert, module)], r))
+    for (layer, expert), by_proj in parts.items():
+        for fused, both in by_proj.items():
+            pairs.setdefault((layer, expert), {})[fused] = _stacked_parts(both, i if fused == "gate_up_proj" else h)
+    return rank
+
+
+def _stacked(name: str, found: dict[tuple, dict[str, torch.Tensor]], config: ModelConfig,
+             module_of: dict[tuple, str], scale: Callable[[str, int], float], pairs: ExpertPairs) -> int:
+    """Updates of the stacked parameters (``(layer, nesting)`` -> A, B) into ``pairs``, one
+    per expert; returns their largest rank."""
+    h, i, experts = config.hidden_size, config.moe.expert_size, config.moe.num_experts
+    rank = 0
+    for (layer, nesting), ab in sorted(found.items()):
+        a, b = ab["A"], ab["B"]
+        kind = {(h, 2 * i): "gate_up_proj", (i, h): "down_proj"}.get(
+            (a.shape[-1], b.shape[0]) if a.dim() == b.dim() == 2 else None)
+        if kind is None or a.shape[0] % experts or b.shape[1] != a.shape[0] or a.shape[0] == 0:
+            raise ValueError(f"LoRA adapter {name!r}: {module_of[(layer, nesting)]} has lora_A {tuple(a.shape)} "
+                             f"and lora_B {tuple(b.shape)}; this model's {experts} experts take ({experts} r, "
+                             f"{h}) and ({2 * i}, {experts} r) for gate_up_proj, ({experts} r, {i}) and "
+                             f"({h}, {experts} r) for down_proj")
+        r = a.shape[0] // experts
+        rank, s = max(rank, r), scale(module_of[(layer, nesting)], r)
+        for e, (a_e, b_e) in enumerate(zip(a.view(experts, r, -1), b.view(b.shape[0], r, experts).unbind(2))):
+            if kind == "gate_up_proj" and config.architecture == "GptOssForCausalLM":  # (gate, up interleaved)
+                b_e = torch.cat([b_e[0::2], b_e[1::2]])
+            if kind in pairs.get((layer, e), {}):
+                raise ValueError(f"LoRA adapter {name!r}: layer {layer}'s experts' {kind} is updated twice")
+            pairs.setdefault((layer, e), {})[kind] = (a_e.clone(), b_e * s)
+    return rank
+
+
+def _stacked_parts(parts: list[tuple[torch.Tensor, torch.Tensor] | None], size: int) -> tuple[torch.Tensor,
+                                                                                             torch.Tensor]:
+    """One update from a fused projection's parts of ``size`` rows each (None: not targeted):
+    the A matrices one above the other, B block-diagonal."""
+    a = torch.cat([p[0] for p in parts if p is not None])
+    b = torch.zeros(size * len(parts), a.shape[0])
+    col = 0
+    for n, part in enumerate(parts):
+        if part is not None:
+            r = part[0].shape[0]
+            b[n * size:(n + 1) * size, col:col + r] = part[1]
+            col += r
+    return a, b
+
+
+class ExpertRows:
+    """The adapters' updates of one expert for the rows it runs: ``add(proj, x, y)`` as
+    ``models.lora.LayerLoRA.add`` (``models.llama.MLP.forward`` calls it). ``updates``: per
+    adapter, its updates of this expert's projections; ``owner``: per row, the index of its
+    adapter in ``updates`` (-1: none)."""
+
+    def __init__(self, updates: list[dict[str, _Update]], owner: torch.Tensor) -> None:
+        self.updates, self.owner = updates, owner
+
+    def add(self, proj: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` plus each row's adapter's update of ``proj`` on its row of ``x``, in place."""
+        for g, by_proj in enumerate(self.updates):
+            update = by_proj.get(proj)
+            if update is None:
+                continue
+            rows = (self.owner == g).nonzero().squeeze(1)
+            if rows.numel():
+                # (an add a row: y's row plus its update, as LoRABatch.add's y[rows] += delta)
+                y.index_add_(0, rows, update.delta(x.index_select(0, rows)))
+        return y

@@ -1,0 +1,126 @@
+"""LoRA on a mixture's routed experts (models/lora_experts.py) equals PEFT's, and never changes
+another row: PEFT's ``target_parameters`` on transformers 5's stacked experts (what PEFT 0.22
+writes for an MoE's gate/up/down), and the per-expert modules of older adapters, against the
+base weights with each update merged in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.loader import load_model
+from models.lora import load_adapter
+from tests.models.test_lora import TOL, alone, beside_the_base, peft_logits
+from tests.models.test_moe import _write_adapter, moe_checkpoint, write_moe_gguf  # noqa: F401 (a fixture)
+
+# Each family's experts module, as transformers 5 names it.
+EXPERTS = {"mixtral": "mlp.experts", "qwen2moe": "mlp.experts", "qwen3moe": "mlp.experts", "olmoe": "mlp.experts",
+           "granitemoe": "block_sparse_moe.experts", "gptoss": "mlp.experts"}
+
+
+@pytest.mark.parametrize("arch", sorted(EXPERTS))
+def test_lora_on_the_stacked_experts_equals_peft(moe_checkpoint, tiny_prompt, make_runner, tmp_path, arch):
+    # PEFT's ParamWrapper: lora_A [r E, in], lora_B [out, r E] a parameter, the second one
+    # nested (experts.base_layer.lora_*); gpt-oss's interleaved gate and up; the attention too.
+    path, hf = moe_checkpoint(arch)
+    module = EXPERTS[arch]
+    _, expected = peft_logits(hf, tmp_path / "adapter", tiny_prompt, r=4, lora_alpha=8,
+                              target_modules=["q_proj", "o_proj"],
+                              target_parameters=[f"{module}.gate_up_proj", f"{module}.down_proj"])
+    model = load_model(str(path), dtype="float32", device="cpu").model
+    adapter = load_adapter("a", tmp_path / "adapter", model.config, torch.float32, torch.device("cpu"))
+    sparse = [i for i in range(model.config.num_hidden_layers) if model.config.moe.is_sparse(i)]
+    assert sparse and all(sorted(adapter.experts[i]) == list(range(8)) for i in sparse)
+    assert adapter.rank == 4 and not adapter.fusable
+
+    got = alone(make_runner, model, tiny_prompt, adapter)
+    torch.testing.assert_close(got, expected, **TOL)
+    beside_the_base(make_runner, model, tiny_prompt, adapter, got)
+
+
+@pytest.mark.parametrize("names", [("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")])
+def test_lora_on_expert_modules_equals_the_merged_weights(moe_checkpoint, tiny_prompt, make_runner, tmp_path,
+                                                          names):
+    # transformers 4's experts were modules (Mixtral's w1 / w3 / w2): an update of some of
+    # them, some projections only, is the base weight plus s B A in transformers' stacked one.
+    path, hf = moe_checkpoint("qwen3moe")
+    h, i, r, alpha = 64, 32, 2, 6.0
+    gen = torch.Generator().manual_seed(5)
+    tensors, merged = {}, {k: v.clone() for k, v in hf.state_dict().items()}
+    for layer, expert, name in ((0, 1, names[0]), (0, 1, names[2]), (0, 6, names[1]), (1, 3, names[0])):
+        a = torch.randn(r, i if name == names[2] else h, generator=gen)
+        b = torch.randn(h if name == names[2] else i, r, generator=gen)
+        key = f"base_model.model.model.layers.{layer}.mlp.experts.{expert}.{name}"
+        tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = a, b
+        delta = alpha / r * b @ a
+        if name == names[2]:
+            merged[f"model.layers.{layer}.mlp.experts.down_proj"][expert] += delta
+        else:
+            rows = slice(0, i) if name == names[0] else slice(i, 2 * i)
+            merged[f"model.layers.{layer}.mlp.experts.gate_up_proj"][expert][rows] += delta
+    _write_adapter(tmp_path / "adapter", tensors)
+    (tmp_path / "adapter" / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 2, "lora_alpha": 6}')
+    hf.load_state_dict(merged)
+    with torch.no_grad():
+        expected = hf(torch.tensor([tiny_prompt])).logits[0]
+
+    model = load_model(str(path), dtype="float32", device="cpu").model
+    adapter = load_adapter("a", tmp_path / "adapter", model.config, torch.float32, torch.device("cpu"))
+    assert sorted(adapter.experts[0]) == [1, 6] and sorted(adapter.experts[1]) == [3]
+    assert sorted(adapter.experts[0][1]) == ["down_proj", "gate_up_proj"] and adapter.rank == r
+    got = alone(make_runner, model, tiny_prompt, adapter)
+    torch.testing.assert_close(got, expected, **TOL)
+    assert (got - alone(make_runner, model, tiny_prompt)).abs().max() > 0.1  # (the update matters)
+
+
+def test_lora_on_experts_held_by_the_kernels(moe_checkpoint, tiny_prompt, make_runner, tmp_path):
+    # A GGUF's experts on w4a8, one weight a projection (FusedExperts) and layers in one call:
+    # a step holding an expert adapter runs op by op, each expert its own call, and its rows
+    # and the base model's beside them are what each gives alone.
+    from models import ops
+
+    if not (ops.kernels_available() and ops.has_int8_dots()):
+        pytest.skip("w4a8 needs the kernels' integer dots")
+    path, hf = moe_checkpoint("qwen3moe")
+    gguf = write_moe_gguf(tmp_path / "q8.gguf", hf, "qwen3moe", "Q8_0", every_projection=True)  # (hf: its values)
+    base, expected = peft_logits(hf, tmp_path / "adapter", tiny_prompt, r=4, lora_alpha=8, target_modules=[],
+                                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    model = load_model(str(gguf), dtype="float32", device="cpu", quantization="w4a8").model
+    assert all(layer.mlp.fused is not None for layer in model.model.layers)
+    adapter = load_adapter("a", tmp_path / "adapter", model.config, torch.float32, torch.device("cpu"))
+    got = alone(make_runner, model, tiny_prompt, adapter)
+    # The file's exact path equals PEFT; on w4a8 x is rounded to int8 per 16 at every
+    # projection, which the adapted experts' larger activations carry further (0.13 on an
+    # update of 3.8 here): within a tenth of the adapter's change.
+    exact = load_model(str(gguf), dtype="float32", device="cpu", quantization="none").model
+    torch.testing.assert_close(alone(make_runner, exact, tiny_prompt, adapter), expected, **TOL)
+    assert (got - expected).abs().max() < 0.1 * (expected - base).abs().max()
+    beside_the_base(make_runner, model, tiny_prompt, adapter, got)
+
+
+def test_an_expert_adapter_through_the_engine_answers_the_same_alone_and_batched(moe_checkpoint, tmp_path):
+    # `--lora-modules` to a request's answer: an expert adapter's request, arriving beside
+    # the base model's and in chunks, gets the logprobs it gets alone, and they are not the
+    # base model's.
+    from engine.config import EngineConfig, LoRAModule
+    from engine.llm_engine import LLMEngine
+    from tests.engine.test_lora_engine import run
+
+    path, hf = moe_checkpoint("olmoe")
+    peft_logits(hf, tmp_path / "adapter", list(range(3, 20)), r=4, lora_alpha=8, target_modules=[],
+                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+
+    def engine(**overrides) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", max_model_len=256,
+                                      lora_modules=(LoRAModule("moe", str(tmp_path / "adapter")),),
+                                      **overrides), loaded=loaded)
+
+    prompts = [list(range(5, 40)), list(range(60, 71))]
+    # (greedy, 6 tokens and their logprobs: tests/engine/test_lora_engine.py's run)
+    cold = {(a, i): run(engine(enable_prefix_caching=False), [("r", p, a)])["r"][:2]
+            for a in (None, "moe") for i, p in enumerate(prompts)}
+    assert all(cold[("moe", i)][1] != cold[(None, i)][1] for i in range(len(prompts)))
+    work = [(f"{a}-{i}", p, a) for a in (None, "moe") for i, p in enumerate(prompts)]
+    got = run(engine(max_num_batched_tokens=16), work, {rid: k for k, (rid, _, _) in enumerate(work)})
+    assert all(got[f"{a}-{i}"][:2] == cold[(a, i)] for a in (None, "moe") for i in range(len(prompts)))
