@@ -30,10 +30,10 @@ from models import ops
 from models.gemma import GemmaMLP
 from models.gguf_linear import NativeA8Linear
 from models.llama import MLP
-from models.lora_experts import ExpertRows
+from models.lora_experts import expert_rows
 
 if TYPE_CHECKING:
-    from models.lora import LayerLoRA, LoRAUpdate
+    from models.lora_experts import ExpertUpdates
 
 # The expert modules whose forward is down(activate(gate_up(x))), nothing else.
 _PLAIN_MLPS = (MLP, GemmaMLP)
@@ -119,16 +119,15 @@ def _weights(projections: list[NativeA8Linear]) -> object:
 
 
 def mix_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
-                fused: FusedExperts | None = None, lora: LayerLoRA | None = None) -> tuple[torch.Tensor, list[int]]:
+                fused: FusedExperts | None = None, lora: ExpertUpdates | None = None) -> tuple[torch.Tensor, list[int]]:
     """Each token's chosen experts (``chosen [T, k]``) run on its row of ``x``, their outputs
     scaled by ``weights [T, k]`` (float32) and added: ``(y [T, H], tokens per expert)``;
-    ``fused``: the experts as ``FusedExperts`` holds them, where it can; ``lora``: the
-    adapters of the step's rows, whose updates of the experts (``LayerLoRA.experts``) run
-    in each expert's own call (``_grouped``: a row's result the one-call path's where its
-    adapter leaves its expert alone)."""
+    ``fused``: the experts as ``FusedExperts`` holds them, where it can; ``lora``: the step's
+    adapters' updates of the experts (``LayerLoRA.experts``), which run in each expert's own
+    call (``_grouped``: a row's result the one-call path's where its adapter leaves its
+    expert alone)."""
     t, k = chosen.shape
-    updates = lora.experts(t) if lora is not None else None
-    if updates is not None:
+    if lora is not None:
         fused = None
     # NOTE: a token's k outputs are added in ascending expert id, from its first: an order
     # its own choice fixes (not the batch's), and transformers' index_add_ order. Its choices
@@ -142,7 +141,7 @@ def mix_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor, 
         # (the calls below in one: the same bits, a tenth of an OLMoE step's Python less)
         y, routed = ops.moe_experts(x, fused.gate_up, fused.down, weights, chosen, fused.activation)
         return y, routed.tolist()
-    out, counts, rows = fused(x, chosen) if fused is not None else (*_grouped(experts, x, chosen, updates), None)
+    out, counts, rows = fused(x, chosen) if fused is not None else (*_grouped(experts, x, chosen, lora), None)
     if out.dtype == torch.float32 and ops.kernels_enabled(out.device):
         # (one kernel: the same products and adds as below, each slot's row read in place)
         return ops.mix_expert_rows(out, rows, weights), counts
@@ -157,8 +156,7 @@ def mix_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor, 
     return y, counts
 
 
-def _grouped(experts: nn.ModuleList, x: torch.Tensor, chosen: torch.Tensor,
-             lora: tuple[list[dict[int, dict[str, LoRAUpdate]]], torch.Tensor] | None = None
+def _grouped(experts: nn.ModuleList, x: torch.Tensor, chosen: torch.Tensor, lora: ExpertUpdates | None = None
              ) -> tuple[torch.Tensor, list[int]]:
     """Every (token, choice) slot's expert output ``[T * k, H]``: the step's slots grouped by
     expert, each expert run once on its rows; ``lora``: ``LayerLoRA.experts``'s updates and
@@ -171,11 +169,8 @@ def _grouped(experts: nn.ModuleList, x: torch.Tensor, chosen: torch.Tensor,
     for e, n in enumerate(counts):
         if n:
             own = tokens[start:start + n]
-            if lora is not None and any(e in by_expert for by_expert in lora[0]):
-                view = ExpertRows([by_expert.get(e, {}) for by_expert in lora[0]], lora[1].index_select(0, own))
-                rows = experts[e](x.index_select(0, own), view)
-            else:
-                rows = experts[e](x.index_select(0, own))
+            view = expert_rows(lora, e, own)
+            rows = experts[e](x.index_select(0, own)) if view is None else experts[e](x.index_select(0, own), view)
             out.index_copy_(0, order[start:start + n], rows)
             start += n
     return out, counts

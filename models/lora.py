@@ -43,7 +43,7 @@ from models import gguf_loader, ops
 from models.config import ModelConfig
 from models.dense import DTYPES, pack_dense
 from models.fused import FUSED_PARTS, fused_part_sizes
-from models.lora_experts import EXPERT_TENSOR, pair_rank, read_expert_updates
+from models.lora_experts import EXPERT_TENSOR, ExpertUpdates, pair_rank, read_expert_updates
 from models.parallel import RankSlices, TensorParallel, rank_slices
 from models.rope import interleave_rotary_rows
 
@@ -150,9 +150,9 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
             if config.moe is not None and (em := EXPERT_TENSOR.search(key)) is not None:
                 expert_tensors.append((key, em, tensor.to(torch.float32)))
                 continue
-            raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} updates an expert's router, a shared "
-                             "expert or a sparse layer's MLP; on a mixture of experts kvserve runs LoRA on "
-                             "the attention, the dense MLP layers and the routed experts")
+            raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} updates a router (the experts' or a "
+                             "shared expert's gate) or a sparse layer's MLP; on a mixture of experts kvserve runs "
+                             "LoRA on the attention, the dense MLP layers and the routed and shared experts")
         if m is None or m.group(2) not in _TARGETS:
             raise _not_a_projection(name, key)
         layer = int(m.group(1))
@@ -434,10 +434,11 @@ class LayerLoRA:
         """``LoRABatch.fused_args`` for this layer."""
         return self.batch.fused_args(self.index)
 
-    def experts(self, rows: int) -> tuple[list[dict[int, dict[str, LoRAUpdate]]], torch.Tensor] | None:
-        """The adapters' updates of this layer's routed experts, for a step of ``rows`` tokens:
-        per adapter that has any, its updates by expert, and per row the index of its adapter
-        in that list (-1: none); None where no adapter of the batch updates them."""
+    def experts(self, rows: int) -> ExpertUpdates | None:
+        """The adapters' updates of this layer's experts (``models.lora_experts.SHARED``: its
+        shared expert), for a step of ``rows`` tokens: per adapter that has any, its updates
+        by expert, and per row the index of its adapter in that list (-1: none); None where
+        no adapter of the batch updates them."""
         updates: list[dict[int, dict[str, LoRAUpdate]]] = []
         owner = None
         for adapter, ranges in self.batch.groups:

@@ -30,10 +30,12 @@ import torch
 
 from models.config import ModelConfig
 
-# A routed expert's LoRA tensor: layer, then (per module) the expert and its module, or (on
-# the stacked parameters) the wrappers' nesting, then A or B.
-EXPERT_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts"
-                           r"(?:\.(\d+)\.(\w+)|((?:\.base_layer)*))\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# An expert's LoRA tensor: layer, then (per module) the expert and its module, or (on the
+# stacked parameters) the wrappers' nesting, or Qwen2-MoE's shared expert's module; A or B.
+EXPERT_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(?:experts(?:\.(\d+)\.(\w+)"
+                           r"|((?:\.base_layer)*))|shared_expert\.(\w+))\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# The expert id under which an adapter's updates of the shared expert are kept.
+SHARED = -1
 # An expert module's projection -> (the model's fused projection, place in it).
 _PARTS = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
           "w3": ("gate_up_proj", 1), "down_proj": ("down_proj", 0), "w2": ("down_proj", 0)}
@@ -64,9 +66,12 @@ def read_expert_updates(name: str, tensors: list[tuple[str, re.Match[str], torch
         if m.group(2) is not None and (m.group(3) not in _PARTS or int(m.group(2)) >= moe.num_experts):
             raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} updates no projection of the model's "
                              f"{moe.num_experts} experts")
-        where = (layer, int(m.group(2)), m.group(3)) if m.group(2) is not None else (layer, m.group(4))
-        found.setdefault(where, {})[m.group(5)] = tensor
-        module_of[where] = key[:m.start(5) - len(".lora_")].removeprefix("base_model.model.").replace(
+        if m.group(5) is not None and (m.group(5) not in _PARTS or not moe.shared_expert_size):
+            raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} updates no projection of a shared expert")
+        where = ((layer, int(m.group(2)), m.group(3)) if m.group(2) is not None
+                 else (layer, SHARED, m.group(5)) if m.group(5) is not None else (layer, m.group(4)))
+        found.setdefault(where, {})[m.group(6)] = tensor
+        module_of[where] = key[:m.start(6) - len(".lora_")].removeprefix("base_model.model.").replace(
             ".base_layer", "")
     for where, ab in found.items():
         if set(ab) != {"A", "B"}:
@@ -93,19 +98,22 @@ def _per_module(name: str, found: dict[tuple, dict[str, torch.Tensor]], config: 
                 module_of: dict[tuple, str], scale: Callable[[str, int], float], pairs: ExpertPairs) -> int:
     """Updates of experts' modules (``(layer, expert, module)`` -> A, B) into ``pairs``, gate
     and up stacked as a dense MLP's; returns their largest rank."""
-    h, i = config.hidden_size, config.moe.expert_size
+    h = config.hidden_size
     parts: dict[tuple[int, int], dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]]] = {}
     rank = 0
     for (layer, expert, module), ab in sorted(found.items()):
         fused, idx = _PARTS[module]
         a, b = ab["A"], ab["B"]
+        i = config.moe.shared_expert_size if expert == SHARED else config.moe.expert_size
         shape = (i, h) if fused == "gate_up_proj" else (h, i)  # (out, in): a gate's or an up's, or down's
-        r = pair_rank(name, f"layer {layer} expert {expert} {module}", a, b, *shape)
+        where = f"layer {layer} {'shared expert' if expert == SHARED else f'expert {expert}'} {module}"
+        r = pair_rank(name, where, a, b, *shape)
         rank = max(rank, r)
         both = parts.setdefault((layer, expert), {}).setdefault(fused, [None, None] if fused == "gate_up_proj"
                                                                        else [None])
         both[idx] = (a, b * scale(module_of[(layer, expert, module)], r))
     for (layer, expert), by_proj in parts.items():
+        i = config.moe.shared_expert_size if expert == SHARED else config.moe.expert_size
         for fused, both in by_proj.items():
             pairs.setdefault((layer, expert), {})[fused] = _stacked_parts(both, i if fused == "gate_up_proj" else h)
     return rank
@@ -127,7 +135,8 @@ def _stacked(name: str, found: dict[tuple, dict[str, torch.Tensor]], config: Mod
                              f"{h}) and ({2 * i}, {experts} r) for gate_up_proj, ({experts} r, {i}) and "
                              f"({h}, {experts} r) for down_proj")
         r = a.shape[0] // experts
-        rank, s = max(rank, r), scale(module_of[(layer, nesting)], r)
+        # (PEFT matches alpha_pattern against the module's name and the parameter's)
+        rank, s = max(rank, r), scale(f"{module_of[(layer, nesting)]}.{kind}", r)
         for e, (a_e, b_e) in enumerate(zip(a.view(experts, r, -1), b.view(b.shape[0], r, experts).unbind(2))):
             if kind == "gate_up_proj" and config.architecture == "GptOssForCausalLM":  # (gate, up interleaved)
                 b_e = torch.cat([b_e[0::2], b_e[1::2]])
@@ -150,6 +159,20 @@ def _stacked_parts(parts: list[tuple[torch.Tensor, torch.Tensor] | None], size: 
             b[n * size:(n + 1) * size, col:col + r] = part[1]
             col += r
     return a, b
+
+
+# LayerLoRA.experts's value: per adapter its updates by expert id, and each row's adapter.
+ExpertUpdates = tuple[list[dict[int, dict[str, _Update]]], torch.Tensor]
+
+
+def expert_rows(updates: ExpertUpdates | None, expert: int, rows: torch.Tensor | None = None) -> ExpertRows | None:
+    """The view through which ``expert`` (``SHARED``: the shared expert) adds its rows'
+    updates, its rows being the step's ``rows`` (None: all of them); None where no adapter
+    updates it."""
+    if updates is None or not any(expert in by_expert for by_expert in updates[0]):
+        return None
+    owner = updates[1] if rows is None else updates[1].index_select(0, rows)
+    return ExpertRows([by_expert.get(expert, {}) for by_expert in updates[0]], owner)
 
 
 class ExpertRows:

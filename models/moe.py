@@ -59,6 +59,7 @@ from models.experts import FusedExperts, mix_experts
 from models.llama import (MLP, Attention, FusedSteps, LlamaForCausalLM, RMSNorm, float32_bias, fused_weights,
                           norms_fusable, registrations, same_fused_gemm)
 from models.moe_config import MoESettings
+from models.lora_experts import SHARED, expert_rows
 from models.moe_names import canonical
 from models.parallel import TensorParallel, embed
 from models.quant import AmxBf16Linear, QuantizedLinear
@@ -120,13 +121,16 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
         """The block's output; ``lora``: the adapters of the step's rows (their updates of
-        the routed experts; the router and a shared expert take none)."""
+        the routed and the shared experts; the routers take none)."""
         weights, chosen = route(self.gate(x).float(), self.moe)
-        y, counts = mix_experts(self.experts, x, weights, chosen, self.fused, lora)
+        updates = lora.experts(x.shape[0]) if lora is not None else None
+        y, counts = mix_experts(self.experts, x, weights, chosen, self.fused, updates)
         if self.routed is not None:
             self.routed = [a + b for a, b in zip(self.routed, counts)]
         if self.shared_expert is not None:
-            y = y + _sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            view = expert_rows(updates, SHARED)
+            shared = self.shared_expert(x) if view is None else self.shared_expert(x, view)
+            y = y + _sigmoid(self.shared_expert_gate(x)) * shared
         return y if self.tp is None else self.tp.all_reduce(y)
 
 

@@ -123,16 +123,17 @@ def test_moe_refuses_lora_adapters_and_splits_that_cut_an_expert(moe_checkpoint,
     check_split(config, 2, quantized=False)
     # An adapter of a shared expert or a router, or of a sparse layer's MLP, names it; one of
     # a routed expert whose shapes do not fit says what they should be (models/lora_experts.py)
-    for key in ("layers.0.mlp.shared_expert.gate_proj", "layers.0.mlp.gate", "layers.0.mlp.up_proj"):
+    for key in ("layers.0.mlp.shared_expert_gate", "layers.0.mlp.gate", "layers.0.mlp.up_proj"):
         tensors = {f"base_model.model.model.{key}.lora_A.weight": torch.zeros(2, 64),
                    f"base_model.model.model.{key}.lora_B.weight": torch.zeros(64, 2)}
         _write_adapter(tmp_path / key, tensors)
-        with pytest.raises(ValueError, match=f"tensor '.*{re.escape(key)}.*' updates an expert's router, a shared"):
+        with pytest.raises(ValueError, match=f"tensor '.*{re.escape(key)}.*' updates a router"):
             load_adapter("a", tmp_path / key, config, torch.float32, torch.device("cpu"))
     for key, message in (("layers.0.mlp.experts.3.down_proj", r"layer 0 expert 3 down_proj has lora_A \(2, 64\) "
                           r"and lora_B \(64, 2\), expected \(2, 32\) and \(64, 2\)"),
                          ("layers.0.block_sparse_moe.experts.1.w1", r"expected \(2, 64\) and \(32, 2\)"),
                          ("layers.0.mlp.experts.9.w1", "updates no projection of the model's 8 experts"),
+                         ("layers.0.mlp.shared_expert.w9", "updates no projection of a shared expert"),
                          ("layers.1.mlp.experts.1.w1", "updates experts of layer 1, which has none"),
                          ("layers.0.mlp.experts", r"experts take \(8 r, 64\) and \(64, 8 r\) for gate_up_proj")):
         tensors = {f"base_model.model.model.{key}.lora_A.weight": torch.zeros(2, 64),

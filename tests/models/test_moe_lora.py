@@ -10,6 +10,7 @@ import torch
 
 from models.loader import load_model
 from models.lora import load_adapter
+from models.lora_experts import SHARED
 from tests.models.test_lora import TOL, alone, beside_the_base, peft_logits
 from tests.models.test_moe import _write_adapter, moe_checkpoint, write_moe_gguf  # noqa: F401 (a fixture)
 
@@ -22,15 +23,18 @@ EXPERTS = {"mixtral": "mlp.experts", "qwen2moe": "mlp.experts", "qwen3moe": "mlp
 def test_lora_on_the_stacked_experts_equals_peft(moe_checkpoint, tiny_prompt, make_runner, tmp_path, arch):
     # PEFT's ParamWrapper: lora_A [r E, in], lora_B [out, r E] a parameter, the second one
     # nested (experts.base_layer.lora_*); gpt-oss's interleaved gate and up; the attention too.
+    # Qwen2-MoE's shared expert too (an MLP of linear layers: per module).
     path, hf = moe_checkpoint(arch)
     module = EXPERTS[arch]
+    shared = [f"shared_expert.{p}" for p in ("gate_proj", "up_proj", "down_proj")] if arch == "qwen2moe" else []
     _, expected = peft_logits(hf, tmp_path / "adapter", tiny_prompt, r=4, lora_alpha=8,
-                              target_modules=["q_proj", "o_proj"],
+                              target_modules=["q_proj", "o_proj", *shared],
                               target_parameters=[f"{module}.gate_up_proj", f"{module}.down_proj"])
     model = load_model(str(path), dtype="float32", device="cpu").model
     adapter = load_adapter("a", tmp_path / "adapter", model.config, torch.float32, torch.device("cpu"))
     sparse = [i for i in range(model.config.num_hidden_layers) if model.config.moe.is_sparse(i)]
-    assert sparse and all(sorted(adapter.experts[i]) == list(range(8)) for i in sparse)
+    ids = [*range(8), *([SHARED] if shared else [])]
+    assert sparse and all(sorted(adapter.experts[i]) == sorted(ids) for i in sparse)
     assert adapter.rank == 4 and not adapter.fusable
 
     got = alone(make_runner, model, tiny_prompt, adapter)
