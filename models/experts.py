@@ -33,7 +33,7 @@ from models.llama import MLP
 from models.lora_experts import expert_rows
 
 if TYPE_CHECKING:
-    from models.lora_experts import ExpertUpdates
+    from models.lora_experts import ExpertLoRA
 
 # The expert modules whose forward is down(activate(gate_up(x))), nothing else.
 _PLAIN_MLPS = (MLP, GemmaMLP)
@@ -74,10 +74,12 @@ class FusedExperts:
                 return None
         return cls(experts)
 
-    def __call__(self, x: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+    def __call__(self, x: torch.Tensor, chosen: torch.Tensor, lora: ExpertLoRA | None = None
+                 ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
         """Every (token, choice) slot's expert output (``chosen [T, k]``, each row ascending) as
         rows ``[T * k, H]`` in expert order, the tokens routed to each expert, and each slot's
-        row (None: the rows are in slot order already)."""
+        row (None: the rows are in slot order already); ``lora``: the step's adapters' updates
+        of the experts, added to each projection's float32 products (``_add_lora``)."""
         t, k = chosen.shape
         if t == 1:  # (the slots are in expert order already, one row each)
             ids, order, rows = chosen[0].tolist(), None, x.float().expand(k, -1)
@@ -91,15 +93,34 @@ class FusedExperts:
             counts = [routed[e] for e in ids]
             rows = x.float().index_select(0, order // k)
         # (NativeA8Linear.forward's bias add, in the kernel, and dtype conversion over its float32 products)
-        both = ops.gguf_a8_experts(rows, self.gate_up, ids, counts, self.gate_up_features).to(x.dtype)
-        h = self.activate(both)
-        out = ops.gguf_a8_experts(h.float(), self.down, ids, counts, self.down_features).to(x.dtype)
+        both = ops.gguf_a8_experts(rows, self.gate_up, ids, counts, self.gate_up_features)
+        if lora is not None:
+            slot_expert = torch.tensor(ids).repeat_interleave(torch.tensor(counts))
+            slot_owner = lora.owner.index_select(0, order // k) if order is not None else lora.owner.expand(k)
+            _add_lora(both, rows, lora, "gate_up_proj", slot_expert, slot_owner)
+        h = self.activate(both.to(x.dtype))
+        out = ops.gguf_a8_experts(h.float(), self.down, ids, counts, self.down_features)
+        if lora is not None:
+            _add_lora(out, h.float(), lora, "down_proj", slot_expert, slot_owner)
+        out = out.to(x.dtype)
         if order is None:
             return out, routed, None
         # (slot order[i] is row i; an un-permuting index_copy_ of every row took 3-9 ms a
         # layer of a 256-token prompt on the OLMoE shape)
         rows = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel()))
         return out, routed, rows
+
+
+def _add_lora(y: torch.Tensor, x: torch.Tensor, lora: ExpertLoRA, proj: str, slot_expert: torch.Tensor,
+              slot_owner: torch.Tensor) -> None:
+    """Each adapter's updates of ``proj`` on its slots' rows of ``y`` (float32, in place), the
+    rows' inputs ``x``: one ``ops.lora_expert_rows`` call an adapter, a row's update computed
+    from that row alone."""
+    for g, stacks in enumerate(lora.stacks):
+        stack = stacks.get(proj)
+        if stack is not None:
+            mine = torch.where((slot_owner == g) & stack.has[slot_expert], slot_expert, -1)
+            ops.lora_expert_rows(y, x, mine, stack.a, stack.bt)
 
 
 def _fusable(expert: nn.Module) -> bool:
@@ -119,16 +140,16 @@ def _weights(projections: list[NativeA8Linear]) -> object:
 
 
 def mix_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
-                fused: FusedExperts | None = None, lora: ExpertUpdates | None = None) -> tuple[torch.Tensor, list[int]]:
+                fused: FusedExperts | None = None, lora: ExpertLoRA | None = None) -> tuple[torch.Tensor, list[int]]:
     """Each token's chosen experts (``chosen [T, k]``) run on its row of ``x``, their outputs
     scaled by ``weights [T, k]`` (float32) and added: ``(y [T, H], tokens per expert)``;
     ``fused``: the experts as ``FusedExperts`` holds them, where it can; ``lora``: the step's
-    adapters' updates of the experts (``LayerLoRA.experts``), which run in each expert's own
-    call (``_grouped``: a row's result the one-call path's where its adapter leaves its
-    expert alone)."""
+    adapters' updates of the experts (``LayerLoRA.experts``), added to the held experts'
+    float32 products by the kernels (``ops.lora_expert_rows``), else in each expert's own call
+    (``_grouped``); either way a row's result is its own, whatever else the step holds."""
     t, k = chosen.shape
-    if lora is not None:
-        fused = None
+    if lora is not None and not ops.kernels_enabled(x.device):
+        fused = None  # (each expert its own call, the updates through ExpertRows)
     # NOTE: a token's k outputs are added in ascending expert id, from its first: an order
     # its own choice fixes (not the batch's), and transformers' index_add_ order. Its choices
     # are put in that order first, so its slots below hold their outputs in it (sorting the
@@ -136,12 +157,12 @@ def mix_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor, 
     # Python time on the OLMoE shape).
     chosen, by_id = chosen.sort(dim=1)
     weights = weights.gather(1, by_id)
-    whole = fused is not None and fused.activation is not None
+    whole = fused is not None and fused.activation is not None and lora is None
     if whole and x.dtype == torch.float32 and ops.kernels_enabled(x.device):
         # (the calls below in one: the same bits, a tenth of an OLMoE step's Python less)
         y, routed = ops.moe_experts(x, fused.gate_up, fused.down, weights, chosen, fused.activation)
         return y, routed.tolist()
-    out, counts, rows = fused(x, chosen) if fused is not None else (*_grouped(experts, x, chosen, lora), None)
+    out, counts, rows = fused(x, chosen, lora) if fused is not None else (*_grouped(experts, x, chosen, lora), None)
     if out.dtype == torch.float32 and ops.kernels_enabled(out.device):
         # (one kernel: the same products and adds as below, each slot's row read in place)
         return ops.mix_expert_rows(out, rows, weights), counts
@@ -156,7 +177,7 @@ def mix_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor, 
     return y, counts
 
 
-def _grouped(experts: nn.ModuleList, x: torch.Tensor, chosen: torch.Tensor, lora: ExpertUpdates | None = None
+def _grouped(experts: nn.ModuleList, x: torch.Tensor, chosen: torch.Tensor, lora: ExpertLoRA | None = None
              ) -> tuple[torch.Tensor, list[int]]:
     """Every (token, choice) slot's expert output ``[T * k, H]``: the step's slots grouped by
     expert, each expert run once on its rows; ``lora``: ``LayerLoRA.experts``'s updates and

@@ -43,7 +43,7 @@ from models import gguf_loader, ops
 from models.config import ModelConfig
 from models.dense import DTYPES, pack_dense
 from models.fused import FUSED_PARTS, fused_part_sizes
-from models.lora_experts import EXPERT_TENSOR, ExpertUpdates, pair_rank, read_expert_updates
+from models.lora_experts import EXPERT_TENSOR, ExpertLoRA, ExpertStack, pair_rank, read_expert_updates, stack_experts
 from models.parallel import RankSlices, TensorParallel, rank_slices
 from models.rope import interleave_rotary_rows
 
@@ -97,9 +97,11 @@ class LoRAAdapter:
     path: str
     rank: int  # the largest rank of its projections
     layers: list[dict[str, LoRAUpdate]]
-    # Per decoder layer, a mixture's routed experts' updates: expert -> projection -> update
-    # (``models.lora_experts``); empty where it updates none.
+    # Per decoder layer, a mixture's experts' updates: expert -> projection -> update
+    # (``models.lora_experts``; ``SHARED``: the shared expert); empty where it updates none.
     experts: list[dict[int, dict[str, LoRAUpdate]]] = field(default_factory=list)
+    # ... and the routed experts' stacked per projection, for the kernels (``ExpertStack``).
+    expert_stacks: list[dict[str, ExpertStack]] = field(default_factory=list)
 
     @cached_property
     def fusable(self) -> bool:
@@ -202,8 +204,11 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
         for (layer, e), by_proj in by_expert.items():
             experts[layer][e] = {proj: LoRAUpdate(a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
                                  for proj, (a, b) in by_proj.items()}
+        stacks = [stack_experts({e: p for (l, e), p in by_expert.items() if l == layer}, config.moe.num_experts)
+                  for layer in range(config.num_hidden_layers)]
         max_rank = max(max_rank, expert_rank)
-    return LoRAAdapter(name, str(path), max_rank, layers, experts)
+        return LoRAAdapter(name, str(path), max_rank, layers, experts, stacks)
+    return LoRAAdapter(name, str(path), max_rank, layers)
 
 
 def _updates_an_expert(key: str, m: re.Match[str] | None, config: ModelConfig) -> bool:
@@ -434,12 +439,13 @@ class LayerLoRA:
         """``LoRABatch.fused_args`` for this layer."""
         return self.batch.fused_args(self.index)
 
-    def experts(self, rows: int) -> ExpertUpdates | None:
+    def experts(self, rows: int) -> ExpertLoRA | None:
         """The adapters' updates of this layer's experts (``models.lora_experts.SHARED``: its
         shared expert), for a step of ``rows`` tokens: per adapter that has any, its updates
         by expert, and per row the index of its adapter in that list (-1: none); None where
         no adapter of the batch updates them."""
         updates: list[dict[int, dict[str, LoRAUpdate]]] = []
+        stacks: list[dict[str, ExpertStack]] = []
         owner = None
         for adapter, ranges in self.batch.groups:
             by_expert = adapter.experts[self.index] if adapter.experts else {}
@@ -448,4 +454,5 @@ class LayerLoRA:
                 for start, stop in ranges:
                     owner[start:stop] = len(updates)
                 updates.append(by_expert)
-        return None if owner is None else (updates, owner)
+                stacks.append(adapter.expert_stacks[self.index])
+        return None if owner is None else ExpertLoRA(updates, stacks, owner)

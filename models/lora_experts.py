@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Protocol
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -161,18 +162,54 @@ def _stacked_parts(parts: list[tuple[torch.Tensor, torch.Tensor] | None], size: 
     return a, b
 
 
-# LayerLoRA.experts's value: per adapter its updates by expert id, and each row's adapter.
-ExpertUpdates = tuple[list[dict[int, dict[str, _Update]]], torch.Tensor]
+class ExpertStack(NamedTuple):
+    """An adapter's updates of one projection of a layer's routed experts, as
+    ``ops.lora_expert_rows`` takes them: ``a [E, r, in]`` and ``bt [E, r, out]`` (B
+    transposed, the scale in it; a smaller rank padded with zeros), float32, and which
+    experts it updates (``has [E]``)."""
+
+    a: torch.Tensor
+    bt: torch.Tensor
+    has: torch.Tensor
 
 
-def expert_rows(updates: ExpertUpdates | None, expert: int, rows: torch.Tensor | None = None) -> ExpertRows | None:
+def stack_experts(pairs: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]], experts: int
+                  ) -> dict[str, ExpertStack]:
+    """A layer's routed experts' ``(A, B)`` pairs (expert -> projection -> pair) stacked per
+    projection."""
+    stacks = {}
+    for proj in ("gate_up_proj", "down_proj"):
+        mine = {e: by_proj[proj] for e, by_proj in pairs.items() if proj in by_proj and e != SHARED}
+        if not mine:
+            continue
+        r = max(a.shape[0] for a, _ in mine.values())
+        a0, b0 = next(iter(mine.values()))
+        a, bt = torch.zeros(experts, r, a0.shape[1]), torch.zeros(experts, r, b0.shape[0])
+        for e, (a_e, b_e) in mine.items():
+            a[e, :a_e.shape[0]], bt[e, :a_e.shape[0]] = a_e, b_e.T
+        has = torch.zeros(experts, dtype=torch.bool)
+        has[list(mine)] = True
+        stacks[proj] = ExpertStack(a, bt, has)
+    return stacks
+
+
+@dataclass(frozen=True)
+class ExpertLoRA:
+    """``LayerLoRA.experts``'s value: a step's adapters' updates of one layer's experts."""
+
+    updates: list[dict[int, dict[str, _Update]]]  # per adapter: expert id -> projection -> update
+    stacks: list[dict[str, ExpertStack]]  # per adapter: its routed experts' updates stacked
+    owner: torch.Tensor  # per row of the step: its adapter's index in these lists (-1: none)
+
+
+def expert_rows(lora: ExpertLoRA | None, expert: int, rows: torch.Tensor | None = None) -> ExpertRows | None:
     """The view through which ``expert`` (``SHARED``: the shared expert) adds its rows'
     updates, its rows being the step's ``rows`` (None: all of them); None where no adapter
     updates it."""
-    if updates is None or not any(expert in by_expert for by_expert in updates[0]):
+    if lora is None or not any(expert in by_expert for by_expert in lora.updates):
         return None
-    owner = updates[1] if rows is None else updates[1].index_select(0, rows)
-    return ExpertRows([by_expert.get(expert, {}) for by_expert in updates[0]], owner)
+    owner = lora.owner if rows is None else lora.owner.index_select(0, rows)
+    return ExpertRows([by_expert.get(expert, {}) for by_expert in lora.updates], owner)
 
 
 class ExpertRows:

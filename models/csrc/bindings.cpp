@@ -58,6 +58,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mix_expert_rows", &kvserve::mix_expert_rows,
         "each token's expert rows scaled by its router weights and added in slot order",
         py::call_guard<py::gil_scoped_release>());
+  m.def("lora_expert_rows", &kvserve::lora_expert_rows,
+        "each row's LoRA update of its expert added in place, in a fixed order a row",
+        py::call_guard<py::gil_scoped_release>());
   m.def("route_experts", &kvserve::route_experts,
         "each row's experts and weights from its router logits, in ascending expert id",
         py::call_guard<py::gil_scoped_release>());

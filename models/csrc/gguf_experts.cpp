@@ -21,6 +21,7 @@
 #include "grouped_rows.h"
 #include "kernels.h"
 #include "parallel.h"
+#include "vec16.h"
 
 #include <algorithm>
 #include <cmath>
@@ -181,6 +182,76 @@ void mix_expert_rows(at::Tensor& y, const at::Tensor& out, const at::Tensor& ind
   float* yp = y.data_ptr<float>();
   parallel_chunks(t, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) mix_row(yp + r * h, o, idx + r * k, w + r * k, k, h);
+  });
+}
+
+namespace {
+
+// The sum over i < n of a[i] b[i] in a fixed order (16 lanes multiply-added from the front,
+// then v16_reduce_add's order; one by one where 16 does not divide n).
+inline float lora_dot(const float* a, const float* b, int64_t n) {
+#if defined(KVSERVE_V16)
+  if (n % 16 == 0) {
+    V16 acc = v16_zero();
+    for (int64_t i = 0; i < n; i += 16) acc = v16_fmadd(v16_load(a + i), v16_load(b + i), acc);
+    return v16_reduce_add(acc);
+  }
+#endif
+  float dot = 0.0f;
+  for (int64_t i = 0; i < n; ++i) dot += a[i] * b[i];
+  return dot;
+}
+
+}  // namespace
+
+// y[s] += B_e (A_e x[s]) for each row s of expert[s] = e >= 0 (-1: none): a [E, r, K] and
+// bt [E, r, N] float32 (B transposed, the adapter's scale in it). The r dots of A_e's rows
+// with x[s] (lora_dot), then per output the sum over j of t_j bt[e, j, i] in j's order (a
+// product, then fused multiply-adds), added to y[s] once: a row's update depends on that row
+// alone, never on the others or on how many there are.
+void lora_expert_rows(at::Tensor& y, const at::Tensor& x, const at::Tensor& expert, const at::Tensor& a,
+                      const at::Tensor& bt) {
+  TORCH_CHECK(a.scalar_type() == at::kFloat && a.is_contiguous() && a.dim() == 3, "a must be float32 [E, r, K]");
+  TORCH_CHECK(bt.scalar_type() == at::kFloat && bt.is_contiguous() && bt.dim() == 3 && bt.size(0) == a.size(0) &&
+                  bt.size(1) == a.size(1), "bt must be float32 [E, r, N], a's E and r");
+  const int64_t rows = x.size(0), k = a.size(2), r = a.size(1), n = bt.size(2), experts = a.size(0);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 && x.size(1) == k,
+              "x must be float32 [rows, K]");
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.stride(1) == 1 && y.size(0) == rows &&
+                  y.size(1) == n, "y must be float32 [rows, N]");
+  TORCH_CHECK(expert.scalar_type() == at::kLong && expert.is_contiguous() && expert.numel() == rows,
+              "expert must be int64 [rows]");
+  TORCH_CHECK(r >= 1, "a rank of at least 1");
+  const int64_t* ep = expert.data_ptr<int64_t>();
+  for (int64_t s = 0; s < rows; ++s) TORCH_CHECK(ep[s] >= -1 && ep[s] < experts, "row ", s, "'s expert ", ep[s]);
+  const float* xp = x.data_ptr<float>();
+  const float* ap = a.data_ptr<float>();
+  const float* bp = bt.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t xs = x.stride(0), ys = y.stride(0);
+  parallel_chunks(rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> t(static_cast<size_t>(r)), acc(static_cast<size_t>(n));
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t e = ep[s];
+      if (e < 0) continue;
+      for (int64_t j = 0; j < r; ++j) t[j] = lora_dot(ap + (e * r + j) * k, xp + s * xs, k);
+      const float* b = bp + e * r * n;
+      int64_t i = 0;
+#if defined(KVSERVE_V16)
+      for (; i + 16 <= n; i += 16) {
+        V16 sum = v16_set1(t[0]) * v16_load(b + i);
+        for (int64_t j = 1; j < r; ++j) sum = v16_fmadd(v16_set1(t[j]), v16_load(b + j * n + i), sum);
+        v16_store(acc.data() + i, sum);
+      }
+#endif
+      for (; i < n; ++i) {
+        float sum = t[0] * b[i];
+        for (int64_t j = 1; j < r; ++j) sum = std::fma(t[j], b[j * n + i], sum);
+        acc[i] = sum;
+      }
+      float* row = yp + s * ys;
+      for (i = 0; i < n; ++i) row[i] += acc[i];
+    }
   });
 }
 

@@ -143,6 +143,10 @@ void gguf_a8_experts(at::Tensor& out, const at::Tensor& x, const A8Experts& w, c
 // y [T, H] = each token's k slots' rows of out [S, H] (index [T * k]: slot -> row) scaled by
 // weights [T, k] and added in slot order, float32 (torch's products and adds, the same bits).
 void mix_expert_rows(at::Tensor& y, const at::Tensor& out, const at::Tensor& index, const at::Tensor& weights);
+// y[s] += B_e (A_e x[s]) for each row s of expert[s] = e >= 0: a LoRA adapter's updates of a
+// mixture's experts (a [E, r, K], bt [E, r, N] float32), each row's in a fixed order.
+void lora_expert_rows(at::Tensor& y, const at::Tensor& x, const at::Tensor& expert, const at::Tensor& a,
+                      const at::Tensor& bt);
 
 // A mixture's routers (models/moe_config.py ROUTERS): a softmax over every expert then the k
 // largest probabilities, renormalised to sum to 1 or not; or a softmax over the k largest logits.

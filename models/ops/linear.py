@@ -147,6 +147,19 @@ def mix_expert_rows(out: torch.Tensor, rows: torch.Tensor | None, weights: torch
     return y
 
 
+def lora_expert_rows(y: torch.Tensor, x: torch.Tensor, expert: torch.Tensor, a: torch.Tensor,
+                     bt: torch.Tensor) -> torch.Tensor:
+    """``y [R, N]`` (float32) plus, in place, each row's ``B_e (A_e x_row)`` for its expert
+    ``expert[row] = e`` (-1: none), ``a [E, r, K]`` and ``bt [E, r, N]`` (``B`` transposed, the
+    scale in it): a mixture's experts' LoRA updates, each row's computed in a fixed order
+    from that row alone."""
+    ext = load_extension()
+    if ext is None:
+        raise RuntimeError("lora_expert_rows needs the fused CPU kernels")
+    ext.lora_expert_rows(y, x if x.stride(-1) == 1 else x.contiguous(), expert.contiguous(), a, bt)
+    return y
+
+
 def route_experts(logits: torch.Tensor, experts_per_token: int, kind: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [T, k] float32, chosen [T, k] int64)`` of router logits ``[T, E]`` (float32)
     by the router ``kind`` (``ops.ROUTER_*``), each row's pairs in ascending expert id; plain
