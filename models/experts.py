@@ -157,10 +157,11 @@ def mix_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor, 
     # Python time on the OLMoE shape).
     chosen, by_id = chosen.sort(dim=1)
     weights = weights.gather(1, by_id)
-    whole = fused is not None and fused.activation is not None and lora is None
+    whole = fused is not None and fused.activation is not None
     if whole and x.dtype == torch.float32 and ops.kernels_enabled(x.device):
         # (the calls below in one: the same bits, a tenth of an OLMoE step's Python less)
-        y, routed = ops.moe_experts(x, fused.gate_up, fused.down, weights, chosen, fused.activation)
+        y, routed = ops.moe_experts(x, fused.gate_up, fused.down, weights, chosen, fused.activation,
+                                    lora.kernel_args() if lora is not None else None)
         return y, routed.tolist()
     out, counts, rows = fused(x, chosen, lora) if fused is not None else (*_grouped(experts, x, chosen, lora), None)
     if out.dtype == torch.float32 and ops.kernels_enabled(out.device):

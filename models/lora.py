@@ -43,7 +43,8 @@ from models import gguf_loader, ops
 from models.config import ModelConfig
 from models.dense import DTYPES, pack_dense
 from models.fused import FUSED_PARTS, fused_part_sizes
-from models.lora_experts import EXPERT_TENSOR, ExpertLoRA, ExpertStack, pair_rank, read_expert_updates, stack_experts
+from models.lora_experts import (EXPERT_TENSOR, SHARED, ExpertLoRA, ExpertStack, pair_rank, read_expert_updates,
+                                 stack_experts)
 from models.parallel import RankSlices, TensorParallel, rank_slices
 from models.rope import interleave_rotary_rows
 
@@ -105,11 +106,11 @@ class LoRAAdapter:
 
     @cached_property
     def fusable(self) -> bool:
-        """Whether ``ops.fused_layer`` can run its updates: every one is packed for
-        ``ops.dense_linear`` in float32, the fused kernel's activations, and none is an
-        expert's (those run op by op)."""
-        return not any(self.experts) and all(u.packed and u.a.dtype == torch.float32
-                                             for layer in self.layers for u in layer.values())
+        """Whether ``ops.fused_layer`` and ``ops.fused_moe_layer`` can run its updates: every
+        one is packed for ``ops.dense_linear`` in float32, the fused kernels' activations, and
+        none is a shared expert's (the routed experts' the kernels add, ``ExpertStack``)."""
+        return not any(SHARED in layer for layer in self.experts) and all(
+            u.packed and u.a.dtype == torch.float32 for layer in self.layers for u in layer.values())
 
     @cached_property
     def fused_layers(self) -> list[list[torch.Tensor]]:

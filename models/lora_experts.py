@@ -201,6 +201,20 @@ class ExpertLoRA:
     stacks: list[dict[str, ExpertStack]]  # per adapter: its routed experts' updates stacked
     owner: torch.Tensor  # per row of the step: its adapter's index in these lists (-1: none)
 
+    def kernel_args(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The routed experts' updates as ``ops.moe_experts`` takes them: six tensors an
+        adapter (gate_up's ``a``, ``bt``, ``has``, then down's; empty where it leaves one
+        alone) and ``owner``."""
+        tensors = []
+        for stacks in self.stacks:
+            for proj in ("gate_up_proj", "down_proj"):
+                stack = stacks.get(proj)
+                tensors += [*stack] if stack is not None else [_NONE, _NONE, _NONE]
+        return tensors, self.owner
+
+
+_NONE = torch.empty(0)
+
 
 def expert_rows(lora: ExpertLoRA | None, expert: int, rows: torch.Tensor | None = None) -> ExpertRows | None:
     """The view through which ``expert`` (``SHARED``: the shared expert) adds its rows'

@@ -35,10 +35,10 @@ layers (``ModelConfig.layer_windows``).
 Tensor parallel splits every expert's features across ranks (``models.parallel``). Where
 the kernels run it, a sparse layer of SiLU experts on a GGUF file's codes (``w4a8``) runs in
 one call (``ops.fused_moe_layer``: attention, router, experts; Mixtral, Qwen3-MoE, OLMoE);
-other layers, split ones and LoRA steps run op by op, the same bits. LoRA adapters update the
-attention's projections, a dense layer's MLP and the routed experts (``models.lora``,
-``models.lora_experts``); not a router or a shared expert (the loader refuses such an
-adapter, naming the tensor).
+other layers, split ones and steps of an adapter of a shared expert run op by op, the same
+bits. LoRA adapters update the attention's projections, a dense layer's MLP and the routed
+and shared experts (``models.lora``, ``models.lora_experts``); not a router (the loader
+refuses such an adapter, naming the tensor).
 """
 
 from __future__ import annotations
@@ -297,10 +297,13 @@ class MoEDecoderLayer(nn.Module):
                       lora: LayerLoRA | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward`` in one kernel call (``ops.fused_moe_layer``) with ``fused``, this layer's
         ``fused_moe_weights()``, for the step ``step`` describes, counting the routed tokens
-        where asked; ``lora``: the adapters' updates of the attention (``LoRABatch.fusable`` ones)."""
+        where asked; ``lora``: the adapters' updates of the attention and the routed experts
+        (``LoRABatch.fusable`` ones)."""
         weights, experts = fused
+        expert_lora = lora.experts(x.shape[0]) if lora is not None else None
         out, residual, routed = ops.fused_moe_layer(x, residual, weights, experts, step, kv_cache[0], kv_cache[1],
-                                                    lora.fused_args() if lora is not None else None)
+                                                    lora.fused_args() if lora is not None else None,
+                                                    expert_lora.kernel_args() if expert_lora is not None else None)
         if self.mlp.routed is not None:
             self.mlp.routed = [a + b for a, b in zip(self.mlp.routed, routed.tolist())]
         return out, residual

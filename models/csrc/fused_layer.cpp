@@ -246,12 +246,15 @@ std::vector<at::Tensor> fused_layer(const at::Tensor& x, const c10::optional<at:
 }
 
 // The attention half as fused_layer's, then the experts the router chooses (route_experts,
-// moe_experts with e.activation), a gated shared expert where e has one, both branches scaled
-// by e.residual_multiplier: the calls the op-by-op MoE layer makes, in one call.
+// moe_experts with e.activation and the adapters' updates of the experts, expert_lora and
+// expert_owner), a gated shared expert where e has one, both branches scaled by
+// e.residual_multiplier: the calls the op-by-op MoE layer makes, in one call.
 std::vector<at::Tensor> fused_moe_layer(const at::Tensor& x, const c10::optional<at::Tensor>& residual_in,
                                         const LayerArgs& w, const ExpertsArgs& e, const StepArgs& step,
                                         at::Tensor& k_cache, at::Tensor& v_cache, const std::vector<at::Tensor>& lora,
-                                        const std::vector<int64_t>& lora_rows) {
+                                        const std::vector<int64_t>& lora_rows,
+                                        const std::vector<at::Tensor>& expert_lora,
+                                        const c10::optional<at::Tensor>& expert_owner) {
   check_lora(lora, lora_rows);
   for (size_t i = 0; i < lora_rows.size() / 2; ++i)
     TORCH_CHECK(lora[8 * i + 4].numel() == 0 && lora[8 * i + 6].numel() == 0,
@@ -262,8 +265,8 @@ std::vector<at::Tensor> fused_moe_layer(const at::Tensor& x, const c10::optional
   dense_linear(logits, h, e.router);
   if (e.router_bias.has_value()) logits.add_(*e.router_bias);
   const std::vector<at::Tensor> routed = route_experts(logits, e.experts_per_token, e.router_kind);
-  std::vector<at::Tensor> mixed =
-      moe_experts(h, *e.gate_up, *e.down, routed[0], routed[1], e.activation, e.limit, e.alpha);
+  std::vector<at::Tensor> mixed = moe_experts(h, *e.gate_up, *e.down, routed[0], routed[1], e.activation, e.limit,
+                                              e.alpha, expert_lora, expert_owner);
   at::Tensor out = mixed[0];
   if (e.shared_gate.has_value()) {
     // models/moe.py SparseMoeBlock.forward's y + _sigmoid(shared_expert_gate(h)) * shared_expert(h), the

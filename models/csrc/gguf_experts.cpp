@@ -326,9 +326,39 @@ std::vector<at::Tensor> route_experts(const at::Tensor& logits, int64_t k, int64
 // a stable counting sort (torch's stable argsort of the flat choices, the same order), each
 // slot's input row is its token's row, and both projections run every expert's rows in one
 // call. Also returns the tokens routed to each expert (int64 [E]).
+namespace {
+
+// y's rows (in expert order: row_expert, row_token each row's) plus each adapter's update of
+// the projection at lora[6 g + which] (a, bt, has) for the rows of its tokens (owner).
+void add_expert_lora(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& lora, size_t which,
+                     const int64_t* owner, const std::vector<int64_t>& row_expert,
+                     const std::vector<int64_t>& row_token) {
+  const int64_t rows = static_cast<int64_t>(row_expert.size());
+  for (size_t g = 0; 6 * g < lora.size(); ++g) {
+    const at::Tensor& a = lora[6 * g + which];
+    if (a.numel() == 0) continue;
+    const at::Tensor& has = lora[6 * g + which + 2];
+    TORCH_CHECK(has.scalar_type() == at::kBool && has.is_contiguous() && has.numel() == a.size(0),
+                "an adapter's experts: bool [E]");
+    const bool* hp = has.data_ptr<bool>();
+    at::Tensor sel = at::empty({rows}, y.options().dtype(at::kLong));
+    int64_t* sp = sel.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t e = row_expert[r];
+      sp[r] = owner[row_token[r]] == static_cast<int64_t>(g) && hp[e] ? e : -1;
+    }
+    lora_expert_rows(y, x, sel, a, lora[6 * g + which + 1]);
+  }
+}
+
+}  // namespace
+
 std::vector<at::Tensor> moe_experts(const at::Tensor& x, const A8Experts& gate_up, const A8Experts& down,
                                     const at::Tensor& weights, const at::Tensor& chosen, int64_t activation,
-                                    double limit, double alpha) {
+                                    double limit, double alpha, const std::vector<at::Tensor>& lora,
+                                    const c10::optional<at::Tensor>& lora_owner) {
+  TORCH_CHECK(lora.size() % 6 == 0 && (lora.empty() || lora_owner.has_value()),
+              "six tensors an adapter, and each token's adapter");
   TORCH_CHECK(activation == kSiluGlu || activation == kGeluTanhGlu || (activation == kClampedSwiGlu && alpha != 0.0),
               "unknown activation ",
               activation, " (alpha ", alpha, ")");
@@ -359,13 +389,15 @@ std::vector<at::Tensor> moe_experts(const at::Tensor& x, const A8Experts& gate_u
   at::Tensor index = at::empty({slots}, chosen.options());
   int64_t* ip = index.data_ptr<int64_t>();
   at::Tensor both = at::empty({slots, gate_up.out_features}, x.options());
+  at::Tensor rows;  // each row's input (one token: x's row, read by every row)
   if (t == 1) {
     for (int64_t s = 0; s < slots; ++s) ip[s] = next[cp[s]]++;
     const grouped::QuantizedRows xq =
         grouped::quantize_rows(x.data_ptr<float>(), 1, x.stride(0), h / grouped::kGroup, 0.0f, 1);
     run_experts(both, xq, true, gate_up, ids, rows_of, false);
+    rows = x.narrow(0, 0, 1).expand({slots, h});
   } else {
-    at::Tensor rows = at::empty({slots, h}, x.options());
+    rows = at::empty({slots, h}, x.options());
     const float* xp = x.data_ptr<float>();
     float* rp = rows.data_ptr<float>();
     for (int64_t s = 0; s < slots; ++s) {
@@ -373,6 +405,20 @@ std::vector<at::Tensor> moe_experts(const at::Tensor& x, const A8Experts& gate_u
       std::copy(xp + (s / k) * x.stride(0), xp + (s / k) * x.stride(0) + h, rp + at_row * h);
     }
     gguf_a8_experts(both, rows, gate_up, ids, rows_of, false);
+  }
+  std::vector<int64_t> row_expert, row_token;
+  const int64_t* owner = nullptr;
+  if (!lora.empty()) {  // (models/experts.py FusedExperts with _add_lora: the same calls, the same bits)
+    TORCH_CHECK(lora_owner->scalar_type() == at::kLong && lora_owner->is_contiguous() && lora_owner->numel() == t,
+                "lora_owner must be int64 [T]");
+    owner = lora_owner->data_ptr<int64_t>();
+    row_expert.resize(static_cast<size_t>(slots));
+    row_token.resize(static_cast<size_t>(slots));
+    for (int64_t s = 0; s < slots; ++s) {
+      row_expert[ip[s]] = cp[s];
+      row_token[ip[s]] = s / k;
+    }
+    add_expert_lora(both, rows, lora, 0, owner, row_expert, row_token);
   }
   at::Tensor act = at::empty({slots, down.in_features}, x.options());
   if (activation == kClampedSwiGlu) {
@@ -390,6 +436,7 @@ std::vector<at::Tensor> moe_experts(const at::Tensor& x, const A8Experts& gate_u
   }
   at::Tensor out = at::empty({slots, h}, x.options());
   gguf_a8_experts(out, act, down, ids, rows_of, false);
+  if (owner != nullptr) add_expert_lora(out, act, lora, 3, owner, row_expert, row_token);
   at::Tensor y = at::empty({t, h}, x.options());
   mix_expert_rows(y, out, index, weights.contiguous());
   return {y, routed};

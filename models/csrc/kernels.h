@@ -160,10 +160,15 @@ std::vector<at::Tensor> route_experts(const at::Tensor& logits, int64_t k, int64
 enum ExpertActivation : int64_t { kSiluGlu = 0, kClampedSwiGlu = 1, kGeluTanhGlu = 2 };
 // (y [T, H], tokens routed to each expert [E]): each row of x through its chosen experts
 // (chosen ascending a row; `activation` with limit and alpha between their projections) and
-// their outputs mixed by weights, mix_expert_rows's sum.
+// their outputs mixed by weights, mix_expert_rows's sum. `lora`: LoRA adapters' updates of
+// the experts, six tensors an adapter (gate_up's a, bt and which experts it updates, a bool
+// [E]; then down's; empty tensors where it leaves a projection alone), added to the products
+// of the rows of the tokens lora_owner [T] gives it (its index, -1: none) as
+// lora_expert_rows adds them.
 std::vector<at::Tensor> moe_experts(const at::Tensor& x, const A8Experts& gate_up, const A8Experts& down,
                                     const at::Tensor& weights, const at::Tensor& chosen, int64_t activation,
-                                    double limit, double alpha);
+                                    double limit, double alpha, const std::vector<at::Tensor>& lora,
+                                    const c10::optional<at::Tensor>& lora_owner);
 
 // gguf_repack.cpp: a GGUF tensor's blocks as gguf_a8_linear's `format` (A8Format), row r of
 // the weight from raw row source[r] (-1: zeros). False where the type's values do not fit
@@ -259,7 +264,9 @@ std::vector<at::Tensor> fused_layer(const at::Tensor& x, const c10::optional<at:
 std::vector<at::Tensor> fused_moe_layer(const at::Tensor& x, const c10::optional<at::Tensor>& residual_in,
                                         const LayerArgs& w, const ExpertsArgs& e, const StepArgs& step,
                                         at::Tensor& k_cache, at::Tensor& v_cache, const std::vector<at::Tensor>& lora,
-                                        const std::vector<int64_t>& lora_rows);
+                                        const std::vector<int64_t>& lora_rows,
+                                        const std::vector<at::Tensor>& expert_lora,
+                                        const c10::optional<at::Tensor>& expert_owner);
 // Gemma 2's and 3's decoder layer: x + norm(attention(norm(x))), then that + norm(mlp(norm(that)))
 // with a gelu_tanh-gated MLP (models/gemma.py GemmaDecoderLayer's calls, in one). Returns its output.
 at::Tensor fused_gemma_layer(const at::Tensor& x, const LayerArgs& w, const StepArgs& step, at::Tensor& k_cache,

@@ -172,14 +172,16 @@ def fused_gemma_layer(x: torch.Tensor, weights: FusedWeights, step: FusedStep, k
 
 def fused_moe_layer(x: torch.Tensor, residual: torch.Tensor | None, weights: FusedWeights,
                     experts: FusedExpertsWeights, step: FusedStep, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, lora: tuple[list[torch.Tensor], list[int]] | None = None
+                    v_cache: torch.Tensor, lora: tuple[list[torch.Tensor], list[int]] | None = None,
+                    experts_lora: tuple[list[torch.Tensor], torch.Tensor] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A whole mixture-of-experts decoder layer for a step in one kernel call: ``fused_layer``'s
     attention half (``weights``; its ``gate_up`` and ``down`` unused), then the router,
     ``route_experts`` and ``moe_experts``. ``(mlp_out, residual, tokens routed to each
     expert)``; float32 activations on CPU; ``lora``: as ``fused_layer``'s, updates of the
-    attention's projections only. The same arithmetic as the op-by-op layer (``models.moe``)."""
+    attention's projections; ``experts_lora``: the routed experts' (``moe_experts``'
+    ``lora``). The same arithmetic as the op-by-op layer (``models.moe``)."""
     ext = load_extension()
     assert ext is not None, "fused_moe_layer needs the fused CPU kernels"
     return tuple(ext.fused_moe_layer(x, residual, weights.args(ext), experts.args(ext, weights.gemm), step.args(ext),
-                                     k_cache, v_cache, *(lora or ([], []))))
+                                     k_cache, v_cache, *(lora or ([], [])), *(experts_lora or ([], None))))

@@ -192,19 +192,24 @@ SILU_GLU = ExpertActivation(ExpertActivation.SILU_GLU)
 
 
 def moe_experts(x: torch.Tensor, gate_up: object, down: object, weights: torch.Tensor, chosen: torch.Tensor,
-                activation: ExpertActivation = SILU_GLU) -> tuple[torch.Tensor, torch.Tensor]:
+                activation: ExpertActivation = SILU_GLU,
+                lora: tuple[list[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y [T, H], tokens routed to each expert [E] int64)``: each row of ``x`` (float32)
     through its chosen experts (``chosen [T, k]``, each row ascending; ``gate_up`` and
     ``down`` as ``a8_experts`` holds them, with their biases; ``activation`` between them),
     their outputs scaled by ``weights [T, k]`` and added: the bits of ``gguf_a8_experts``, the
     activation's torch ops (``silu_and_mul``), ``gguf_a8_experts`` and ``mix_expert_rows``
-    called one by one, in one call."""
+    called one by one, in one call; ``lora``: LoRA adapters' updates of the experts
+    (``models.lora_experts.ExpertLoRA.kernel_args``), added to each projection's products
+    as ``lora_expert_rows`` adds them."""
     ext = load_extension()
     if ext is None:
         raise RuntimeError("moe_experts needs the fused CPU kernels")
     x = x if x.stride(-1) == 1 else x.contiguous()
     a = activation
-    y, routed = ext.moe_experts(x, gate_up, down, weights.contiguous(), chosen.contiguous(), a.kind, a.limit, a.alpha)
+    tensors, owner = lora if lora is not None else ([], None)
+    y, routed = ext.moe_experts(x, gate_up, down, weights.contiguous(), chosen.contiguous(), a.kind, a.limit, a.alpha,
+                                tensors, owner)
     return y, routed
 
 
