@@ -107,18 +107,21 @@ class LoRAAdapter:
     @cached_property
     def fusable(self) -> bool:
         """Whether ``ops.fused_layer`` and ``ops.fused_moe_layer`` can run its updates: every
-        one is packed for ``ops.dense_linear`` in float32, the fused kernels' activations, and
-        none is a shared expert's (the routed experts' the kernels add, ``ExpertStack``)."""
-        return not any(SHARED in layer for layer in self.experts) and all(
-            u.packed and u.a.dtype == torch.float32 for layer in self.layers for u in layer.values())
+        one is packed for ``ops.dense_linear`` in float32, the fused kernels' activations (the
+        routed experts' the kernels add from ``expert_stacks``)."""
+        shared = [u for layer in self.experts for u in layer.get(SHARED, {}).values()]
+        return all(u.packed and u.a.dtype == torch.float32
+                   for u in (*shared, *(u for layer in self.layers for u in layer.values())))
 
     @cached_property
     def fused_layers(self) -> list[list[torch.Tensor]]:
         """Per decoder layer, ``(A, B)`` of each projection in ``ops.fused_layer``'s order
-        (empty tensors where the adapter leaves one alone)."""
+        (empty tensors where the adapter leaves one alone); a sparse layer's MLP updates are
+        its shared expert's (``ops.fused_moe_layer`` runs them there)."""
         return [[t for proj in _FUSED_ORDER
-                 for t in ((layer[proj].a, layer[proj].b) if proj in layer else (_NO_UPDATE, _NO_UPDATE))]
-                for layer in self.layers]
+                 for t in ((own[proj].a, own[proj].b) if proj in own else (_NO_UPDATE, _NO_UPDATE))]
+                for own in ({**(self.experts[i].get(SHARED, {}) if self.experts else {}), **layer}
+                            for i, layer in enumerate(self.layers))]
 
 
 def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.dtype,

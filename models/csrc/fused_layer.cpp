@@ -256,9 +256,9 @@ std::vector<at::Tensor> fused_moe_layer(const at::Tensor& x, const c10::optional
                                         const std::vector<at::Tensor>& expert_lora,
                                         const c10::optional<at::Tensor>& expert_owner) {
   check_lora(lora, lora_rows);
-  for (size_t i = 0; i < lora_rows.size() / 2; ++i)
-    TORCH_CHECK(lora[8 * i + 4].numel() == 0 && lora[8 * i + 6].numel() == 0,
-                "a sparse layer's experts take no LoRA update");
+  for (size_t i = 0; i < lora_rows.size() / 2; ++i)  // (a sparse layer's MLP updates: its shared expert's)
+    TORCH_CHECK(e.shared_gate.has_value() || (lora[8 * i + 4].numel() == 0 && lora[8 * i + 6].numel() == 0),
+                "a sparse layer without a shared expert takes no MLP update");
   auto [h, residual] = attention_half(x, residual_in, w, LayerStep{step, k_cache, v_cache}, lora, lora_rows,
                                       e.residual_multiplier);
   at::Tensor logits = at::empty({x.size(0), e.gate_up->experts}, x.options());
@@ -275,7 +275,7 @@ std::vector<at::Tensor> fused_moe_layer(const at::Tensor& x, const c10::optional
     at::Tensor g = at::empty({rows, 1}, x.options());
     dense_linear(g, h, *e.shared_gate);
     const at::Tensor s = at::sigmoid(g.expand({rows, 2}).contiguous().select(1, 0)).unsqueeze(1);
-    out = out.add(s.mul(mlp(h, e.shared_gate_up, e.shared_down, w.gemm, {}, {})));
+    out = out.add(s.mul(mlp(h, e.shared_gate_up, e.shared_down, w.gemm, lora, lora_rows)));
   }
   if (e.residual_multiplier != 1.0) out.mul_(e.residual_multiplier);
   return {out, residual, mixed[1]};

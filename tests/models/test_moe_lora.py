@@ -35,7 +35,7 @@ def test_lora_on_the_stacked_experts_equals_peft(moe_checkpoint, tiny_prompt, ma
     sparse = [i for i in range(model.config.num_hidden_layers) if model.config.moe.is_sparse(i)]
     ids = [*range(8), *([SHARED] if shared else [])]
     assert sparse and all(sorted(adapter.experts[i]) == sorted(ids) for i in sparse)
-    assert adapter.rank == 4 and adapter.fusable == (not shared)  # (a shared expert's update: op by op)
+    assert adapter.rank == 4 and adapter.fusable
 
     got = alone(make_runner, model, tiny_prompt, adapter)
     torch.testing.assert_close(got, expected, **TOL)
@@ -172,28 +172,32 @@ def test_the_kernels_expert_updates_are_each_rows_own(k, n):
         assert torch.equal(alone[0], got[s])
 
 
-@pytest.mark.parametrize("arch, type_name", [("qwen3moe", "Q4_K"), ("gptoss", "MXFP4")])
+@pytest.mark.parametrize("arch, type_name", [("qwen3moe", "Q4_K"), ("gptoss", "MXFP4"), ("qwen2moe", "Q4_K")])
 def test_an_expert_adapter_runs_in_the_fused_moe_layer_with_the_op_by_op_bits(moe_checkpoint, tiny_prompt,
                                                                                 make_runner, tmp_path, monkeypatch,
                                                                                 arch, type_name):
-    # A step holding an expert adapter (and the attention's) keeps each layer one kernel call
-    # (ops.fused_moe_layer; the experts' updates added inside moe_experts): the adapter's rows
-    # and the base model's beside them are the op-by-op layers' bits.
+    # A step holding an expert adapter (and the attention's; Qwen2-MoE's shared expert's too)
+    # keeps each sparse layer one kernel call (ops.fused_moe_layer; the experts' updates added
+    # inside moe_experts, the shared expert's by its MLP): the adapter's rows and the base
+    # model's beside them are the op-by-op layers' bits.
     from models import ops
-    from models.moe import MoEDecoderLayer
+    from models.moe import MoEDecoderLayer, SparseMoeBlock
 
     if not (ops.kernels_available() and ops.has_int8_dots()):
         pytest.skip("the fused layers are C++ kernels; w4a8 needs integer dots")
-    overrides = {"swiglu_limit": 7.0} if arch == "gptoss" else {
-        "hidden_size": 256, "head_dim": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "moe_intermediate_size": 256}
+    shapes = {"hidden_size": 256, "head_dim": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "moe_intermediate_size": 256}
+    overrides = {"swiglu_limit": 7.0} if arch == "gptoss" else shapes if arch == "qwen3moe" else {
+        **shapes, "shared_expert_intermediate_size": 256, "intermediate_size": 256}
     path, hf = moe_checkpoint(arch, **overrides)
     gguf = write_moe_gguf(tmp_path / "e.gguf", hf, arch, type_name, every_projection=True)
-    peft_logits(hf, tmp_path / "adapter", tiny_prompt, r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
+    shared = ["shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"] * (arch == "qwen2moe")
+    peft_logits(hf, tmp_path / "adapter", tiny_prompt, r=4, lora_alpha=8, target_modules=["q_proj", "o_proj", *shared],
                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     model = load_model(str(gguf), dtype="float32", device="cpu", quantization="w4a8").model
     adapter = load_adapter("a", tmp_path / "adapter", model.config, torch.float32, torch.device("cpu"))
-    assert adapter.fusable and all(layer.fused_moe_weights() is not None for layer in model.model.layers)
+    sparse = [layer for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    assert adapter.fusable and sparse and all(layer.fused_moe_weights() is not None for layer in sparse)
 
     calls = []
     fused_moe_layer = ops.fused_moe_layer
