@@ -44,7 +44,7 @@ from models.config import ModelConfig
 from models.dense import DTYPES, pack_dense
 from models.fused import FUSED_PARTS, fused_part_sizes
 from models.lora_experts import (EXPERT_TENSOR, SHARED, ExpertLoRA, ExpertStack, pair_rank, read_expert_updates,
-                                 stack_experts)
+                                 stack_experts, stack_parts)
 from models.parallel import RankSlices, TensorParallel, rank_slices
 from models.rope import interleave_rotary_rows
 
@@ -344,18 +344,9 @@ def _projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def _stack(fused: str, parts: list[tuple[torch.Tensor, torch.Tensor] | None], sizes: list[int],
            rank_part: RankSlices | None, dtype: torch.dtype, device: torch.device) -> LoRAUpdate:
-    """One update for a fused projection from its parts' ``(A, B)`` (None: not targeted):
-    the A matrices one above the other, B block-diagonal, parts absent left zero; with
+    """One update for a fused projection from its parts' ``(A, B)`` (``stack_parts``); with
     ``rank_part``, this tensor-parallel rank's slice of it."""
-    a = torch.cat([p[0] for p in parts if p is not None])
-    b = torch.zeros(sum(sizes), a.shape[0])
-    row = col = 0
-    for size, part in zip(sizes, parts):
-        if part is not None:
-            r = part[0].shape[0]
-            b[row:row + size, col:col + r] = part[1]
-            col += r
-        row += size
+    a, b = stack_parts(parts, sizes)
     if rank_part is not None:
         if fused == "qkv_proj":
             b = b.index_select(0, rank_part.qkv_rows)

@@ -114,9 +114,9 @@ def _per_module(name: str, found: dict[tuple, dict[str, torch.Tensor]], config: 
                                                                        else [None])
         both[idx] = (a, b * scale(module_of[(layer, expert, module)], r))
     for (layer, expert), by_proj in parts.items():
-        i = config.moe.shared_expert_size if expert == SHARED else config.moe.expert_size
         for fused, both in by_proj.items():
-            pairs.setdefault((layer, expert), {})[fused] = _stacked_parts(both, i if fused == "gate_up_proj" else h)
+            size = next(p[1].shape[0] for p in both if p is not None)  # (a gate's and an up's rows alike)
+            pairs.setdefault((layer, expert), {})[fused] = stack_parts(both, [size] * len(both))
     return rank
 
 
@@ -147,18 +147,20 @@ def _stacked(name: str, found: dict[tuple, dict[str, torch.Tensor]], config: Mod
     return rank
 
 
-def _stacked_parts(parts: list[tuple[torch.Tensor, torch.Tensor] | None], size: int) -> tuple[torch.Tensor,
-                                                                                             torch.Tensor]:
-    """One update from a fused projection's parts of ``size`` rows each (None: not targeted):
-    the A matrices one above the other, B block-diagonal."""
+def stack_parts(parts: list[tuple[torch.Tensor, torch.Tensor] | None], sizes: list[int]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One update ``(A, B)`` of a fused projection from its parts' ``(A, B)`` (None: not
+    targeted) of ``sizes`` rows each: the A matrices one above the other, B block-diagonal,
+    parts absent left zero."""
     a = torch.cat([p[0] for p in parts if p is not None])
-    b = torch.zeros(size * len(parts), a.shape[0])
-    col = 0
-    for n, part in enumerate(parts):
+    b = torch.zeros(sum(sizes), a.shape[0])
+    row = col = 0
+    for size, part in zip(sizes, parts):
         if part is not None:
             r = part[0].shape[0]
-            b[n * size:(n + 1) * size, col:col + r] = part[1]
+            b[row:row + size, col:col + r] = part[1]
             col += r
+        row += size
     return a, b
 
 

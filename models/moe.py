@@ -35,9 +35,10 @@ layers (``ModelConfig.layer_windows``).
 Tensor parallel splits every expert's features across ranks (``models.parallel``). Where
 the kernels run it, a sparse layer of SiLU experts on a GGUF file's codes (``w4a8``) runs in
 one call (``ops.fused_moe_layer``: attention, router, experts; Mixtral, Qwen3-MoE, OLMoE);
-other layers and split ones run op by op, the same bits. LoRA adapters update the attention's projections, a dense layer's MLP and the routed
-and shared experts (``models.lora``, ``models.lora_experts``); not a router (the loader
-refuses such an adapter, naming the tensor).
+other layers and split ones run op by op, the same bits. LoRA adapters update the
+attention's projections, a dense layer's MLP and the routed and shared experts
+(``models.lora``, ``models.lora_experts``); not a router (the loader refuses such an adapter,
+naming the tensor).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "fastmath.h"
 #include "vec16.h"
 
 namespace kvserve {
@@ -86,5 +87,22 @@ inline V16 load16<at::BFloat16>(const at::BFloat16* p) { return v16_load_bf16(p)
 template <>
 inline V16 load16<int8_t>(const int8_t* p) { return v16_load_int8(p); }  // the codes; the caller applies the row's scale
 #endif
+
+// The sum over d < n of q[d] k[d] in a fixed order: rows of a length divisible by 16 go 16
+// values at a time through load16 (multiply-added from the front, then v16_reduce_add's
+// order), others one by one. A row's result depends on its values alone.
+template <typename T>
+inline float dot_row(const float* q, const T* k, int64_t n) {
+#if defined(KVSERVE_V16)
+  if (n % 16 == 0) {
+    V16 acc = v16_zero();
+    for (int64_t d = 0; d < n; d += 16) acc = v16_fmadd(v16_load(q + d), load16(k + d), acc);
+    return v16_reduce_add(acc);
+  }
+#endif
+  float dot = 0.0f;  // in order: a vectorised reduction's order could depend on alignment
+  for (int64_t d = 0; d < n; ++d) dot += q[d] * to_f(k[d]);
+  return dot;
+}
 
 }  // namespace kvserve

@@ -17,6 +17,7 @@
 #include <ATen/ops/mul.h>
 #include <ATen/ops/zeros.h>
 
+#include "cache_rows.h"
 #include "gguf_a8_tiles.h"
 #include "grouped_rows.h"
 #include "kernels.h"
@@ -185,30 +186,11 @@ void mix_expert_rows(at::Tensor& y, const at::Tensor& out, const at::Tensor& ind
   });
 }
 
-namespace {
-
-// The sum over i < n of a[i] b[i] in a fixed order (16 lanes multiply-added from the front,
-// then v16_reduce_add's order; one by one where 16 does not divide n).
-inline float lora_dot(const float* a, const float* b, int64_t n) {
-#if defined(KVSERVE_V16)
-  if (n % 16 == 0) {
-    V16 acc = v16_zero();
-    for (int64_t i = 0; i < n; i += 16) acc = v16_fmadd(v16_load(a + i), v16_load(b + i), acc);
-    return v16_reduce_add(acc);
-  }
-#endif
-  float dot = 0.0f;
-  for (int64_t i = 0; i < n; ++i) dot += a[i] * b[i];
-  return dot;
-}
-
-}  // namespace
-
 // y[s] += B_e (A_e x[s]) for each row s of expert[s] = e >= 0 (-1: none): a [E, r, K] and
 // bt [E, r, N] float32 (B transposed, the adapter's scale in it). The r dots of A_e's rows
-// with x[s] (lora_dot), then per output the sum over j of t_j bt[e, j, i] in j's order (a
-// product, then fused multiply-adds), added to y[s] once: a row's update depends on that row
-// alone, never on the others or on how many there are.
+// with x[s] (cache_rows.h dot_row), then per output the sum over j of t_j bt[e, j, i] in j's
+// order (a product, then fused multiply-adds), added to y[s] once: a row's update depends on
+// that row alone, never on the others or on how many there are.
 void lora_expert_rows(at::Tensor& y, const at::Tensor& x, const at::Tensor& expert, const at::Tensor& a,
                       const at::Tensor& bt) {
   TORCH_CHECK(a.scalar_type() == at::kFloat && a.is_contiguous() && a.dim() == 3, "a must be float32 [E, r, K]");
@@ -234,7 +216,7 @@ void lora_expert_rows(at::Tensor& y, const at::Tensor& x, const at::Tensor& expe
     for (int64_t s = begin; s < end; ++s) {
       const int64_t e = ep[s];
       if (e < 0) continue;
-      for (int64_t j = 0; j < r; ++j) t[j] = lora_dot(ap + (e * r + j) * k, xp + s * xs, k);
+      for (int64_t j = 0; j < r; ++j) t[j] = dot_row(ap + (e * r + j) * k, xp + s * xs, k);
       const float* b = bp + e * r * n;
       int64_t i = 0;
 #if defined(KVSERVE_V16)

@@ -88,21 +88,6 @@ inline void softcap_rows(float* s, int64_t n, float cap) {
   for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] * inv);
 }
 
-// Rows of a length divisible by 16 go 16 values at a time through load16.
-template <typename T>
-inline float dot_row(const float* q, const T* k, int64_t n) {
-#if defined(KVSERVE_V16)
-  if (n % 16 == 0) {
-    V16 acc = v16_zero();
-    for (int64_t d = 0; d < n; d += 16) acc = v16_fmadd(v16_load(q + d), load16(k + d), acc);
-    return v16_reduce_add(acc);
-  }
-#endif
-  float dot = 0.0f;  // in order: a vectorised reduction's order could depend on alignment
-  for (int64_t d = 0; d < n; ++d) dot += q[d] * to_f(k[d]);
-  return dot;
-}
-
 template <typename T>
 inline void axpy_row(float* acc, float p, const T* v, int64_t n) {
 #if defined(KVSERVE_V16)
