@@ -43,8 +43,9 @@ from models import gguf_loader, ops
 from models.config import ModelConfig
 from models.dense import DTYPES, pack_dense
 from models.fused import FUSED_PARTS, fused_part_sizes
-from models.lora_experts import (EXPERT_TENSOR, SHARED, ExpertLoRA, ExpertStack, pair_rank, read_expert_updates,
-                                 stack_experts, stack_parts)
+from models.lora_experts import (EXPERT_TENSOR, SHARED, ExpertLoRA, ExpertStack, gguf_expert_tensors, pair_rank,
+                                 read_expert_updates, stack_experts, stack_parts)
+from models.moe_config import GGUF_MOE_ARCHITECTURES
 from models.parallel import RankSlices, TensorParallel, rank_slices
 from models.rope import interleave_rotary_rows
 
@@ -292,14 +293,16 @@ def _read_peft_adapter(name: str, path: Path
 def _read_gguf_adapter(name: str, path: Path, config: ModelConfig
                        ) -> tuple[Path, Iterator[tuple[str, torch.Tensor]], float, bool]:
     """A llama.cpp GGUF adapter's tensors under PEFT's names (the q/k rows of B put back
-    in Hugging Face's order, as the loader does for a GGUF model's), and its alpha."""
+    in Hugging Face's order, as the loader does for a GGUF model's; a mixture's stacked
+    experts one an expert, ``gguf_expert_tensors``), and its alpha."""
     reader = gguf_loader.open_gguf(path)
     kind = (gguf_loader.field_value(reader, "general.type"), gguf_loader.field_value(reader, "adapter.type"))
     if kind != ("adapter", "lora"):
         raise ValueError(f"LoRA adapter {name!r}: {path} is not a GGUF LoRA adapter "
                          f"(general.type {kind[0]!r}, adapter.type {kind[1]!r})")
     arch = gguf_loader.field_value(reader, "general.architecture")
-    if gguf_loader.ARCHITECTURES.get(arch) != config.architecture:
+    model_of = {**gguf_loader.ARCHITECTURES, **GGUF_MOE_ARCHITECTURES}.get(arch)
+    if model_of != config.architecture and (arch, config.architecture) != ("llama", "MixtralForCausalLM"):
         raise ValueError(f"LoRA adapter {name!r}: {path} is for a {arch!r} model, "
                          f"the model is {config.architecture}")
     permuted = config.architecture in gguf_loader.PERMUTED_ARCHITECTURES
@@ -308,17 +311,25 @@ def _read_gguf_adapter(name: str, path: Path, config: ModelConfig
         for t in reader.tensors:
             # blk.3.attn_q.weight.lora_a -> model.layers.3.self_attn.q_proj.lora_A.weight
             base, _, ab = t.name.rpartition(".lora_")
+            if ab not in ("a", "b"):
+                raise _not_a_projection(name, t.name)
+            w = np.array(gguf_loader.dequantize(t), dtype=np.float32)
+            parts = base.split(".")
+            moe = (gguf_expert_tensors(name, t.name, int(parts[1]), parts[2], ab, torch.from_numpy(w), config)
+                   if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] == "weight" else None)
+            if moe is not None:  # (an MoE block's tensor: per expert, as PEFT names an expert module's)
+                yield from moe
+                continue
             try:
                 key = f"{gguf_loader.hf_name(base).removesuffix('.weight')}.lora_{ab.upper()}.weight"
             except ValueError:
                 key = ""
-            if ab not in ("a", "b") or _TENSOR.search(key) is None:
+            if _TENSOR.search(key) is None:
                 raise _not_a_projection(name, t.name)
-            w = gguf_loader.dequantize(t)
             if ab == "b" and permuted and (".q_proj." in key or ".k_proj." in key):
                 heads = config.num_attention_heads if ".q_proj." in key else config.num_key_value_heads
-                w = gguf_loader.permute_back(w, heads)
-            yield key, torch.from_numpy(np.array(w, dtype=np.float32))
+                w = np.ascontiguousarray(gguf_loader.permute_back(w, heads))
+            yield key, torch.from_numpy(w)
 
     return path, tensors(), float(gguf_loader.field_value(reader, "adapter.lora.alpha", 0.0)), False
 

@@ -45,6 +45,38 @@ _PARTS = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0), "up_proj"
 ExpertPairs = dict[tuple[int, int], dict[str, tuple[torch.Tensor, torch.Tensor]]]
 
 
+# An MoE block's tensors in a llama.cpp GGUF adapter (``convert_lora_to_gguf.py`` stacks the
+# experts' A and B as the base model's experts: ``[E, r, in]`` and ``[E, out, r]``, as its
+# ``build_lora_mm_id`` reads them) -> the expert module's projection under PEFT's names.
+_GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_GGUF_SHARED = {"ffn_gate_shexp": "gate_proj", "ffn_up_shexp": "up_proj", "ffn_down_shexp": "down_proj"}
+# ... and the routers, named so that the adapter's reading refuses them as a router's.
+_GGUF_ROUTERS = {"ffn_gate_inp": "gate", "ffn_gate_inp_shexp": "shared_expert_gate"}
+
+
+def gguf_expert_tensors(name: str, tensor: str, layer: int, kind: str, ab: str, w: torch.Tensor,
+                        config: ModelConfig) -> list[tuple[str, torch.Tensor]] | None:
+    """GGUF adapter tensor ``tensor`` (``blk.{layer}.{kind}.weight.lora_{ab}``, values ``w``)
+    under PEFT's per-module names, one an expert for a stacked one; None where ``kind`` is not
+    an MoE block's. Raises ``ValueError`` naming the tensor where it cannot fit the model."""
+    prefix = f"model.layers.{layer}.mlp"
+    suffix = f"lora_{ab.upper()}.weight"
+    if kind in _GGUF_ROUTERS:
+        return [(f"{prefix}.{_GGUF_ROUTERS[kind]}.{suffix}", w)]
+    if kind in _GGUF_SHARED:
+        return [(f"{prefix}.shared_expert.{_GGUF_SHARED[kind]}.{suffix}", w)]
+    if kind == "ffn_gate_up_exps":
+        raise ValueError(f"LoRA adapter {name!r}: tensor {tensor!r} updates fused gate_up experts, which kvserve "
+                         "reads from ffn_gate_exps / ffn_up_exps / ffn_down_exps only")
+    if kind not in _GGUF_EXPERTS:
+        return None
+    experts = config.moe.num_experts if config.moe is not None else 0
+    if w.dim() != 3 or w.shape[0] != experts:
+        raise ValueError(f"LoRA adapter {name!r}: tensor {tensor!r} has shape {tuple(w.shape)}; this model's "
+                         f"{experts} experts take [{experts}, r, in] (lora_a) and [{experts}, out, r] (lora_b)")
+    return [(f"{prefix}.experts.{e}.{_GGUF_EXPERTS[kind]}.{suffix}", w[e]) for e in range(experts)]
+
+
 class _Update(Protocol):
     def delta(self, x: torch.Tensor) -> torch.Tensor: ...
 

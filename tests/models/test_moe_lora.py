@@ -207,3 +207,90 @@ def test_an_expert_adapter_runs_in_the_fused_moe_layer_with_the_op_by_op_bits(mo
     beside_the_base(make_runner, model, tiny_prompt, adapter, got)
     monkeypatch.setattr(MoEDecoderLayer, "fused_moe_weights", lambda self: None)
     assert torch.equal(alone(make_runner, model, tiny_prompt, adapter), got)
+
+
+@pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe", "mixtral", "gptoss"])
+def test_a_llama_cpp_gguf_expert_adapter_equals_its_per_module_original(moe_checkpoint, tiny_prompt, make_runner,
+                                                                        tmp_path, arch):
+    # llama.cpp's convert_lora_to_gguf.py stacks an expert adapter as the model's experts
+    # (blk.N.ffn_{gate,up,down}_exps.weight.lora_a [E, r, in], .lora_b [E, out, r], which its
+    # build_lora_mm_id reads; Qwen2-MoE's shared expert as ffn_*_shexp, Mixtral under the
+    # `llama` architecture): read back one an expert, it is the per-module PEFT adapter it was
+    # made from, bit for bit, in the kernels' stacked form too.
+    from models import gguf_loader
+    from models.moe_config import GGUF_MOE_ARCHITECTURES
+    from tests.models.test_lora import gguf_adapter_file
+
+    path, hf = moe_checkpoint(arch)
+    model = load_model(str(path), dtype="float32", device="cpu").model
+    cfg = model.config
+    e_count, h, r, alpha = cfg.moe.num_experts, cfg.hidden_size, 2, 6.0
+    gen = torch.Generator().manual_seed(11)
+    peft, gguf = {}, {}
+    sparse = [i for i in range(cfg.num_hidden_layers) if cfg.moe.is_sparse(i)]
+    for layer in sparse:
+        kinds = [("experts", "exps", e_count, cfg.moe.expert_size)]
+        if arch == "qwen2moe":
+            kinds.append(("shared_expert", "shexp", 0, cfg.moe.shared_expert_size))
+        for module, suffix, count, i in kinds:
+            for proj, out, inn in (("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)):
+                a = torch.randn(max(count, 1), r, inn, generator=gen) * 0.5
+                b = torch.randn(max(count, 1), out, r, generator=gen) * 0.5
+                name = f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_{suffix}.weight"
+                gguf[f"{name}.lora_a"], gguf[f"{name}.lora_b"] = (a.numpy(), b.numpy()) if count else (a[0].numpy(),
+                                                                                                        b[0].numpy())
+                for e in range(max(count, 1)):
+                    key = f"base_model.model.model.layers.{layer}.mlp.{module}" + (f".{e}" if count else "")
+                    peft[f"{key}.{proj}.lora_A.weight"], peft[f"{key}.{proj}.lora_B.weight"] = a[e], b[e]
+    _write_adapter(tmp_path / "peft", peft)
+    (tmp_path / "peft" / "adapter_config.json").write_text(f'{{"peft_type": "LORA", "r": {r}, "lora_alpha": {alpha}}}')
+    arch_name = "llama" if arch == "mixtral" else next(k for k, v in {**gguf_loader.ARCHITECTURES,
+                                                                      **GGUF_MOE_ARCHITECTURES}.items()
+                                                        if v == cfg.architecture)
+    as_gguf = gguf_adapter_file(tmp_path / "a.gguf", gguf, arch=arch_name, alpha=alpha)
+
+    def read(where):
+        return load_adapter("a", where, cfg, torch.float32, torch.device("cpu"))
+
+    original, converted = read(tmp_path / "peft"), read(as_gguf)
+    for layer in sparse:
+        assert sorted(converted.experts[layer]) == sorted(original.experts[layer])
+        for proj, stack in original.expert_stacks[layer].items():
+            assert all(torch.equal(x, y) for x, y in zip(stack, converted.expert_stacks[layer][proj]))
+    got = alone(make_runner, model, tiny_prompt, converted)
+    assert torch.equal(got, alone(make_runner, model, tiny_prompt, original))
+    assert (got - alone(make_runner, model, tiny_prompt)).abs().max() > 0.1  # (the update matters)
+    # Without adapter.lora.alpha llama.cpp runs the update unscaled, and so does kvserve.
+    unscaled = read(gguf_adapter_file(tmp_path / "b.gguf", gguf, arch=arch_name))
+    layer, proj = sparse[0], "down_proj"
+    torch.testing.assert_close(unscaled.expert_stacks[layer][proj].bt * (alpha / r),
+                               converted.expert_stacks[layer][proj].bt)
+
+
+def test_gguf_expert_adapters_that_do_not_fit_are_refused(moe_checkpoint, tmp_path):
+    # A router's update, experts of another count, llama.cpp's fused gate_up experts: a
+    # message naming the tensor, never a crash at the first step.
+    import numpy as np
+
+    from tests.models.test_lora import gguf_adapter_file
+
+    path, _ = moe_checkpoint("qwen3moe")
+    cfg = load_model(str(path), dtype="float32", device="cpu").config
+    h, i, e_count = cfg.hidden_size, cfg.moe.expert_size, cfg.moe.num_experts
+    cases = {
+        "router": ({"blk.0.ffn_gate_inp.weight.lora_a": np.zeros((2, h), np.float32),
+                    "blk.0.ffn_gate_inp.weight.lora_b": np.zeros((e_count, 2), np.float32)}, "router"),
+        "count": ({"blk.0.ffn_up_exps.weight.lora_a": np.zeros((e_count + 1, 2, h), np.float32),
+                   "blk.0.ffn_up_exps.weight.lora_b": np.zeros((e_count + 1, i, 2), np.float32)},
+                  r"ffn_up_exps\.weight\.lora_a' has shape"),
+        "fused": ({"blk.0.ffn_gate_up_exps.weight.lora_a": np.zeros((e_count, 2, h), np.float32),
+                   "blk.0.ffn_gate_up_exps.weight.lora_b": np.zeros((e_count, 2 * i, 2), np.float32)},
+                  "fused gate_up experts"),
+        "rank": ({"blk.0.ffn_down_exps.weight.lora_a": np.zeros((e_count, 2, i), np.float32),
+                  "blk.0.ffn_down_exps.weight.lora_b": np.zeros((e_count, h, 3), np.float32)},
+                 "layer 0 expert 0 down_proj has lora_A"),
+    }
+    for case, (tensors, message) in cases.items():
+        with pytest.raises(ValueError, match=message):
+            load_adapter("a", gguf_adapter_file(tmp_path / f"{case}.gguf", tensors, arch="qwen3moe"), cfg,
+                         torch.float32, torch.device("cpu"))
