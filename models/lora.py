@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -43,8 +43,8 @@ from models import gguf_loader, ops
 from models.config import ModelConfig
 from models.dense import DTYPES, pack_dense
 from models.fused import FUSED_PARTS, fused_part_sizes
-from models.lora_experts import (EXPERT_TENSOR, SHARED, ExpertLoRA, ExpertStack, gguf_expert_tensors, pair_rank,
-                                 read_expert_updates, stack_experts, stack_parts)
+from models.lora_experts import (EXPERT_TENSOR, SHARED, ExpertLoRA, ExpertStack, ExpertUpdates, gguf_expert_tensors,
+                                 pair_rank, read_expert_updates, stack_experts, stack_parts)
 from models.moe_config import GGUF_MOE_ARCHITECTURES
 from models.parallel import RankSlices, TensorParallel, rank_slices
 from models.rope import interleave_rotary_rows
@@ -100,8 +100,9 @@ class LoRAAdapter:
     rank: int  # the largest rank of its projections
     layers: list[dict[str, LoRAUpdate]]
     # Per decoder layer, a mixture's experts' updates: expert -> projection -> update
-    # (``models.lora_experts``; ``SHARED``: the shared expert); empty where it updates none.
-    experts: list[dict[int, dict[str, LoRAUpdate]]] = field(default_factory=list)
+    # (``models.lora_experts.ExpertUpdates``; ``SHARED``: the shared expert); empty where it
+    # updates none.
+    experts: list[Mapping[int, dict[str, LoRAUpdate]]] = field(default_factory=list)
     # ... and the routed experts' stacked per projection, for the kernels (``ExpertStack``).
     expert_stacks: list[dict[str, ExpertStack]] = field(default_factory=list)
 
@@ -194,7 +195,6 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
     part = rank_slices(config, tp) if tp is not None and tp.world_size > 1 else None
     layers = [{fused: _stack(fused, parts, fused_part_sizes(fused, config), part, dtype, device)
                for fused, parts in layer.items()} for layer in updates]
-    experts: list[dict[int, dict[str, LoRAUpdate]]] = []
     if expert_tensors:
         if part is not None:
             raise ValueError(f"LoRA adapter {name!r} updates experts, which kvserve does not split across "
@@ -204,13 +204,19 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
             a_of = _pattern_alpha(patterns, module, alpha)
             return a_of / (math.sqrt(r) if rslora else r) if a_of else 1.0
 
-        experts = [{} for _ in range(config.num_hidden_layers)]
+        def make(a: torch.Tensor, b: torch.Tensor) -> LoRAUpdate:
+            return LoRAUpdate(a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
+
         by_expert, expert_rank = read_expert_updates(name, expert_tensors, config, scale)
-        for (layer, e), by_proj in by_expert.items():
-            experts[layer][e] = {proj: LoRAUpdate(a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
-                                 for proj, (a, b) in by_proj.items()}
-        stacks = [stack_experts({e: p for (l, e), p in by_expert.items() if l == layer}, config.moe.num_experts)
-                  for layer in range(config.num_hidden_layers)]
+        experts: list[Mapping[int, dict[str, LoRAUpdate]]] = []
+        stacks = []
+        for layer in range(config.num_hidden_layers):
+            mine = {e: by_proj for (i, e), by_proj in by_expert.items() if i == layer}
+            stacks.append(stack_experts(mine, config.moe.num_experts))
+            ranks = {(e, proj): a.shape[0] for e, by_proj in mine.items() if e != SHARED
+                     for proj, (a, _) in by_proj.items()}
+            shared = {proj: make(a, b) for proj, (a, b) in mine.get(SHARED, {}).items()}
+            experts.append(ExpertUpdates(stacks[-1], ranks, shared, make) if mine else {})
         max_rank = max(max_rank, expert_rank)
         return LoRAAdapter(name, str(path), max_rank, layers, experts, stacks)
     return LoRAAdapter(name, str(path), max_rank, layers)
@@ -450,7 +456,7 @@ class LayerLoRA:
         shared expert), for a step of ``rows`` tokens: per adapter that has any, its updates
         by expert, and per row the index of its adapter in that list (-1: none); None where
         no adapter of the batch updates them."""
-        updates: list[dict[int, dict[str, LoRAUpdate]]] = []
+        updates: list[Mapping[int, dict[str, LoRAUpdate]]] = []
         stacks: list[dict[str, ExpertStack]] = []
         owner = None
         for adapter, ranges in self.batch.groups:

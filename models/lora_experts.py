@@ -23,7 +23,7 @@ and up interleaved: its gate_up B rows are put in the model's order (gate rows, 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -227,11 +227,49 @@ def stack_experts(pairs: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]
     return stacks
 
 
+class ExpertUpdates(Mapping[int, dict[str, _Update]]):
+    """An adapter's updates of one layer's experts, ``expert -> projection -> update``
+    (``SHARED``: the shared expert's, made when read). A routed expert's are made from the
+    kernels' stacks (``ExpertStack``) the first time its own call asks for them (``[e]``,
+    ``get``): where the kernels hold the experts they never do, so the adapter's experts are
+    held once. ``ranks``: each ``(expert, projection)``'s own rank (a stack pads to the
+    largest); ``make(a, b)``: an update of ``A``, ``B`` (``models.lora.LoRAUpdate``)."""
+
+    def __init__(self, stacks: dict[str, ExpertStack], ranks: dict[tuple[int, str], int],
+                 shared: dict[str, _Update], make: Callable[[torch.Tensor, torch.Tensor], _Update]) -> None:
+        self._stacks, self._ranks, self._make = stacks, ranks, make
+        self._made: dict[int, dict[str, _Update]] = {SHARED: shared} if shared else {}
+        self._ids = sorted({e for e, _ in ranks} | set(self._made))
+
+    def __getitem__(self, expert: int) -> dict[str, _Update]:
+        if expert not in self._made:
+            if expert not in self._ids:
+                raise KeyError(expert)
+            self._made[expert] = {proj: self._make(stack.a[expert, :r], stack.bt[expert, :r].T)
+                                  for proj, stack in self._stacks.items()
+                                  if (r := self._ranks.get((expert, proj))) is not None}
+        return self._made[expert]
+
+    def __contains__(self, expert: object) -> bool:
+        return expert in self._ids  # (without making its updates)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    @property
+    def made(self) -> list[int]:
+        """The experts whose updates are made so far (the shared expert's from the start)."""
+        return sorted(self._made)
+
+
 @dataclass(frozen=True)
 class ExpertLoRA:
     """``LayerLoRA.experts``'s value: a step's adapters' updates of one layer's experts."""
 
-    updates: list[dict[int, dict[str, _Update]]]  # per adapter: expert id -> projection -> update
+    updates: list[Mapping[int, dict[str, _Update]]]  # per adapter: expert id -> projection -> update
     stacks: list[dict[str, ExpertStack]]  # per adapter: its routed experts' updates stacked
     owner: torch.Tensor  # per row of the step: its adapter's index in these lists (-1: none)
 

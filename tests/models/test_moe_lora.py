@@ -103,7 +103,9 @@ def test_lora_on_experts_held_by_the_kernels(moe_checkpoint, tiny_prompt, make_r
     weights, chosen = route(block.gate(x).float(), block.moe)
     lora = LoRABatch.of_spans([(adapter, 1, 4)]).layer(0).experts(7)  # (rows 1-4 under the adapter)
     held = mix_experts(block.experts, x, weights, chosen, block.fused, lora)[0]
+    assert adapter.experts[0].made == []  # (the kernels' stacks only: the adapter held once)
     each = mix_experts(block.experts, x, weights, chosen, None, lora)[0]
+    assert adapter.experts[0].made  # (one call an expert: its own updates, made from the stacks)
     torch.testing.assert_close(held, each, rtol=1e-4, atol=1e-4)
     plain = mix_experts(block.experts, x, weights, chosen, block.fused)[0]
     assert torch.equal(held[[0, 5, 6]], plain[[0, 5, 6]]) and (held[1:5] - plain[1:5]).abs().max() > 1e-2
@@ -207,6 +209,8 @@ def test_an_expert_adapter_runs_in_the_fused_moe_layer_with_the_op_by_op_bits(mo
     beside_the_base(make_runner, model, tiny_prompt, adapter, got)
     monkeypatch.setattr(MoEDecoderLayer, "fused_moe_weights", lambda self: None)
     assert torch.equal(alone(make_runner, model, tiny_prompt, adapter), got)
+    # The kernels added the routed experts' updates from their stacks: no expert's own made.
+    assert all(layer.made == [SHARED] * (arch == "qwen2moe") for layer in adapter.experts if layer)
 
 
 @pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe", "mixtral", "gptoss"])
