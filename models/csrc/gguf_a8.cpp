@@ -25,6 +25,12 @@
 //           floats' bytes, float16 D[16] then int8 sc[8][16] (ls - 32), d = D sc made in the kernel
 //           as llama.cpp makes it (4.3125 bits, against IQ4_XS's 4.25). The kernel looks the bytes up (vpshufb)
 //           as u = value + c, then as S16 (c = 128; MXFP4 c = 16: bytes below 32, 5-bit codes).
+//   K2:     Q2_K's codes u = q (0..3) in 2 bits: per group two 64-byte planes, byte b of lane i
+//           of plane p holding, at bits 2t, byte b of lane i of code vector 4p + t (as
+//           load_codes<8> gives them); per tile and 256 inputs a record of 80 floats' bytes,
+//           float16 D[16], M[16] (= -dmin) then the file's bytes sc | mn << 4 [8][2][16], one
+//           per 16 inputs: d = D sc and m = M mn, llama.cpp's products. 2.625 bits a weight, as
+//           Q2_K's.
 //   D4, D5, D8: symmetric codes in the 4-bit layout (Q4_0: u = q, c = 8), K5's (Q5_0: u = q + 16,
 //           c = 16) or the 8-bit one (Q8_0: u = q + 128, c = 128) and the file's own float16 d per
 //           row and 32 inputs ([tiles, K/32, 16] float16): 4.5, 5.5 and 8.5 bits a weight, as the
@@ -35,6 +41,8 @@
 // Per group, with the dots s_h = sum(u qx) of each half h and qs_h = sum(qx) (grouped_rows.h):
 //   K, A: y += d * (dx_1 (s_1 - c qs_1) + dx_0 (s_0 - c qs_0)) + (c d + m) * sum(x)   (c: 8; 5 bits 16)
 //   S16: y += d_0 * (dx_0 (s_0 - 32 qs_0)) + d_1 * (dx_1 (s_1 - 32 qs_1))
+//   K2:  y += dx_0 (d_0 s_0 + m_0 qs_0) + dx_1 (d_1 s_1 + m_1 qs_1)   (its m per 16 meets the
+//        rounded x, as in llama.cpp's Q2_K dots: x's float sums come per 32)
 //   L4, D: y += d * (dx_1 (s_1 - c qs_1) + dx_0 (s_0 - c qs_0))   (c: 128, MX4 16; D4's 8, D5's 16)
 // s_h - c qs_h = sum((u - c) qx) is an integer below 2^24, exact in float (the vector code
 // subtracts in integers, the plain C++ in floats: the same value); so the rounding of x
@@ -82,13 +90,25 @@ inline int code_at5(const uint8_t* group, int i, int k) {
   return code_at<4>(group, i, k) | (((group[256 + i * 4 + k % 4] >> j) & 1) << 4);
 }
 
-// A group's codes as bytes (load_codes<8>'s w[8]); 5 bits: the low plane as 4-bit codes, then
-// vector t's 5th bits (bit t of the high plane's bytes) moved to bit 4 and added in; 6 bits:
+// Code u of row i, input k, of a group of 2-bit codes.
+inline int code_at2(const uint8_t* group, int i, int k) {
+  const int j = k < 16 ? k / 4 : 4 + (k - 16) / 4;
+  return (group[(j / 4) * 64 + i * 4 + k % 4] >> (2 * (j % 4))) & 3;
+}
+
+// A group's codes as bytes (load_codes<8>'s w[8]); 2 bits: each plane's 4 vectors shifted
+// down; 5 bits: the low plane as 4-bit codes, then vector t's 5th bits (bit t of the high plane's bytes) moved to bit 4 and added in; 6 bits:
 // the low plane as 4-bit codes,
 // then each vector's high bits added in (they do not overlap, so the add is an or).
 template <int kBits>
 KVSERVE_ALWAYS_INLINE void load_group(const uint8_t* group, V16i* w) {
-  if constexpr (kBits == 5) {
+  if constexpr (kBits == 2) {
+    const V16i three = v16i_set1(0x03030303);
+    for (int p = 0; p < 2; ++p) {
+      const V16i plane = v16i_load(group + p * 64);
+      for (int t = 0; t < 4; ++t) w[4 * p + t] = (t ? v16i_srli32(plane, 2 * t) : plane) & three;
+    }
+  } else if constexpr (kBits == 5) {
     load_codes<4>(group, w);
     const V16i high = v16i_load(group + 256), bit4 = v16i_set1(0x10101010);
     for (int t = 0; t < 8; ++t) {
@@ -130,16 +150,30 @@ KVSERVE_ALWAYS_INLINE void prefetch_ahead(const uint8_t* group, bool once) {
     for (int64_t b = 0; b < kGroupBytes; b += 64) __builtin_prefetch(ahead + b, 0, 3);
   }
 }
+#endif
 
-// Up to R rows of int8 x against one 16-row tile of a K or S16 format.
-template <int kBits, bool kSym, int R>
+// What a super-block format (K4, K5, S16, K2) reads: its code width, a scale per 16 inputs
+// without an m (S16) or with one (K2), the width its dots run at and the centre of its codes.
+template <int64_t kFormat>
+struct KFormat {
+  static constexpr int kBits = a8_code_bits(kFormat);
+  static constexpr bool kSym = kFormat == kA8S16;
+  static constexpr bool kMin16 = kFormat == kA8K2;
+  static constexpr int kDotBits = kMin16 ? 4 : kBits;  // (2-bit codes: the 4-bit pass)
+  static constexpr int32_t kCentre = kMin16 ? 0 : static_cast<int32_t>(centre<kSym, kBits>());
+};
+
+#if defined(KVSERVE_V16_INT8)
+// Up to R rows of int8 x against one 16-row tile of a K, S16 or K2 format.
+template <int64_t kFormat, int R>
 KVSERVE_ALWAYS_INLINE void tile_rows_k(float* y, int64_t ys, const QuantizedRows& xq, int64_t r0, int64_t groups,
                                        const uint8_t* codes, const float* scales, int64_t valid, bool once) {
-  constexpr int64_t kGroupBytes = kTile * kGroup * kBits / 8;
-  constexpr int64_t kRecord = a8_record_floats(kSym ? kA8S16 : kA8K4), kInts = a8_record_ints(kSym ? kA8S16 : kA8K4);
+  using F = KFormat<kFormat>;
+  constexpr int64_t kGroupBytes = kTile * kGroup * F::kBits / 8;
+  constexpr int64_t kRecord = a8_record_floats(kFormat), kInts = a8_record_ints(kFormat);
   // The centre term c qs in integers (exact, as the float one is): no scalar float product
   // and broadcast per row, which took a multiply pipe from the dots.
-  constexpr int32_t kCentreInt = static_cast<int32_t>(centre<kSym, kBits>());
+  constexpr int32_t kCentreInt = F::kCentre;
   V16 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = v16_zero();
   V16 big_d = v16_zero(), big_m = v16_zero();
@@ -149,14 +183,23 @@ KVSERVE_ALWAYS_INLINE void tile_rows_k(float* y, int64_t ys, const QuantizedRows
     if (j == 0) {
       const float* rec = scales + (g / kSuper) * kRecord;
       big_d = v16_load_half(rec);
-      if constexpr (!kSym) big_m = v16_load_half(rec + 8);
+      if constexpr (!F::kSym) big_m = v16_load_half(rec + 8);
       sub = reinterpret_cast<const int8_t*>(rec + kInts);
     }
     V16i w[8];
     prefetch_ahead<kGroupBytes>(codes + g * kGroupBytes, once);
-    load_group<kBits>(codes + g * kGroupBytes, w);
-    V16 d0, d1, off;
-    if constexpr (kSym) {
+    load_group<F::kBits>(codes + g * kGroupBytes, w);
+    V16 d0, d1, off, m0, m1;
+    if constexpr (F::kMin16) {
+      const auto* bytes = reinterpret_cast<const uint8_t*>(sub) + 32 * j;
+      V16 sc, mn;
+      v16_load_nibbles(bytes, sc, mn);
+      d0 = big_d * sc;
+      m0 = big_m * mn;
+      v16_load_nibbles(bytes + 16, sc, mn);
+      d1 = big_d * sc;
+      m1 = big_m * mn;
+    } else if constexpr (F::kSym) {
       d0 = big_d * v16_load_int8(sub + 32 * j);
       d1 = big_d * v16_load_int8(sub + 32 * j + 16);
     } else {
@@ -171,10 +214,17 @@ KVSERVE_ALWAYS_INLINE void tile_rows_k(float* y, int64_t ys, const QuantizedRows
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       V16i s0, s1;
-      group_dots<kBits, (R >= kVnniRows)>(s0, s1, w, qx + r * kGroup);
+      group_dots<F::kDotBits, (R >= kVnniRows)>(s0, s1, w, qx + r * kGroup);
+      if constexpr (F::kMin16) {
+        const V16 t0 = v16_fmadd(d0, v16_from_int(s0), m0 * v16_set1(static_cast<float>(qs[2 * r])));
+        const V16 t1 = v16_fmadd(d1, v16_from_int(s1), m1 * v16_set1(static_cast<float>(qs[2 * r + 1])));
+        acc[r] = v16_fmadd(t0, v16_set1(dx[2 * r]), acc[r]);
+        acc[r] = v16_fmadd(t1, v16_set1(dx[2 * r + 1]), acc[r]);
+        continue;
+      }
       const V16 c0 = v16_from_int(v16i_sub(s0, v16i_set1(kCentreInt * qs[2 * r])));
       const V16 c1 = v16_from_int(v16i_sub(s1, v16i_set1(kCentreInt * qs[2 * r + 1])));
-      if constexpr (kSym) {
+      if constexpr (F::kSym) {
         acc[r] = v16_fmadd(d0, c0 * v16_set1(dx[2 * r]), acc[r]);
         acc[r] = v16_fmadd(d1, c1 * v16_set1(dx[2 * r + 1]), acc[r]);
       } else {
@@ -189,32 +239,46 @@ KVSERVE_ALWAYS_INLINE void tile_rows_k(float* y, int64_t ys, const QuantizedRows
 #endif
 
 // The same arithmetic one output at a time (CPUs without the vector code; the tests).
-template <int kBits, bool kSym>
+template <int64_t kFormat>
 void tile_rows_k_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, int64_t r0, int64_t groups,
                        const uint8_t* codes, const float* scales, int64_t valid) {
+  using F = KFormat<kFormat>;
+  constexpr int kBits = F::kBits;
   constexpr int64_t kGroupBytes = kTile * kGroup * kBits / 8;
-  constexpr int64_t kRecord = a8_record_floats(kSym ? kA8S16 : kA8K4), kInts = a8_record_ints(kSym ? kA8S16 : kA8K4);
-  constexpr float kCentre = centre<kSym, kBits>();
+  constexpr int64_t kRecord = a8_record_floats(kFormat), kInts = a8_record_ints(kFormat);
+  constexpr float kCentre = static_cast<float>(F::kCentre);
   for (int r = 0; r < rows; ++r) {
     for (int i = 0; i < valid; ++i) {
       float acc = 0.0f;
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t j = g % kSuper, gr = g * xq.rows + r0 + r;
         const float* rec = scales + (g / kSuper) * kRecord;
-        const auto* big = reinterpret_cast<const c10::Half*>(rec);  // D[16], then K's M[16]
+        const auto* big = reinterpret_cast<const c10::Half*>(rec);  // D[16], then K's and K2's M[16]
         const auto* sub = reinterpret_cast<const int8_t*>(rec + kInts);
+        int32_t dots[2];
         float c[2];
         for (int h = 0; h < 2; ++h) {
           int32_t dot = 0;
           for (int k = 16 * h; k < 16 * h + 16; ++k) {
             const uint8_t* group = codes + g * kGroupBytes;
-            const int u = kBits == 6 ? code_at6(group, i, k) : kBits == 5 ? code_at5(group, i, k)
-                                                                            : code_at<kBits>(group, i, k);
+            const int u = kBits == 6   ? code_at6(group, i, k)
+                          : kBits == 5 ? code_at5(group, i, k)
+                          : kBits == 2 ? code_at2(group, i, k)
+                                       : code_at<kBits>(group, i, k);
             dot += u * xq.q[gr * kGroup + k];
           }
+          dots[h] = dot;
           c[h] = static_cast<float>(dot) - kCentre * static_cast<float>(xq.qs[2 * gr + h]);
         }
-        if constexpr (kSym) {
+        if constexpr (F::kMin16) {
+          const auto* bytes = reinterpret_cast<const uint8_t*>(sub) + 32 * j;
+          for (int h = 0; h < 2; ++h) {
+            const float d = static_cast<float>(big[i]) * static_cast<float>(bytes[16 * h + i] & 0xF);
+            const float m = static_cast<float>(big[16 + i]) * static_cast<float>(bytes[16 * h + i] >> 4);
+            const float t = std::fma(d, static_cast<float>(dots[h]), m * static_cast<float>(xq.qs[2 * gr + h]));
+            acc = std::fma(t, xq.d[2 * gr + h], acc);
+          }
+        } else if constexpr (F::kSym) {
           const float d0 = static_cast<float>(big[i]) * static_cast<float>(sub[32 * j + i]);
           const float d1 = static_cast<float>(big[i]) * static_cast<float>(sub[32 * j + 16 + i]);
           const float p0 = c[0] * xq.d[2 * gr], p1 = c[1] * xq.d[2 * gr + 1];
@@ -367,7 +431,8 @@ void tile_rows_d_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, 
 
 A8Segment a8_segment(size_t i, const at::Tensor& codes, const at::Tensor& scales, int64_t format, int64_t groups) {
   const bool affine = format == kA8A4 || format == kA8A5, half = a8_float16_scales(format);
-  TORCH_CHECK(half || format == kA8MX4 || format == kA8NX4 || format == kA8K4 || format == kA8K5 || format == kA8S16,
+  TORCH_CHECK(half || format == kA8MX4 || format == kA8NX4 || format == kA8K4 || format == kA8K5 || format == kA8S16 ||
+                  format == kA8K2,
               "segment ", i, ": format ", format, " is not an A8Format");
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 4 &&
                   codes.size(1) == groups, "segment ", i, ": codes must be uint8 [tiles, K/32, ., 64]");
@@ -405,7 +470,7 @@ KVSERVE_ALWAYS_INLINE void tile_as(const A8Segment& seg, int64_t t, float* y, in
                                    int64_t r0, int rows, int64_t groups, int64_t valid, bool plain, bool once) {
   const uint8_t* c = seg.codes + t * seg.code_bytes;
   const float* s = seg.scales + t * seg.scale_floats;
-  if constexpr (kFormat != kA8K4 && kFormat != kA8K5 && kFormat != kA8S16) {  // (L4, D, A)
+  if constexpr (kFormat != kA8K4 && kFormat != kA8K5 && kFormat != kA8S16 && kFormat != kA8K2) {  // (L4, D, A)
     Lut16 lut{};
     if constexpr (DFormat<kFormat>::kLut) lut = lut_of(kFormat);
 #if defined(KVSERVE_V16_INT8) && defined(KVSERVE_V16_LUT)
@@ -417,16 +482,14 @@ KVSERVE_ALWAYS_INLINE void tile_as(const A8Segment& seg, int64_t t, float* y, in
 #endif
     tile_rows_d_plain<kFormat>(rows, y, ys, xq, r0, groups, c, s, valid, lut);
   } else {
-    constexpr int kBits = a8_code_bits(kFormat);
-    constexpr bool kSym = kFormat == kA8S16;
 #if defined(KVSERVE_V16_INT8)
     if (!plain) {
       return with_rows<kRowsInt8>(rows, [&](auto n) {
-        tile_rows_k<kBits, kSym, decltype(n)::value>(y, ys, xq, r0, groups, c, s, valid, once);
+        tile_rows_k<kFormat, decltype(n)::value>(y, ys, xq, r0, groups, c, s, valid, once);
       });
     }
 #endif
-    tile_rows_k_plain<kBits, kSym>(rows, y, ys, xq, r0, groups, c, s, valid);
+    tile_rows_k_plain<kFormat>(rows, y, ys, xq, r0, groups, c, s, valid);
   }
 }
 
@@ -439,6 +502,7 @@ void with_format(int64_t format, F&& f) {
     case kA8K4: return f(std::integral_constant<int64_t, kA8K4>{});
     case kA8K5: return f(std::integral_constant<int64_t, kA8K5>{});
     case kA8S16: return f(std::integral_constant<int64_t, kA8S16>{});
+    case kA8K2: return f(std::integral_constant<int64_t, kA8K2>{});
     case kA8MX4: return f(std::integral_constant<int64_t, kA8MX4>{});
     case kA8D4: return f(std::integral_constant<int64_t, kA8D4>{});
     case kA8D5: return f(std::integral_constant<int64_t, kA8D5>{});

@@ -329,12 +329,13 @@ bool a8_fits(int64_t type, int64_t format, int& shift) {
     case kA8K4: return type == kQ4_K;
     case kA8K5: return type == kQ5_K;
     case kA8S16: return type == kQ6_K || type == kQ3_K;
+    case kA8K2: return type == kQ2_K;
     default: return false;
   }
 }
 
-// A K, S16 or NX4 block's super-block scale D (and M = -dmin) and its integer scales: K's sc
-// and mn per 32 inputs, S16's sc per 16, IQ4_XS's ls - 32 per 32.
+// A K, S16, K2 or NX4 block's super-block scale D (and M = -dmin) and its integer scales: K's
+// sc and mn per 32 inputs, S16's sc per 16, K2's sc and mn per 16, IQ4_XS's ls - 32 per 32.
 void a8_block_scales(int64_t type, const uint8_t* b, float& big_d, float& big_m, int* sc, int* mn) {
   big_m = 0.0f;
   if (type == kIQ4_XS) {
@@ -346,6 +347,10 @@ void a8_block_scales(int64_t type, const uint8_t* b, float& big_d, float& big_m,
     big_d = f16(b);
     big_m = -f16(b + 2);
     for (int j = 0; j < 8; ++j) k_scale_min(b + 4, j, sc[j], mn[j]);
+  } else if (type == kQ2_K) {
+    big_d = f16(b + 80);
+    big_m = -f16(b + 82);
+    for (int j = 0; j < 16; ++j) sc[j] = b[j] & 0xF, mn[j] = b[j] >> 4;
   } else if (type == kQ6_K) {
     big_d = f16(b + 208);
     for (int j = 0; j < 16; ++j) sc[j] = reinterpret_cast<const int8_t*>(b + 192)[j];
@@ -493,7 +498,8 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
   const int64_t block_bytes = in.block_bytes, per_block = in.per_block, k = in.k, groups = k / 32, tiles = in.tiles;
   int shift;
   TORCH_CHECK(a8_fits(type, format, shift), "GGUF type ", type, " has no int8-activation format ", format);
-  const bool sym = format == kA8S16, xs = format == kA8NX4, compact = format == kA8K4 || format == kA8K5 || sym || xs;
+  const bool sym = format == kA8S16, xs = format == kA8NX4, k2 = format == kA8K2;
+  const bool compact = format == kA8K4 || format == kA8K5 || sym || xs || k2;
   const bool lut = format == kA8MX4 || format == kA8NL4 || xs, affine = format == kA8A4 || format == kA8A5;
   const bool half = a8_float16_scales(format);
   const int bits = a8_code_bits(format);
@@ -532,7 +538,16 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
           const int8_t q = t.q[o * k + 32 * g + in];
           return static_cast<uint8_t>(lut ? std::max(0, index_of[static_cast<uint8_t>(q)]) : q + shift);  // (a zero row: 0)
         };
-        for (int j = 0; j < (nibbles ? 4 : 8); ++j)
+        if (bits == 2) {  // two planes: byte b of lane o of plane p, bits 2t, of code vector 4p + t
+          for (int p = 0; p < 2; ++p)
+            for (int o = 0; o < 16; ++o)
+              for (int b = 0; b < 4; ++b) {
+                int packed = 0;
+                for (int t = 0; t < 4; ++t) packed |= (u(o, 16 * p + 4 * t + b) & 3) << (2 * t);
+                c[p * 64 + o * 4 + b] = static_cast<uint8_t>(packed);
+              }
+        }
+        for (int j = 0; j < (bits == 2 ? 0 : nibbles ? 4 : 8); ++j)
           for (int o = 0; o < 16; ++o)
             for (int b = 0; b < 4; ++b)
               c[j * 64 + o * 4 + b] = nibbles ? static_cast<uint8_t>((u(o, 4 * j + b) & 0xF) |
@@ -604,13 +619,16 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
           if (static_cast<float>(big[o]) != big_d || (!sym && !xs && static_cast<float>(big[16 + o]) != big_m))
             exact = false;
           for (int h = 0; h < 16; ++h) {  // each 16 inputs' scale, checked against decode_block's
-            const int j = sym ? h : h / 2;
+            const int j = sym || k2 ? h : h / 2;
             const float dd = big_d * static_cast<float>(sc[j]), mm = big_m * static_cast<float>(mn[j]);
             const int64_t at = o * (k / 16) + sb * 16 + h;
             if (dd != t.d[at] || (!sym && mm != t.m[at])) exact = false;
           }
           for (int j = 0; j < 8; ++j) {
-            if (sym) {
+            if (k2) {  // (the file's bytes: sc | mn << 4)
+              for (int h = 0; h < 2; ++h)
+                ints[j * 32 + 16 * h + o] = static_cast<int8_t>(sc[2 * j + h] | (mn[2 * j + h] << 4));
+            } else if (sym) {
               ints[j * 32 + o] = static_cast<int8_t>(sc[2 * j]);
               ints[j * 32 + 16 + o] = static_cast<int8_t>(sc[2 * j + 1]);
             } else {

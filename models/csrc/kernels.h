@@ -95,18 +95,24 @@ bool repack_gguf(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, i
 // a table of 16 values (MX4: MXFP4's with its exponent byte per 32; NL4: IQ4_NL's with its float16
 // d per 32; NX4: IQ4_XS's with its super-block's d and 6-bit scales), and
 // symmetric 4-, 5- and 8-bit codes with the file's float16 scale per 32 (D4: Q4_0; D5: Q5_0;
-// D8: Q8_0). 5-bit codes (K5: Q5_K; D5) are a plane of their low 4 bits and one of their 5th.
+// D8: Q8_0), and Q2_K's 2-bit codes with their super-block's scale and min per 16 inputs
+// (K2). 5-bit codes (K5: Q5_K; D5) are a plane of their low 4 bits and one of their 5th.
 enum A8Format : int64_t {
   kA8A4 = 0, kA8A5 = 1, kA8K4 = 2, kA8K5 = 3, kA8S16 = 4, kA8MX4 = 5, kA8NL4 = 6, kA8D4 = 7, kA8D8 = 8, kA8D5 = 9,
-  kA8NX4 = 10
+  kA8NX4 = 10, kA8K2 = 11
 };
 // Bits a code of `format` takes (its codes are [tiles, K/32, bits, 64] bytes).
 constexpr int a8_code_bits(int64_t format) {
-  return format == kA8D8 ? 8 : format == kA8S16 ? 6 : format == kA8K5 || format == kA8D5 || format == kA8A5 ? 5 : 4;
+  return format == kA8D8    ? 8
+         : format == kA8S16 ? 6
+         : format == kA8K2  ? 2
+         : format == kA8K5 || format == kA8D5 || format == kA8A5 ? 5
+                                                                  : 4;
 }
 // Floats in a super-block format's record per 16-row tile and 256 inputs (K4, K5: float16 D, M
-// and int8 sc, mn; S16: float16 D and int8 sc per 16 inputs; NX4: float16 D and int8 sc;
-// gguf_a8.cpp's layouts), and where its int8 scales start (floats from the record's start).
+// and int8 sc, mn; S16: float16 D and int8 sc per 16 inputs; NX4: float16 D and int8 sc; K2:
+// float16 D, M and Q2_K's bytes of sc | mn << 4 per 16 inputs; gguf_a8.cpp's layouts), and
+// where its int8 scales start (floats from the record's start).
 constexpr int64_t a8_record_floats(int64_t format) { return format == kA8S16 ? 72 : format == kA8NX4 ? 40 : 80; }
 constexpr int64_t a8_record_ints(int64_t format) { return format == kA8S16 || format == kA8NX4 ? 8 : 16; }
 // Whether `format`'s scales are the file's float16 d (D, NL4) or d and m (A) per row and 32 inputs.

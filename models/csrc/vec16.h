@@ -163,6 +163,12 @@ inline V16 v16_load_e8m0_half(const uint8_t* p) {
   const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return {_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(e, 23)), _mm512_set1_ps(0.5f))};
 }
+// 16 bytes' low and high nibbles as floats (Q2_K's scale | min << 4 bytes).
+inline void v16_load_nibbles(const uint8_t* p, V16& lo, V16& hi) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = {_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF)))};
+  hi = {_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4))};
+}
 
 // The 128-bit-lane shuffles of reduce16, named by what they do on 16 lanes:
 // per 128-bit lane, as _mm_unpacklo_ps / _mm_unpackhi_ps / _mm_shuffle_ps.
@@ -309,6 +315,12 @@ inline V16 v16_load_e8m0_half(const uint8_t* p) {
     return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(bytes), 23)), half);
   };
   return {scale(b), scale(_mm_srli_si128(b, 8))};
+}
+inline void v16_load_nibbles(const uint8_t* p, V16& lo, V16& hi) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i b0 = _mm256_cvtepu8_epi32(b), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)), f = _mm256_set1_epi32(0xF);
+  lo = {_mm256_cvtepi32_ps(_mm256_and_si256(b0, f)), _mm256_cvtepi32_ps(_mm256_and_si256(b1, f))};
+  hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4))};
 }
 
 inline V16 v16_unpacklo(V16 a, V16 b) { return {_mm256_unpacklo_ps(a.lo, b.lo), _mm256_unpacklo_ps(a.hi, b.hi)}; }

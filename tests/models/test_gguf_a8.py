@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType
 
 from gguf_files import MIXED_TYPES, write_mixed_gguf
 from models import ops
-from models.gguf_linear import (A8_A4, A8_A5, A8_D4, A8_D5, A8_D8, A8_K4, A8_K5, A8_S16, A8_TYPE_FORMATS,
+from models.gguf_linear import (A8_A4, A8_A5, A8_D4, A8_D5, A8_D8, A8_K2, A8_K4, A8_K5, A8_S16, A8_TYPE_FORMATS,
                                 NativeA8Linear)
 from models.gguf_native import a8_projection, a8_ready, file_types
 from models.gguf_quants import random_blocks, split
@@ -51,6 +51,8 @@ def integer_dot_reference(tensor: GGUFTensor, x: torch.Tensor) -> torch.Tensor:
     k, n = tensor.shape
     codes = split(GGMLQuantizationType(tensor.tensor_type).name, tensor.data, (n, k))
     o = codes.d.double() * (2 ** (codes.bits - 1) - codes.offset) + (0 if codes.m is None else codes.m.double())
+    if codes.bits == 2:  # (Q2_K: its codes 0..3 and its m per 16 meet the rounded x, as in llama.cpp)
+        o = torch.zeros_like(o)
     o = o.repeat_interleave(codes.group, dim=1)
     q, dx = rounded(x)
     w = codes.dequantize().double()
@@ -69,7 +71,7 @@ def rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # IQ4_XS's super-block scales as the file's float16 values, their 6-bit scales as int8s; Q3_K's
 # codes at 6 bits, as Q6_K's).
 HELD_BITS = {"Q4_0": 4.5, "Q4_1": 5.0, "Q5_0": 5.5, "Q5_1": 6.0, "Q8_0": 8.5, "Q4_K": 4.625, "Q5_K": 5.625,
-             "Q6_K": 6.5625, "Q3_K": 6.5625, "MXFP4": 4.25, "IQ4_NL": 4.5, "IQ4_XS": 4.3125}
+             "Q6_K": 6.5625, "Q3_K": 6.5625, "MXFP4": 4.25, "IQ4_NL": 4.5, "IQ4_XS": 4.3125, "Q2_K": 2.625}
 
 
 @pytest.mark.parametrize("type_name", TYPES)
@@ -175,8 +177,8 @@ def test_experts_in_one_call_give_each_experts_own_call(types: tuple[str, ...]) 
 
 def test_experts_of_other_formats_shapes_or_counts_are_refused() -> None:
     q8 = a8_projection(None, [tensor_of("Q8_0", (32, 512))], [None])
-    with pytest.raises(RuntimeError, match="format 11 is not an A8Format"):
-        ops.a8_experts(q8.fused_args[:-1], [11], 1, 512, 32)
+    with pytest.raises(RuntimeError, match="format 12 is not an A8Format"):
+        ops.a8_experts(q8.fused_args[:-1], [12], 1, 512, 32)
     with pytest.raises(RuntimeError, match="codes of the wrong width"):  # (Q8_0's 8-bit codes called A4)
         ops.a8_experts(q8.fused_args[:-1], [A8_A4], 1, 512, 32)
     two = [a8_projection(None, [tensor_of("Q4_K", (rows, 512))], [None]) for rows in (32, 48)]
@@ -195,7 +197,7 @@ def test_experts_of_other_formats_shapes_or_counts_are_refused() -> None:
 A8_TYPES = [MIXED_TYPES[0], {"attn_q": "Q5_K", "attn_k": "Q8_0", "attn_v": "Q5_0", "attn_output": "Q4_0",
                              "ffn_gate": "Q3_K", "ffn_up": "Q4_1", "ffn_down": "IQ4_NL"},
             {"attn_q": "Q5_1", "attn_k": "Q5_1", "attn_v": "Q8_0", "attn_output": "IQ4_XS",
-             "ffn_gate": "Q5_1", "ffn_up": "Q5_1", "ffn_down": "Q5_1"}]
+             "ffn_gate": "Q2_K", "ffn_up": "Q5_1", "ffn_down": "Q5_1"}]
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +217,7 @@ def test_w4a8_keeps_each_tensor_at_its_type(a8_file, make_runner, monkeypatch: p
                for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
     assert [layer.self_attn.qkv_proj.formats for layer in layers] == [[A8_K4, A8_S16], [A8_K5, A8_D8, A8_D5],
                                                                        [A8_A5, A8_D8]]
+    assert layers[2].mlp.gate_up_proj.formats == [A8_K2, A8_A5]  # (Q2_K's gate beside Q5_1's up)
     assert isinstance(model.lm_head, NativeA8Linear) and model.lm_head.formats == [A8_S16]
     assert all(layer.packed_int4() for layer in layers)  # the fused layer runs them
     runner = make_runner(model)
@@ -246,9 +249,11 @@ def test_w4a8_with_bfloat16_activations_runs_op_by_op(a8_file, make_runner) -> N
     assert model.model.norm.weight.dtype == torch.bfloat16 and torch.isfinite(logits).all()
 
 
-def test_w4a8_says_why_a_file_keeps_its_old_requantising_path(tmp_path: Path, caplog) -> None:
+def test_w4a8_says_why_a_file_keeps_its_old_requantising_path(tmp_path: Path, caplog,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "mixed.gguf"
     write_mixed_gguf(path, arch="qwen2")  # its second layer holds Q2_K (and Q5_1 and IQ4_XS, which w4a8 keeps)
+    monkeypatch.delitem(A8_TYPE_FORMATS, "Q2_K")  # (a type without an int8-activation format)
     reader = open_gguf(path)
     assert a8_ready(file_types(reader), reader) == "no int8-activation format holds Q2_K"
     with caplog.at_level("WARNING"):

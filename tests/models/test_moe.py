@@ -207,7 +207,7 @@ _GGUF_KINDS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
                "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
                "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.router": "ffn_gate_inp"}
 # The types the gguf package cannot quantise: written as random blocks, the reference their values.
-RANDOM_BLOCK_TYPES = {"Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"}
+RANDOM_BLOCK_TYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"}
 _GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                 "lm_head.weight": "output.weight"}
 
@@ -366,7 +366,7 @@ def test_moe_gguf_runs_its_own_codes_on_w4a8(tiny_prompt, make_runner, tmp_path,
 
 
 @pytest.mark.skipif(not ops.has_int8_dots(), reason="w4a8 needs the kernels' integer dots")
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "IQ4_NL"])
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q4_K", "Q6_K", "IQ4_NL"])
 def test_moe_gguf_experts_run_in_one_call_a_projection(tiny_prompt, make_runner, tmp_path, type_name):
     # Every projection of a K or table type: the experts held as one weight a projection
     # (FusedExperts), each step's chosen experts in one call, bit for bit their own calls'.
