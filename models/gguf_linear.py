@@ -203,22 +203,23 @@ def pack_amx(codes: Codes, fmt: int) -> tuple[torch.Tensor, torch.Tensor]:
 # GGUF file's codes on the int8-activation GEMMs (``--quantization w4a8`` on a GGUF file), x
 # rounded to int8 per 16 inputs and integer dots, each tensor's scales as its type applies
 # them (csrc/gguf_a8.cpp). Q4_K keeps 4.625 bits a weight (its scales per super-block), Q5_K
-# 5.625, Q6_K and Q3_K 6.5625, where the AMX formats above take 6 and 10; MXFP4 4.25, IQ4_NL 4.5 and
+# 5.625, Q6_K 6.5625 (where the AMX formats above take 6 and 10), Q3_K 3.5625 and Q2_K 2.625 (their
+# codes in planes of 2 bits, Q3_K's 3rd in one of its own); MXFP4 4.25, IQ4_NL 4.5 and
 # IQ4_XS 4.3125 (4-bit indices into their table of 16 values, looked up in the kernel, and the file's
 # scales: MXFP4's exponent byte and IQ4_NL's float16 d per 32, IQ4_XS's super-block d and 6-bit
 # scales); Q4_0 4.5, Q5_0 5.5 and Q8_0 8.5 (the file's float16 scale per 32), Q4_1 5 and Q5_1 6
 # (and its float16 offset).
-A8_A4, A8_A5, A8_K4, A8_K5, A8_S16, A8_MX4, A8_NL4, A8_D4, A8_D8, A8_D5, A8_NX4, A8_K2 = range(12)
+A8_A4, A8_A5, A8_K4, A8_K5, A8_S16, A8_MX4, A8_NL4, A8_D4, A8_D8, A8_D5, A8_NX4, A8_K2, A8_K3 = range(13)
 A8_FORMATS = {A8_A4: "4-bit, float16 d and m per 32", A8_A5: "5-bit, float16 d and m per 32",
               A8_K4: "4-bit, Q4_K's scales",
               A8_K5: "5-bit, Q5_K's scales", A8_S16: "6-bit, a scale per 16",
               A8_MX4: "4-bit MXFP4 table, d per 32", A8_NL4: "4-bit IQ4_NL table, float16 d per 32",
               A8_NX4: "4-bit IQ4_NL table, IQ4_XS's scales",
               A8_D4: "4-bit, float16 d per 32", A8_D8: "8-bit, float16 d per 32", A8_D5: "5-bit, float16 d per 32",
-              A8_K2: "2-bit, Q2_K's scales and mins per 16"}
+              A8_K2: "2-bit, Q2_K's scales and mins per 16", A8_K3: "3-bit, a scale per 16"}
 A8_TYPE_FORMATS = {"Q4_0": A8_D4, "Q4_1": A8_A4, "Q8_0": A8_D8, "Q5_0": A8_D5, "Q5_1": A8_A5,
                    "IQ4_NL": A8_NL4, "IQ4_XS": A8_NX4, "MXFP4": A8_MX4, "Q4_K": A8_K4, "Q5_K": A8_K5,
-                   "Q6_K": A8_S16, "Q3_K": A8_S16, "Q2_K": A8_K2}
+                   "Q6_K": A8_S16, "Q3_K": A8_K3, "Q2_K": A8_K2}
 
 
 # Each GGUF type's format, scaled and folded (the one ``amx_format`` gives its codes, before the

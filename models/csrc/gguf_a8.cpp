@@ -12,11 +12,16 @@
 //           sc[8][16] and mn[8][16]. A group's d = D sc and m = M mn are llama.cpp's float
 //           products, made in the kernel: 4.625 bits a weight (Q4_K's 4.5; 5.625, Q5_K's 5.5).
 //           (D and M were float32 until 2026-12-07: 4.75 bits, 2.7% more bytes a Q4_K weight.)
-//   S16:    Q6_K's and Q3_K's codes u = q + 32 in 6 bits, a scale per 16 inputs D sc: per group
+//   S16:    Q6_K's codes u = q + 32 in 6 bits, a scale per 16 inputs D sc: per group
 //           the 4-bit layout of their low 4 bits, then 2 x 64 bytes of their high 2 (byte b of lane i
 //           of the v-th holds, at bits 2t, those of byte b of lane i of code vector 4v + t, as
 //           load_codes<8> gives them); a record of 72 floats' bytes per tile and 256 inputs,
 //           float16 D[16] then int8 sc[8][2][16]. 6.5625 bits a weight, as Q6_K's.
+//   K3:     Q3_K's codes u = q + 4 (0..7) in 3 bits, S16's scales: per group K2's two planes of
+//           their low 2 bits, then 64 bytes of their 3rd (byte b of lane i holds, at bit t, that of
+//           byte b of lane i of code vector t, as K5's 5th); S16's record (the file's float16 d,
+//           its 6-bit scales less 32 as int8s). 3.5625 bits a weight, against Q3_K's 3.4375 (it
+//           ran as S16, 6.5625, until 2026-12-07).
 //   L4 (MX4, NL4, NX4): 4-bit indices into a table of 16 int8 values (MXFP4's E2M1 values doubled;
 //           IQ4_NL's and IQ4_XS's codebook) in the 4-bit layout, and their d per row and 32 inputs:
 //           MX4 the file's E8M0 exponent byte e ([tiles, K/32, 16]), d = 2^(e - 128) made in the
@@ -40,7 +45,7 @@
 //           bits a weight, as the file's blocks; K's arithmetic with a d and m per group.
 // Per group, with the dots s_h = sum(u qx) of each half h and qs_h = sum(qx) (grouped_rows.h):
 //   K, A: y += d * (dx_1 (s_1 - c qs_1) + dx_0 (s_0 - c qs_0)) + (c d + m) * sum(x)   (c: 8; 5 bits 16)
-//   S16: y += d_0 * (dx_0 (s_0 - 32 qs_0)) + d_1 * (dx_1 (s_1 - 32 qs_1))
+//   S16, K3: y += d_0 * (dx_0 (s_0 - c qs_0)) + d_1 * (dx_1 (s_1 - c qs_1))   (c: 32; K3's 4)
 //   K2:  y += dx_0 (d_0 s_0 + m_0 qs_0) + dx_1 (d_1 s_1 + m_1 qs_1)   (its m per 16 meets the
 //        rounded x, as in llama.cpp's Q2_K dots: x's float sums come per 32)
 //   L4, D: y += d * (dx_1 (s_1 - c qs_1) + dx_0 (s_0 - c qs_0))   (c: 128, MX4 16; D4's 8, D5's 16)
@@ -96,17 +101,31 @@ inline int code_at2(const uint8_t* group, int i, int k) {
   return (group[(j / 4) * 64 + i * 4 + k % 4] >> (2 * (j % 4))) & 3;
 }
 
+// Code u of row i, input k, of a group of 3-bit codes.
+inline int code_at3(const uint8_t* group, int i, int k) {
+  const int j = k < 16 ? k / 4 : 4 + (k - 16) / 4;
+  return code_at2(group, i, k) | (((group[128 + i * 4 + k % 4] >> j) & 1) << 2);
+}
+
 // A group's codes as bytes (load_codes<8>'s w[8]); 2 bits: each plane's 4 vectors shifted
-// down; 5 bits: the low plane as 4-bit codes, then vector t's 5th bits (bit t of the high plane's bytes) moved to bit 4 and added in; 6 bits:
-// the low plane as 4-bit codes,
-// then each vector's high bits added in (they do not overlap, so the add is an or).
+// down; 3 bits: those, then vector t's 3rd bits (bit t of the third plane's bytes) moved to
+// bit 2 and added in; 5 bits: the low plane as 4-bit codes, then vector t's 5th bits (bit t
+// of the high plane's bytes) moved to bit 4 and added in; 6 bits: the low plane as 4-bit
+// codes, then each vector's high bits added in (they do not overlap, so the add is an or).
 template <int kBits>
 KVSERVE_ALWAYS_INLINE void load_group(const uint8_t* group, V16i* w) {
-  if constexpr (kBits == 2) {
+  if constexpr (kBits == 2 || kBits == 3) {
     const V16i three = v16i_set1(0x03030303);
     for (int p = 0; p < 2; ++p) {
       const V16i plane = v16i_load(group + p * 64);
       for (int t = 0; t < 4; ++t) w[4 * p + t] = (t ? v16i_srli32(plane, 2 * t) : plane) & three;
+    }
+    if constexpr (kBits == 3) {
+      const V16i high = v16i_load(group + 128), bit2 = v16i_set1(0x04040404);
+      for (int t = 0; t < 8; ++t) {
+        const V16i moved = t < 2 ? v16i_slli32(high, 2 - t) : t > 2 ? v16i_srli32(high, t - 2) : high;
+        w[t] = v16i_add(w[t], moved & bit2);
+      }
     }
   } else if constexpr (kBits == 5) {
     load_codes<4>(group, w);
@@ -152,19 +171,19 @@ KVSERVE_ALWAYS_INLINE void prefetch_ahead(const uint8_t* group, bool once) {
 }
 #endif
 
-// What a super-block format (K4, K5, S16, K2) reads: its code width, a scale per 16 inputs
-// without an m (S16) or with one (K2), the width its dots run at and the centre of its codes.
+// What a super-block format (K4, K5, S16, K3, K2) reads: its code width, a scale per 16 inputs
+// without an m (S16, K3) or with one (K2), the width its dots run at and the centre of its codes.
 template <int64_t kFormat>
 struct KFormat {
   static constexpr int kBits = a8_code_bits(kFormat);
-  static constexpr bool kSym = kFormat == kA8S16;
+  static constexpr bool kSym = kFormat == kA8S16 || kFormat == kA8K3;
   static constexpr bool kMin16 = kFormat == kA8K2;
-  static constexpr int kDotBits = kMin16 ? 4 : kBits;  // (2-bit codes: the 4-bit pass)
-  static constexpr int32_t kCentre = kMin16 ? 0 : static_cast<int32_t>(centre<kSym, kBits>());
+  static constexpr int kDotBits = kBits < 4 ? 4 : kBits;  // (2- and 3-bit codes: the 4-bit pass)
+  static constexpr int32_t kCentre = kMin16 ? 0 : kBits == 3 ? 4 : static_cast<int32_t>(centre<kSym, kBits>());
 };
 
 #if defined(KVSERVE_V16_INT8)
-// Up to R rows of int8 x against one 16-row tile of a K, S16 or K2 format.
+// Up to R rows of int8 x against one 16-row tile of a K, S16, K3 or K2 format.
 template <int64_t kFormat, int R>
 KVSERVE_ALWAYS_INLINE void tile_rows_k(float* y, int64_t ys, const QuantizedRows& xq, int64_t r0, int64_t groups,
                                        const uint8_t* codes, const float* scales, int64_t valid, bool once) {
@@ -263,6 +282,7 @@ void tile_rows_k_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, 
             const uint8_t* group = codes + g * kGroupBytes;
             const int u = kBits == 6   ? code_at6(group, i, k)
                           : kBits == 5 ? code_at5(group, i, k)
+                          : kBits == 3 ? code_at3(group, i, k)
                           : kBits == 2 ? code_at2(group, i, k)
                                        : code_at<kBits>(group, i, k);
             dot += u * xq.q[gr * kGroup + k];
@@ -432,7 +452,7 @@ void tile_rows_d_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, 
 A8Segment a8_segment(size_t i, const at::Tensor& codes, const at::Tensor& scales, int64_t format, int64_t groups) {
   const bool affine = format == kA8A4 || format == kA8A5, half = a8_float16_scales(format);
   TORCH_CHECK(half || format == kA8MX4 || format == kA8NX4 || format == kA8K4 || format == kA8K5 || format == kA8S16 ||
-                  format == kA8K2,
+                  format == kA8K2 || format == kA8K3,
               "segment ", i, ": format ", format, " is not an A8Format");
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 4 &&
                   codes.size(1) == groups, "segment ", i, ": codes must be uint8 [tiles, K/32, ., 64]");
@@ -470,7 +490,8 @@ KVSERVE_ALWAYS_INLINE void tile_as(const A8Segment& seg, int64_t t, float* y, in
                                    int64_t r0, int rows, int64_t groups, int64_t valid, bool plain, bool once) {
   const uint8_t* c = seg.codes + t * seg.code_bytes;
   const float* s = seg.scales + t * seg.scale_floats;
-  if constexpr (kFormat != kA8K4 && kFormat != kA8K5 && kFormat != kA8S16 && kFormat != kA8K2) {  // (L4, D, A)
+  if constexpr (kFormat != kA8K4 && kFormat != kA8K5 && kFormat != kA8S16 && kFormat != kA8K2 &&
+                kFormat != kA8K3) {  // (L4, D, A)
     Lut16 lut{};
     if constexpr (DFormat<kFormat>::kLut) lut = lut_of(kFormat);
 #if defined(KVSERVE_V16_INT8) && defined(KVSERVE_V16_LUT)
@@ -503,6 +524,7 @@ void with_format(int64_t format, F&& f) {
     case kA8K5: return f(std::integral_constant<int64_t, kA8K5>{});
     case kA8S16: return f(std::integral_constant<int64_t, kA8S16>{});
     case kA8K2: return f(std::integral_constant<int64_t, kA8K2>{});
+    case kA8K3: return f(std::integral_constant<int64_t, kA8K3>{});
     case kA8MX4: return f(std::integral_constant<int64_t, kA8MX4>{});
     case kA8D4: return f(std::integral_constant<int64_t, kA8D4>{});
     case kA8D5: return f(std::integral_constant<int64_t, kA8D5>{});

@@ -313,10 +313,10 @@ struct TileRows {
 // Whether gguf_a8_linear's `format` holds `type`'s values exactly, and its code bytes u = q + shift.
 // The kernels centre the codes on their middle (c = 8, 16, 32 or 128), where the integer dots
 // meet x's rounding. D4 keeps Q4_0's codes 0..15 (decode_block's m = -8 d: the centre), D5
-// Q5_0's signed codes as u = q + 16, D8 Q8_0's as u = q + 128; A4 and A5 Q4_1's and Q5_1's
-// codes 0..15 and 0..31 as they are, with the file's m.
+// Q5_0's signed codes as u = q + 16, D8 Q8_0's as u = q + 128, K3 Q3_K's -4..3 as u = q + 4;
+// A4 and A5 Q4_1's and Q5_1's codes 0..15 and 0..31 as they are, with the file's m.
 bool a8_fits(int64_t type, int64_t format, int& shift) {
-  shift = format == kA8D8 ? 128 : format == kA8S16 ? 32 : format == kA8D5 ? 16 : 0;
+  shift = format == kA8D8 ? 128 : format == kA8S16 ? 32 : format == kA8D5 ? 16 : format == kA8K3 ? 4 : 0;
   switch (format) {
     case kA8D4: return type == kQ4_0;
     case kA8D5: return type == kQ5_0;
@@ -329,13 +329,14 @@ bool a8_fits(int64_t type, int64_t format, int& shift) {
     case kA8K4: return type == kQ4_K;
     case kA8K5: return type == kQ5_K;
     case kA8S16: return type == kQ6_K || type == kQ3_K;
+    case kA8K3: return type == kQ3_K;
     case kA8K2: return type == kQ2_K;
     default: return false;
   }
 }
 
-// A K, S16, K2 or NX4 block's super-block scale D (and M = -dmin) and its integer scales: K's
-// sc and mn per 32 inputs, S16's sc per 16, K2's sc and mn per 16, IQ4_XS's ls - 32 per 32.
+// A K, S16, K3, K2 or NX4 block's super-block scale D (and M = -dmin) and its integer scales: K's
+// sc and mn per 32 inputs, S16's and K3's sc per 16, K2's sc and mn per 16, IQ4_XS's ls - 32 per 32.
 void a8_block_scales(int64_t type, const uint8_t* b, float& big_d, float& big_m, int* sc, int* mn) {
   big_m = 0.0f;
   if (type == kIQ4_XS) {
@@ -498,12 +499,13 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
   const int64_t block_bytes = in.block_bytes, per_block = in.per_block, k = in.k, groups = k / 32, tiles = in.tiles;
   int shift;
   TORCH_CHECK(a8_fits(type, format, shift), "GGUF type ", type, " has no int8-activation format ", format);
-  const bool sym = format == kA8S16, xs = format == kA8NX4, k2 = format == kA8K2;
+  const bool sym = format == kA8S16 || format == kA8K3, xs = format == kA8NX4, k2 = format == kA8K2;
   const bool compact = format == kA8K4 || format == kA8K5 || sym || xs || k2;
   const bool lut = format == kA8MX4 || format == kA8NL4 || xs, affine = format == kA8A4 || format == kA8A5;
   const bool half = a8_float16_scales(format);
   const int bits = a8_code_bits(format);
-  // (S16 and the 5-bit formats: a plane of the low 4 bits, then the high bits; L4: table indices)
+  // (S16 and the 5-bit formats: a plane of the low 4 bits, then the high bits; K2 and K3: two planes
+  // of the low 2 bits, then K3's 3rd; L4: table indices)
   const bool five = bits == 5, nibbles = bits < 8;
   const int64_t code_bytes = bits * 64, record = a8_record_floats(format);
   const int64_t scale_floats = compact ? tiles * (groups / 8) * record : tiles * groups * (affine ? 32 : 16);
@@ -538,7 +540,7 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
           const int8_t q = t.q[o * k + 32 * g + in];
           return static_cast<uint8_t>(lut ? std::max(0, index_of[static_cast<uint8_t>(q)]) : q + shift);  // (a zero row: 0)
         };
-        if (bits == 2) {  // two planes: byte b of lane o of plane p, bits 2t, of code vector 4p + t
+        if (bits <= 3) {  // two planes: byte b of lane o of plane p, bits 2t, of code vector 4p + t
           for (int p = 0; p < 2; ++p)
             for (int o = 0; o < 16; ++o)
               for (int b = 0; b < 4; ++b) {
@@ -547,21 +549,22 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
                 c[p * 64 + o * 4 + b] = static_cast<uint8_t>(packed);
               }
         }
-        for (int j = 0; j < (bits == 2 ? 0 : nibbles ? 4 : 8); ++j)
+        for (int j = 0; j < (bits <= 3 ? 0 : nibbles ? 4 : 8); ++j)
           for (int o = 0; o < 16; ++o)
             for (int b = 0; b < 4; ++b)
               c[j * 64 + o * 4 + b] = nibbles ? static_cast<uint8_t>((u(o, 4 * j + b) & 0xF) |
                                                                      ((u(o, 16 + 4 * j + b) & 0xF) << 4))
                                               : u(o, 4 * j + b);
-        if (five) {  // the 5th bits: byte b of lane o, bit t, of code vector t
+        if (five || bits == 3) {  // the 5th (3rd) bits: byte b of lane o, bit t, of code vector t
+          const int top = bits - 1;
           for (int o = 0; o < 16; ++o)
             for (int b = 0; b < 4; ++b) {
               int high = 0;
-              for (int j = 0; j < 8; ++j) high |= ((u(o, j < 4 ? 4 * j + b : 16 + 4 * (j - 4) + b) >> 4) & 1) << j;
-              c[256 + o * 4 + b] = static_cast<uint8_t>(high);
+              for (int j = 0; j < 8; ++j) high |= ((u(o, j < 4 ? 4 * j + b : 16 + 4 * (j - 4) + b) >> top) & 1) << j;
+              c[(bits == 3 ? 128 : 256) + o * 4 + b] = static_cast<uint8_t>(high);
             }
         }
-        if (sym) {  // the high 2 bits: byte b of lane o of the v-th vector, bits 2t, of code vector 4v + t
+        if (bits == 6) {  // the high 2 bits: byte b of lane o of the v-th vector, bits 2t, of code vector 4v + t
           for (int v = 0; v < 2; ++v)
             for (int o = 0; o < 16; ++o)
               for (int b = 0; b < 4; ++b) {

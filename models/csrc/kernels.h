@@ -91,30 +91,37 @@ bool repack_gguf(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, i
 // gguf_a8.cpp: a GGUF file's tensors at their own bits on the int8-activation GEMMs, x's rows
 // rounded to int8 per 16 inputs (models/gguf_linear.py A8_FORMATS): Q4_1's and Q5_1's codes
 // with the file's float16 d and m per 32 inputs (A4, A5), Q4_K's and Q5_K's codes with their super-blocks' own
-// scales, Q6_K's and Q3_K's 6-bit codes with a scale per 16 inputs, and 4-bit indices into
+// scales, Q6_K's 6-bit codes with a scale per 16 inputs (S16), Q3_K's 3-bit codes with
+// the same (K3), and 4-bit indices into
 // a table of 16 values (MX4: MXFP4's with its exponent byte per 32; NL4: IQ4_NL's with its float16
 // d per 32; NX4: IQ4_XS's with its super-block's d and 6-bit scales), and
 // symmetric 4-, 5- and 8-bit codes with the file's float16 scale per 32 (D4: Q4_0; D5: Q5_0;
 // D8: Q8_0), and Q2_K's 2-bit codes with their super-block's scale and min per 16 inputs
-// (K2). 5-bit codes (K5: Q5_K; D5) are a plane of their low 4 bits and one of their 5th.
+// (K2). 5-bit codes (K5: Q5_K; D5) are a plane of their low 4 bits and one of their 5th; 3-bit
+// codes (K3) two planes of their low 2 bits and one of their 3rd.
 enum A8Format : int64_t {
   kA8A4 = 0, kA8A5 = 1, kA8K4 = 2, kA8K5 = 3, kA8S16 = 4, kA8MX4 = 5, kA8NL4 = 6, kA8D4 = 7, kA8D8 = 8, kA8D5 = 9,
-  kA8NX4 = 10, kA8K2 = 11
+  kA8NX4 = 10, kA8K2 = 11, kA8K3 = 12
 };
 // Bits a code of `format` takes (its codes are [tiles, K/32, bits, 64] bytes).
 constexpr int a8_code_bits(int64_t format) {
   return format == kA8D8    ? 8
          : format == kA8S16 ? 6
          : format == kA8K2  ? 2
+         : format == kA8K3  ? 3
          : format == kA8K5 || format == kA8D5 || format == kA8A5 ? 5
                                                                   : 4;
 }
 // Floats in a super-block format's record per 16-row tile and 256 inputs (K4, K5: float16 D, M
-// and int8 sc, mn; S16: float16 D and int8 sc per 16 inputs; NX4: float16 D and int8 sc; K2:
+// and int8 sc, mn; S16, K3: float16 D and int8 sc per 16 inputs; NX4: float16 D and int8 sc; K2:
 // float16 D, M and Q2_K's bytes of sc | mn << 4 per 16 inputs; gguf_a8.cpp's layouts), and
 // where its int8 scales start (floats from the record's start).
-constexpr int64_t a8_record_floats(int64_t format) { return format == kA8S16 ? 72 : format == kA8NX4 ? 40 : 80; }
-constexpr int64_t a8_record_ints(int64_t format) { return format == kA8S16 || format == kA8NX4 ? 8 : 16; }
+constexpr int64_t a8_record_floats(int64_t format) {
+  return format == kA8S16 || format == kA8K3 ? 72 : format == kA8NX4 ? 40 : 80;
+}
+constexpr int64_t a8_record_ints(int64_t format) {
+  return format == kA8S16 || format == kA8K3 || format == kA8NX4 ? 8 : 16;
+}
 // Whether `format`'s scales are the file's float16 d (D, NL4) or d and m (A) per row and 32 inputs.
 constexpr bool a8_float16_scales(int64_t format) {
   return format == kA8D4 || format == kA8D5 || format == kA8D8 || format == kA8A4 || format == kA8A5 ||

@@ -20,8 +20,8 @@ from gguf import GGMLQuantizationType
 
 from gguf_files import MIXED_TYPES, write_mixed_gguf
 from models import ops
-from models.gguf_linear import (A8_A4, A8_A5, A8_D4, A8_D5, A8_D8, A8_K2, A8_K4, A8_K5, A8_S16, A8_TYPE_FORMATS,
-                                NativeA8Linear)
+from models.gguf_linear import (A8_A4, A8_A5, A8_D4, A8_D5, A8_D8, A8_K2, A8_K3, A8_K4, A8_K5, A8_S16,
+                                A8_TYPE_FORMATS, NativeA8Linear)
 from models.gguf_native import a8_projection, a8_ready, file_types
 from models.gguf_quants import random_blocks, split
 from models.gguf_reader import GGUFTensor
@@ -69,9 +69,9 @@ def rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # Bits a weight of codes and scales each type is held at: the file's own (the K-quants' and
 # IQ4_XS's super-block scales as the file's float16 values, their 6-bit scales as int8s; Q3_K's
-# codes at 6 bits, as Q6_K's).
+# super-block d beside its 16 scales: 0.125 bits a weight over the file's).
 HELD_BITS = {"Q4_0": 4.5, "Q4_1": 5.0, "Q5_0": 5.5, "Q5_1": 6.0, "Q8_0": 8.5, "Q4_K": 4.625, "Q5_K": 5.625,
-             "Q6_K": 6.5625, "Q3_K": 6.5625, "MXFP4": 4.25, "IQ4_NL": 4.5, "IQ4_XS": 4.3125, "Q2_K": 2.625}
+             "Q6_K": 6.5625, "Q3_K": 3.5625, "MXFP4": 4.25, "IQ4_NL": 4.5, "IQ4_XS": 4.3125, "Q2_K": 2.625}
 
 
 @pytest.mark.parametrize("type_name", TYPES)
@@ -108,6 +108,19 @@ def test_a_projection_is_the_integer_dot_arithmetic(type_name: str) -> None:
     assert ((plain.double() - want).abs().max() / scale).item() < 1e-5
     for rows in (1, 5, 16, 17, 33):  # a row's result does not depend on the rows beside it
         assert torch.equal(linear(x[:rows]), y[:rows])
+
+
+def test_q3_k_at_three_bits_gives_its_six_bit_codes_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    # K3 holds Q3_K's codes in 3 bits where S16 held them in 6 (u = q + 4 against q + 32): the
+    # integer dots less the centre are the same integers, so the same results, bit for bit.
+    t = tensor_of("Q3_K", (64, 768), seed=4)
+    k3 = a8_projection(None, [t], [None])
+    monkeypatch.setitem(A8_TYPE_FORMATS, "Q3_K", A8_S16)
+    s16 = a8_projection(None, [t], [None])
+    assert (k3.formats, s16.formats) == ([A8_K3], [A8_S16])
+    x = torch.randn(37, 768, generator=torch.Generator().manual_seed(6))
+    for rows in (1, 4, 37):
+        assert torch.equal(k3(x[:rows]), s16(x[:rows]))
 
 
 def test_mxfp4s_smallest_exponents_are_exact_or_refused() -> None:
@@ -177,8 +190,8 @@ def test_experts_in_one_call_give_each_experts_own_call(types: tuple[str, ...]) 
 
 def test_experts_of_other_formats_shapes_or_counts_are_refused() -> None:
     q8 = a8_projection(None, [tensor_of("Q8_0", (32, 512))], [None])
-    with pytest.raises(RuntimeError, match="format 12 is not an A8Format"):
-        ops.a8_experts(q8.fused_args[:-1], [12], 1, 512, 32)
+    with pytest.raises(RuntimeError, match="format 13 is not an A8Format"):
+        ops.a8_experts(q8.fused_args[:-1], [13], 1, 512, 32)
     with pytest.raises(RuntimeError, match="codes of the wrong width"):  # (Q8_0's 8-bit codes called A4)
         ops.a8_experts(q8.fused_args[:-1], [A8_A4], 1, 512, 32)
     two = [a8_projection(None, [tensor_of("Q4_K", (rows, 512))], [None]) for rows in (32, 48)]
@@ -217,6 +230,7 @@ def test_w4a8_keeps_each_tensor_at_its_type(a8_file, make_runner, monkeypatch: p
                for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
     assert [layer.self_attn.qkv_proj.formats for layer in layers] == [[A8_K4, A8_S16], [A8_K5, A8_D8, A8_D5],
                                                                        [A8_A5, A8_D8]]
+    assert layers[1].mlp.gate_up_proj.formats == [A8_K3, A8_A4]  # (Q3_K's gate beside Q4_1's up)
     assert layers[2].mlp.gate_up_proj.formats == [A8_K2, A8_A5]  # (Q2_K's gate beside Q5_1's up)
     assert isinstance(model.lm_head, NativeA8Linear) and model.lm_head.formats == [A8_S16]
     assert all(layer.packed_int4() for layer in layers)  # the fused layer runs them
