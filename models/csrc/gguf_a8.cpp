@@ -77,11 +77,6 @@ using namespace grouped;
 
 constexpr int64_t kSuper = 8;  // groups of 32 per super-block (256 inputs)
 
-template <bool kSym, int kBits>
-constexpr float centre() {
-  return kSym ? 32.0f : (kBits == 4 ? 8.0f : 16.0f);  // (K5's 5-bit codes: 16)
-}
-
 // Code u of row i (in its tile), input k (in its group), of a group of 6-bit codes.
 inline int code_at6(const uint8_t* group, int i, int k) {
   const int j = k < 16 ? k / 4 : 4 + (k - 16) / 4;
@@ -172,14 +167,15 @@ KVSERVE_ALWAYS_INLINE void prefetch_ahead(const uint8_t* group, bool once) {
 #endif
 
 // What a super-block format (K4, K5, S16, K3, K2) reads: its code width, a scale per 16 inputs
-// without an m (S16, K3) or with one (K2), the width its dots run at and the centre of its codes.
+// without an m (S16, K3) or with one (K2), the width its dots run at and the centre of its codes
+// (their middle, 2^(bits - 1): K4's 8, K5's 16, S16's 32, K3's 4; K2's minimum takes none).
 template <int64_t kFormat>
 struct KFormat {
   static constexpr int kBits = a8_code_bits(kFormat);
   static constexpr bool kSym = kFormat == kA8S16 || kFormat == kA8K3;
   static constexpr bool kMin16 = kFormat == kA8K2;
   static constexpr int kDotBits = kBits < 4 ? 4 : kBits;  // (2- and 3-bit codes: the 4-bit pass)
-  static constexpr int32_t kCentre = kMin16 ? 0 : kBits == 3 ? 4 : static_cast<int32_t>(centre<kSym, kBits>());
+  static constexpr int32_t kCentre = kMin16 ? 0 : 1 << (kBits - 1);
 };
 
 #if defined(KVSERVE_V16_INT8)
@@ -451,9 +447,7 @@ void tile_rows_d_plain(int rows, float* y, int64_t ys, const QuantizedRows& xq, 
 
 A8Segment a8_segment(size_t i, const at::Tensor& codes, const at::Tensor& scales, int64_t format, int64_t groups) {
   const bool affine = format == kA8A4 || format == kA8A5, half = a8_float16_scales(format);
-  TORCH_CHECK(half || format == kA8MX4 || format == kA8NX4 || format == kA8K4 || format == kA8K5 || format == kA8S16 ||
-                  format == kA8K2 || format == kA8K3,
-              "segment ", i, ": format ", format, " is not an A8Format");
+  TORCH_CHECK(format >= kA8A4 && format <= kA8Last, "segment ", i, ": format ", format, " is not an A8Format");
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 4 &&
                   codes.size(1) == groups, "segment ", i, ": codes must be uint8 [tiles, K/32, ., 64]");
   const int64_t bits = a8_code_bits(format);

@@ -561,7 +561,7 @@ bool repack_gguf_a8(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw
             for (int b = 0; b < 4; ++b) {
               int high = 0;
               for (int j = 0; j < 8; ++j) high |= ((u(o, j < 4 ? 4 * j + b : 16 + 4 * (j - 4) + b) >> top) & 1) << j;
-              c[(bits == 3 ? 128 : 256) + o * 4 + b] = static_cast<uint8_t>(high);
+              c[64 * top + o * 4 + b] = static_cast<uint8_t>(high);  // (after the low bits' 128 or 256 bytes)
             }
         }
         if (bits == 6) {  // the high 2 bits: byte b of lane o of the v-th vector, bits 2t, of code vector 4v + t

@@ -101,7 +101,8 @@ bool repack_gguf(at::Tensor& codes, at::Tensor& scales, const at::Tensor& raw, i
 // codes (K3) two planes of their low 2 bits and one of their 3rd.
 enum A8Format : int64_t {
   kA8A4 = 0, kA8A5 = 1, kA8K4 = 2, kA8K5 = 3, kA8S16 = 4, kA8MX4 = 5, kA8NL4 = 6, kA8D4 = 7, kA8D8 = 8, kA8D5 = 9,
-  kA8NX4 = 10, kA8K2 = 11, kA8K3 = 12
+  kA8NX4 = 10, kA8K2 = 11, kA8K3 = 12,
+  kA8Last = kA8K3  // (the highest: gguf_a8.cpp checks a format against the range)
 };
 // Bits a code of `format` takes (its codes are [tiles, K/32, bits, 64] bytes).
 constexpr int a8_code_bits(int64_t format) {
