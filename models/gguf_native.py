@@ -21,8 +21,7 @@ from torch import nn
 
 from models import ops
 from models.config import ModelConfig
-from models.gguf_linear import (A8_A5, A8_D4, A8_D5, A8_D8, A8_FORMATS, A8_K2, A8_K3, A8_K4, A8_K5, A8_MX4, A8_NL4,
-                                A8_NX4, A8_S16, A8_TYPE_FORMATS, AMX_FORMATS, F4, F4K, F8, F8_G16, F8_G16S, FALLBACK,
+from models.gguf_linear import (A8_FORMATS, A8_TYPE_FORMATS, AMX_FORMATS, F4, F4K, F8, F8_G16, F8_G16S, FALLBACK,
                                 FOLDED, W4, W8_AFFINE, W8_AFFINE_G16, W8_G16, NativeA8Linear, NativeLinear,
                                 QuantizedEmbedding, file_bytes, folding, permuted_rows, plan_segments, type_format)
 from models.gguf_loader import PERMUTED_ARCHITECTURES, dequantize, iter_gguf_weights, permute_back
@@ -177,19 +176,6 @@ def rotary_order(rows: int, heads: int, permuted: bool, rotary_dim: int = 0) -> 
     return interleave_rotary_rows(torch.from_numpy(np.ascontiguousarray(order)), heads, rotary_dim).contiguous()
 
 
-def empty_a8_format(fmt: int, tiles: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uninitialised codes and scales of ``ops.gguf_a8_linear``'s format ``fmt``."""
-    bits = {A8_A5: 5, A8_K5: 5, A8_D5: 5, A8_S16: 6, A8_D8: 8, A8_K2: 2, A8_K3: 3}.get(fmt, 4)
-    codes = torch.empty(tiles, groups, bits, 64, dtype=torch.uint8)
-    if fmt in (A8_K4, A8_K5, A8_S16, A8_NX4, A8_K2, A8_K3):  # (a record per tile and 256 inputs)
-        return codes, torch.empty(tiles, groups // 8, {A8_S16: 72, A8_K3: 72, A8_NX4: 40}.get(fmt, 80))
-    if fmt in (A8_D4, A8_D5, A8_D8, A8_NL4):  # (the file's float16 d per row and 32 inputs)
-        return codes, torch.empty(tiles, groups, 16, dtype=torch.float16)
-    if fmt == A8_MX4:  # (the file's E8M0 byte per row and 32 inputs)
-        return codes, torch.empty(tiles, groups, 16, dtype=torch.uint8)
-    return codes, torch.empty(tiles, groups, 2, 16, dtype=torch.float16)  # (A4, A5: and its m)
-
-
 def a8_projection(reader: GGUFFile | None, tensors: list[GGUFTensor], orders: list[torch.Tensor | None],
                   bias: bool = False) -> NativeA8Linear:
     """``projection`` for the int8-activation GEMMs: each run of tensors of one format one
@@ -201,7 +187,7 @@ def a8_projection(reader: GGUFFile | None, tensors: list[GGUFTensor], orders: li
     for i, t in enumerate(tensors):
         if rows[i] % 16:  # (the K-quants' rows are whole super-blocks of 256 inputs by their type)
             raise ValueError(f"tensor {t.name!r}: its {rows[i]} rows are not whole 16-row tiles")
-        codes, scales = empty_a8_format(formats[i], rows[i] // 16, k // 32)
+        codes, scales = ops.a8_empty(formats[i], rows[i] // 16, k // 32)
         source = orders[i] if orders[i] is not None else torch.arange(rows[i])
         if not ops.repack_gguf_a8(codes, scales, file_bytes(t.data), t.tensor_type, formats[i], source):
             raise ValueError(f"tensor {t.name!r}: its {type_name(t)} scales do not match their dequantisation")

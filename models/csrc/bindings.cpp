@@ -68,6 +68,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "each row through its chosen experts, mixed by its weights; and the tokens per expert",
         py::call_guard<py::gil_scoped_release>());
   m.def("gguf_rows", &kvserve::gguf_rows, "rows of a GGUF tensor's blocks dequantised (an embedding's lookups)");
+  m.def("a8_empty", &kvserve::a8_empty,
+        "uninitialised codes and scales of gguf_a8_linear's format for 16-row tiles and K/32 groups");
   m.def("repack_gguf_a8", &kvserve::repack_gguf_a8,
         "a GGUF tensor's blocks as gguf_a8_linear's codes and scales of a format (false: not exact)",
         py::call_guard<py::gil_scoped_release>());

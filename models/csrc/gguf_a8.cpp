@@ -54,6 +54,7 @@
 // meets the centred codes, as in grouped_gemm.cpp. A row's result does not depend on the
 // rows beside it, and the plain C++ gives the vector code's bits (the same operations in order).
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
 
 #include "gguf_a8_tiles.h"
@@ -474,6 +475,21 @@ A8Segment a8_segment(size_t i, const at::Tensor& codes, const at::Tensor& scales
               "segment ", i, ": scales must be float32 [tiles, K/256, ", a8_record_floats(format), "]");
   return A8Segment{format, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), tiles,
                    groups * kTile * kGroup * bits / 8, (groups / kSuper) * a8_record_floats(format)};
+}
+
+std::vector<at::Tensor> a8_empty(int64_t format, int64_t tiles, int64_t groups) {
+  TORCH_CHECK(format >= kA8A4 && format <= kA8Last, "format ", format, " is not an A8Format");
+  at::Tensor codes = at::empty({tiles, groups, a8_code_bits(format), 64}, at::kByte), scales;
+  if (a8_float16_scales(format)) {
+    scales = format == kA8A4 || format == kA8A5 ? at::empty({tiles, groups, 2, kTile}, at::kHalf)
+                                                : at::empty({tiles, groups, kTile}, at::kHalf);
+  } else if (format == kA8MX4) {
+    scales = at::empty({tiles, groups, kTile}, at::kByte);
+  } else {
+    TORCH_CHECK(groups % kSuper == 0, "K must be whole super-blocks of 256");
+    scales = at::empty({tiles, groups / kSuper, a8_record_floats(format)}, at::kFloat);
+  }
+  return {codes, scales};
 }
 
 namespace {

@@ -184,6 +184,10 @@ std::vector<at::Tensor> moe_experts(const at::Tensor& x, const A8Experts& gate_u
                                     double limit, double alpha, const std::vector<at::Tensor>& lora,
                                     const c10::optional<at::Tensor>& lora_owner);
 
+// gguf_a8.cpp: uninitialised codes [tiles, K/32, bits, 64] and scales of `format` for `tiles`
+// 16-row tiles and `groups` = K/32 (the shapes a8_segment checks; repack_gguf_a8 fills them).
+std::vector<at::Tensor> a8_empty(int64_t format, int64_t tiles, int64_t groups);
+
 // gguf_repack.cpp: a GGUF tensor's blocks as gguf_a8_linear's `format` (A8Format), row r of
 // the weight from raw row source[r] (-1: zeros). False where the type's values do not fit
 // the format exactly (the caller says so).

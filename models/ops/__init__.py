@@ -44,7 +44,7 @@ from models.ops.layer import (GEMM_A8_QUANT, GEMM_AMX_BF16, GEMM_AMX_QUANT, GEMM
                               FusedStep, FusedWeights, fused_gemma_layer, fused_layer, fused_moe_layer)
 from models.ops.linear import (amx_bf16_linear, amx_quant_linear, amx_w4a16_linear, amx_w8a16_linear, dense_linear,
                                a8_experts, gguf_a8_experts, gguf_a8_linear, gguf_rows, grouped_linear,
-                               lora_expert_rows, mix_expert_rows, moe_experts, repack_gguf, repack_gguf_a8,
+                               a8_empty, lora_expert_rows, mix_expert_rows, moe_experts, repack_gguf, repack_gguf_a8,
                                route_experts, ExpertActivation)
 from models.ops.rowwise import (add_rms_norm, apply_rotary, apply_token_bitmask, argmax, rms_norm, rotary_and_cache,
                                 silu_and_mul, write_kv)
@@ -67,6 +67,7 @@ __all__ = [
     "FusedStep", "fused_layer", "fused_moe_layer", "fused_gemma_layer",
     # linear
     "grouped_linear", "dense_linear", "amx_bf16_linear", "amx_w4a16_linear", "amx_w8a16_linear",
-    "amx_quant_linear", "repack_gguf", "gguf_rows", "gguf_a8_linear", "repack_gguf_a8", "a8_experts", "gguf_a8_experts",
+    "amx_quant_linear", "repack_gguf", "gguf_rows", "gguf_a8_linear", "repack_gguf_a8", "a8_empty", "a8_experts",
+    "gguf_a8_experts",
     "mix_expert_rows", "route_experts", "moe_experts", "ExpertActivation", "lora_expert_rows",
 ]

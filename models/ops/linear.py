@@ -213,6 +213,17 @@ def moe_experts(x: torch.Tensor, gate_up: object, down: object, weights: torch.T
     return y, routed
 
 
+def a8_empty(fmt: int, tiles: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised codes ``[tiles, groups, bits, 64]`` and scales of ``gguf_a8_linear``'s
+    format ``fmt`` for ``tiles`` 16-row tiles and ``groups`` groups of 32 inputs: the shapes
+    the kernels define (and check), for ``repack_gguf_a8`` to fill."""
+    ext = load_extension()
+    if ext is None:
+        raise RuntimeError("a8_empty needs the fused CPU kernels")
+    codes, scales = ext.a8_empty(fmt, tiles, groups)
+    return codes, scales
+
+
 def repack_gguf_a8(codes: torch.Tensor, scales: torch.Tensor, raw: torch.Tensor, type_id: int, fmt: int,
                    source: torch.Tensor) -> bool:
     """``repack_gguf`` for ``gguf_a8_linear``'s format ``fmt``: False where a scale made from

@@ -192,6 +192,10 @@ def test_experts_of_other_formats_shapes_or_counts_are_refused() -> None:
     q8 = a8_projection(None, [tensor_of("Q8_0", (32, 512))], [None])
     with pytest.raises(RuntimeError, match="format 13 is not an A8Format"):
         ops.a8_experts(q8.fused_args[:-1], [13], 1, 512, 32)
+    with pytest.raises(RuntimeError, match="format 13 is not an A8Format"):
+        ops.a8_empty(13, 2, 16)
+    with pytest.raises(RuntimeError, match="whole super-blocks of 256"):  # (Q4_K's records per 256 inputs)
+        ops.a8_empty(A8_K4, 2, 12)
     with pytest.raises(RuntimeError, match="codes of the wrong width"):  # (Q8_0's 8-bit codes called A4)
         ops.a8_experts(q8.fused_args[:-1], [A8_A4], 1, 512, 32)
     two = [a8_projection(None, [tensor_of("Q4_K", (rows, 512))], [None]) for rows in (32, 48)]
