@@ -29,6 +29,14 @@ from engine.sampling_params import SamplingParams
 from engine.truncation import (apply_temperature_last, apply_top_k_top_p, apply_top_n_sigma, apply_typical_p,
                                apply_xtc)
 
+
+@pytest.fixture(scope="module")
+def smollm2_loaded(smollm2_served):
+    """The default model on its served path (``smollm2_served``): these tests hold answers
+    with and without a feature of the engine against each other, not against transformers."""
+    return smollm2_served
+
+
 # --------------------------------------------------------------------------- references
 
 
@@ -497,9 +505,10 @@ def test_seeded_requests_with_llama_cpps_samplers_are_the_same_alone_batched_and
                        dynatemp_range=0.5, min_p=0.05, temperature_last=True),
         SamplingParams(temperature=1.2, seed=3, max_tokens=24, xtc_probability=1.0, xtc_threshold=0.05,
                        top_k=40, top_p=0.9, min_p=0.05, typical_p=0.9, dry_multiplier=1.0, dry_penalty_last_n=32),
-        # Mirostat's mu is the request's own state: it survives preemption.
+        # Mirostat's mu is the request's own state: it survives preemption (all 24 tokens, for
+        # the checks below of what changes mu: an answer that ends at 4 tokens may not show it).
         SamplingParams(temperature=0.9, seed=4, max_tokens=24, mirostat=2, mirostat_tau=3.0, mirostat_eta=0.2,
-                       logprobs=1),
+                       logprobs=1, ignore_eos=True),
         SamplingParams(temperature=1.0, seed=5, max_tokens=24, mirostat=1, mirostat_tau=4.0, top_k=40),
         # A chain of its own order, batched with the default order's rows.
         SamplingParams(temperature=1.3, seed=6, max_tokens=24, min_p=0.1, top_k=20, xtc_probability=0.5,

@@ -23,6 +23,14 @@ from engine.sampling_params import SamplingParams, StructuredOutput, ThinkTokens
 from engine.structured import BitmaskFiller
 from engine.validation import InvalidRequestError
 
+
+@pytest.fixture(scope="module")
+def smollm2_loaded(smollm2_served):
+    """The default model on its served path (``smollm2_served``): these tests hold answers
+    with and without a feature of the engine against each other, not against transformers."""
+    return smollm2_served
+
+
 pytestmark = pytest.mark.slow
 
 BLOCK_SIZE = 16
