@@ -7,6 +7,7 @@ the e2e modules import this file by bare name (as tests/server does with
 
 from __future__ import annotations
 
+import ctypes
 import signal
 import socket
 import subprocess
@@ -29,6 +30,7 @@ SMOLLM2_SHAPE = SimpleNamespace(hidden_size=576, num_hidden_layers=30, num_atten
                                 num_key_value_heads=3, head_dim=64, intermediate_size=1536)
 # The ``kvserve`` console script that ``pip install -e .`` puts next to the interpreter.
 KVSERVE = Path(sys.executable).with_name("kvserve")
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 T = TypeVar("T")
 
@@ -45,6 +47,13 @@ def kvserve_argv(*args: str) -> list[str]:
     return [str(KVSERVE), *args]
 
 
+def _term_with_parent() -> None:
+    """In the child before it runs: SIGTERM when the test process dies (Linux's
+    PR_SET_PDEATHSIG), so that a run killed mid-test (a CI timeout, a second ^C) leaves
+    no server, rank or Ray replica behind to slow the next one down."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class Process:
     """A child process whose stdout and stderr go to a log file, shown when a test fails."""
 
@@ -54,7 +63,7 @@ class Process:
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, cwd=REPO)
+                                     stdin=subprocess.DEVNULL, cwd=REPO, preexec_fn=_term_with_parent)
 
     def log(self, tail: int = 8000) -> str:
         text = self.log_path.read_text(errors="replace")

@@ -143,9 +143,9 @@ def split3(tmp_path_factory, adapter) -> Iterator[KVServe]:
 
 def test_three_ranks_give_one_ranks_answers(split3, whole, adapter):
     assert len(children(split3.proc.pid)) == 2
-    base = assert_same_answers(split3, whole)
-    # A LoRA adapter, each rank holding its part of it, as its projections are split
-    # (one prompt: three ranks sharing two cores answer slowly).
+    # (two prompts, an adapter's one: three ranks sharing two cores answer slowly)
+    base = assert_same_answers(split3, whole, prompts=PROMPTS[:2])
+    # A LoRA adapter, each rank holding its part of it, as its projections are split.
     assert assert_same_answers(split3, whole, model="sql", prompts=PROMPTS[:1]) != base[:1]
     # Loading one while serving would reach rank 0 alone: refused.
     r = httpx.post(f"{split3.url}/v1/load_lora_adapter", json={"lora_name": "new", "lora_path": adapter[1][4:]},
