@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import time
 from pathlib import Path
@@ -50,10 +51,19 @@ def smollm2(smollm2_path: Path):
 @pytest.fixture(scope="session")
 def reference_model(smollm2_path: Path):
     """transformers' own model built from the same GGUF file, float32, eval mode."""
+    import gguf
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32)
+    # transformers asks gguf for the architecture's tensor-name table once per module (397 times
+    # for SmolLM2), each built afresh: 13 of the 31 s this load took. The tables are only read,
+    # so one per (architecture, layers) serves them all; the weights are the same.
+    build = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(build)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32)
+    finally:
+        gguf.get_tensor_name_map = build
     return model.eval()
 
 

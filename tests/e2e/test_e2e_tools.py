@@ -112,6 +112,14 @@ def tool_client(request: pytest.FixtureRequest) -> openai.OpenAI:
     return request.getfixturevalue({"generic": "client"}.get(request.param, request.param))
 
 
+@pytest.fixture(params=["generic", "hermes", "mistral_v11"])
+def api_tool_client(request: pytest.FixtureRequest) -> openai.OpenAI:
+    """``tool_client`` for the Responses and Messages APIs, whose calls and results are chat's
+    (the formats' own parsing and templates are each tested through chat above): the generic
+    format, a tagged one and one of markers."""
+    return request.getfixturevalue({"generic": "client"}.get(request.param, request.param))
+
+
 def is_call_id(call_id: str) -> bool:
     """kvserve's call ids: call_..., or for Mistral's templates 9 letters and digits."""
     return call_id.startswith("call_") or (len(call_id) == 9 and call_id.isalnum())
@@ -203,11 +211,11 @@ def test_bad_tools_are_400s(client: openai.OpenAI) -> None:
             assert err.value.body["param"] == "tools" and "not" in err.value.body["message"]
 
 
-def test_responses_function_calls_and_their_outputs(tool_client: openai.OpenAI) -> None:
+def test_responses_function_calls_and_their_outputs(api_tool_client: openai.OpenAI) -> None:
     """Through the Responses API: flat function tools give function_call items (the
     same calls chat makes), streamed in pieces, and a function_call_output item
     answers one as a tool message does."""
-    client = tool_client
+    client = api_tool_client
     flat = [{"type": "function", **WEATHER["function"]}]
     ask = ASK[0]["content"]
     chat = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
@@ -244,12 +252,12 @@ def test_responses_function_calls_and_their_outputs(tool_client: openai.OpenAI) 
     assert second.output_text and second.output_text == again.choices[0].message.content
 
 
-def test_anthropic_tool_use_and_its_result(tool_client: openai.OpenAI) -> None:
+def test_anthropic_tool_use_and_its_result(api_tool_client: openai.OpenAI) -> None:
     """Through Anthropic's Messages API: a tool with an input_schema gives a tool_use block
     (chat's call), streamed as input_json_delta pieces, and a tool_result answers it."""
     import anthropic
 
-    client = tool_client
+    client = api_tool_client
     claude = anthropic.Anthropic(base_url=str(client.base_url).removesuffix("/v1/"), api_key=client.api_key,
                                  max_retries=0, timeout=120.0)
     tool = {"name": "get_weather", "description": WEATHER["function"]["description"],
