@@ -214,12 +214,12 @@ def amx(request):
 
 
 # The default model (30 layers, its real vocabulary: 5-7x the small one's time a mode) on the
-# paths the path choice picks on a CPU (w4a8; amx-bf16 and w4a16 where it has AMX-BF16), the
-# exact float path, and bfloat16 activations; the small Qwen2-shaped model (its tensors of many
-# GGUF types) on every mode, int4 and every KV cache dtype among them.
+# paths the path choice picks on a CPU (w4a8; amx-bf16 and w4a16 where it has AMX-BF16) and
+# bfloat16 activations; the small Qwen2-shaped model (its tensors of many GGUF types) on every
+# mode, the exact float path, int4 and every KV cache dtype among them.
 DEFAULT_MODEL_MODES = [("float32", "w4a8", "float16"), ("float32", "w4a8", "float16", "amx"),
                        ("float32", "amx-bf16", "float16"), ("float32", "w4a16", "float16"),
-                       ("float32", "none", "float32"), ("bfloat16", "w4a8", "bfloat16")]
+                       ("bfloat16", "w4a8", "bfloat16")]
 GRID = [(model, mode) for model in MODELS for mode in MODES if model != "smollm2" or mode in DEFAULT_MODEL_MODES]
 
 

@@ -81,7 +81,7 @@ class PagedRunner:
         return out
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")  # (the class: module fixtures build runners too)
 def make_runner() -> Callable[..., PagedRunner]:
     """``make_runner(model, block_size=16, num_blocks=64, seed=0)`` -> a fresh ``PagedRunner``."""
     return PagedRunner

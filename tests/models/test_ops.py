@@ -266,25 +266,35 @@ KV_LOGIT_TOLERANCE = {torch.float16: 0.25, torch.int8: 1.75}
 KV_PROMPTS = ["The three primary colours are", "def fibonacci(n):", "Write a haiku about the sea."]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.int8])
-def test_narrow_kv_caches_keep_the_default_model_close(smollm2, make_runner, cache_dtype) -> None:
-    """``--kv-cache-dtype float16`` / ``int8`` for float32 activations against a float32 cache."""
-    worst, disagreements = 0.0, []
+@pytest.fixture(scope="module")
+def float32_cache_runs(smollm2, make_runner) -> list[tuple[list[int], list[int], torch.Tensor]]:
+    """Each of ``KV_PROMPTS``' ids, its 24 greedy tokens and their logits on a float32 cache
+    (made once for both narrow caches)."""
+    runs = []
     for prompt in KV_PROMPTS:
         ids = smollm2.tokenizer.encode(prompt)
-        tokens = make_runner(smollm2.model, kv_dtype=torch.float32).greedy(ids, max_new_tokens=24)
-        # Teacher-forced: both caches see the float32 run's tokens, so every step compares.
-        ref, narrow = make_runner(smollm2.model, kv_dtype=torch.float32), make_runner(smollm2.model,
-                                                                                   kv_dtype=cache_dtype)
-        seq_r, seq_n = ref.new_seq(len(ids) + 24), narrow.new_seq(len(ids) + 24)
-        last_r, last_n = ref.step([(seq_r, ids)])[0][-1], narrow.step([(seq_n, ids)])[0][-1]
+        runs.append((ids, *greedy_with_logits(make_runner(smollm2.model, kv_dtype=torch.float32), ids, 24)))
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.int8])
+def test_narrow_kv_caches_keep_the_default_model_close(smollm2, make_runner, float32_cache_runs,
+                                                         cache_dtype) -> None:
+    """``--kv-cache-dtype float16`` / ``int8`` for float32 activations against a float32 cache."""
+    worst, disagreements = 0.0, []
+    for (ids, tokens, ref_logits), prompt in zip(float32_cache_runs, KV_PROMPTS):
+        # Teacher-forced: the narrow cache sees the float32 run's tokens, so every step compares.
+        narrow = make_runner(smollm2.model, kv_dtype=cache_dtype)
+        seq_n = narrow.new_seq(len(ids) + 24)
+        last_n = narrow.step([(seq_n, ids)])[0][-1]
         for step, tok in enumerate(tokens):
+            last_r = ref_logits[step]
             worst = max(worst, (last_r - last_n).abs().max().item())
             if int(last_n.argmax()) != tok:
                 best_two = last_r.topk(2).values
                 disagreements.append((prompt, step, round((best_two[0] - best_two[1]).item(), 4)))
-            last_r, last_n = ref.step([(seq_r, [tok])])[0][-1], narrow.step([(seq_n, [tok])])[0][-1]
+            last_n = narrow.step([(seq_n, [tok])])[0][-1]
 
     print(f"{cache_dtype} vs float32 KV cache: max |logits diff| {worst:.3f}; disagreements {disagreements}")
     assert worst < KV_LOGIT_TOLERANCE[cache_dtype], f"a {cache_dtype} KV cache moves the logits by {worst:.3f}"
