@@ -81,11 +81,13 @@ def smollm2_served(smollm2_path: Path):
     return load_model("smollm2", dtype="float32", device="cpu", quantization=quantization)
 
 
-@pytest.fixture(scope="session")
-def smollm2_loaded(smollm2):
+@pytest.fixture(scope="module")
+def smollm2_loaded(request: pytest.FixtureRequest):
     """:func:`smollm2` under the name the engine tests use; engines are built on it with
-    ``LLMEngine(config, loaded=smollm2_loaded)``, sharing the weights (each has its own KV cache)."""
-    return smollm2
+    ``LLMEngine(config, loaded=smollm2_loaded)``, sharing the weights (each has its own KV cache).
+    A module that sets ``SERVED_PATH = True`` (its tests hold answers with and without a feature
+    of the engine against each other, not against transformers) gets :func:`smollm2_served`."""
+    return request.getfixturevalue("smollm2_served" if getattr(request.module, "SERVED_PATH", False) else "smollm2")
 
 
 # Every projection a PEFT LoRA adapter of a Llama-family model may target.

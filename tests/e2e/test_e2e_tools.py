@@ -105,11 +105,17 @@ def mistral_v11(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.Ope
         yield client
 
 
+def format_client(request: pytest.FixtureRequest) -> openai.OpenAI:
+    """The client of the server whose tool-call format is ``request.param``: the default server
+    for the generic format, else the fixture named after it."""
+    return request.getfixturevalue({"generic": "client"}.get(request.param, request.param))
+
+
 @pytest.fixture(params=["generic", "hermes", "llama3_json", "mistral", "mistral_v11"])
 def tool_client(request: pytest.FixtureRequest) -> openai.OpenAI:
     """The client of the default server (generic format), or of the hermes, llama3_json,
     mistral or mistral_v11 one."""
-    return request.getfixturevalue({"generic": "client"}.get(request.param, request.param))
+    return format_client(request)
 
 
 @pytest.fixture(params=["generic", "hermes", "mistral_v11"])
@@ -117,7 +123,7 @@ def api_tool_client(request: pytest.FixtureRequest) -> openai.OpenAI:
     """``tool_client`` for the Responses and Messages APIs, whose calls and results are chat's
     (the formats' own parsing and templates are each tested through chat above): the generic
     format, a tagged one and one of markers."""
-    return request.getfixturevalue({"generic": "client"}.get(request.param, request.param))
+    return format_client(request)
 
 
 def is_call_id(call_id: str) -> bool:

@@ -30,12 +30,8 @@ from engine.truncation import (apply_temperature_last, apply_top_k_top_p, apply_
                                apply_xtc)
 
 
-@pytest.fixture(scope="module")
-def smollm2_loaded(smollm2_served):
-    """The default model on its served path (``smollm2_served``): these tests hold answers
-    with and without a feature of the engine against each other, not against transformers."""
-    return smollm2_served
-
+# smollm2_loaded: the default model on its served path (tests/conftest.py)
+SERVED_PATH = True
 
 # --------------------------------------------------------------------------- references
 

@@ -24,12 +24,8 @@ from engine.structured import BitmaskFiller
 from engine.validation import InvalidRequestError
 
 
-@pytest.fixture(scope="module")
-def smollm2_loaded(smollm2_served):
-    """The default model on its served path (``smollm2_served``): these tests hold answers
-    with and without a feature of the engine against each other, not against transformers."""
-    return smollm2_served
-
+# smollm2_loaded: the default model on its served path (tests/conftest.py)
+SERVED_PATH = True
 
 pytestmark = pytest.mark.slow
 
